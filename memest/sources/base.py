@@ -1,0 +1,37 @@
+"""The one interface the engine needs from a model source."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelSource:
+    name: str
+    build_model: Callable[[], torch.nn.Module]
+    # (batch_size, seq_len) -> tuple of positional args, or dict of keyword args
+    example_inputs: Callable[[int, int | None], Any]
+    compute_loss: Callable[[Any, Any], torch.Tensor] | None = None
+    default_seq: int | None = None  # used when the user gives no --seq and the model takes one
+    origin: str = ""  # file or config the model came from, for error messages
+    # context manager entered around the traced step (e.g. transformers' mask branches)
+    trace_context: Callable[[], Any] | None = None
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` if the model computed one, else the mean of the first floating-point output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    from torch.utils._pytree import tree_flatten
+
+    for t in tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.mean()
+    raise TypeError("the model returned no floating-point tensor to take a loss from")

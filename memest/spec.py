@@ -1,0 +1,52 @@
+"""RunSpec: what to estimate. Built from CLI flags (later also from YAML run configs)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import MemestError
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adafactor")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed")
+TARGETS = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training configuration of one model.
+
+    ``model`` is a model reference: ``path/to/model.py``, ``path.py:factory``, ``hf:NAME`` or
+    ``hf:path/to/config.json``.
+    """
+
+    model: str
+    batch: int = 1
+    seq: int | None = None
+    optim: str = "adam"
+    lr: float = 1e-3
+    precision: str = "fp32"
+    target: str = "cuda"
+    iterations: int = 2
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise MemestError(f"--batch must be at least 1, got {self.batch}")
+        if self.seq is not None and self.seq < 1:
+            raise MemestError(f"--seq must be at least 1, got {self.seq}")
+        _check_choice("--optim", self.optim, OPTIMIZERS)
+        _check_choice("--precision", self.precision, PRECISIONS)
+        _check_choice("--target", self.target, TARGETS)
+        if self.iterations < 1:
+            raise MemestError(f"iterations must be at least 1, got {self.iterations}")
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise MemestError(f"unknown {flag} {value!r}; choose one of: {', '.join(choices)}")

@@ -1,0 +1,110 @@
+"""The trace: an ordered list of allocate/free events over storages, and what each storage is.
+
+A storage's category is its final role (a backward op's output that becomes ``param.grad`` is a
+gradient from birth); module, phase and op describe where it was allocated.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Category(str, Enum):
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    INPUTS = "inputs"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"  # allocated by the step and saved for backward
+    TEMPORARIES = "temporaries"  # everything else the step allocates
+
+
+# When one storage plays several roles, the first in this order wins.
+CATEGORY_PRIORITY = list(Category)
+
+
+class Phase(str, Enum):
+    SETUP = "setup"  # storages alive before the step: parameters, buffers, inputs
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    ZERO_GRAD = "zero_grad"
+
+
+@dataclass
+class StorageRecord:
+    nbytes: int
+    category: Category
+    module: str  # fully qualified module name ('' = the model itself, outside any module)
+    phase: Phase
+    op: str
+    iteration: int
+    saved_for_backward: bool = False
+
+    def classify(self, category: Category) -> None:
+        if CATEGORY_PRIORITY.index(category) < CATEGORY_PRIORITY.index(self.category):
+            self.category = category
+
+
+@dataclass
+class ModuleRecord:
+    name: str  # fully qualified name, '' for the root
+    type: str
+    params: int  # parameters owned directly or by children (shared ones counted once)
+    param_bytes: int
+    output_shape: str = ""
+    calls: int = 0
+    output_bytes: int = 0  # bytes of the first call's tensor outputs (for the folklore formula)
+
+
+@dataclass
+class Trace:
+    """Events are ``(storage_id, delta_bytes)``: +nbytes on allocation, -nbytes on free."""
+
+    storages: list[StorageRecord] = field(default_factory=list)
+    events: list[tuple[int, int]] = field(default_factory=list)
+    # (index of the first event of the phase, iteration, phase)
+    phase_marks: list[tuple[int, int, Phase]] = field(default_factory=list)
+    modules: dict[str, ModuleRecord] = field(default_factory=dict)
+    # storage id -> module that owns it (parameters, their gradients and optimizer state)
+    owner_module: dict[int, str] = field(default_factory=dict)
+    model_type: str = ""
+    param_count: int = 0
+    param_bytes: int = 0
+
+    def phase_at(self, event_index: int) -> tuple[int, Phase]:
+        starts = [mark[0] for mark in self.phase_marks]
+        i = bisect.bisect_right(starts, event_index) - 1
+        if i < 0:
+            return 0, Phase.SETUP
+        return self.phase_marks[i][1], self.phase_marks[i][2]
+
+    def timeline(self) -> list[int]:
+        """Live bytes after each event."""
+        live, out = 0, []
+        for _, delta in self.events:
+            live += delta
+            out.append(live)
+        return out
+
+    def peak(self) -> tuple[int, int]:
+        """(peak live bytes, index of the event that reached it first)."""
+        live, best, best_i = 0, -1, 0
+        for i, (_, delta) in enumerate(self.events):
+            live += delta
+            if live > best:
+                best, best_i = live, i
+        return max(best, 0), best_i
+
+    def live_at(self, event_index: int) -> set[int]:
+        """Storage ids alive just after ``event_index``."""
+        alive: set[int] = set()
+        for sid, delta in self.events[: event_index + 1]:
+            if delta > 0:
+                alive.add(sid)
+            else:
+                alive.discard(sid)
+        return alive

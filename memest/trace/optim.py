@@ -1,0 +1,30 @@
+"""The real torch.optim classes, configured the way the target device would run them."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import RunSpec
+
+
+def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
+    """``--target cuda``: foreach implementations (what a CUDA run defaults to).
+    ``--target cpu``: torch's own defaults for CPU tensors (single-tensor loops)."""
+    kwargs: dict = {"lr": spec.lr}
+    if spec.target == "cuda":
+        kwargs["foreach"] = True
+    if spec.optim == "sgd":
+        return torch.optim.SGD(params, **kwargs)
+    if spec.optim == "sgd-momentum":
+        return torch.optim.SGD(params, momentum=0.9, **kwargs)
+    if spec.optim == "adam":
+        return torch.optim.Adam(params, **kwargs)
+    if spec.optim == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    if spec.optim == "adafactor":
+        return torch.optim.Adafactor(params, **kwargs)
+    raise AssertionError(spec.optim)  # RunSpec validates the name
+
+
+# Bytes of optimizer state per parameter byte, for the folklore cross-check (params x n).
+FOLKLORE_N = {"sgd": 2, "sgd-momentum": 3, "adam": 4, "adamw": 4, "adafactor": 2}

@@ -1,0 +1,208 @@
+"""Run the training step on fake tensors under the storage tracker.
+
+The step, as most training loops write it (outputs are dropped once the loss is computed):
+    out = model(*inputs); loss = compute_loss(out, inputs); del out
+    loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
+run ``spec.iterations`` times (2 by default: optimizer state exists from the first step on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._pytree import tree_flatten
+
+from ..errors import MemestError, TraceError
+from ..sources.base import ModelSource, default_loss
+from ..spec import RunSpec
+from .events import Category, Phase, Trace
+from .modules import ModuleStack, describe_modules
+from .optim import make_optimizer
+from .tracker import StorageTracker
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_dtype(spec: RunSpec) -> torch.dtype:
+    return torch.float32 if spec.mixed else DTYPES[spec.precision]
+
+
+def autocast_context(spec: RunSpec):
+    if not spec.mixed:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
+    return torch.autocast(device_type="cpu", dtype=dtype)
+
+
+def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
+    """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype."""
+    try:
+        model = source.build_model()
+    except MemestError:
+        raise
+    except Exception as exc:
+        raise TraceError(f"{source.origin or source.name}: building the model raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    dtype = model_dtype(spec)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    model.train()
+    seq = spec.seq if spec.seq is not None else source.default_seq
+    try:
+        inputs = source.example_inputs(spec.batch, seq)
+    except MemestError:
+        raise
+    except Exception as exc:
+        raise TraceError(
+            f"{source.origin or source.name}: example_inputs({spec.batch}, {seq}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    if dtype != torch.float32:
+        inputs = _cast_floats(inputs, dtype)
+    return model, inputs
+
+
+def _cast_floats(inputs, dtype):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
+
+
+def call_model(model: torch.nn.Module, inputs: Any):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def run_iteration(model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None) -> None:
+    """One training step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after backward
+    and the optimizer step (the tracer classifies gradients and state there)."""
+    mark = on_phase or (lambda phase: None)
+    done = after or (lambda phase: None)
+    mark(Phase.FORWARD)
+    with autocast_context(spec):
+        out = call_model(model, inputs)
+        mark(Phase.LOSS)
+        loss = compute_loss(out, inputs) if compute_loss else default_loss(out)
+    del out
+    mark(Phase.BACKWARD)
+    loss.backward()
+    del loss
+    done(Phase.BACKWARD)
+    mark(Phase.OPTIMIZER)
+    optimizer.step()
+    done(Phase.OPTIMIZER)
+    mark(Phase.ZERO_GRAD)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _storage_tensors(obj) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
+    """Trace ``spec.iterations`` training steps of ``source`` on fake tensors. Allocates no real
+    parameter or activation memory and never touches a GPU."""
+    trace = Trace()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake_mode:
+        model, inputs = build(source, spec)
+        owner_of_param = describe_modules(model, trace)
+        trace.model_type = type(model).__name__
+        params = [p for p in model.parameters() if p.requires_grad]
+        trace.param_count = sum(p.numel() for p in model.parameters())
+        trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        optimizer = make_optimizer(spec, params)
+
+        stack = ModuleStack(model, trace)
+        tracker = StorageTracker(trace, stack.current)
+        for name, p in model.named_parameters():
+            sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner_of_param[id(p)])
+            if sid is not None:
+                trace.owner_module[sid] = owner_of_param[id(p)]
+        for name, b in model.named_buffers():
+            tracker.register(b, Category.BUFFERS, "buffer", module=name.rpartition(".")[0])
+        for t in _storage_tensors(inputs):
+            tracker.register(t, Category.INPUTS, "input", module="")
+
+        def classify_after(phase: Phase) -> None:
+            if phase is Phase.BACKWARD:
+                for p in params:
+                    if p.grad is not None:
+                        _own(tracker, trace, p.grad, Category.GRADIENTS, owner_of_param[id(p)])
+            elif phase is Phase.OPTIMIZER:
+                for p, state in optimizer.state.items():
+                    for t in _storage_tensors(state):
+                        _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner_of_param.get(id(p), ""))
+
+        def mark_saved(t: torch.Tensor):
+            sid = tracker.storage_id(t)
+            if sid is not None:
+                trace.storages[sid].saved_for_backward = True
+            return t
+
+        try:
+            source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
+            with source_context, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
+                for it in range(1, spec.iterations + 1):
+                    stack.record_outputs = it == 1
+                    run_iteration(
+                        model,
+                        inputs,
+                        optimizer,
+                        source.compute_loss,
+                        spec,
+                        on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
+                        after=classify_after,
+                    )
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise TraceError(
+                f"{source.origin or source.name}: the forward uses a data-dependent op ({_op_name(exc)}: .item(), "
+                "nonzero, boolean-mask indexing, ...) whose result size is unknown on fake tensors; make the "
+                "forward shape-static (e.g. torch.where instead of boolean indexing)"
+            ) from exc
+        except UnsupportedOperatorException as exc:
+            raise TraceError(
+                f"{source.origin or source.name}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
+                "cannot trace it; replace it with standard torch ops or register a fake kernel (torch.library)"
+            ) from exc
+        except MemestError:
+            raise
+        except Exception as exc:
+            raise TraceError(
+                f"{source.origin or source.name}: the training step raised {type(exc).__name__}: "
+                f"{_first_line(exc)}; check that example_inputs() matches the model's forward"
+            ) from exc
+        del model, inputs, optimizer, params
+
+    for rec in trace.storages:
+        if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
+            rec.category = Category.ACTIVATIONS
+    return trace
+
+
+def _own(tracker: StorageTracker, trace: Trace, t: torch.Tensor, category: Category, module: str) -> None:
+    sid = tracker.storage_id(t)
+    if sid is not None:
+        trace.storages[sid].classify(category)
+        trace.owner_module[sid] = module
+
+
+def _op_name(exc: Exception) -> str:
+    func = getattr(exc, "func", None)
+    return str(func) if func is not None else type(exc).__name__
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,54 @@
+"""Byte counts: ints inside, binary units (GiB, MiB) at the edges.
+
+Budget strings accept decimal (``GB`` = 10**9) and binary (``GiB`` = 2**30) suffixes; card names
+are resolved by :mod:`memest.device.catalogue`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import MemestError
+
+_SUFFIXES = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``11GB`` (10**9), ``11GiB`` (2**30), ``11000MiB`` or a plain byte count."""
+    match = _PATTERN.match(text)
+    if not match or match.group(2).lower() not in _SUFFIXES:
+        raise MemestError(
+            f"cannot read {text!r} as a memory size; use a number with a unit such as 11GB (10^9 bytes), "
+            "11GiB (2^30 bytes) or 11000MiB"
+        )
+    return int(float(match.group(1)) * _SUFFIXES[match.group(2).lower()])
+
+
+def format_bytes(n: int | float, precision: int = 2) -> str:
+    """Binary units, labelled as such: 1536 -> '1.50 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.{precision}f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def format_count(n: int) -> str:
+    """Parameter counts: 124439808 -> '124.4M'."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

@@ -1,0 +1,1 @@
+"""Ground truth: the same training step run for real, measured."""

@@ -1,0 +1,64 @@
+"""CPU ground truth (design.md §3): run the step for real on CPU under torch.profiler with memory
+events and take the true peak of the CPU allocator."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._pytree import tree_flatten
+
+from ..sources.base import ModelSource
+from ..spec import RunSpec
+from ..trace.optim import make_optimizer
+from ..trace.step import build, run_iteration
+
+
+def _allocation_events(prof) -> list:
+    alloc_tag = torch._C._profiler._EventType.Allocation
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == alloc_tag and e.extra_fields.device.type == torch.device("cpu").type:
+            out.append(e)
+        stack.extend(e.children)
+    out.sort(key=lambda e: e.start_time_ns)
+    return out
+
+
+def _distinct_storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen or st.nbytes() == 0:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
+    """Peak bytes of the real step (parameters, buffers and inputs included) and the op that made it."""
+    assert spec.target == "cpu", "CPU ground truth is for --target cpu estimates"
+    torch.manual_seed(seed)
+    model, inputs = build(source, spec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(spec, params)
+    baseline = _distinct_storage_bytes(
+        list(model.parameters()) + list(model.buffers()) + tree_flatten(inputs)[0]
+    )
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        for _ in range(spec.iterations):
+            run_iteration(model, inputs, optimizer, source.compute_loss, spec)
+    events = _allocation_events(prof)
+    if not events:
+        return {"peak_bytes": baseline, "op_at_peak": None}
+    first = events[0].extra_fields
+    start_total = first.total_allocated - first.alloc_size
+    top = max(events, key=lambda e: e.extra_fields.total_allocated)
+    parent = top.parent.name if top.parent is not None else None
+    return {
+        "peak_bytes": top.extra_fields.total_allocated - start_total + baseline,
+        "op_at_peak": parent,
+    }
