@@ -65,6 +65,7 @@ def load_hf_source(name: str) -> ModelSource:
     except ImportError as exc:
         raise ModelLoadError("hf: models need transformers; install memest[hf] (pip install transformers)") from exc
 
+    transformers.logging.set_verbosity_error()  # config warnings are noise for a config-only model
     try:
         config = transformers.AutoConfig.for_model(**raw)
     except Exception as exc:

@@ -9,6 +9,7 @@ run ``spec.iterations`` times (2 by default: optimizer state exists from the fir
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +28,14 @@ from .events import Category, Phase, Trace
 from .modules import ModuleStack, describe_modules
 from .optim import make_optimizer
 from .tracker import StorageTracker
+
+class _FakeMode(FakeTensorMode):
+    """One fake mode per trace, kept when a model deep-copies fake tensors (nn.TransformerEncoder
+    clones its layer): Tensor.__deepcopy__ deep-copies each slot, ``fake_mode`` among them."""
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -114,9 +123,11 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
     """Trace ``spec.iterations`` training steps of ``source`` on fake tensors. Allocates no real
     parameter or activation memory and never touches a GPU."""
     trace = Trace()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = _FakeMode(allow_non_fake_inputs=False)
     with fake_mode:
-        model, inputs = build(source, spec)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            model, inputs = build(source, spec)
         owner_of_param = describe_modules(model, trace)
         trace.model_type = type(model).__name__
         params = [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,62 @@
+"""Does the estimate fit? Against the live free memory of each GPU, a chosen GPU, or a budget."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..errors import MemestError
+from ..units import parse_bytes
+from .catalogue import CARDS, card_bytes
+from .nvml import GpuQuery
+
+
+@dataclass
+class FitRow:
+    label: str  # "GPU 0 NVIDIA H100 (free)" or "budget 11GB"
+    capacity_bytes: int  # what the estimate must fit into: free memory, or the budget
+    total_bytes: int | None
+    used_bytes: int | None
+    needed_bytes: int
+    fits: bool
+    headroom_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _row(label, capacity, total, used, needed) -> FitRow:
+    return FitRow(label, capacity, total, used, needed, needed <= capacity, capacity - needed)
+
+
+def resolve_budget(flag: str) -> tuple[str, int] | int:
+    """``--gpu``: a device index (``0``) -> int; a size (``11GB``) or card (``rtx2080ti``) -> (label, bytes)."""
+    text = flag.strip()
+    if text.isdigit():
+        return int(text)
+    card = card_bytes(text)
+    if card is not None:
+        return f"{text} ({card / 2**30:g} GiB)", card
+    if text[:1].isdigit():
+        return text, parse_bytes(text)
+    raise MemestError(
+        f"unknown GPU {flag!r}; pass a size such as 11GB or 11GiB, a device index such as 0, "
+        f"or a known card: {', '.join(sorted(CARDS))}"
+    )
+
+
+def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None) -> list[FitRow]:
+    if gpu_flag is not None:
+        target = resolve_budget(gpu_flag)
+        if isinstance(target, tuple):
+            label, budget = target
+            return [_row(f"budget {label}", budget, budget, None, needed)]
+        gpus = {g.index: g for g in (query.gpus if query else [])}
+        if target not in gpus:
+            why = query.reason if query and query.reason else f"visible GPUs: {sorted(gpus) or 'none'}"
+            raise MemestError(f"--gpu {target}: no such GPU ({why}); pass a budget such as 11GB instead")
+        gpu_list = [gpus[target]]
+    else:
+        gpu_list = query.gpus if query else []
+    return [
+        _row(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes, needed) for g in gpu_list
+    ]

@@ -1,0 +1,170 @@
+"""From a trace to a Report: the peak, what is alive at the peak, and per-layer memory."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from ..spec import RunSpec
+from ..trace.events import Category, Phase, Trace
+from ..trace.optim import FOLKLORE_N
+
+# The JSON contract's categories (design.md §5); buffers and inputs are reported as "other".
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
+_TO_BREAKDOWN = {
+    Category.PARAMETERS: "parameters",
+    Category.GRADIENTS: "gradients",
+    Category.OPTIMIZER_STATE: "optimizer_state",
+    Category.ACTIVATIONS: "activations",
+    Category.TEMPORARIES: "temporaries",
+    Category.BUFFERS: "other",
+    Category.INPUTS: "other",
+}
+
+
+@dataclass
+class LayerRow:
+    name: str  # fully qualified module name; '' is the whole model
+    type: str
+    depth: int
+    output_shape: str
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # saved for backward during one step's forward
+    bytes_at_peak: int  # everything attributed to this module (and its children) alive at the peak
+    share_of_peak: float
+
+
+@dataclass
+class Report:
+    model: str
+    model_type: str
+    spec: dict
+    param_count: int
+    param_bytes: int
+    peak_allocated_bytes: int
+    peak_iteration: int
+    phase_at_peak: str
+    module_at_peak: str
+    op_at_peak: str
+    breakdown_at_peak: dict[str, int]
+    other_at_peak: dict[str, int]  # buffers and inputs, the parts of "other"
+    peak_by_phase: dict[str, int]
+    peak_by_iteration: dict[int, int]
+    layers: list[LayerRow]
+    folklore_bytes: int
+    folklore_formula: str
+    trace_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ancestors(name: str, known: dict) -> list[str]:
+    """The module itself and every enclosing module known in the model ('' is the model)."""
+    out = [""]
+    if name in known and name:
+        parts = name.split(".")
+        out += [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return out
+
+
+def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
+    peak, peak_i = trace.peak()
+    storages = trace.storages
+    peak_iter, peak_phase = trace.phase_at(peak_i)
+    at_peak = trace.live_at(peak_i) if trace.events else set()
+    peak_rec = storages[trace.events[peak_i][0]] if trace.events else None
+
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    other = {"buffers": 0, "inputs": 0}
+    for sid in at_peak:
+        rec = storages[sid]
+        breakdown[_TO_BREAKDOWN[rec.category]] += rec.nbytes
+        if rec.category in (Category.BUFFERS, Category.INPUTS):
+            other[rec.category.value] += rec.nbytes
+
+    last = spec.iterations
+    per_module: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for sid, rec in enumerate(storages):
+        module = trace.owner_module.get(sid, rec.module)
+        keys = []
+        if rec.category is Category.GRADIENTS and rec.iteration == last:
+            keys.append("grad")
+        elif rec.category is Category.OPTIMIZER_STATE:
+            keys.append("optimizer")
+        elif rec.category is Category.ACTIVATIONS and rec.iteration == last:
+            keys.append("activation")
+        if sid in at_peak:
+            keys.append("at_peak")
+        for anc in _ancestors(module, trace.modules):
+            for key in keys:
+                per_module[anc][key] += rec.nbytes
+
+    layers = []
+    for name, mod in trace.modules.items():
+        stats = per_module.get(name, {})
+        at = stats.get("at_peak", 0)
+        layers.append(
+            LayerRow(
+                name=name,
+                type=mod.type,
+                depth=0 if name == "" else name.count(".") + 1,
+                output_shape=mod.output_shape,
+                params=mod.params,
+                param_bytes=mod.param_bytes,
+                grad_bytes=stats.get("grad", 0),
+                optimizer_bytes=stats.get("optimizer", 0),
+                activation_bytes=stats.get("activation", 0),
+                bytes_at_peak=at,
+                share_of_peak=at / peak if peak else 0.0,
+            )
+        )
+
+    folklore, formula = _folklore(trace, spec)
+    return Report(
+        model=model_name,
+        model_type=trace.model_type,
+        spec=spec.to_dict(),
+        param_count=trace.param_count,
+        param_bytes=trace.param_bytes,
+        peak_allocated_bytes=peak,
+        peak_iteration=peak_iter,
+        phase_at_peak=peak_phase.value,
+        module_at_peak=peak_rec.module if peak_rec else "",
+        op_at_peak=peak_rec.op if peak_rec else "",
+        breakdown_at_peak=breakdown,
+        other_at_peak=other,
+        peak_by_phase=_peak_by(trace, lambda it, ph: ph.value),
+        peak_by_iteration=_peak_by(trace, lambda it, ph: it),
+        layers=layers,
+        folklore_bytes=folklore,
+        folklore_formula=formula,
+    )
+
+
+def _peak_by(trace: Trace, key) -> dict:
+    out: dict = {}
+    marks = trace.phase_marks
+    live = 0
+    mark_i, current = -1, key(0, Phase.SETUP)
+    for i, (_, delta) in enumerate(trace.events):
+        while mark_i + 1 < len(marks) and marks[mark_i + 1][0] <= i:
+            mark_i += 1
+            current = key(marks[mark_i][1], marks[mark_i][2])
+        live += delta
+        if live > out.get(current, -1):
+            out[current] = live
+    return out
+
+
+def _folklore(trace: Trace, spec: RunSpec) -> tuple[int, str]:
+    """The rule of thumb memest is checked against: params x n + batch x layer outputs x 2."""
+    n = FOLKLORE_N[spec.optim]
+    parents = {name.rpartition(".")[0] for name in trace.modules if name}
+    leaves = [m for name, m in trace.modules.items() if name not in parents]
+    outputs = sum(m.output_bytes * max(m.calls, 1) for m in leaves)
+    return trace.param_bytes * n + outputs * 2, f"params x {n} + layer outputs x 2"

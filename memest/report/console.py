@@ -1,0 +1,128 @@
+"""Rich rendering of a Report: the per-layer table, the summary and the GPU comparison."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..device.fit import FitRow
+from ..device.nvml import GpuQuery
+from ..units import format_bytes, format_count
+from .analysis import BREAKDOWN_KEYS, Report
+
+
+def layer_table(report: Report, depth: int) -> Table:
+    table = Table(title=f"{report.model} ({report.model_type}) — per layer", title_justify="left")
+    for col, justify in (
+        ("module", "left"),
+        ("type", "left"),
+        ("output shape", "left"),
+        ("params", "right"),
+        ("weights+grads+optim", "right"),
+        ("saved for bwd", "right"),
+        ("alive at peak", "right"),
+        ("% of peak", "right"),
+    ):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for row in report.layers:
+        if row.depth > depth:
+            continue
+        name = "  " * row.depth + (row.name.rpartition(".")[2] if row.name else "(model)")
+        model_state = row.param_bytes + row.grad_bytes + row.optimizer_bytes
+        table.add_row(
+            name,
+            row.type,
+            row.output_shape,
+            format_count(row.params),
+            format_bytes(model_state),
+            format_bytes(row.activation_bytes),
+            format_bytes(row.bytes_at_peak),
+            f"{100 * row.share_of_peak:.1f}%",
+        )
+    return table
+
+
+def summary_table(report: Report) -> Table:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    spec = report.spec
+    table.add_row(
+        "run",
+        f"batch {spec['batch']}" + (f", seq {spec['seq']}" if spec.get("seq") else "")
+        + f", {spec['optim']}, {spec['precision']}, target {spec['target']}, {spec['iterations']} steps traced",
+    )
+    table.add_row("parameters", f"{format_count(report.param_count)} ({format_bytes(report.param_bytes)})")
+    table.add_row("peak allocated", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]")
+    where = f"step {report.peak_iteration}, {report.phase_at_peak}"
+    if report.module_at_peak:
+        where += f", in {report.module_at_peak}"
+    table.add_row("peak happens", f"{where}, op {report.op_at_peak}")
+    for key in BREAKDOWN_KEYS:
+        value = report.breakdown_at_peak[key]
+        share = value / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
+        label = key.replace("_", " ")
+        if key == "other":
+            label = "other (buffers, inputs)"
+        table.add_row(f"  {label}", f"{format_bytes(value):>12}  {100 * share:5.1f}%")
+    diff = report.folklore_bytes - report.peak_allocated_bytes
+    rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
+    table.add_row(
+        "folklore formula",
+        f"{format_bytes(report.folklore_bytes)} ({report.folklore_formula}): {100 * rel:+.0f}% vs the trace",
+    )
+    table.add_row("traced in", f"{report.trace_seconds:.2f} s")
+    return table
+
+
+def fit_table(rows: list[FitRow]) -> Table:
+    table = Table(title="Does it fit?", title_justify="left")
+    for col in ("against", "total", "used", "available", "needed", "headroom", "fits"):
+        table.add_column(col, justify="left" if col == "against" else "right")
+    for r in rows:
+        table.add_row(
+            r.label,
+            format_bytes(r.total_bytes) if r.total_bytes is not None else "-",
+            format_bytes(r.used_bytes) if r.used_bytes is not None else "-",
+            format_bytes(r.capacity_bytes),
+            format_bytes(r.needed_bytes),
+            format_bytes(r.headroom_bytes),
+            "[green]yes[/green]" if r.fits else "[red]no[/red]",
+        )
+    return table
+
+
+def make_console() -> Console:
+    """Full-width tables also when piped to a file or a CI log (rich assumes 80 columns there)."""
+    import sys
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def print_estimate(console: Console, report: Report, fits: list[FitRow], gpu_reason: str, depth: int) -> None:
+    console.print(layer_table(report, depth))
+    console.print(summary_table(report))
+    for note in report.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    if fits:
+        console.print(fit_table(fits))
+    else:
+        console.print(f"GPUs: {gpu_reason}; pass --gpu 11GB to compare with a budget.")
+
+
+def gpus_table(query: GpuQuery) -> Table:
+    table = Table(title="NVIDIA GPUs", title_justify="left")
+    for col in ("index", "name", "total", "used", "free", "util", "processes"):
+        table.add_column(col, justify="left" if col in ("name", "processes") else "right")
+    for g in query.gpus:
+        procs = ", ".join(f"{p.command}[{p.pid}] {format_bytes(p.used_bytes)}" for p in g.processes) or "-"
+        table.add_row(
+            str(g.index),
+            g.name,
+            format_bytes(g.total_bytes),
+            format_bytes(g.used_bytes),
+            format_bytes(g.free_bytes),
+            f"{g.utilization}%" if g.utilization is not None else "-",
+            procs,
+        )
+    return table
