@@ -9,6 +9,7 @@ run ``spec.iterations`` times (2 by default: optimizer state exists from the fir
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any
 
@@ -24,10 +25,12 @@ from torch.utils._pytree import tree_flatten
 from ..errors import MemestError, TraceError
 from ..sources.base import ModelSource, default_loss
 from ..spec import RunSpec
+from .dtype import cast_floating
 from .events import Category, Phase, Trace
 from .modules import ModuleStack, describe_modules
 from .optim import make_optimizer
 from .tracker import StorageTracker
+from .values import PlaceholderScalars
 
 class _FakeMode(FakeTensorMode):
     """One fake mode per trace, kept when a model deep-copies fake tensors (nn.TransformerEncoder
@@ -63,7 +66,7 @@ def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     dtype = model_dtype(spec)
     if dtype != torch.float32:
-        model = model.to(dtype)
+        model = cast_floating(model, dtype)
     model.train()
     seq = spec.seq if spec.seq is not None else source.default_seq
     try:
@@ -127,7 +130,8 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
     with fake_mode:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            model, inputs = build(source, spec)
+            with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
+                model, inputs = build(source, spec)
         owner_of_param = describe_modules(model, trace)
         trace.model_type = type(model).__name__
         params = [p for p in model.parameters() if p.requires_grad]
@@ -164,7 +168,7 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
         try:
             source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
-            with source_context, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
+            with _quiet_fake_tensor_log(), source_context, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
                 for it in range(1, spec.iterations + 1):
                     stack.record_outputs = it == 1
                     run_iteration(
@@ -200,6 +204,19 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
     return trace
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensorMode logs a traceback when a meta kernel rejects its inputs; memest reports the
+    error itself, in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _own(tracker: StorageTracker, trace: Trace, t: torch.Tensor, category: Category, module: str) -> None:

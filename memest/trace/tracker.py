@@ -16,10 +16,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .events import Category, Phase, StorageRecord, Trace
-
-
-_ITEM = torch.ops.aten._local_scalar_dense.default
-_ONE = {True: 1.0, False: 1}
+from .values import ITEM, placeholder_scalar
 
 
 class StorageTracker(TorchDispatchMode):
@@ -80,10 +77,9 @@ class StorageTracker(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _ITEM and self.phase is Phase.OPTIMIZER:
-            # Optimizers such as Adafactor read scalars (param.norm().item()) to scale the update.
-            # Fake tensors have no values; the value cannot change what is allocated, so use 1.
-            return _ONE[args[0].dtype.is_floating_point]
+        if func is ITEM and self.phase is Phase.OPTIMIZER:
+            # Adafactor reads param.norm().item() to scale its update: values cannot change memory
+            return placeholder_scalar(args[0])
         out = func(*args, **(kwargs or {}))
         outputs, _ = tree_flatten(out)
         for t in outputs:

@@ -1,0 +1,98 @@
+"""Measure memest --target cpu against real CPU runs on the test suite's cases and write
+benchmarks/cpu-accuracy.md (+ .json). Usage: python scripts/cpu_accuracy.py [--out benchmarks/cpu-accuracy.md]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from memest.sources import load_source  # noqa: E402
+from memest.spec import RunSpec  # noqa: E402
+from memest.trace import trace_step  # noqa: E402
+from memest.validate.cpu_truth import measure_cpu_peak  # noqa: E402
+from tests.conftest import model_ref  # noqa: E402
+from tests.test_accuracy_cpu import CASES  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu-accuracy.md"))
+    args = parser.parse_args()
+    rows = []
+    for case in CASES:
+        case = case.values[0] if hasattr(case, "values") else case
+        name, batch, seq, optim, precision = case
+        ref = model_ref(name)
+        spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target="cpu")
+        source = load_source(ref)
+        start = time.perf_counter()
+        estimated, _ = trace_step(source, spec).peak()
+        seconds = time.perf_counter() - start
+        real = measure_cpu_peak(source, spec)["peak_bytes"]
+        rows.append(
+            {"model": name, "batch": batch, "seq": seq, "optim": optim, "precision": precision,
+             "estimated_bytes": estimated, "measured_bytes": real,
+             "error_pct": 100 * (estimated - real) / real, "trace_seconds": seconds}
+        )
+        print(f"{name:16} {optim:12} {precision:10} {rows[-1]['error_pct']:+8.3f}%", file=sys.stderr)
+    errors = [abs(r["error_pct"]) for r in rows]
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [
+        "# memest --target cpu vs real CPU runs",
+        "",
+        f"Measured {meta['date']} on {meta['machine']}; Python {meta['python']}, torch {meta['torch']}, "
+        f"transformers {meta['transformers']}.",
+        "Ground truth: the same two-step training loop run for real under torch.profiler memory events "
+        "(design.md §3). Reproduce: `python scripts/cpu_accuracy.py`.",
+        "",
+        f"**Median |error| {statistics.median(errors):.3f}%, max {max(errors):.2f}%** over {len(rows)} cases "
+        "(LSTM included; see the note).",
+        "",
+        "| model | batch | seq | optimizer | precision | estimated | measured | error |",
+        "|---|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['seq'] or '-'} | {r['optim']} | {r['precision']} | "
+            f"{r['estimated_bytes']:,} | {r['measured_bytes']:,} | {r['error_pct']:+.3f}% |"
+        )
+    lines += [
+        "",
+        "LSTM: on CPU, nn.LSTM runs oneDNN's mkldnn_rnn_layer, whose training workspace and backward "
+        "scratch are invisible to fake kernels; memest underestimates it (a known miss, an xfail in the "
+        "tests). CUDA runs use cuDNN instead.",
+        "",
+    ]
+    out.write_text("\n".join(lines))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def _version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "not installed"
+
+
+if __name__ == "__main__":
+    main()

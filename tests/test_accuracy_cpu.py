@@ -1,0 +1,65 @@
+"""memest --target cpu against the same step run for real on CPU, measured with torch.profiler
+memory events (design.md §3). The tolerance is the issue's: 2% of the true peak."""
+
+import pytest
+
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import trace_step
+from memest.validate.cpu_truth import measure_cpu_peak
+
+from .conftest import model_ref
+
+REL_TOL = 0.02
+
+# Known miss, kept visible: on CPU, nn.LSTM runs oneDNN's mkldnn_rnn_layer, whose training workspace
+# (gates and states of every time step, ~0.9 MB per layer here) and backward scratch (~6 MB of
+# aten::empty inside mkldnn_rnn_layer_backward) are invisible to the fake kernel, which returns an
+# empty workspace. Measured: adam -47.9%, sgd -67.8% (batch 8, seq 32, hidden 128, 2 layers).
+# CUDA runs use cuDNN instead, so this concerns --target cpu only.
+LSTM_CPU = "oneDNN LSTM workspace and backward scratch are not visible on fake tensors (about -50%)"
+
+CASES = [
+    # (model, batch, seq, optimizer, precision)
+    ("mlp", 8, None, "sgd", "fp32"),
+    ("mlp", 8, None, "adam", "fp32"),
+    ("mlp", 8, None, "adafactor", "fp32"),
+    ("cnn", 8, None, "sgd-momentum", "fp32"),  # Conv2d + BatchNorm + in-place ReLU
+    ("cnn", 8, None, "adamw", "fp32"),
+    ("inplace_relu", 16, None, "adam", "fp32"),
+    pytest.param(("lstm", 8, 32, "adam", "fp32"), marks=pytest.mark.xfail(strict=True, reason=LSTM_CPU)),
+    pytest.param(("lstm", 8, 32, "sgd", "fp32"), marks=pytest.mark.xfail(strict=True, reason=LSTM_CPU)),
+    ("transformer", 2, 64, "adamw", "fp32"),  # nn.TransformerEncoder
+    ("transformer", 2, 64, "sgd", "fp32"),
+    ("hf:gpt2-tiny", 4, 64, "adamw", "fp32"),
+    ("hf:gpt2-tiny", 4, 64, "sgd-momentum", "fp32"),
+    ("hf:llama-tiny", 2, 64, "adamw", "fp32"),
+    ("hf:bert-tiny", 4, 32, "adam", "fp32"),
+    ("hf:t5-tiny", 2, 32, "adafactor", "fp32"),
+    ("hf:vit-tiny", 4, None, "adamw", "fp32"),
+    ("tied", 4, 16, "adam", "fp32"),
+    ("reused_module", 16, None, "adamw", "fp32"),
+    ("reused_module", 16, None, "sgd-momentum", "fp32"),
+    # precision
+    ("mlp", 8, None, "adamw", "bf16"),
+    ("mlp", 8, None, "adamw", "bf16-mixed"),
+    ("transformer", 2, 64, "adamw", "bf16-mixed"),
+    ("hf:gpt2-tiny", 4, 64, "adamw", "bf16-mixed"),
+]
+
+
+def _id(case):
+    case = case.values[0] if hasattr(case, "values") else case
+    return "-".join(str(x) for x in case if x is not None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_estimate_matches_real_cpu_peak(case):
+    name, batch, seq, optim, precision = case
+    ref = model_ref(name)
+    spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target="cpu")
+    source = load_source(ref)
+    estimated, _ = trace_step(source, spec).peak()
+    real = measure_cpu_peak(source, spec)["peak_bytes"]
+    error = (estimated - real) / real
+    assert abs(error) <= REL_TOL, f"{_id(case)}: estimated {estimated} B, measured {real} B ({100 * error:+.2f}%)"
