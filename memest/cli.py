@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -111,6 +112,9 @@ def gpus(json: Json = False) -> None:
 
 
 def main() -> None:
+    # memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
+    # hide CUDA devices from torch in this process. NVML (memest gpus, --gpu) still sees every GPU.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     app()
 
 

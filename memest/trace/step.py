@@ -61,7 +61,7 @@ def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
     except MemestError:
         raise
     except Exception as exc:
-        raise TraceError(f"{source.origin or source.name}: building the model raised {type(exc).__name__}: {exc}") from exc
+        raise _build_error(source, "building the model", exc) from exc
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     dtype = model_dtype(spec)
@@ -74,12 +74,20 @@ def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
     except MemestError:
         raise
     except Exception as exc:
-        raise TraceError(
-            f"{source.origin or source.name}: example_inputs({spec.batch}, {seq}) raised {type(exc).__name__}: {exc}"
-        ) from exc
+        raise _build_error(source, f"example_inputs({spec.batch}, {seq})", exc) from exc
     if dtype != torch.float32:
         inputs = _cast_floats(inputs, dtype)
     return model, inputs
+
+
+def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
+    where = source.origin or source.name
+    if "cuda" in str(exc).lower():
+        return TraceError(
+            f"{where}: {what} asks for a CUDA device (.cuda(), device='cuda'); build on the default device — "
+            "memest traces on CPU fake tensors and models the GPU itself (--target cuda)"
+        )
+    return TraceError(f"{where}: {what} raised {type(exc).__name__}: {_first_line(exc)}")
 
 
 def _cast_floats(inputs, dtype):
@@ -182,9 +190,10 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
                     )
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             raise TraceError(
-                f"{source.origin or source.name}: the forward uses a data-dependent op ({_op_name(exc)}: .item(), "
-                "nonzero, boolean-mask indexing, ...) whose result size is unknown on fake tensors; make the "
-                "forward shape-static (e.g. torch.where instead of boolean indexing)"
+                f"{source.origin or source.name}: {_where(stack, tracker)} uses a data-dependent op "
+                f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
+                "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
+                "boolean-mask indexing or nonzero"
             ) from exc
         except UnsupportedOperatorException as exc:
             raise TraceError(
@@ -195,7 +204,7 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
             raise
         except Exception as exc:
             raise TraceError(
-                f"{source.origin or source.name}: the training step raised {type(exc).__name__}: "
+                f"{source.origin or source.name}: {_where(stack, tracker)} raised {type(exc).__name__}: "
                 f"{_first_line(exc)}; check that example_inputs() matches the model's forward"
             ) from exc
         del model, inputs, optimizer, params
@@ -224,6 +233,13 @@ def _own(tracker: StorageTracker, trace: Trace, t: torch.Tensor, category: Categ
     if sid is not None:
         trace.storages[sid].classify(category)
         trace.owner_module[sid] = module
+
+
+def _where(stack: ModuleStack, tracker: StorageTracker) -> str:
+    """'the forward of module blocks.0.attn' — where a failing step was."""
+    phase = {Phase.LOSS: "compute_loss", Phase.OPTIMIZER: "optimizer.step()"}.get(tracker.phase, f"the {tracker.phase.value}")
+    module = stack.current()
+    return f"{phase} of module {module!r}" if module and tracker.phase in (Phase.FORWARD, Phase.BACKWARD) else phase
 
 
 def _op_name(exc: Exception) -> str:
