@@ -28,6 +28,10 @@ Gpu = Annotated[
     Optional[str],
     typer.Option("--gpu", help="Compare with a budget (11GB = 10^9 B, 11GiB = 2^30 B), a card (rtx2080ti) or device 0."),
 ]
+Attention = Annotated[
+    str, typer.Option("--attention", help="--target cuda SDPA kernel: auto (PyTorch's rules) | flash | efficient | math")
+]
+Fused = Annotated[bool, typer.Option("--fused", help="--target cuda: fused optimizer kernels instead of foreach.")]
 Depth = Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")]
 Json = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (schema in README).")]
 FailIfNotFits = Annotated[
@@ -51,6 +55,8 @@ def estimate(
     optim: Optim = "adam",
     precision: Precision = "fp32",
     target: Target = "cuda",
+    attention: Attention = "auto",
+    fused: Fused = False,
     gpu: Gpu = None,
     depth: Depth = 3,
     json: Json = False,
@@ -58,21 +64,24 @@ def estimate(
     debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
-    from .device.fit import fit_rows, resolve_budget
+    from .device.fit import fit_rows, resolve_budget, target_compute_capability
     from .spec import RunSpec
 
     try:
-        spec = RunSpec(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target)
         if gpu is not None:
             resolve_budget(gpu)  # a bad budget fails before the (slower) trace
-        from .estimate import estimate as run_estimate
-
-        report = run_estimate(spec)
         query = None
         if gpu is None or gpu.strip().isdigit():
             from .device.nvml import query_gpus
 
             query = query_gpus()
+        spec = RunSpec(
+            model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+            attention=attention, fused=fused, compute_capability=target_compute_capability(gpu, query),
+        )
+        from .estimate import estimate as run_estimate
+
+        report = run_estimate(spec)
         fits = fit_rows(report.peak_allocated_bytes, gpu, query)
     except MemestError as exc:
         _fail(exc, debug)

@@ -9,6 +9,7 @@ from .errors import MemestError
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adafactor")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed")
 TARGETS = ("cuda", "cpu")
+ATTENTIONS = ("auto", "flash", "efficient", "math")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class RunSpec:
     precision: str = "fp32"
     target: str = "cuda"
     iterations: int = 2
+    attention: str = "auto"  # --target cuda: SDPA backend (auto follows PyTorch's selection rules)
+    fused: bool = False  # --target cuda: fused optimizer kernels instead of foreach
+    compute_capability: tuple[int, int] = (9, 0)  # of the target GPU; decides e.g. flash availability
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -36,6 +40,9 @@ class RunSpec:
         _check_choice("--optim", self.optim, OPTIMIZERS)
         _check_choice("--precision", self.precision, PRECISIONS)
         _check_choice("--target", self.target, TARGETS)
+        _check_choice("--attention", self.attention, ATTENTIONS)
+        if self.target == "cpu" and (self.fused or self.attention != "auto"):
+            raise MemestError("--fused and --attention describe CUDA kernels; use them with --target cuda")
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 

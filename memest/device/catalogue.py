@@ -8,31 +8,33 @@ from __future__ import annotations
 
 GiB = 2**30
 
-CARDS: dict[str, int] = {
-    "gtx1080ti": 11 * GiB,
-    "rtx2080ti": 11 * GiB,
-    "rtx3060": 12 * GiB,
-    "rtx3080": 10 * GiB,
-    "rtx3090": 24 * GiB,
-    "rtx4080": 16 * GiB,
-    "rtx4090": 24 * GiB,
-    "rtx5090": 32 * GiB,
-    "t4": 16 * GiB,
-    "v100-16gb": 16 * GiB,
-    "v100": 32 * GiB,
-    "v100-32gb": 32 * GiB,
-    "a10": 24 * GiB,
-    "a10g": 24 * GiB,
-    "l4": 24 * GiB,
-    "a100-40gb": 40 * GiB,
-    "a100": 80 * GiB,
-    "a100-80gb": 80 * GiB,
-    "a6000": 48 * GiB,
-    "l40s": 48 * GiB,
-    "h100": 80 * GiB,
-    "h100-80gb": 80 * GiB,
-    "h200": 141 * 10**9,  # sold as 141 GB (HBM3e)
+# name -> (nominal memory bytes, CUDA compute capability)
+CARDS: dict[str, tuple[int, tuple[int, int]]] = {
+    "gtx1080ti": (11 * GiB, (6, 1)),
+    "rtx2080ti": (11 * GiB, (7, 5)),
+    "rtx3060": (12 * GiB, (8, 6)),
+    "rtx3080": (10 * GiB, (8, 6)),
+    "rtx3090": (24 * GiB, (8, 6)),
+    "rtx4080": (16 * GiB, (8, 9)),
+    "rtx4090": (24 * GiB, (8, 9)),
+    "rtx5090": (32 * GiB, (12, 0)),
+    "t4": (16 * GiB, (7, 5)),
+    "v100-16gb": (16 * GiB, (7, 0)),
+    "v100": (32 * GiB, (7, 0)),
+    "v100-32gb": (32 * GiB, (7, 0)),
+    "a10": (24 * GiB, (8, 6)),
+    "a10g": (24 * GiB, (8, 6)),
+    "l4": (24 * GiB, (8, 9)),
+    "a100-40gb": (40 * GiB, (8, 0)),
+    "a100": (80 * GiB, (8, 0)),
+    "a100-80gb": (80 * GiB, (8, 0)),
+    "a6000": (48 * GiB, (8, 6)),
+    "l40s": (48 * GiB, (8, 9)),
+    "h100": (80 * GiB, (9, 0)),
+    "h100-80gb": (80 * GiB, (9, 0)),
+    "h200": (141 * 10**9, (9, 0)),  # sold as 141 GB (HBM3e)
 }
+DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # when the target GPU is unknown: Hopper-class kernels
 
 
 def normalise(name: str) -> str:
@@ -40,4 +42,15 @@ def normalise(name: str) -> str:
 
 
 def card_bytes(name: str) -> int | None:
-    return CARDS.get(normalise(name))
+    card = CARDS.get(normalise(name))
+    return card[0] if card else None
+
+
+def compute_capability(name: str) -> tuple[int, int] | None:
+    """For a card name or an NVML device name ('NVIDIA H100 80GB HBM3' -> h100)."""
+    key = normalise(name)
+    if key in CARDS:
+        return CARDS[key][1]
+    # NVML names: the longest catalogue key contained in the name wins ('a100-80gb' before 'a100')
+    matches = [k for k in CARDS if k.split("-")[0] in key]
+    return CARDS[max(matches, key=len)][1] if matches else None

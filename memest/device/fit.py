@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import MemestError
 from ..units import parse_bytes
-from .catalogue import CARDS, card_bytes
+from .catalogue import CARDS, DEFAULT_COMPUTE_CAPABILITY, card_bytes, compute_capability
 from .nvml import GpuQuery
 
 
@@ -60,3 +60,16 @@ def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None) -> list[
     return [
         _row(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes, needed) for g in gpu_list
     ]
+
+
+def target_compute_capability(gpu_flag: str | None, query: GpuQuery | None) -> tuple[int, int]:
+    """The GPU generation whose kernels to model: the named card, the chosen or first visible GPU,
+    else DEFAULT_COMPUTE_CAPABILITY."""
+    if gpu_flag is not None and not gpu_flag.strip().isdigit():
+        return compute_capability(gpu_flag) or DEFAULT_COMPUTE_CAPABILITY
+    gpus = query.gpus if query else []
+    if gpu_flag is not None:
+        gpus = [g for g in gpus if g.index == int(gpu_flag)]
+    for g in gpus[:1]:
+        return compute_capability(g.name) or DEFAULT_COMPUTE_CAPABILITY
+    return DEFAULT_COMPUTE_CAPABILITY

@@ -57,6 +57,7 @@ class Report:
     folklore_bytes: int
     folklore_formula: str
     trace_seconds: float = 0.0
+    attention_backends: dict[str, int] = field(default_factory=dict)  # --target cuda: SDPA kernel -> calls
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -143,6 +144,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         layers=layers,
         folklore_bytes=folklore,
         folklore_formula=formula,
+        attention_backends=dict(trace.attention_backends),
     )
 
 

@@ -52,6 +52,10 @@ def summary_table(report: Report) -> Table:
         f"batch {spec['batch']}" + (f", seq {spec['seq']}" if spec.get("seq") else "")
         + f", {spec['optim']}, {spec['precision']}, target {spec['target']}, {spec['iterations']} steps traced",
     )
+    if report.attention_backends:
+        used = ", ".join(f"{name} x{n}" for name, n in report.attention_backends.items())
+        cc = spec.get("compute_capability") or ()
+        table.add_row("attention", f"{used} (CUDA kernel rules for sm{''.join(str(x) for x in cc)})")
     table.add_row("parameters", f"{format_count(report.param_count)} ({format_bytes(report.param_bytes)})")
     table.add_row("peak allocated", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]")
     where = f"step {report.peak_iteration}, {report.phase_at_peak}"

@@ -72,6 +72,7 @@ class Trace:
     # storage id -> module that owns it (parameters, their gradients and optimizer state)
     owner_module: dict[int, str] = field(default_factory=dict)
     model_type: str = ""
+    attention_backends: dict[str, int] = field(default_factory=dict)  # SDPA backend -> calls (cuda)
     param_count: int = 0
     param_bytes: int = 0
 

@@ -12,7 +12,10 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
     ``--target cpu``: torch's own defaults for CPU tensors (single-tensor loops)."""
     kwargs: dict = {"lr": spec.lr}
     if spec.target == "cuda":
-        kwargs["foreach"] = True
+        if spec.fused and spec.optim in FUSED:
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = True
     if spec.optim == "sgd":
         return torch.optim.SGD(params, **kwargs)
     if spec.optim == "sgd-momentum":
@@ -25,6 +28,9 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
         return torch.optim.Adafactor(params, **kwargs)
     raise AssertionError(spec.optim)  # RunSpec validates the name
 
+
+# torch.optim classes with fused (single-kernel) implementations
+FUSED = ("sgd", "sgd-momentum", "adam", "adamw")
 
 # Bytes of optimizer state per parameter byte, for the folklore cross-check (params x n).
 FOLKLORE_N = {"sgd": 2, "sgd-momentum": 3, "adam": 4, "adamw": 4, "adafactor": 2}

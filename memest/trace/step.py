@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_flatten
 
+from ..device.sdpa import CUDA_SCRATCH, CudaSdpa
 from ..errors import MemestError, TraceError
 from ..sources.base import ModelSource, default_loss
 from ..spec import RunSpec
@@ -148,7 +149,9 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
         optimizer = make_optimizer(spec, params)
 
         stack = ModuleStack(model, trace)
-        tracker = StorageTracker(trace, stack.current)
+        cuda = spec.target == "cuda"
+        tracker = StorageTracker(trace, stack.current, scratch=CUDA_SCRATCH if cuda else None)
+        sdpa = CudaSdpa(spec.attention, spec.compute_capability) if cuda else contextlib.nullcontext()
         for name, p in model.named_parameters():
             sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner_of_param[id(p)])
             if sid is not None:
@@ -176,7 +179,7 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
         try:
             source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
-            with _quiet_fake_tensor_log(), source_context, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
+            with _quiet_fake_tensor_log(), source_context, sdpa, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
                 for it in range(1, spec.iterations + 1):
                     stack.record_outputs = it == 1
                     run_iteration(
@@ -209,6 +212,8 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
             ) from exc
         del model, inputs, optimizer, params
 
+    if cuda:
+        trace.attention_backends = dict(sdpa.choices)
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS

@@ -20,8 +20,11 @@ from .values import ITEM, placeholder_scalar
 
 
 class StorageTracker(TorchDispatchMode):
-    def __init__(self, trace: Trace, module_of: Callable[[], str]) -> None:
+    def __init__(self, trace: Trace, module_of: Callable[[], str], scratch: dict | None = None) -> None:
         super().__init__()
+        # aten op -> fn(args, kwargs) -> byte sizes of kernel-internal buffers (allocated before the
+        # op's outputs, freed after them) that the fake kernel does not show
+        self.scratch = scratch or {}
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
         self.phase = Phase.SETUP
@@ -80,9 +83,25 @@ class StorageTracker(TorchDispatchMode):
         if func is ITEM and self.phase is Phase.OPTIMIZER:
             # Adafactor reads param.norm().item() to scale its update: values cannot change memory
             return placeholder_scalar(args[0])
+        scratch = self._scratch_alloc(func, args, kwargs) if func in self.scratch else ()
         out = func(*args, **(kwargs or {}))
         outputs, _ = tree_flatten(out)
         for t in outputs:
             if isinstance(t, torch.Tensor):
                 self.register(t, Category.TEMPORARIES, func.__name__)
+        for sid, nbytes in scratch:
+            self.trace.events.append((sid, -nbytes))
         return out
+
+    def _scratch_alloc(self, func, args, kwargs) -> list[tuple[int, int]]:
+        allocated = []
+        for nbytes in self.scratch[func](args, kwargs or {}):
+            if nbytes <= 0:
+                continue
+            sid = len(self.trace.storages)
+            self.trace.storages.append(
+                StorageRecord(nbytes, Category.TEMPORARIES, self.module_of(), self.phase, f"{func.__name__} (kernel scratch)", self.iteration)
+            )
+            self.trace.events.append((sid, nbytes))
+            allocated.append((sid, nbytes))
+        return allocated
