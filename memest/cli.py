@@ -40,6 +40,26 @@ FailIfNotFits = Annotated[
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 
 
+def _hide_cuda() -> None:
+    """memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
+    hide CUDA devices from torch in this process before torch is used. NVML still sees every GPU."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _calibration_for(gpu: str | None, query) -> dict | None:
+    """A stored `memest calibrate` result for the GPU being compared against, if any."""
+    if query is None or not query.gpus:
+        return None
+    chosen = [g for g in query.gpus if gpu is None or g.index == int(gpu)][:1]
+    if not chosen:
+        return None
+    import torch
+
+    from .device.calibration import lookup
+
+    return lookup(chosen[0].name, query.driver, torch.__version__)
+
+
 def _fail(exc: MemestError, debug: bool) -> None:
     if debug:
         raise exc
@@ -64,6 +84,7 @@ def estimate(
     debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
+    _hide_cuda()
     from .device.fit import fit_rows, resolve_budget, target_compute_capability
     from .spec import RunSpec
 
@@ -81,8 +102,9 @@ def estimate(
         )
         from .estimate import estimate as run_estimate
 
-        report = run_estimate(spec)
-        fits = fit_rows(report.peak_allocated_bytes, gpu, query)
+        result = run_estimate(spec, calibration=_calibration_for(gpu, query) if target == "cuda" else None)
+        report = result.report
+        fits = fit_rows(result.needed_bytes, gpu, query, check=result.fits)
     except MemestError as exc:
         _fail(exc, debug)
         return
@@ -90,7 +112,7 @@ def estimate(
     if json:
         from .report.json_doc import json_document
 
-        sys.stdout.write(json_document(report, fits, reason) + "\n")
+        sys.stdout.write(json_document(report, fits, reason, result.needed_bytes) + "\n")
     else:
         from .report.console import make_console, print_estimate
 
@@ -120,10 +142,41 @@ def gpus(json: Json = False) -> None:
     make_console().print(gpus_table(query))
 
 
+@app.command()
+def calibrate(
+    device: Annotated[int, typer.Option("--device", help="NVML/CUDA index of the GPU to measure.")] = 0,
+    json: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Measure this GPU's CUDA context and cuBLAS workspace once (this command does use the GPU, briefly,
+    ~1 GiB); later estimates on the same GPU, driver and torch version use the measurements."""
+    from .device.nvml import query_gpus
+
+    query = query_gpus()
+    try:
+        if not query.gpus:
+            raise MemestError(f"memest calibrate needs an NVIDIA GPU: {query.reason}")
+        from .device.calibration import measure, save
+
+        entry = measure(device)
+        path = save(entry)
+    except MemestError as exc:
+        _fail(exc, debug)
+        return
+    if json:
+        import json as _json
+
+        sys.stdout.write(_json.dumps({"saved_to": str(path), **entry}, indent=2) + "\n")
+        return
+    from .units import format_bytes
+
+    typer.echo(f"{entry['gpu_name']} (driver {entry['driver']}, torch {entry['torch_version']}):")
+    typer.echo(f"  CUDA context     {format_bytes(entry['context_bytes'] or 0)}")
+    typer.echo(f"  cuBLAS workspace {format_bytes(entry['cublas_workspace_bytes'])}")
+    typer.echo(f"saved to {path}")
+
+
 def main() -> None:
-    # memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
-    # hide CUDA devices from torch in this process. NVML (memest gpus, --gpu) still sees every GPU.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     app()
 
 

@@ -1,30 +1,57 @@
-"""The estimate pipeline: spec -> source -> trace -> report. Library code: returns data, prints nothing."""
+"""The estimate pipeline: spec -> source -> trace -> report (+ device usage for --target cuda).
+Library code: returns data, prints nothing."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from .report.analysis import Report, analyse
 from .sources import load_source
 from .spec import RunSpec
+from .trace.events import Trace
 from .trace.step import trace_step
 
 
-def estimate(spec: RunSpec) -> Report:
+@dataclass
+class Estimate:
+    report: Report
+    trace: Trace
+
+    @property
+    def needed_bytes(self) -> int:
+        """What must fit on the device: predicted device usage (cuda) or peak allocated (cpu)."""
+        device = self.report.device
+        return device.device_bytes if device else self.report.peak_allocated_bytes
+
+    def fits(self, capacity_bytes: int) -> bool:
+        if self.report.device is None:
+            return self.report.peak_allocated_bytes <= capacity_bytes
+        from .device.usage import fits_in
+
+        return fits_in(self.trace, self.report.device, capacity_bytes)
+
+
+def estimate(spec: RunSpec, calibration: dict | None = None) -> Estimate:
     source = load_source(spec.model)
     start = time.perf_counter()
     trace = trace_step(source, spec)
     report = analyse(trace, spec, source.name)
+    if spec.target == "cuda":
+        from .device.usage import device_usage
+
+        report.device = device_usage(trace, spec.compute_capability, calibration=calibration)
     report.trace_seconds = time.perf_counter() - start
-    report.notes.append(
-        "peak allocated = tensor bytes alive at once; the device also holds the CUDA context, library "
-        "workspaces and the caching allocator's slack, which this version does not add"
-        if spec.target == "cuda"
-        else "peak allocated = bytes held by the CPU allocator at the step's peak"
-    )
+    if spec.target == "cuda":
+        report.notes.append(
+            "device = caching-allocator reserved + CUDA context (+ NCCL, cuDNN allowance); "
+            + ("calibrated values used" if report.device.calibrated else "defaults, not calibrated for this GPU (memest calibrate)")
+        )
+    else:
+        report.notes.append("peak allocated = bytes held by the CPU allocator at the step's peak")
     if spec.mixed:
         note = "mixed precision traced with CPU autocast op lists"
         if spec.target == "cuda":
             note += " (CUDA's lists differ for a few ops)"
         report.notes.append(note)
-    return report
+    return Estimate(report, trace)

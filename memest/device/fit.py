@@ -24,8 +24,9 @@ class FitRow:
         return asdict(self)
 
 
-def _row(label, capacity, total, used, needed) -> FitRow:
-    return FitRow(label, capacity, total, used, needed, needed <= capacity, capacity - needed)
+def _row(label, capacity, total, used, needed, check=None) -> FitRow:
+    fits = check(capacity) if check else needed <= capacity
+    return FitRow(label, capacity, total, used, needed, fits, capacity - needed)
 
 
 def resolve_budget(flag: str) -> tuple[str, int] | int:
@@ -44,12 +45,14 @@ def resolve_budget(flag: str) -> tuple[str, int] | int:
     )
 
 
-def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None) -> list[FitRow]:
+def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None, check=None) -> list[FitRow]:
+    """``check(capacity) -> bool`` decides fitting when given (the allocator replay with a device
+    limit); otherwise ``needed <= capacity``."""
     if gpu_flag is not None:
         target = resolve_budget(gpu_flag)
         if isinstance(target, tuple):
             label, budget = target
-            return [_row(f"budget {label}", budget, budget, None, needed)]
+            return [_row(f"budget {label}", budget, budget, None, needed, check)]
         gpus = {g.index: g for g in (query.gpus if query else [])}
         if target not in gpus:
             why = query.reason if query and query.reason else f"visible GPUs: {sorted(gpus) or 'none'}"
@@ -58,7 +61,8 @@ def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None) -> list[
     else:
         gpu_list = query.gpus if query else []
     return [
-        _row(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes, needed) for g in gpu_list
+        _row(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes, needed, check)
+        for g in gpu_list
     ]
 
 

@@ -33,6 +33,7 @@ class Gpu:
 class GpuQuery:
     gpus: list[Gpu]
     reason: str = ""  # why there are none, if there are none
+    driver: str = ""
 
 
 def query_gpus() -> GpuQuery:
@@ -58,7 +59,7 @@ def query_gpus() -> GpuQuery:
         gpus.append(Gpu(int(g.index), str(g.name), total, used, free, g.utilization, procs))
     if not gpus:
         return GpuQuery([], "NVML found no NVIDIA GPU")
-    return GpuQuery(gpus)
+    return GpuQuery(gpus, driver=str(getattr(stats, "driver_version", "") or ""))
 
 
 def _short(exc: Exception) -> str:

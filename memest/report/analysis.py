@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+from ..device.usage import DeviceUsage
 from ..spec import RunSpec
 from ..trace.events import Category, Phase, Trace
 from ..trace.optim import FOLKLORE_N
@@ -58,6 +59,7 @@ class Report:
     folklore_formula: str
     trace_seconds: float = 0.0
     attention_backends: dict[str, int] = field(default_factory=dict)  # --target cuda: SDPA kernel -> calls
+    device: DeviceUsage | None = None  # --target cuda: allocator replay and fixed costs
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:

@@ -69,6 +69,15 @@ def summary_table(report: Report) -> Table:
         if key == "other":
             label = "other (buffers, inputs)"
         table.add_row(f"  {label}", f"{format_bytes(value):>12}  {100 * share:5.1f}%")
+    if report.device is not None:
+        dev = report.device
+        table.add_row("torch would report", f"max_memory_allocated {format_bytes(dev.allocated_peak_bytes)} (+ cuBLAS workspaces, 512 B blocks)")
+        table.add_row("", f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)} (caching-allocator replay)")
+        for cost in dev.fixed_costs:
+            if not cost.in_allocator:
+                tag = "calibrated" if cost.calibrated else "assumption" if cost.source.startswith("assumption") else "default"
+                table.add_row("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)} ({tag})")
+        table.add_row("predicted device use", f"[bold]{format_bytes(dev.device_bytes)}[/bold] (what nvidia-smi would show)")
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
     table.add_row(

@@ -1,0 +1,111 @@
+"""From a trace to what the GPU will show: the caching allocator's reserved memory plus fixed costs.
+
+    allocated (torch.cuda.max_memory_allocated) = the trace's blocks, 512 B-rounded, + cuBLAS workspaces
+    reserved  (torch.cuda.max_memory_reserved)  = the caching-allocator replay of those blocks
+    device    (nvidia-smi for the process)      = reserved + CUDA context (+ NCCL buffers, + cuDNN allowance)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from ..trace.events import Phase, Trace
+from .allocator import parse_alloc_conf, replay
+from .overheads import FixedCost, fixed_costs
+
+_WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
+
+
+@dataclass
+class DeviceUsage:
+    tensor_peak_bytes: int
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    device_bytes: int
+    fixed_costs: list[FixedCost] = field(default_factory=list)
+    allocator_config: str = ""
+    calibrated: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def allocator_events(trace: Trace, costs: list[FixedCost]) -> list[tuple[int, int]]:
+    """The trace's events with the cuBLAS workspaces allocated where a CUDA run first needs them:
+    the first forward matmul (forward thread) and the first backward op (autograd's device thread).
+    Both live to the end of the process."""
+    workspace = next((c for c in costs if c.name == "cublas_workspaces"), None)
+    if workspace is None or workspace.bytes <= 0 or not trace.events:
+        return list(trace.events)
+    starts = {phase: index for index, _, phase in reversed(trace.phase_marks)}  # first mark of each phase
+    per_handle = workspace.bytes // 2
+    inserts = {starts.get(Phase.FORWARD, 0): (_WORKSPACE_IDS[0], per_handle)}
+    if Phase.BACKWARD in starts:
+        inserts[starts[Phase.BACKWARD]] = (_WORKSPACE_IDS[1], workspace.bytes - per_handle)
+    events: list[tuple[int, int]] = []
+    for i, event in enumerate(trace.events):
+        if i in inserts:
+            events.append(inserts[i])
+        events.append(event)
+    return events
+
+
+def cudnn_allowance(trace: Trace) -> FixedCost | None:
+    """cuDNN convolution algorithms allocate a workspace per call through the caching allocator; its
+    size depends on the algorithm cuDNN picks. Allowance (an assumption until validated on a GPU):
+    the largest convolution output of the step."""
+    conv = [r.nbytes for r in trace.storages if "convolution" in r.op and "scratch" not in r.op]
+    if not conv:
+        return None
+    return FixedCost(
+        "cudnn_workspace_allowance",
+        max(conv),
+        "assumption: one workspace as large as the largest convolution output (cuDNN picks the "
+        "algorithm and its workspace at run time); replace with a measurement via scripts/validate_gpu.py",
+    )
+
+
+def device_usage(
+    trace: Trace,
+    compute_capability: tuple[int, int],
+    *,
+    world_size: int = 1,
+    calibration: dict | None = None,
+    env: dict | None = None,
+) -> DeviceUsage:
+    env = os.environ if env is None else env
+    costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env)
+    allowance = cudnn_allowance(trace)
+    if allowance:
+        costs.append(allowance)
+    conf_text = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    result = replay(allocator_events(trace, costs), parse_alloc_conf(conf_text))
+    outside = sum(c.bytes for c in costs if not c.in_allocator)
+    return DeviceUsage(
+        tensor_peak_bytes=trace.peak()[0],
+        allocated_peak_bytes=result.peak_allocated,
+        reserved_peak_bytes=result.peak_reserved,
+        device_bytes=result.peak_reserved + outside,
+        fixed_costs=costs,
+        allocator_config=conf_text,
+        calibrated=any(c.calibrated for c in costs),
+    )
+
+
+def fits_in(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dict | None = None) -> bool:
+    """Would the step run in ``capacity_bytes``? Replays with the device limit, so the allocator's
+    own recovery (freeing cached blocks and retrying before raising OOM) is taken into account."""
+    if usage.device_bytes <= capacity_bytes:
+        return True
+    outside = sum(c.bytes for c in usage.fixed_costs if not c.in_allocator)
+    limit = capacity_bytes - outside
+    if limit <= 0:
+        return False
+    env = os.environ if env is None else env
+    result = replay(
+        allocator_events(trace, usage.fixed_costs),
+        parse_alloc_conf(env.get("PYTORCH_CUDA_ALLOC_CONF", "")),
+        device_limit_bytes=limit,
+    )
+    return not result.oom
