@@ -31,6 +31,7 @@ CASES = [
     pytest.param(("lstm", 8, 32, "sgd", "fp32"), marks=pytest.mark.xfail(strict=True, reason=LSTM_CPU)),
     ("transformer", 2, 64, "adamw", "fp32"),  # nn.TransformerEncoder
     ("transformer", 2, 64, "sgd", "fp32"),
+    ("transformer_ckpt", 2, 64, "adamw", "fp32"),  # torch.utils.checkpoint per block: recomputation traced
     ("hf:gpt2-tiny", 4, 64, "adamw", "fp32"),
     ("hf:gpt2-tiny", 4, 64, "sgd-momentum", "fp32"),
     ("hf:llama-tiny", 2, 64, "adamw", "fp32"),

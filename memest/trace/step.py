@@ -48,11 +48,13 @@ def model_dtype(spec: RunSpec) -> torch.dtype:
     return torch.float32 if spec.mixed else DTYPES[spec.precision]
 
 
-def autocast_context(spec: RunSpec):
+def autocast_context(spec: RunSpec, device_type: str = "cpu"):
+    """Autocast for mixed precision. Traces run on CPU tensors; a real GPU run (validation) passes
+    device_type="cuda"."""
     if not spec.mixed:
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
-    return torch.autocast(device_type="cpu", dtype=dtype)
+    return torch.autocast(device_type=device_type, dtype=dtype)
 
 
 def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
@@ -105,13 +107,15 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
-def run_iteration(model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None) -> None:
+def run_iteration(
+    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu"
+) -> None:
     """One training step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after backward
     and the optimizer step (the tracer classifies gradients and state there)."""
     mark = on_phase or (lambda phase: None)
     done = after or (lambda phase: None)
     mark(Phase.FORWARD)
-    with autocast_context(spec):
+    with autocast_context(spec, device_type):
         out = call_model(model, inputs)
         mark(Phase.LOSS)
         loss = compute_loss(out, inputs) if compute_loss else default_loss(out)

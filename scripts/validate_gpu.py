@@ -1,0 +1,261 @@
+"""GPU validation: run training steps for real on a CUDA GPU, measure them, and compare with memest.
+
+For each case, in a fresh process (so context and allocator start clean):
+  real      the same two-step loop memest traces (memest.trace.step.run_iteration) on CUDA tensors:
+            torch.cuda.max_memory_allocated, max_memory_reserved, memory_stats active peak, and the
+            process's NVML used memory (peak, polled every 2 ms, via nvidia-ml-py)
+  memest    the estimate for the same config, in a process where CUDA is hidden (it never touches
+            the GPU), with the GPU's compute capability and no calibration (defaults)
+Writes benchmarks/gpu-validation.md and benchmarks/gpu-validation.json with the GPU name, driver,
+CUDA and torch versions. Needs only torch (+ transformers for hf: cases) and nvidia-ml-py.
+
+    python scripts/validate_gpu.py                    # all cases
+    python scripts/validate_gpu.py --cases 0,1 --out /tmp/v.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (model, batch, seq, optimizer, precision); two batch sizes for most models
+CASES = [
+    ("examples/cnn.py", 64, None, "sgd-momentum", "fp32"),
+    ("examples/cnn.py", 256, None, "sgd-momentum", "fp32"),
+    ("examples/cnn.py", 256, None, "adamw", "bf16-mixed"),
+    ("examples/mlp.py", 256, None, "adam", "fp32"),
+    ("examples/transformer.py", 8, 512, "adamw", "fp32"),
+    ("examples/transformer.py", 32, 512, "adamw", "fp32"),
+    ("examples/transformer.py", 32, 512, "adamw", "bf16-mixed"),
+    ("examples/transformer_ckpt.py", 32, 512, "adamw", "fp32"),  # activation checkpointing
+    ("examples/transformer_ckpt.py", 32, 512, "sgd", "bf16-mixed"),
+    ("hf:gpt2", 4, 512, "adamw", "fp32"),
+    ("hf:gpt2", 8, 1024, "adamw", "bf16-mixed"),
+    ("hf:gpt2", 8, 1024, "sgd", "bf16-mixed"),
+    ("hf:bert-base-uncased", 16, 512, "adamw", "bf16-mixed"),
+    ("hf:gpt2-medium", 4, 1024, "adamw", "bf16-mixed"),
+]
+
+
+def _spec(case, compute_capability=(9, 0)):
+    from memest.spec import RunSpec
+
+    model, batch, seq, optim, precision = case
+    ref = model if model.startswith("hf:") else str(ROOT / model)
+    return RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, compute_capability=compute_capability)
+
+
+class NvmlPeak:
+    """Peak NVML used memory of this process, polled in a thread."""
+
+    def __init__(self, index: int) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml = pynvml
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.pid = os.getpid()
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def read(self) -> int:
+        for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            if proc.pid == self.pid and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+        return 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.read())
+
+
+def run_real(case) -> dict:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from memest.sources import load_source
+    from memest.trace.optim import make_optimizer
+    from memest.trace.step import build, run_iteration
+
+    cc = torch.cuda.get_device_capability()
+    spec = _spec(case, cc)
+    source = load_source(spec.model)
+    torch.manual_seed(0)
+    model, inputs = build(source, spec)  # on CPU, then moved: what most scripts do
+    model = model.cuda()
+    inputs = tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
+    optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with NvmlPeak(torch.cuda.current_device()) as nvml:
+        for _ in range(spec.iterations):
+            run_iteration(model, inputs, optimizer, source.compute_loss, spec, device_type="cuda")
+        torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    return {
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        "active_bytes_peak": stats.get("active_bytes.all.peak"),
+        "nvml_peak_used": nvml.peak,
+        "compute_capability": list(cc),
+    }
+
+
+def run_memest(case, compute_capability) -> dict:
+    from memest.estimate import estimate
+
+    spec = _spec(case, tuple(compute_capability))
+    start = time.perf_counter()
+    result = estimate(spec, calibration=None)
+    report = result.report
+    return {
+        "tensor_peak": report.peak_allocated_bytes,
+        "allocated": report.device.allocated_peak_bytes,
+        "reserved": report.device.reserved_peak_bytes,
+        "device": report.device.device_bytes,
+        "attention_backends": report.attention_backends,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _child(args) -> None:
+    case = CASES[args.child_case]
+    if args.child_kind == "real":
+        out = run_real(case)
+    else:
+        out = run_memest(case, json.loads(args.cc))
+    print("RESULT " + json.dumps(out))
+
+
+def _spawn(kind: str, index: int, env_extra: dict, cc=None) -> dict:
+    cmd = [sys.executable, __file__, "--child-kind", kind, "--child-case", str(index)]
+    if cc is not None:
+        cmd += ["--cc", json.dumps(cc)]
+    env = {**os.environ, **env_extra}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"case {index} ({kind}) failed:\n{proc.stderr[-3000:]}")
+
+
+def _environment() -> dict:
+    import torch
+
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception as exc:  # noqa: BLE001
+        info["driver"] = f"unknown ({exc})"
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return info
+
+
+def _err(est: int, real: int) -> float:
+    return 100.0 * (est - real) / real if real else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="all")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu-validation.md"))
+    parser.add_argument("--child-kind")
+    parser.add_argument("--child-case", type=int)
+    parser.add_argument("--cc")
+    args = parser.parse_args()
+    if args.child_kind:
+        _child(args)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("validate_gpu.py needs a CUDA GPU; see benchmarks/gpu-validation.md for the last measured run")
+    indices = range(len(CASES)) if args.cases == "all" else [int(i) for i in args.cases.split(",")]
+    rows = []
+    for i in indices:
+        real = _spawn("real", i, {})
+        est = _spawn("memest", i, {"CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": "/nonexistent-memest-cache"},
+                     cc=real["compute_capability"])
+        row = {"case": CASES[i], "real": real, "memest": est,
+               "error_allocated_pct": _err(est["allocated"], real["max_memory_allocated"]),
+               "error_reserved_pct": _err(est["reserved"], real["max_memory_reserved"]),
+               "error_nvml_pct": _err(est["device"], real["nvml_peak_used"])}
+        rows.append(row)
+        print(f"{i:2} {CASES[i]}: allocated {row['error_allocated_pct']:+.2f}%  reserved "
+              f"{row['error_reserved_pct']:+.2f}%  nvml {row['error_nvml_pct']:+.2f}%", flush=True)
+    env = _environment()
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
+    out.write_text(_markdown(env, rows))
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+
+
+def _markdown(env: dict, rows: list[dict]) -> str:
+    def stat(key):
+        values = [abs(r[key]) for r in rows]
+        return f"median {statistics.median(values):.2f}%, max {max(values):.2f}%"
+
+    lines = [
+        "# GPU validation: memest vs real CUDA runs",
+        "",
+        f"Measured {env['date']} on {env['gpu']} (driver {env['driver']}), CUDA {env['cuda']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}. Reproduce: `python scripts/validate_gpu.py` on a machine with a GPU.",
+        "memest ran with defaults (no calibration) and never touched the GPU (CUDA hidden in its process).",
+        "",
+        f"- allocated (max_memory_allocated): {stat('error_allocated_pct')} — goal 3% median, 8% max",
+        f"- reserved (max_memory_reserved): {stat('error_reserved_pct')} — goal 5% median",
+        f"- device (NVML used by the process): {stat('error_nvml_pct')} — goal 7% median",
+        "",
+        "| model | batch | seq | optim | precision | real alloc | memest alloc | err | real reserved | memest reserved | err | real NVML | memest device | err |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    mib = 2**20
+    for r in rows:
+        m, b, s, o, p = r["case"]
+        real, est = r["real"], r["memest"]
+        lines.append(
+            f"| {m} | {b} | {s or '-'} | {o} | {p} | {real['max_memory_allocated'] / mib:.1f} MiB | "
+            f"{est['allocated'] / mib:.1f} MiB | {r['error_allocated_pct']:+.2f}% | {real['max_memory_reserved'] / mib:.1f} MiB | "
+            f"{est['reserved'] / mib:.1f} MiB | {r['error_reserved_pct']:+.2f}% | {real['nvml_peak_used'] / mib:.1f} MiB | "
+            f"{est['device'] / mib:.1f} MiB | {r['error_nvml_pct']:+.2f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
