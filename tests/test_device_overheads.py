@@ -30,6 +30,8 @@ def test_fixed_costs_context_modes_and_nccl():
     lazy = by_name(fixed_costs((8, 0), env={}))
     eager = by_name(fixed_costs((8, 0), env={"CUDA_MODULE_LOADING": "EAGER"}))
     assert lazy["cuda_context"].bytes < eager["cuda_context"].bytes
+    ampere_consumer = by_name(fixed_costs((8, 6), env={}))
+    assert ampere_consumer["cuda_context"].bytes == 256 * MiB  # the one generation with a public measurement
     assert lazy["cublas_workspaces"].bytes == 2 * cublas_workspace_bytes((8, 0), env={})  # two threads
     assert lazy["cublas_workspaces"].in_allocator and not lazy["cuda_context"].in_allocator
     assert "nccl_buffers" not in lazy

@@ -44,6 +44,11 @@ CONSTANTS: dict[str, tuple[int, str]] = {
     # NCCL: per channel, per peer, for each of its protocols' buffers.
     "nccl_buffsize": (4 * MiB, "NCCL_BUFFSIZE default 4 MiB (NCCL environment-variable docs)"),
 }
+# Measured lazy-loading contexts by GPU generation (compute capability) where a public measurement
+# exists; other generations use "context_lazy". Add rows from `memest calibrate` / validate_gpu.py runs.
+CONTEXT_LAZY_BY_CC: dict[tuple[int, int], tuple[int, str]] = {
+    (8, 6): (256 * MiB, "256 MiB measured on RTX 3090, torch 2.7.1+cu128, driver 610.43 (invoke-ai/InvokeAI#9413)"),
+}
 NCCL_CHANNELS_DEFAULT = 16  # assumption: NCCL picks 2-32 channels by topology; NCCL_MAX_NCHANNELS caps it
 CUBLAS_HANDLES_IN_TRAINING = 2  # the forward thread and autograd's device thread each reserve a handle
 
@@ -85,6 +90,9 @@ def fixed_costs(
     key = "context_eager" if eager else "context_lazy"
     if "context_bytes" in cal and not eager:
         costs.append(FixedCost("cuda_context", int(cal["context_bytes"]), cal.get("source", "memest calibrate"), True))
+    elif not eager and tuple(compute_capability) in CONTEXT_LAZY_BY_CC:
+        nbytes, source = CONTEXT_LAZY_BY_CC[tuple(compute_capability)]
+        costs.append(FixedCost("cuda_context", nbytes, source))
     else:
         costs.append(FixedCost("cuda_context", CONSTANTS[key][0], CONSTANTS[key][1]))
 
