@@ -50,8 +50,9 @@ def estimate(spec: RunSpec, calibration: dict | None = None) -> Estimate:
     else:
         report.notes.append("peak allocated = bytes held by the CPU allocator at the step's peak")
     if spec.mixed:
-        note = "mixed precision traced with CPU autocast op lists"
-        if spec.target == "cuda":
-            note += " (CUDA's lists differ for a few ops)"
-        report.notes.append(note)
+        report.notes.append(
+            "mixed precision traced with CUDA autocast's op lists (emulated on CPU tensors)"
+            if spec.target == "cuda"
+            else "mixed precision traced with CPU autocast (torch.autocast('cpu'))"
+        )
     return Estimate(report, trace)

@@ -137,3 +137,17 @@ def test_adam_step_peak_foreach_vs_fused(fused, ratio):
 def test_cuda_options_rejected_for_cpu_target():
     with pytest.raises(MemestError, match="--target cuda"):
         RunSpec(model="x.py", target="cpu", fused=True)
+
+
+def test_autocast_casts_sdpa_inputs_before_the_backend_is_chosen():
+    """SDPA is on CUDA autocast's lower-precision list: fp32 q/k/v under bf16-mixed reach the kernel
+    as bf16, so flash (16-bit only) is chosen, as on a GPU."""
+    spec = RunSpec(model="attn", precision="bf16-mixed", optim="sgd", iterations=1)
+    trace = trace_step(attention_source(torch.float32), spec)
+    assert trace.attention_backends == {"flash": 1}
+
+
+def test_grouped_query_attention_takes_flash_in_16_bit_and_math_in_fp32():
+    gqa = dict(heads_q=8, heads_kv=2)
+    assert select_backend(SdpaCall(torch.bfloat16, 64, 64, L, L, False, True, True, **gqa), (9, 0)) == "flash"
+    assert select_backend(SdpaCall(torch.float32, 64, 64, L, L, False, True, True, **gqa), (9, 0)) == "math"

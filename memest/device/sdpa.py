@@ -38,6 +38,8 @@ class SdpaCall:
     has_mask: bool
     is_causal: bool
     requires_grad: bool
+    heads_q: int = 1
+    heads_kv: int = 1
 
 
 def flash_rejects(call: SdpaCall, sm: tuple[int, int]) -> str | None:
@@ -62,6 +64,10 @@ def efficient_rejects(call: SdpaCall, sm: tuple[int, int]) -> str | None:
     allowed = (torch.float16, torch.float32, torch.bfloat16) if sm >= (8, 0) else (torch.float16, torch.float32)
     if call.dtype not in allowed:
         return "memory-efficient attention does not take this dtype on this GPU"
+    if call.heads_q != call.heads_kv:
+        # grouped-query attention: newer sdp_utils lets the efficient kernel take it, older releases
+        # (and the fake backward kernel here) do not; memest takes the conservative math path
+        return "memory-efficient attention is not used with grouped-query attention (k/v heads != q heads)"
     half = call.dtype in (torch.float16, torch.bfloat16)
     # minimum_gemm_alignment: tensor cores on sm80+ (and sm70+ for half) -> 128 bits / element bits
     tensor_cores = sm >= (8, 0) or (sm >= (7, 0) and half)
@@ -103,6 +109,11 @@ class CudaSdpa(TorchFunctionMode):
         return self._sdpa(*args, **kwargs)
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cuda"):
+            # scaled_dot_product_attention is on CUDA autocast's lower-precision list: its floating
+            # inputs are cast before the backend is chosen (this mode runs above the autocast key)
+            low = torch.get_autocast_dtype("cuda")
+            query, key, value, attn_mask = (_autocast_cast(t, low) for t in (query, key, value, attn_mask))
         call = SdpaCall(
             dtype=query.dtype,
             head_dim_qk=query.shape[-1],
@@ -112,6 +123,8 @@ class CudaSdpa(TorchFunctionMode):
             has_mask=attn_mask is not None,
             is_causal=is_causal,
             requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
+            heads_q=query.shape[-3] if query.dim() >= 3 else 1,
+            heads_kv=key.shape[-3] if key.dim() >= 3 else 1,
         )
         backend = select_backend(call, self.sm, self.requested)
         self.choices[backend] += 1
@@ -122,6 +135,13 @@ class CudaSdpa(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
+
+
+def _autocast_cast(t, dtype):
+    """autocast's is_eligible: floating-point tensors other than float64 are cast."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
+        return t.to(dtype)
+    return t
 
 
 def _flash(query, key, value, dropout_p, is_causal, scale):

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_flatten
 
+from ..device.cuda_autocast import cuda_autocast_scope
 from ..device.sdpa import CUDA_SCRATCH, CudaSdpa
 from ..errors import MemestError, TraceError
 from ..sources.base import ModelSource, default_loss
@@ -54,6 +55,10 @@ def autocast_context(spec: RunSpec, device_type: str = "cpu"):
     if not spec.mixed:
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
+    if device_type == "cpu" and spec.target == "cuda":  # tracing a CUDA run on CPU tensors
+        from ..device.cuda_autocast import cuda_autocast
+
+        return cuda_autocast(dtype)
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
@@ -156,6 +161,8 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
         cuda = spec.target == "cuda"
         tracker = StorageTracker(trace, stack.current, scratch=CUDA_SCRATCH if cuda else None)
         sdpa = CudaSdpa(spec.attention, spec.compute_capability) if cuda else contextlib.nullcontext()
+        # CUDA autocast rules must also hold in backward, where checkpointing replays the forward
+        autocast_scope = cuda_autocast_scope() if cuda and spec.mixed else contextlib.nullcontext()
         for name, p in model.named_parameters():
             sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner_of_param[id(p)])
             if sid is not None:
@@ -183,7 +190,7 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
         try:
             source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
-            with _quiet_fake_tensor_log(), source_context, sdpa, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
+            with _quiet_fake_tensor_log(), source_context, sdpa, autocast_scope, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
                 for it in range(1, spec.iterations + 1):
                     stack.record_outputs = it == 1
                     run_iteration(
