@@ -32,6 +32,14 @@ Attention = Annotated[
     str, typer.Option("--attention", help="--target cuda SDPA kernel: auto (PyTorch's rules) | flash | efficient | math")
 ]
 Fused = Annotated[bool, typer.Option("--fused", help="--target cuda: fused optimizer kernels instead of foreach.")]
+GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step (--batch is the micro-batch).")]
+Checkpointing = Annotated[
+    str, typer.Option("--checkpointing", help="none | blocks | every:N | module.name,other.name (activation checkpointing)")
+]
+ZeroGrad = Annotated[str, typer.Option("--zero-grad", help="none: grads set to None after the step; zeros: kept as zeros.")]
+Mode = Annotated[str, typer.Option("--mode", help="train | inference | generate (decoder models, KV cache)")]
+NewTokens = Annotated[int, typer.Option("--new-tokens", help="--mode generate: tokens generated after a --seq prompt.")]
+Cache = Annotated[str, typer.Option("--cache", help="--mode generate: dynamic (grows) | static (preallocated) KV cache")]
 Depth = Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")]
 Json = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (schema in README).")]
 FailIfNotFits = Annotated[
@@ -77,6 +85,12 @@ def estimate(
     target: Target = "cuda",
     attention: Attention = "auto",
     fused: Fused = False,
+    grad_accum: GradAccum = 1,
+    checkpointing: Checkpointing = "none",
+    zero_grad: ZeroGrad = "none",
+    mode: Mode = "train",
+    new_tokens: NewTokens = 0,
+    cache: Cache = "dynamic",
     gpu: Gpu = None,
     depth: Depth = 3,
     json: Json = False,
@@ -99,6 +113,8 @@ def estimate(
         spec = RunSpec(
             model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
             attention=attention, fused=fused, compute_capability=target_compute_capability(gpu, query),
+            grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
+            new_tokens=new_tokens, cache=cache,
         )
         from .estimate import estimate as run_estimate
 

@@ -6,10 +6,13 @@ from dataclasses import asdict, dataclass
 
 from .errors import MemestError
 
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adafactor")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adafactor", "adam8bit")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed")
 TARGETS = ("cuda", "cpu")
 ATTENTIONS = ("auto", "flash", "efficient", "math")
+ZERO_GRAD = ("none", "zeros")
+MODES = ("train", "inference", "generate")
+CACHES = ("dynamic", "static")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,12 @@ class RunSpec:
     attention: str = "auto"  # --target cuda: SDPA backend (auto follows PyTorch's selection rules)
     fused: bool = False  # --target cuda: fused optimizer kernels instead of foreach
     compute_capability: tuple[int, int] = (9, 0)  # of the target GPU; decides e.g. flash availability
+    grad_accum: int = 1  # micro-steps per optimizer step; batch is the micro-batch
+    checkpointing: str = "none"  # none | blocks | every:N | module.name,other.name
+    zero_grad: str = "none"  # after the step: grads set to None, or kept as zeros
+    mode: str = "train"  # train | inference (no grad, no optimizer) | generate (decoder KV cache)
+    new_tokens: int = 0  # --mode generate: tokens generated after a prompt of --seq tokens
+    cache: str = "dynamic"  # --mode generate: dynamic (grows) or static (preallocated) KV cache
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -43,8 +52,28 @@ class RunSpec:
         _check_choice("--attention", self.attention, ATTENTIONS)
         if self.target == "cpu" and (self.fused or self.attention != "auto"):
             raise MemestError("--fused and --attention describe CUDA kernels; use them with --target cuda")
+        _check_choice("--zero-grad", self.zero_grad, ZERO_GRAD)
+        _check_choice("--mode", self.mode, MODES)
+        _check_choice("--cache", self.cache, CACHES)
+        if self.grad_accum < 1:
+            raise MemestError(
+                f"--grad-accum must be at least 1 (micro-steps per optimizer step), got {self.grad_accum}; "
+                "use 1 for no accumulation"
+            )
+        if self.mode == "generate" and self.new_tokens < 1:
+            raise MemestError("--mode generate needs --new-tokens N (N >= 1 tokens generated after the prompt)")
+        if self.mode != "generate" and self.new_tokens:
+            raise MemestError("--new-tokens applies to --mode generate only")
+        if self.mode != "train" and (self.grad_accum > 1 or self.checkpointing != "none"):
+            raise MemestError(
+                f"--grad-accum and --checkpointing are training techniques; drop them with --mode {self.mode}"
+            )
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
+
+    @property
+    def training(self) -> bool:
+        return self.mode == "train"
 
     @property
     def mixed(self) -> bool:

@@ -102,7 +102,8 @@ def run_real(case) -> dict:
     spec = _spec(case, cc)
     source = load_source(spec.model)
     torch.manual_seed(0)
-    model, inputs = build(source, spec)  # on CPU, then moved: what most scripts do
+    built = build(source, spec)  # on CPU, then moved: what most scripts do
+    model, inputs = built.model, built.inputs
     model = model.cuda()
     inputs = tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
     optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])

@@ -3,7 +3,7 @@ tensors (``--target cuda``).
 
 On CPU, F.scaled_dot_product_attention picks CPU kernels (often the math path, which saves the
 batch x heads x seq x seq probabilities). A CUDA run picks flash or memory-efficient attention, which
-save only the output and a logsumexp (+ RNG seed/offset with dropout). This mode intercepts the call,
+save only the output and a logsumexp (+ RNG seed/offset with dropout). A kernel registered for the call
 selects the backend with PyTorch's CUDA rules, and calls that backend's aten op directly; fake
 tensors run its meta kernel, and autograd records the same backward node (and saved tensors) as on
 CUDA. Sources: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend,
@@ -14,12 +14,12 @@ preprocess_mask for efficient) and flash_attn/flash_api.cpp (mha_bwd scratch).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..errors import MemestError
 
@@ -93,27 +93,31 @@ def select_backend(call: SdpaCall, sm: tuple[int, int], requested: str = "auto")
     return "math"
 
 
-class CudaSdpa(TorchFunctionMode):
-    """Route F.scaled_dot_product_attention to the CUDA backend's aten op; count choices."""
+class CudaSdpa:
+    """Context manager: while active, aten::scaled_dot_product_attention on CPU tensors runs the CUDA
+    backend's op (registered at the AutogradCPU dispatch key, so it also holds when checkpointing
+    recomputes the forward inside backward, where Python function modes are not active). It sits below
+    the autocast key, so CUDA autocast (cuda_autocast.py) has cast the inputs already. Counts choices."""
 
     def __init__(self, requested: str = "auto", sm: tuple[int, int] = (9, 0)) -> None:
-        super().__init__()
         self.requested = requested
         self.sm = sm
         self.choices: Counter[str] = Counter()
+        self._lib = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._sdpa(*args, **kwargs)
+    def __enter__(self) -> "CudaSdpa":
+        self._lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+            self._lib.impl("scaled_dot_product_attention", self._sdpa, "AutogradCPU")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if torch.is_autocast_enabled("cuda"):
-            # scaled_dot_product_attention is on CUDA autocast's lower-precision list: its floating
-            # inputs are cast before the backend is chosen (this mode runs above the autocast key)
-            low = torch.get_autocast_dtype("cuda")
-            query, key, value, attn_mask = (_autocast_cast(t, low) for t in (query, key, value, attn_mask))
         call = SdpaCall(
             dtype=query.dtype,
             head_dim_qk=query.shape[-1],
@@ -135,13 +139,6 @@ class CudaSdpa(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
-
-
-def _autocast_cast(t, dtype):
-    """autocast's is_eligible: floating-point tensors other than float64 are cast."""
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
-        return t.to(dtype)
-    return t
 
 
 def _flash(query, key, value, dropout_p, is_causal, scale):

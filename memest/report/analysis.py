@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from ..device.usage import DeviceUsage
 from ..spec import RunSpec
 from ..trace.events import Category, Phase, Trace
+from ..trace.checkpointing import within
 from ..trace.optim import FOLKLORE_N
 
 # The JSON contract's categories (design.md §5); buffers and inputs are reported as "other".
@@ -60,6 +61,10 @@ class Report:
     trace_seconds: float = 0.0
     attention_backends: dict[str, int] = field(default_factory=dict)  # --target cuda: SDPA kernel -> calls
     device: DeviceUsage | None = None  # --target cuda: allocator replay and fixed costs
+    effective_batch: int = 0  # batch x grad_accum (x world size)
+    step_flops: int = 0  # FLOPs of one step (the last traced), torch.utils.flop_counter formulas
+    recompute_flops: int = 0  # of which: forward ops re-run in backward by activation checkpointing
+    checkpointed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -128,6 +133,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         )
 
     folklore, formula = _folklore(trace, spec)
+    step_flops, recompute = _flops(trace, spec)
     return Report(
         model=model_name,
         model_type=trace.model_type,
@@ -147,6 +153,10 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         folklore_bytes=folklore,
         folklore_formula=formula,
         attention_backends=dict(trace.attention_backends),
+        effective_batch=spec.batch * spec.grad_accum,
+        step_flops=step_flops,
+        recompute_flops=recompute,
+        checkpointed=list(trace.checkpointed),
     )
 
 
@@ -163,6 +173,15 @@ def _peak_by(trace: Trace, key) -> dict:
         if live > out.get(current, -1):
             out[current] = live
     return out
+
+
+def _flops(trace: Trace, spec: RunSpec) -> tuple[int, int]:
+    """FLOPs of the last traced step, and the part that is recomputation: checkpointing re-runs the
+    forward ops of the checkpointed modules in backward, so their forward FLOPs are counted twice."""
+    last = [(phase, module, n) for (it, phase, module), n in trace.flops.items() if it == spec.iterations]
+    total = sum(n for _, _, n in last)
+    recompute = sum(n for phase, module, n in last if phase is Phase.FORWARD and within(module, trace.checkpointed))
+    return total, recompute
 
 
 def _folklore(trace: Trace, spec: RunSpec) -> tuple[int, str]:

@@ -56,6 +56,16 @@ def summary_table(report: Report) -> Table:
         used = ", ".join(f"{name} x{n}" for name, n in report.attention_backends.items())
         cc = spec.get("compute_capability") or ()
         table.add_row("attention", f"{used} (CUDA kernel rules for sm{''.join(str(x) for x in cc)})")
+    if spec.get("grad_accum", 1) > 1:
+        table.add_row("accumulation", f"{spec['grad_accum']} micro-steps of batch {spec['batch']}: effective batch {report.effective_batch}")
+    if report.checkpointed:
+        base = report.step_flops - report.recompute_flops
+        pct = 100 * report.recompute_flops / base if base else 0.0
+        table.add_row(
+            "checkpointing",
+            f"{len(report.checkpointed)} modules ({_names(report.checkpointed)}); recompute costs "
+            f"{pct:.1f}% extra FLOPs per step",
+        )
     table.add_row("parameters", f"{format_count(report.param_count)} ({format_bytes(report.param_bytes)})")
     table.add_row("peak allocated", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]")
     where = f"step {report.peak_iteration}, {report.phase_at_peak}"
@@ -86,6 +96,10 @@ def summary_table(report: Report) -> Table:
     )
     table.add_row("traced in", f"{report.trace_seconds:.2f} s")
     return table
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f", … (+{len(names) - 3})" if len(names) > 3 else "")
 
 
 def fit_table(rows: list[FitRow]) -> Table:

@@ -73,6 +73,9 @@ class Trace:
     owner_module: dict[int, str] = field(default_factory=dict)
     model_type: str = ""
     attention_backends: dict[str, int] = field(default_factory=dict)  # SDPA backend -> calls (cuda)
+    # FLOPs (torch.utils.flop_counter formulas) by (iteration, phase, module)
+    flops: dict[tuple[int, Phase, str], int] = field(default_factory=dict)
+    checkpointed: list[str] = field(default_factory=list)  # modules wrapped by --checkpointing
     param_count: int = 0
     param_bytes: int = 0
 

@@ -9,6 +9,7 @@ run ``spec.iterations`` times (2 by default: optimizer state exists from the fir
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 import logging
 import warnings
 from typing import Any
@@ -27,6 +28,7 @@ from ..device.sdpa import CUDA_SCRATCH, CudaSdpa
 from ..errors import MemestError, TraceError
 from ..sources.base import ModelSource, default_loss
 from ..spec import RunSpec
+from .checkpointing import apply_checkpointing
 from .dtype import cast_floating
 from .events import Category, Phase, Trace
 from .modules import ModuleStack, describe_modules
@@ -62,8 +64,16 @@ def autocast_context(spec: RunSpec, device_type: str = "cpu"):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
-    """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype."""
+@dataclass
+class Built:
+    model: torch.nn.Module
+    inputs: Any
+    checkpointed: list[str] = field(default_factory=list)
+
+
+def build(source: ModelSource, spec: RunSpec) -> Built:
+    """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype, in
+    train or eval mode, with --checkpointing applied."""
     try:
         model = source.build_model()
     except MemestError:
@@ -75,7 +85,8 @@ def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
     dtype = model_dtype(spec)
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
-    model.train()
+    model.train(spec.training)
+    checkpointed = apply_checkpointing(model, spec.checkpointing, source.origin or source.name)
     seq = spec.seq if spec.seq is not None else source.default_seq
     try:
         inputs = source.example_inputs(spec.batch, seq)
@@ -85,7 +96,9 @@ def build(source: ModelSource, spec: RunSpec) -> tuple[torch.nn.Module, Any]:
         raise _build_error(source, f"example_inputs({spec.batch}, {seq})", exc) from exc
     if dtype != torch.float32:
         inputs = _cast_floats(inputs, dtype)
-    return model, inputs
+    if not spec.training and isinstance(inputs, dict):
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
+    return Built(model, inputs, checkpointed)
 
 
 def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
@@ -115,25 +128,29 @@ def call_model(model: torch.nn.Module, inputs: Any):
 def run_iteration(
     model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu"
 ) -> None:
-    """One training step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after backward
-    and the optimizer step (the tracer classifies gradients and state there)."""
+    """One training step: ``spec.grad_accum`` micro-steps (loss / K each) then one optimizer step.
+    ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after backward and the optimizer step
+    (the tracer classifies gradients and state there)."""
     mark = on_phase or (lambda phase: None)
     done = after or (lambda phase: None)
-    mark(Phase.FORWARD)
-    with autocast_context(spec, device_type):
-        out = call_model(model, inputs)
-        mark(Phase.LOSS)
-        loss = compute_loss(out, inputs) if compute_loss else default_loss(out)
-    del out
-    mark(Phase.BACKWARD)
-    loss.backward()
-    del loss
-    done(Phase.BACKWARD)
+    for _ in range(spec.grad_accum):
+        mark(Phase.FORWARD)
+        with autocast_context(spec, device_type):
+            out = call_model(model, inputs)
+            mark(Phase.LOSS)
+            loss = compute_loss(out, inputs) if compute_loss else default_loss(out)
+            if spec.grad_accum > 1:
+                loss = loss / spec.grad_accum
+        del out
+        mark(Phase.BACKWARD)
+        loss.backward()
+        del loss
+        done(Phase.BACKWARD)
     mark(Phase.OPTIMIZER)
     optimizer.step()
     done(Phase.OPTIMIZER)
     mark(Phase.ZERO_GRAD)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
 
 
 def _storage_tensors(obj) -> list[torch.Tensor]:
@@ -149,7 +166,9 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
-                model, inputs = build(source, spec)
+                built = build(source, spec)
+                model, inputs = built.model, built.inputs
+                trace.checkpointed = built.checkpointed
         owner_of_param = describe_modules(model, trace)
         trace.model_type = type(model).__name__
         params = [p for p in model.parameters() if p.requires_grad]

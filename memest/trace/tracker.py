@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .events import Category, Phase, StorageRecord, Trace
@@ -91,6 +92,10 @@ class StorageTracker(TorchDispatchMode):
                 self.register(t, Category.TEMPORARIES, func.__name__)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
+        flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
+        if flop_fn is not None:
+            key = (self.iteration, self.phase, self.module_of())
+            self.trace.flops[key] = self.trace.flops.get(key, 0) + int(flop_fn(*args, **(kwargs or {}), out_val=out))
         return out
 
     def _scratch_alloc(self, func, args, kwargs) -> list[tuple[int, int]]:

@@ -42,7 +42,8 @@ def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
     """Peak bytes of the real step (parameters, buffers and inputs included) and the op that made it."""
     assert spec.target == "cpu", "CPU ground truth is for --target cpu estimates"
     torch.manual_seed(seed)
-    model, inputs = build(source, spec)
+    built = build(source, spec)
+    model, inputs = built.model, built.inputs
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(spec, params)
     baseline = _distinct_storage_bytes(
