@@ -13,6 +13,8 @@ ATTENTIONS = ("auto", "flash", "efficient", "math")
 ZERO_GRAD = ("none", "zeros")
 MODES = ("train", "inference", "generate")
 CACHES = ("dynamic", "static")
+SHARDS = ("none", "zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer", "params")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class RunSpec:
     mode: str = "train"  # train | inference (no grad, no optimizer) | generate (decoder KV cache)
     new_tokens: int = 0  # --mode generate: tokens generated after a prompt of --seq tokens
     cache: str = "dynamic"  # --mode generate: dynamic (grows) or static (preallocated) KV cache
+    world_size: int = 1  # data-parallel ranks; estimates are per rank
+    shard: str = "none"  # zero1: optimizer state, zero2: + gradients, zero3 (FSDP full shard): + parameters
+    offload: str = "none"  # optimizer: optimizer state (and step) on the CPU; params: params+grads+optimizer on the CPU
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -68,6 +73,19 @@ class RunSpec:
             raise MemestError(
                 f"--grad-accum and --checkpointing are training techniques; drop them with --mode {self.mode}"
             )
+        _check_choice("--shard", self.shard, SHARDS)
+        _check_choice("--offload", self.offload, OFFLOADS)
+        if self.world_size < 1:
+            raise MemestError(f"--world-size must be at least 1, got {self.world_size}")
+        if self.shard != "none" and self.world_size < 2:
+            raise MemestError(
+                f"--shard {self.shard} splits state across ranks and needs --world-size 2 or more; "
+                "with one GPU use --shard none (or --offload to move state to the CPU)"
+            )
+        if self.shard != "none" and not self.training:
+            raise MemestError(f"--shard applies to training; drop it with --mode {self.mode}")
+        if self.offload == "params" and self.shard != "zero3":
+            raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 

@@ -96,7 +96,7 @@ def run_real(case) -> dict:
 
     from memest.sources import load_source
     from memest.trace.optim import make_optimizer
-    from memest.trace.step import build, run_iteration
+    from memest.trace.step import build, run_step
 
     cc = torch.cuda.get_device_capability()
     spec = _spec(case, cc)
@@ -111,7 +111,7 @@ def run_real(case) -> dict:
     torch.cuda.reset_peak_memory_stats()
     with NvmlPeak(torch.cuda.current_device()) as nvml:
         for _ in range(spec.iterations):
-            run_iteration(model, inputs, optimizer, source.compute_loss, spec, device_type="cuda")
+            run_step(model, inputs, optimizer, source.compute_loss, spec, device_type="cuda")
         torch.cuda.synchronize()
     stats = torch.cuda.memory_stats()
     return {

@@ -32,6 +32,7 @@ class Phase(str, Enum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     ZERO_GRAD = "zero_grad"
+    DECODE = "decode"  # --mode generate: one token at a time after the prefill (forward)
 
 
 @dataclass

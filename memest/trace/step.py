@@ -31,6 +31,7 @@ from ..spec import RunSpec
 from .checkpointing import apply_checkpointing
 from .dtype import cast_floating
 from .events import Category, Phase, Trace
+from .inference import check_generate, run_generate, run_inference
 from .modules import ModuleStack, describe_modules
 from .optim import make_optimizer
 from .tracker import StorageTracker
@@ -153,6 +154,21 @@ def run_iteration(
     optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
 
 
+def run_step(
+    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu"
+) -> None:
+    """One step of ``spec.mode``: a training step, an inference forward, or a generation."""
+    if spec.training:
+        run_iteration(model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type)
+        return
+    mark = on_phase or (lambda phase: None)
+    with autocast_context(spec, device_type):
+        if spec.mode == "inference":
+            run_inference(model, inputs, call_model, mark)
+        else:
+            run_generate(model, inputs, spec, mark)
+
+
 def _storage_tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -174,7 +190,9 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
         params = [p for p in model.parameters() if p.requires_grad]
         trace.param_count = sum(p.numel() for p in model.parameters())
         trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        optimizer = make_optimizer(spec, params)
+        optimizer = make_optimizer(spec, params) if spec.training else None
+        if spec.mode == "generate":
+            check_generate(model, inputs)
 
         stack = ModuleStack(model, trace)
         cuda = spec.target == "cuda"
@@ -212,7 +230,7 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
             with _quiet_fake_tensor_log(), source_context, sdpa, autocast_scope, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
                 for it in range(1, spec.iterations + 1):
                     stack.record_outputs = it == 1
-                    run_iteration(
+                    run_step(
                         model,
                         inputs,
                         optimizer,

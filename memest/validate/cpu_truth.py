@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten
 from ..sources.base import ModelSource
 from ..spec import RunSpec
 from ..trace.optim import make_optimizer
-from ..trace.step import build, run_iteration
+from ..trace.step import build, run_step
 
 
 def _allocation_events(prof) -> list:
@@ -45,13 +45,13 @@ def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(spec, params)
+    optimizer = make_optimizer(spec, params) if spec.training else None
     baseline = _distinct_storage_bytes(
         list(model.parameters()) + list(model.buffers()) + tree_flatten(inputs)[0]
     )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         for _ in range(spec.iterations):
-            run_iteration(model, inputs, optimizer, source.compute_loss, spec)
+            run_step(model, inputs, optimizer, source.compute_loss, spec)
     events = _allocation_events(prof)
     if not events:
         return {"peak_bytes": baseline, "op_at_peak": None}
