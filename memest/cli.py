@@ -40,6 +40,9 @@ ZeroGrad = Annotated[str, typer.Option("--zero-grad", help="none: grads set to N
 Mode = Annotated[str, typer.Option("--mode", help="train | inference | generate (decoder models, KV cache)")]
 NewTokens = Annotated[int, typer.Option("--new-tokens", help="--mode generate: tokens generated after a --seq prompt.")]
 Cache = Annotated[str, typer.Option("--cache", help="--mode generate: dynamic (grows) | static (preallocated) KV cache")]
+WorldSize = Annotated[int, typer.Option("--world-size", help="Data-parallel ranks (estimates are per rank).")]
+Shard = Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 (FSDP full shard)")]
+Offload = Annotated[str, typer.Option("--offload", help="none | optimizer | params (params needs --shard zero3)")]
 Depth = Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")]
 Json = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (schema in README).")]
 FailIfNotFits = Annotated[
@@ -91,6 +94,9 @@ def estimate(
     mode: Mode = "train",
     new_tokens: NewTokens = 0,
     cache: Cache = "dynamic",
+    world_size: WorldSize = 1,
+    shard: Shard = "none",
+    offload: Offload = "none",
     gpu: Gpu = None,
     depth: Depth = 3,
     json: Json = False,
@@ -114,7 +120,7 @@ def estimate(
             model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
             attention=attention, fused=fused, compute_capability=target_compute_capability(gpu, query),
             grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
-            new_tokens=new_tokens, cache=cache,
+            new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
         )
         from .estimate import estimate as run_estimate
 

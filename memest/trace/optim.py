@@ -26,6 +26,10 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **kwargs)
     if spec.optim == "adafactor":
         return torch.optim.Adafactor(params, **kwargs)
+    if spec.optim == "adam8bit":
+        from .adam8bit import Adam8bitModel
+
+        return Adam8bitModel(params, lr=spec.lr)
     raise AssertionError(spec.optim)  # RunSpec validates the name
 
 
@@ -33,4 +37,4 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
 FUSED = ("sgd", "sgd-momentum", "adam", "adamw")
 
 # Bytes of optimizer state per parameter byte, for the folklore cross-check (params x n).
-FOLKLORE_N = {"sgd": 2, "sgd-momentum": 3, "adam": 4, "adamw": 4, "adafactor": 2}
+FOLKLORE_N = {"sgd": 2, "sgd-momentum": 3, "adam": 4, "adamw": 4, "adafactor": 2, "adam8bit": 2.5}
