@@ -51,6 +51,12 @@ FailIfNotFits = Annotated[
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 
 
+def _sharding_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("memest.trace.distributed") is not None
+
+
 def _hide_cuda() -> None:
     """memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
     hide CUDA devices from torch in this process before torch is used. NVML still sees every GPU."""
@@ -122,6 +128,8 @@ def estimate(
             grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
             new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
         )
+        if (world_size > 1 or shard != "none" or offload != "none") and not _sharding_available():
+            raise MemestError("--world-size, --shard and --offload are not available in this build yet")
         from .estimate import estimate as run_estimate
 
         result = run_estimate(spec, calibration=_calibration_for(gpu, query) if target == "cuda" else None)
