@@ -22,6 +22,7 @@ from memest.trace import trace_step  # noqa: E402
 from memest.validate.cpu_truth import measure_cpu_peak  # noqa: E402
 from tests.conftest import model_ref  # noqa: E402
 from tests.test_accuracy_cpu import CASES  # noqa: E402
+from tests.test_savers import CASES as SAVER_CASES  # noqa: E402
 
 
 def main() -> None:
@@ -29,26 +30,34 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu-accuracy.md"))
     args = parser.parse_args()
     rows = []
+    cases = []
     for case in CASES:
-        case = case.values[0] if hasattr(case, "values") else case
-        name, batch, seq, optim, precision = case
+        name, batch, seq, optim, precision = case.values[0] if hasattr(case, "values") else case
+        cases.append((name, batch, seq, {"optim": optim, "precision": precision}))
+    cases += SAVER_CASES
+    for name, batch, seq, extra in cases:
+        extra = {"optim": "adam", "precision": "fp32", **extra}
+        optim, precision = extra["optim"], extra["precision"]
+        if extra.get("mode", "train") != "train":
+            optim = "-"  # no optimizer without training
+        technique = ", ".join(f"{k}={v}" for k, v in extra.items() if k not in ("optim", "precision")) or "-"
         ref = model_ref(name)
-        spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target="cpu")
+        spec = RunSpec(model=ref, batch=batch, seq=seq, target="cpu", **{**extra, "optim": extra["optim"]})
         source = load_source(ref)
         start = time.perf_counter()
         estimated, _ = trace_step(source, spec).peak()
         seconds = time.perf_counter() - start
         real = measure_cpu_peak(source, spec)["peak_bytes"]
         rows.append(
-            {"model": name, "batch": batch, "seq": seq, "optim": optim, "precision": precision,
+            {"model": name, "batch": batch, "seq": seq, "optim": optim, "precision": precision, "technique": technique,
              "estimated_bytes": estimated, "measured_bytes": real,
              "error_pct": 100 * (estimated - real) / real, "trace_seconds": seconds}
         )
-        print(f"{name:16} {optim:12} {precision:10} {rows[-1]['error_pct']:+8.3f}%", file=sys.stderr)
+        print(f"{name:16} {optim:12} {precision:10} {technique:40} {rows[-1]['error_pct']:+8.3f}%", file=sys.stderr)
     errors = [abs(r["error_pct"]) for r in rows]
     meta = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}",
+        "machine": f"{_cpu_model()}, {platform.machine()}, {torch.get_num_threads()} threads",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
@@ -64,14 +73,14 @@ def main() -> None:
         "(design.md §3). Reproduce: `python scripts/cpu_accuracy.py`.",
         "",
         f"**Median |error| {statistics.median(errors):.3f}%, max {max(errors):.2f}%** over {len(rows)} cases "
-        "(LSTM included; see the note).",
+        f"(LSTM included; see the note); without LSTM: max {max(e for e, r in zip(errors, rows) if r['model'] != 'lstm'):.2f}%.",
         "",
-        "| model | batch | seq | optimizer | precision | estimated | measured | error |",
-        "|---|---:|---:|---|---|---:|---:|---:|",
+        "| model | batch | seq | optimizer | precision | technique | estimated | measured | error |",
+        "|---|---:|---:|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['seq'] or '-'} | {r['optim']} | {r['precision']} | "
+            f"| {r['model']} | {r['batch']} | {r['seq'] or '-'} | {r['optim']} | {r['precision']} | {r['technique']} | "
             f"{r['estimated_bytes']:,} | {r['measured_bytes']:,} | {r['error_pct']:+.3f}% |"
         )
     lines += [
@@ -83,6 +92,16 @@ def main() -> None:
     ]
     out.write_text("\n".join(lines))
     print(f"wrote {out}", file=sys.stderr)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def _version(name: str) -> str:

@@ -1,0 +1,351 @@
+"""How fast is memest? End to end as a user runs it, and against PyTorch's MemTracker on the same step.
+
+1. End to end: ``memest estimate MODEL ... --json`` as a subprocess, one warm-up run (page cache)
+   then ``--reps`` timed runs: wall time and the child's peak RSS (os.wait4). Medians are quoted.
+2. MemTracker (torch.distributed._tools.mem_tracker) under FakeTensorMode, in-process, on the step
+   memest traces: same RunSpec, same model and inputs (memest.trace.step.build), same optimizer
+   (make_optimizer), same step (run_iteration) and the same contexts memest enters around it.
+   Peaks are compared with memest's, and trace times (build + 2 iterations) with memest's.
+
+Writes benchmarks/speed.md and the raw numbers to benchmarks/speed.json.
+Usage: python scripts/bench_speed.py [--out benchmarks/speed.md] [--reps 5] [--trace-reps 3] [--skip-memtracker]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GIB = 2**30
+
+# The issue's goals, on a 2-core machine.
+CASES = [
+    {
+        "name": "gpt2",
+        "model": "hf:gpt2",
+        "batch": 8,
+        "seq": 1024,
+        "optim": "adamw",
+        "goal_seconds": 6.0,
+        "goal_rss_bytes": None,
+    },
+    {
+        "name": "llama-2-7b",
+        "model": "hf:llama-2-7b",
+        "batch": 1,
+        "seq": 4096,
+        "optim": "adamw",
+        "goal_seconds": 15.0,
+        "goal_rss_bytes": int(1.5 * GIB),
+    },
+]
+
+
+# -- end to end ------------------------------------------------------------------------------------
+def memest_command() -> list[str]:
+    """The ``memest`` console script of this interpreter's environment (what a user runs)."""
+    script = Path(sys.executable).with_name("memest")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("memest")
+    return [found] if found else [sys.executable, "-m", "memest"]
+
+
+def cli_args(case: dict) -> list[str]:
+    return [
+        "estimate", case["model"], "--batch", str(case["batch"]), "--seq", str(case["seq"]),
+        "--optim", case["optim"], "--json",
+    ]
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Run ``cmd``; wall seconds, the child's own peak RSS (wait4 rusage) and its stdout."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr}")
+    return {"wall_seconds": wall, "max_rss_bytes": usage.ru_maxrss * 1024, "stdout": stdout}  # Linux: KiB
+
+
+def end_to_end(case: dict, reps: int) -> dict:
+    cmd = memest_command() + cli_args(case)
+    run_child(cmd)  # warm-up: page cache, not counted
+    runs = []
+    for i in range(reps):
+        child = run_child(cmd)
+        doc = json.loads(child.pop("stdout"))
+        child.update(peak_allocated_bytes=doc["peak_allocated_bytes"], trace_seconds=doc["trace_seconds"])
+        runs.append(child)
+        print(f"  {case['name']} run {i + 1}: {child['wall_seconds']:.2f} s, "
+              f"{child['max_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+    if len({r["peak_allocated_bytes"] for r in runs}) != 1:
+        raise SystemExit(f"{case['name']}: the peak changed between runs: {[r['peak_allocated_bytes'] for r in runs]}")
+    return {
+        "command": "memest " + " ".join(cli_args(case)),
+        "runs": runs,
+        "median_wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
+        "median_max_rss_bytes": statistics.median(r["max_rss_bytes"] for r in runs),
+        "max_rss_bytes": max(r["max_rss_bytes"] for r in runs),
+        "median_trace_seconds": statistics.median(r["trace_seconds"] for r in runs),
+        "peak_allocated_bytes": runs[0]["peak_allocated_bytes"],
+    }
+
+
+def import_floor(case: dict, reps: int) -> float:
+    """Median wall time of a process that only imports what memest must import for this model."""
+    arch = json.loads((ROOT / "memest" / "data" / "models" / f"{case['model'][3:]}.json").read_text())["architectures"][0]
+    code = f"import torch, torch._dynamo, transformers; transformers.{arch}"
+    return statistics.median(run_child([sys.executable, "-c", code])["wall_seconds"] for _ in range(reps))
+
+
+# -- MemTracker on the same step -------------------------------------------------------------------
+def step_contexts(source, spec) -> list:
+    """The contexts memest's trace_step enters around the step besides its own tracking (keep in
+    step with memest/trace/step.py): transformers' mask branches, and for --target cuda the CUDA
+    SDPA kernels and (mixed precision) the CUDA autocast emulation."""
+    contexts = [source.trace_context() if source.trace_context else contextlib.nullcontext()]
+    if spec.target == "cuda":
+        from memest.device.cuda_autocast import cuda_autocast_scope
+        from memest.device.sdpa import CudaSdpa
+
+        contexts.append(CudaSdpa(spec.attention, spec.compute_capability))
+        if spec.mixed:
+            contexts.append(cuda_autocast_scope())
+    return contexts
+
+
+def memtracker_trace(source, spec) -> tuple[int, float]:
+    """Peak bytes MemTracker reports for the step (cpu device, 'Total') and seconds taken."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils._pytree import tree_flatten
+
+    from memest.trace.optim import make_optimizer
+    from memest.trace.step import build, run_iteration
+    from memest.trace.values import PlaceholderScalars
+
+    start = time.perf_counter()
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        with warnings.catch_warnings(), PlaceholderScalars():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            built = build(source, spec)
+            model, inputs = built.model, built.inputs
+        optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
+        tracker = MemTracker()
+        # parameters, buffers and optimizer state, plus the inputs (memest counts them too)
+        tracker.track_external(model, optimizer, *[t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
+        with contextlib.ExitStack() as stack:
+            for context in step_contexts(source, spec):
+                stack.enter_context(context)
+            stack.enter_context(tracker)
+            for _ in range(spec.iterations):
+                run_iteration(model, inputs, optimizer, source.compute_loss, spec)
+                tracker.reset_mod_stats()  # MemTracker keeps per-module stats across iterations otherwise
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        del model, inputs, optimizer
+    return peak, time.perf_counter() - start
+
+
+def memest_trace(source, spec) -> tuple[int, float]:
+    from memest.trace import trace_step
+
+    start = time.perf_counter()
+    peak, _ = trace_step(source, spec).peak()
+    return peak, time.perf_counter() - start
+
+
+def compare_memtracker(case: dict, reps: int) -> dict:
+    from memest.sources import load_source
+    from memest.spec import RunSpec
+
+    spec = RunSpec(model=case["model"], batch=case["batch"], seq=case["seq"], optim=case["optim"])
+    source = load_source(spec.model)
+    first_peak, first_seconds = memest_trace(source, spec)  # warm-up (the first trace in a process is slower)
+    memest_runs, tracker_runs = [], []
+    for i in range(reps):  # interleaved, so drift on a noisy machine hits both
+        memest_runs.append(memest_trace(source, spec))
+        tracker_runs.append(memtracker_trace(source, spec))
+        print(f"  {case['name']} rep {i + 1}: memest {memest_runs[-1][1]:.2f} s, "
+              f"MemTracker {tracker_runs[-1][1]:.2f} s", file=sys.stderr)
+    memest_peak, tracker_peak = memest_runs[0][0], tracker_runs[0][0]
+    if {p for p, _ in memest_runs} != {memest_peak} or {p for p, _ in tracker_runs} != {tracker_peak}:
+        raise SystemExit(f"{case['name']}: a peak changed between runs")
+    memest_s = statistics.median(s for _, s in memest_runs)
+    tracker_s = statistics.median(s for _, s in tracker_runs)
+    return {
+        "spec": spec.to_dict(),
+        "memest_peak_bytes": memest_peak,
+        "memtracker_peak_bytes": tracker_peak,
+        "relative_difference": (tracker_peak - memest_peak) / memest_peak,
+        "memest_first_trace_seconds": first_seconds,
+        "memest_trace_seconds": [s for _, s in memest_runs],
+        "memtracker_trace_seconds": [s for _, s in tracker_runs],
+        "median_memest_seconds": memest_s,
+        "median_memtracker_seconds": tracker_s,
+        "speed_ratio": tracker_s / memest_s,
+    }
+
+
+# -- report ----------------------------------------------------------------------------------------
+def machine() -> dict:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    total_kib = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemTotal:")), 0)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": models[0] if models else platform.processor() or platform.machine(),
+        "ram_bytes": total_kib * 1024,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": _version("transformers"),
+        "memest_commit": _git("rev-parse", "--short", "HEAD"),
+        "memest_tree": "modified" if _git("status", "--porcelain", "--untracked-files=no") else "clean",
+        "memest_command": " ".join(memest_command()),
+        "load_average_start": os.getloadavg(),
+    }
+
+
+def _version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "not installed"
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str:
+    lines = [
+        "# memest speed",
+        "",
+        f"Measured {meta['date']} on {meta['nproc']} cores ({meta['cpu_model']}), "
+        f"{meta['ram_bytes'] / GIB:.1f} GiB RAM; {meta['os']}; Python {meta['python']}, torch {meta['torch']} "
+        f"({meta['torch_threads']} threads), transformers {meta['transformers']}; memest {meta['memest_commit']} "
+        f"(working tree {meta['memest_tree']}). Load average at start: "
+        f"{', '.join(f'{x:.2f}' for x in meta['load_average_start'])}; at end: "
+        f"{', '.join(f'{x:.2f}' for x in meta['load_average_end'])}.",
+        "",
+        "Reproduce: `python scripts/bench_speed.py --out benchmarks/speed.md` (raw numbers: "
+        "`benchmarks/speed.json`).",
+        "",
+        "## End to end, as a user runs it",
+        "",
+        f"`{meta['memest_command']} estimate ... --json` as a subprocess: one warm-up run, then the median of "
+        f"{reps} runs. Peak RSS is the child's own (`os.wait4`). \"imports alone\" is a process that only "
+        "imports torch, torch._dynamo and the model's transformers class — the floor memest cannot go below.",
+        "",
+        "| command | wall (median) | min – max | goal | peak RSS (max) | goal | imports alone | trace (in the run) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        e, case = r["end_to_end"], r["case"]
+        walls = [x["wall_seconds"] for x in e["runs"]]
+        goal_t = f"< {case['goal_seconds']:g} s {'✅' if e['median_wall_seconds'] < case['goal_seconds'] else '❌'}"
+        goal_m = "-"
+        if case["goal_rss_bytes"]:
+            ok = e["max_rss_bytes"] < case["goal_rss_bytes"]
+            goal_m = f"< {case['goal_rss_bytes'] / GIB:g} GiB {'✅' if ok else '❌'}"
+        lines.append(
+            f"| `{e['command']}` | **{e['median_wall_seconds']:.2f} s** | {min(walls):.2f} – {max(walls):.2f} s | "
+            f"{goal_t} | {e['max_rss_bytes'] / 2**20:.0f} MiB | {goal_m} | {r['import_floor_seconds']:.2f} s | "
+            f"{e['median_trace_seconds']:.2f} s |"
+        )
+    if not all("memtracker" in r for r in results):
+        return "\n".join([*lines, "", *meta.get("notes", []), ""])
+    lines += [
+        "",
+        "## Against PyTorch's MemTracker, same step",
+        "",
+        "`torch.distributed._tools.mem_tracker.MemTracker` under FakeTensorMode on the step memest traces: the "
+        "same RunSpec (default `--target cuda`: foreach AdamW), model and inputs built by "
+        "`memest.trace.step.build`, the optimizer from `make_optimizer`, two iterations of `run_iteration` inside "
+        "the contexts memest's trace enters (transformers' mask branches; CUDA SDPA kernels where memest has "
+        "them), `reset_mod_stats()` between iterations; `track_external(model, optimizer, *inputs)`. "
+        "MemTracker's peak is `get_tracker_snapshot(\"peak\")[cpu][\"Total\"]`; memest's is "
+        "`peak_allocated_bytes`. Times are in-process, build + 2 iterations, median of "
+        f"{trace_reps} interleaved runs after one warm-up memest trace.",
+        "",
+        "| model | memest peak | MemTracker peak | difference | memest trace | MemTracker trace | MemTracker / memest |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        m = r["memtracker"]
+        lines.append(
+            f"| {r['case']['name']} bs{r['case']['batch']} seq{r['case']['seq']} {r['case']['optim']} | "
+            f"{m['memest_peak_bytes']:,} B | {m['memtracker_peak_bytes']:,} B | {100 * m['relative_difference']:+.3f}% | "
+            f"{m['median_memest_seconds']:.2f} s | {m['median_memtracker_seconds']:.2f} s | "
+            f"**{m['speed_ratio']:.1f}×** |"
+        )
+    lines += ["", *meta.get("notes", []), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "speed.md"))
+    parser.add_argument("--reps", type=int, default=5, help="timed end-to-end runs per case")
+    parser.add_argument("--trace-reps", type=int, default=3, help="in-process trace runs per case and tool")
+    parser.add_argument("--only", choices=[c["name"] for c in CASES], action="append", help="run only these cases")
+    parser.add_argument("--skip-memtracker", action="store_true", help="end to end only (MemTracker takes minutes)")
+    parser.add_argument("--notes", type=Path, help="Markdown appended to the report (findings, explanations)")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.only or c["name"] in args.only]
+
+    meta = machine()
+    results = []
+    for case in cases:  # end to end first, while this process has not yet imported torch's models
+        print(f"{case['name']}: end to end", file=sys.stderr)
+        results.append({"case": case, "end_to_end": end_to_end(case, args.reps),
+                        "import_floor_seconds": import_floor(case, args.reps)})
+    for result in [] if args.skip_memtracker else results:
+        print(f"{result['case']['name']}: MemTracker comparison", file=sys.stderr)
+        result["memtracker"] = compare_memtracker(result["case"], args.trace_reps)
+    meta["load_average_end"] = os.getloadavg()
+    if args.notes:
+        meta["notes"] = [args.notes.read_text().rstrip()]
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    out.write_text(markdown(meta, results, args.reps, args.trace_reps))
+    print(f"wrote {out} and {out.with_suffix('.json')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
