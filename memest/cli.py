@@ -152,6 +152,66 @@ def estimate(
     raise typer.Exit(EXIT_OK)
 
 
+Margin = Annotated[Optional[str], typer.Option("--margin", help="Required headroom, e.g. 10%: needed x 1.1 must fit.")]
+Markdown = Annotated[bool, typer.Option("--markdown", help="Print a Markdown table (for PR comments, CI summaries).")]
+
+
+@app.command()
+def check(
+    configs: Annotated[list[str], typer.Argument(help="YAML run configs (see configs/ and README).")],
+    gpu: Gpu = None,
+    margin: Margin = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Override every config's batch.")] = None,
+    seq: Annotated[Optional[int], typer.Option("--seq", "-s", help="Override every config's seq.")] = None,
+    optim: Annotated[Optional[str], typer.Option("--optim", help="Override the optimizer.")] = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="Override the precision.")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Override accumulation steps.")] = None,
+    checkpointing: Annotated[Optional[str], typer.Option("--checkpointing", help="Override checkpointing.")] = None,
+    json: Json = False,
+    markdown: Markdown = False,
+    debug: Debug = False,
+) -> None:
+    """CI gate: exit 0 when every config fits its GPU or budget, 1 when any does not, 2 for a bad config."""
+    _hide_cuda()
+    from .config import load_config, parse_margin
+    from .device.nvml import query_gpus
+    from .plan.check import check_config
+
+    overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
+                     checkpointing=checkpointing)
+    try:
+        margin_value = parse_margin(margin) if margin is not None else None
+        loaded = [load_config(path) for path in configs]  # every config is valid before any is traced
+        query = query_gpus()
+        rows = [check_config(cfg, overrides, gpu, margin_value, query) for cfg in loaded]
+    except MemestError as exc:
+        _fail(exc, debug)
+        return
+    if json:
+        import json as _json
+
+        doc = {"schema_version": 1, "fits": all(r.fits for r in rows), "configs": [r.to_dict() for r in rows]}
+        sys.stdout.write(_json.dumps(doc, indent=2) + "\n")
+    else:
+        from .report.console import check_rows, make_console
+
+        headers, table_rows = check_rows(rows)
+        if markdown:
+            from .report.markdown import table_markdown
+
+            sys.stdout.write(table_markdown(headers, table_rows) + "\n")
+        else:
+            from rich.table import Table
+
+            table = Table(title="memest check", title_justify="left")
+            for h in headers:
+                table.add_column(h, justify="left" if h in ("config", "model", "budget", "verdict") else "right")
+            for r in table_rows:
+                table.add_row(*r)
+            make_console().print(table)
+    raise typer.Exit(EXIT_OK if all(r.fits for r in rows) else EXIT_DOES_NOT_FIT)
+
+
 @app.command()
 def gpus(json: Json = False) -> None:
     """Live table of NVIDIA GPUs and their processes (NVML)."""

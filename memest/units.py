@@ -27,6 +27,8 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_bytes(text: str) -> int:
     """Parse ``11GB`` (10**9), ``11GiB`` (2**30), ``11000MiB`` or a plain byte count."""
+    if text.strip().startswith("-"):
+        raise MemestError(f"memory size {text!r} is below zero; use a positive size such as 11GB")
     match = _PATTERN.match(text)
     if not match or match.group(2).lower() not in _SUFFIXES:
         raise MemestError(

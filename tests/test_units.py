@@ -20,6 +20,11 @@ def test_parse_bytes_rejects(text):
         parse_bytes(text)
 
 
+def test_negative_budget_says_so():
+    with pytest.raises(MemestError, match="below zero"):
+        parse_bytes("-1GB")
+
+
 def test_format_bytes_binary_units():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"

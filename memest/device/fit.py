@@ -37,7 +37,7 @@ def resolve_budget(flag: str) -> tuple[str, int] | int:
     card = card_bytes(text)
     if card is not None:
         return f"{text} ({card / 2**30:g} GiB)", card
-    if text[:1].isdigit():
+    if text[:1].isdigit() or text.startswith("-"):
         return text, parse_bytes(text)
     raise MemestError(
         f"unknown GPU {flag!r}; pass a size such as 11GB or 11GiB, a device index such as 0, "

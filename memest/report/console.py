@@ -153,3 +153,21 @@ def gpus_table(query: GpuQuery) -> Table:
             procs,
         )
     return table
+
+
+def check_rows(rows) -> tuple[list[str], list[list[str]]]:
+    """Headers and cells of the `memest check` table (shared by the rich and Markdown views)."""
+    headers = ["config", "model", "predicted", "with margin", "budget", "headroom", "verdict"]
+    cells = [
+        [
+            r.name,
+            r.model if r.model.startswith("hf:") else r.model.rsplit("/", 1)[-1],
+            format_bytes(r.needed_bytes),
+            f"{format_bytes(r.required_bytes)} (+{100 * r.margin:g}%)",
+            f"{r.budget_label}",
+            format_bytes(r.headroom_bytes),
+            "fits" if r.fits else "DOES NOT FIT",
+        ]
+        for r in rows
+    ]
+    return headers, cells

@@ -1,0 +1,126 @@
+"""YAML run configs for `memest check` (and any command that takes a config).
+
+    # configs/gpt2-finetune-11gb.yaml
+    model: hf:gpt2            # model.py[:factory] (relative to this file), hf:NAME or hf:path/config.json
+    batch: 4
+    seq: 1024
+    optim: adamw
+    precision: bf16-mixed
+    grad_accum: 8
+    checkpointing: blocks
+    gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
+    margin: 10%               # required headroom: needed x (1 + margin) must fit
+
+Keys are RunSpec's fields plus ``gpu``, ``margin`` and ``name``; unknown keys are rejected with a
+did-you-mean; CLI flags override the file's values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import MemestError
+from .spec import RunSpec
+
+_SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
+_INTERNAL = {"iterations", "lr", "compute_capability"}  # not run-config keys
+SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
+EXTRA_KEYS = ("gpu", "margin", "name")
+ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
+
+_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size"}
+_BOOL_KEYS = {"fused"}
+
+
+@dataclass
+class RunConfig:
+    name: str
+    path: str  # the file it came from ('' for flags only)
+    values: dict[str, Any]  # RunSpec fields
+    gpu: str | None = None
+    margin: float = 0.0
+
+    def spec(self, **overrides) -> RunSpec:
+        return RunSpec(**{**self.values, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def parse_margin(value: Any) -> float:
+    """'10%' or 0.1 -> 0.1."""
+    text = str(value).strip()
+    try:
+        margin = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise MemestError(f"margin {value!r} is not a number; use a percentage such as 10%") from None
+    if margin < 0:
+        raise MemestError(f"margin {value!r} is below zero; use 0% or more")
+    return margin
+
+
+def load_config(path: str | Path) -> RunConfig:
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MemestError(f"config {str(path)!r} not found or unreadable ({exc.strerror}); pass a YAML run config") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise MemestError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if data is None:
+        raise MemestError(f"{path}: empty config; it needs at least `model:` (see configs/ for examples)")
+    if not isinstance(data, dict):
+        raise MemestError(f"{path}: a run config is a mapping of keys (model:, batch:, ...), not {type(data).__name__}")
+    return config_from_dict(data, path)
+
+
+def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
+    where = f"{path}: " if path else ""
+    for key in data:
+        if key not in ALL_KEYS:
+            close = difflib.get_close_matches(str(key), ALL_KEYS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(ALL_KEYS)}"
+            raise MemestError(f"{where}unknown key {key!r}; {hint}")
+    if "model" not in data:
+        raise MemestError(f"{where}no `model:`; give a model file, hf:NAME or hf:path/config.json")
+    values: dict[str, Any] = {}
+    for key in SPEC_KEYS:
+        if key in data and data[key] is not None:
+            values[key] = _typed(key, data[key], where)
+    values["model"] = _relative_to(str(values["model"]), path)
+    margin = parse_margin(data["margin"]) if data.get("margin") is not None else 0.0
+    gpu = str(data["gpu"]) if data.get("gpu") is not None else None
+    name = str(data.get("name") or (Path(path).stem if path else model))
+    return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin)
+
+
+def _relative_to(model: str, config_path: str | Path) -> str:
+    """Model files named in a config are relative to the config's folder."""
+    if model.startswith("hf:") or not config_path:
+        return model
+    file, sep, factory = model.rpartition(":")
+    if not (sep and file.endswith(".py") and factory.isidentifier()):
+        file, sep, factory = model, "", ""
+    candidate = Path(config_path).parent / file
+    if not Path(file).is_absolute() and candidate.exists():
+        return str(candidate.resolve()) + sep + factory
+    return model
+
+
+def _typed(key: str, value: Any, where: str) -> Any:
+    if key in _INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MemestError(f"{where}{key}: expected a whole number, got {value!r}")
+        return value
+    if key in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise MemestError(f"{where}{key}: expected true or false, got {value!r}")
+        return value
+    return str(value)

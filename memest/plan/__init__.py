@@ -1,0 +1,1 @@
+"""Planners: build RunSpecs, run estimates, compare: check, whatif, max-batch, advise."""
