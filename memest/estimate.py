@@ -32,8 +32,9 @@ class Estimate:
         return fits_in(self.trace, self.report.device, capacity_bytes)
 
 
-def estimate(spec: RunSpec, calibration: dict | None = None) -> Estimate:
-    source = load_source(spec.model)
+def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Estimate:
+    """``source``: an already loaded ModelSource for ``spec.model`` (planners reuse one)."""
+    source = source or load_source(spec.model)
     start = time.perf_counter()
     trace = trace_step(source, spec)
     report = analyse(trace, spec, source.name)

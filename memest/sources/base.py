@@ -18,6 +18,7 @@ class ModelSource:
     compute_loss: Callable[[Any, Any], torch.Tensor] | None = None
     default_seq: int | None = None  # used when the user gives no --seq and the model takes one
     origin: str = ""  # file or config the model came from, for error messages
+    max_seq: int | None = None  # the longest sequence the model takes (position embeddings), if known
     # context manager entered around the traced step (e.g. transformers' mask branches)
     trace_context: Callable[[], Any] | None = None
 

@@ -1,0 +1,68 @@
+"""`memest max-batch`: the largest batch (or sequence length) that fits, found by search over traces.
+Exact at the boundary: the answer was traced and fits, and answer + 1 was traced and does not."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .runner import Runner
+
+
+@dataclass
+class SearchResult:
+    key: str  # "batch" or "seq"
+    value: int  # largest that fits (0: even 1 does not)
+    capacity_bytes: int
+    needed_bytes: int  # at value (0 if none fits)
+    next_needed_bytes: int | None  # at value + 1 (None when the search stopped at the limit)
+    limit: int
+    hit_limit: bool
+    probes: list[tuple[int, int, bool]] = field(default_factory=list)  # (value, needed, fits)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def largest_fitting(runner: Runner, key: str, capacity: int, start: int = 1, limit: int = 1 << 16) -> SearchResult:
+    probes: list[tuple[int, int, bool]] = []
+
+    def fits(value: int) -> bool:
+        result = runner.run(**{key: value})
+        ok = result.fits(capacity)
+        probes.append((value, result.needed_bytes, ok))
+        return ok
+
+    def needed(value: int) -> int:
+        return runner.run(**{key: value}).needed_bytes
+
+    start = max(1, min(start, limit))
+    if fits(start):
+        lo, hi = start, None
+        while lo < limit:
+            nxt = min(lo * 2, limit)
+            if fits(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+                break
+        if hi is None:
+            return SearchResult(key, lo, capacity, needed(lo), None, limit, True, probes)
+    else:
+        if start == 1:
+            return SearchResult(key, 0, capacity, 0, needed(1), limit, False, probes)
+        lo, hi = 0, start
+        while lo == 0 and hi > 1:  # go down by halving until something fits
+            mid = hi // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            return SearchResult(key, 0, capacity, 0, needed(1), limit, False, probes)
+    while hi - lo > 1:  # invariant: lo fits, hi does not
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return SearchResult(key, lo, capacity, needed(lo), needed(hi), limit, False, probes)

@@ -1,0 +1,249 @@
+"""`memest whatif`: peaks and device usage over a grid of batch sizes and sequence lengths.
+
+A sweep does not trace every point. A model's step runs the same ops in the same order at every
+size; only the storages' sizes change, and each storage's size is a polynomial in the batch B and
+sequence s (products of dimensions: constants for weights and optimizer state, B·s for activations,
+B·s² for materialised attention scores, s² for masks). So memest traces a few design points, fits
+every storage's size with
+    bytes = a + b·s + c·s² + B·(d + e·s + f·s²)
+(least squares; exact when the sizes follow that form), and for any other grid point rebuilds the
+trace with the predicted sizes: its peak is exact, and its device usage comes from replaying that
+trace through the caching-allocator model, as for a traced point. One interpolated point is traced
+directly and compared; if the ops differ between sizes, or the check fails (> 1%), every grid point
+is traced directly instead, and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import asdict, dataclass, field
+
+from ..errors import MemestError
+from ..trace.events import Trace
+from .runner import Runner
+
+MAX_GRID_POINTS = 400
+FIT_TOLERANCE = 0.01
+
+
+@dataclass
+class GridPoint:
+    batch: int
+    seq: int | None
+    peak_bytes: int  # tensor peak (peak allocated)
+    needed_bytes: int  # predicted device usage (cuda) or peak allocated (cpu)
+    fits: bool | None  # None without a budget
+    traced: bool  # traced directly (True) or rebuilt from the fit (False)
+
+
+@dataclass
+class Sweep:
+    points: list[GridPoint]
+    verification: dict | None  # batch, seq, predicted vs traced peak and device usage, errors
+    fallback: str  # why every point was traced ('' when the fit was used)
+    traces: int
+    largest_batch: int | None = None  # at the first seq of the sweep
+    largest_seq: int | None = None  # at the first batch of the sweep
+    plain_words: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_sizes(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise MemestError(f"{flag} {text!r}: {item!r} is not a whole number >= 1; use a list such as 512,1024,2048")
+        values.append(int(item))
+    return sorted(set(values))
+
+
+def _features(batch: float, seq: float) -> list[float]:
+    return [1.0, seq, seq * seq, batch, batch * seq, batch * seq * seq]
+
+
+def _design(values: list, count: int) -> list:
+    if len(values) <= count:
+        return list(values)
+    picks = {values[0], values[-1]}
+    while len(picks) < count:  # fill with the value farthest from those picked
+        picks.add(max(values, key=lambda v: min(abs(v - p) for p in picks)))
+    return sorted(picks)
+
+
+def _structure(trace: Trace) -> tuple:
+    return len(trace.storages), tuple((sid, delta > 0) for sid, delta in trace.events), tuple(m[:2] for m in trace.phase_marks)
+
+
+class SizeModel:
+    """Every storage's size as a polynomial of (batch, seq), fitted on traces of identical structure."""
+
+    def __init__(self, traces: dict[tuple, Trace], active: list[int]) -> None:
+        import torch
+
+        self.template = next(iter(traces.values()))
+        self.active = active
+        keys = list(traces)
+        x = torch.tensor([[_features(b, s or 0)[i] for i in active] for b, s in keys], dtype=torch.float64)
+        sizes = torch.tensor([[r.nbytes for r in traces[k].storages] for k in keys], dtype=torch.float64)
+        self.coeffs = torch.linalg.lstsq(x, sizes, driver="gelsd").solution  # (features, storages)
+        self.residual = float((x @ self.coeffs - sizes).abs().max()) if len(keys) else 0.0
+
+    def sizes(self, batch: int, seq: int | None) -> list[int]:
+        import torch
+
+        x = torch.tensor([[_features(batch, seq or 0)[i] for i in self.active]], dtype=torch.float64)
+        return [max(0, int(round(v))) for v in (x @ self.coeffs).squeeze(0).tolist()]
+
+    def trace(self, batch: int, seq: int | None) -> Trace:
+        sizes = self.sizes(batch, seq)
+        t = self.template
+        return dataclasses.replace(
+            t,
+            storages=[dataclasses.replace(r, nbytes=n) for r, n in zip(t.storages, sizes)],
+            events=[(sid, sizes[sid] if delta > 0 else -sizes[sid]) for sid, delta in t.events],
+        )
+
+
+def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, capacity: int | None) -> Sweep:
+    base = runner.base
+    batches = batches or [base.batch]
+    seq_values: list = seqs or [base.seq]
+    grid = list(itertools.product(batches, seq_values))
+    if len(grid) > MAX_GRID_POINTS:
+        raise MemestError(
+            f"a grid of {len(grid)} points is too many (at most {MAX_GRID_POINTS}); sweep fewer sizes, e.g. "
+            "--seq 512,1024,2048,4096 --batch 1,2,4,8"
+        )
+    # size 1 often runs other ops (a batch-1 tensor is contiguous where a larger one needs a copy):
+    # such points are traced directly and kept out of the fit
+    fit_batches = [b for b in batches if b > 1] if len(batches) > 1 else batches
+    fit_seqs = [x for x in seq_values if x is None or x > 1] if len(seq_values) > 1 else seq_values
+    seq_design = _design(fit_seqs, 3) if fit_seqs and fit_seqs[0] is not None else [None]
+    batch_design = _design(fit_batches, 2)
+    design = list(itertools.product(batch_design, seq_design))
+    fitted_region = set(itertools.product(fit_batches, fit_seqs))
+    results: dict[tuple, object] = {}
+
+    def trace(b, s):
+        if (b, s) not in results:
+            results[(b, s)] = runner.run(**({"batch": b} if s is None else {"batch": b, "seq": s}))
+        return results[(b, s)]
+
+    def direct_point(b, s) -> GridPoint:
+        r = trace(b, s)
+        return GridPoint(b, s, r.report.peak_allocated_bytes, r.needed_bytes,
+                         r.fits(capacity) if capacity is not None else None, True)
+
+    if len(fitted_region) <= len(design) + 1 or (len(batches) > 1 and len(batch_design) < 2) or (
+        len(seq_values) > 1 and len(seq_design) < 3
+    ):  # a fit would save nothing, or there are too few sizes to fit
+        return Sweep([direct_point(b, s) for b, s in grid], None, "", runner.traces)
+
+    for bs in design:
+        trace(*bs)
+    structures = {_structure(results[bs].trace) for bs in design}
+    if len(structures) != 1:
+        points = [direct_point(b, s) for b, s in grid]
+        return Sweep(points, None, "the model runs different ops at different sizes; every point was traced",
+                     runner.traces)
+    active = [0] + ([1, 2] if len(seq_design) >= 3 else [])
+    if len(batch_design) >= 2:
+        active += [3] + ([4, 5] if len(seq_design) >= 3 else [])
+    model = SizeModel({bs: results[bs].trace for bs in design}, active)
+    estimate_of = _rebuild(runner)
+
+    def fitted(b, s):
+        return estimate_of(model.trace(b, s))
+
+    others = [bs for bs in grid if bs not in results and bs in fitted_region]
+    mid_b, mid_s = batches[len(batches) // 2], seq_values[len(seq_values) // 2]
+    vb, vs = min(others, key=lambda bs: (abs(bs[0] - mid_b), abs((bs[1] or 0) - (mid_s or 0))))
+    direct, predicted = trace(vb, vs), fitted(vb, vs)
+    if _structure(direct.trace) not in structures:
+        points = [direct_point(b, s) for b, s in grid]
+        return Sweep(points, None, "the model runs different ops at different sizes; every point was traced",
+                     runner.traces)
+    err_peak = (predicted[0] - direct.report.peak_allocated_bytes) / direct.report.peak_allocated_bytes
+    err_needed = (predicted[1] - direct.needed_bytes) / direct.needed_bytes
+    verification = {"batch": vb, "seq": vs, "predicted_peak": predicted[0], "traced_peak": direct.report.peak_allocated_bytes,
+                    "peak_error": err_peak, "predicted_needed": predicted[1], "traced_needed": direct.needed_bytes,
+                    "needed_error": err_needed, "fit_residual_bytes": model.residual}
+    if abs(err_peak) > FIT_TOLERANCE or abs(err_needed) > FIT_TOLERANCE:
+        points = [direct_point(b, s) for b, s in grid]
+        why = f"the fit missed the check point by {100 * max(abs(err_peak), abs(err_needed)):.2f}%; every point was traced"
+        return Sweep(points, verification, why, runner.traces)
+
+    points = []
+    for b, s in grid:
+        if (b, s) in results or (b, s) not in fitted_region:
+            points.append(direct_point(b, s))
+            continue
+        peak, needed, check = fitted(b, s)
+        points.append(GridPoint(b, s, peak, needed, check(capacity) if capacity is not None else None, False))
+    result = Sweep(points, verification, "", runner.traces)
+    result.plain_words = _plain_words(model, fit_batches[0], fit_seqs)
+    if capacity is not None:
+        # from the fit (sizes > 1); `memest max-batch` finds the boundary with direct traces
+        result.largest_batch = _largest(lambda b: fitted(b, fit_seqs[0])[2](capacity), 1 << 14)
+        if fit_seqs[0] is not None and len(seq_design) >= 3:
+            limit = runner.source.max_seq or 1 << 20  # learned position embeddings end somewhere
+            result.largest_seq = _largest(lambda s: fitted(fit_batches[0], s)[2](capacity), limit)
+    return result
+
+
+def _rebuild(runner: Runner):
+    """(peak, needed, fits(capacity)) of a rebuilt trace, computed as estimate() computes them."""
+    base = runner.base
+
+    def evaluate(trace: Trace):
+        peak = trace.peak()[0]
+        if base.target != "cuda":
+            return peak, peak, lambda cap: peak <= cap
+        from ..device.usage import device_usage, fits_in
+
+        usage = device_usage(trace, base.compute_capability, world_size=base.world_size, calibration=runner.calibration)
+        return peak, usage.device_bytes, lambda cap: fits_in(trace, usage, cap)
+
+    return evaluate
+
+
+def _largest(fits, limit: int) -> int:
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _plain_words(model: SizeModel, batch: int, seqs: list) -> list[str]:
+    """Marginal costs at the peak of the largest swept size, from the fitted storage sizes."""
+    from ..units import format_bytes
+
+    seq = seqs[-1] or 0
+    peak, index = model.trace(batch, seq).peak()
+    live = model.trace(batch, seq).live_at(index)
+    coeff = [0.0] * 6
+    for sid in live:
+        for row, feature in enumerate(model.active):
+            coeff[feature] += float(model.coeffs[row, sid])
+    a, b, c, d, e, f = coeff
+    words = []
+    if seqs[0] is not None:
+        per_token = (b + 2 * c * seq) + batch * (e + 2 * f * seq)
+        words.append(f"at batch {batch}, seq {seq}: each extra 1k tokens costs {format_bytes(per_token * 1024)} at the peak")
+        if (c + batch * f) * seq > 0.05 * max(per_token, 1.0):
+            words.append("part of it grows with seq²: attention scores (or a mask) are materialised")
+    per_sample = d + e * seq + f * seq * seq
+    words.append(f"each extra sample in the batch costs {format_bytes(per_sample)} at the peak")
+    return words
