@@ -43,6 +43,9 @@ Cache = Annotated[str, typer.Option("--cache", help="--mode generate: dynamic (g
 WorldSize = Annotated[int, typer.Option("--world-size", help="Data-parallel ranks (estimates are per rank).")]
 Shard = Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 (FSDP full shard)")]
 Offload = Annotated[str, typer.Option("--offload", help="none | optimizer | params (params needs --shard zero3)")]
+Margin = Annotated[Optional[str], typer.Option("--margin", help="Required headroom, e.g. 10%: needed x 1.1 must fit.")]
+Markdown = Annotated[bool, typer.Option("--markdown", help="Print Markdown instead of terminal tables.")]
+Plot = Annotated[Optional[str], typer.Option("--plot", help="Write memory over the step to FILE.png, .svg or .html.")]
 Depth = Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")]
 Json = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (schema in README).")]
 FailIfNotFits = Annotated[
@@ -106,6 +109,8 @@ def estimate(
     gpu: Gpu = None,
     depth: Depth = 3,
     json: Json = False,
+    markdown: Markdown = False,
+    plot: Plot = None,
     fail_if_not_fits: FailIfNotFits = False,
     debug: Debug = False,
 ) -> None:
@@ -139,21 +144,41 @@ def estimate(
         _fail(exc, debug)
         return
     reason = query.reason if query is not None else ""
-    if json:
+    timeline = None
+    if plot is not None or not (json or markdown):
+        from .report.timeline import category_timeline
+
+        timeline = category_timeline(result.trace)
+    if plot is not None:
+        try:
+            from .report.plot import plot_timeline
+
+            written = plot_timeline(timeline, report, plot)
+        except MemestError as exc:
+            _fail(exc, debug)
+            return
+        typer.echo(f"memest: wrote {written}", err=True)
+    if markdown:
+        from .report.markdown import estimate_markdown
+
+        sys.stdout.write(estimate_markdown(report, fits, depth=depth, gpu_reason=reason) + "\n")
+    elif json:
         from .report.json_doc import json_document
 
         sys.stdout.write(json_document(report, fits, reason, result.needed_bytes) + "\n")
     else:
         from .report.console import make_console, print_estimate
+        from .report.timeline import terminal_timeline
 
-        print_estimate(make_console(), report, fits, reason, depth)
+        console = make_console()
+        print_estimate(console, report, fits, reason, depth)
+        for line in terminal_timeline(timeline):
+            console.print(line, markup=False, highlight=False)
     if fail_if_not_fits and fits and not all(f.fits for f in fits):
         raise typer.Exit(EXIT_DOES_NOT_FIT)
     raise typer.Exit(EXIT_OK)
 
 
-Margin = Annotated[Optional[str], typer.Option("--margin", help="Required headroom, e.g. 10%: needed x 1.1 must fit.")]
-Markdown = Annotated[bool, typer.Option("--markdown", help="Print a Markdown table (for PR comments, CI summaries).")]
 
 
 @app.command()
@@ -210,6 +235,194 @@ def check(
                 table.add_row(*r)
             make_console().print(table)
     raise typer.Exit(EXIT_OK if all(r.fits for r in rows) else EXIT_DOES_NOT_FIT)
+
+
+def _planner(model, batch, seq, optim, precision, target, grad_accum, checkpointing, gpu, need_budget: bool):
+    """(Runner, budget label, capacity) for whatif / max-batch / advise."""
+    from .device.nvml import query_gpus
+    from .plan.check import budget_for
+    from .plan.runner import Runner, stderr_progress
+    from .spec import RunSpec
+
+    query = query_gpus() if gpu is None or gpu.strip().isdigit() else None
+    label, capacity, cc = None, None, (9, 0)
+    if gpu is not None or need_budget or (query and query.gpus):
+        label, capacity, cc = budget_for(gpu, query)
+    spec = RunSpec(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+                   grad_accum=grad_accum, checkpointing=checkpointing, compute_capability=cc)
+    return Runner(spec, progress=stderr_progress), label, capacity
+
+
+def _print_table(title: str, headers: list[str], rows: list[list[str]], markdown: bool) -> None:
+    if markdown:
+        from .report.markdown import table_markdown
+
+        sys.stdout.write(table_markdown(headers, rows) + "\n")
+        return
+    from rich.table import Table
+
+    from .report.console import make_console
+
+    table = Table(title=title, title_justify="left")
+    for h in headers:
+        table.add_column(h)
+    for r in rows:
+        table.add_row(*r)
+    make_console().print(table)
+
+
+def _dump(doc) -> None:
+    import json as _json
+
+    sys.stdout.write(_json.dumps(doc, indent=2) + "\n")
+
+
+@app.command()
+def whatif(
+    model: Model,
+    seq: Annotated[Optional[str], typer.Option("--seq", "-s", help="Sequence lengths, e.g. 512,1024,2048,4096.")] = None,
+    batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
+    optim: Optim = "adam",
+    precision: Precision = "fp32",
+    target: Target = "cuda",
+    grad_accum: GradAccum = 1,
+    checkpointing: Checkpointing = "none",
+    gpu: Gpu = None,
+    json: Json = False,
+    markdown: Markdown = False,
+    debug: Debug = False,
+) -> None:
+    """Peaks and device usage over a grid of sequence lengths and batch sizes, the fitted scaling,
+    and the largest seq and batch that fit."""
+    _hide_cuda()
+    from .plan.whatif import parse_sizes, sweep
+    from .units import format_bytes
+
+    try:
+        seqs = parse_sizes(seq, "--seq")
+        batches = parse_sizes(batch, "--batch")
+        if seqs is None and batches is None:
+            raise MemestError("whatif needs sizes to sweep: --seq 512,1024,2048 and/or --batch 1,2,4,8")
+        runner, label, capacity = _planner(model, (batches or [1])[0], (seqs or [None])[0], optim, precision, target,
+                                           grad_accum, checkpointing, gpu, need_budget=False)
+        result = sweep(runner, batches, seqs, capacity)
+    except MemestError as exc:
+        _fail(exc, debug)
+        return
+    if json:
+        _dump({"schema_version": 1, "budget": label, "capacity_bytes": capacity, **result.to_dict()})
+        return
+    headers = ["batch", "seq", "peak allocated", "device" if target == "cuda" else "needed", "fits", "how"]
+    rows = [[str(p.batch), str(p.seq or "-"), format_bytes(p.peak_bytes), format_bytes(p.needed_bytes),
+             "-" if p.fits is None else ("yes" if p.fits else "no"), "traced" if p.traced else "fit"]
+            for p in result.points]
+    _print_table(f"memest whatif {model}" + (f" against {label}" if label else ""), headers, rows, markdown)
+    for line in result.plain_words:
+        typer.echo(line)
+    v = result.verification
+    if v:
+        typer.echo(f"fit checked by a direct trace at batch {v['batch']}, seq {v['seq']}: peak error "
+                   f"{100 * v['peak_error']:+.3f}%, device error {100 * v['needed_error']:+.3f}%")
+    if result.fallback:
+        typer.echo(f"note: {result.fallback}")
+    if result.largest_batch is not None:
+        typer.echo(f"largest batch that fits (fit): {result.largest_batch}")
+    if result.largest_seq is not None:
+        typer.echo(f"largest seq that fits (fit): {result.largest_seq}")
+    typer.echo(f"{result.traces} traces for {len(result.points)} points")
+
+
+@app.command("max-batch")
+def max_batch(
+    model: Model,
+    gpu: Annotated[str, typer.Option("--gpu", help="Budget (24GB, 24GiB), card name or device index.")],
+    seq: Seq = None,
+    batch: Annotated[int, typer.Option("--batch", "-b", help="Batch when searching the sequence length.")] = 1,
+    seq_search: Annotated[bool, typer.Option("--seq-search", help="Search the longest sequence instead.")] = False,
+    optim: Optim = "adam",
+    precision: Precision = "fp32",
+    target: Target = "cuda",
+    grad_accum: GradAccum = 1,
+    checkpointing: Checkpointing = "none",
+    limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
+    json: Json = False,
+    markdown: Markdown = False,
+    debug: Debug = False,
+) -> None:
+    """The largest batch (or, with --seq-search, sequence length) that fits, found by search over
+    traces; exact at the boundary."""
+    _hide_cuda()
+    from .plan.search import largest_fitting
+    from .units import format_bytes
+
+    try:
+        runner, label, capacity = _planner(model, batch, seq, optim, precision, target, grad_accum, checkpointing,
+                                           gpu, need_budget=True)
+        key = "seq" if seq_search else "batch"
+        if seq_search and runner.source.max_seq:
+            limit = min(limit, runner.source.max_seq)
+        start = (seq or 512) if seq_search else 1
+        result = largest_fitting(runner, key, capacity, start=start, limit=limit)
+    except MemestError as exc:
+        _fail(exc, debug)
+        return
+    if json:
+        _dump({"schema_version": 1, "budget": label, "traces": runner.traces, **result.to_dict()})
+        return
+    rows = [[str(v), format_bytes(n), "yes" if ok else "no"] for v, n, ok in sorted(set(result.probes))]
+    _print_table(f"memest max-batch {model} against {label}", [key, "needed", "fits"], rows, markdown)
+    if result.value == 0:
+        typer.echo(f"even {key} 1 does not fit {label}: it needs {format_bytes(result.next_needed_bytes or 0)}; "
+                   f"see memest advise")
+    elif result.hit_limit:
+        typer.echo(f"largest {key} that fits: at least {result.value} (the search stopped at --limit {limit})")
+    else:
+        typer.echo(f"largest {key} that fits: {result.value} ({format_bytes(result.needed_bytes)}); "
+                   f"{result.value + 1} needs {format_bytes(result.next_needed_bytes)}")
+
+
+@app.command()
+def advise(
+    model: Model,
+    gpu: Annotated[str, typer.Option("--gpu", help="Budget (11GB, 11GiB), card name or device index.")],
+    batch: Batch = 1,
+    seq: Seq = None,
+    optim: Optim = "adam",
+    precision: Precision = "fp32",
+    target: Target = "cuda",
+    grad_accum: GradAccum = 1,
+    checkpointing: Checkpointing = "none",
+    json: Json = False,
+    markdown: Markdown = False,
+    debug: Debug = False,
+) -> None:
+    """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination
+    that fits, with its command line."""
+    _hide_cuda()
+    from .plan.advise import advise as run_advise
+    from .units import format_bytes
+
+    try:
+        runner, label, capacity = _planner(model, batch, seq, optim, precision, target, grad_accum, checkpointing,
+                                           gpu, need_budget=True)
+        advice = run_advise(runner, capacity)
+    except MemestError as exc:
+        _fail(exc, debug)
+        return
+    if json:
+        _dump({"schema_version": 1, "budget": label, **advice.to_dict()})
+        return
+    typer.echo(f"as configured: {format_bytes(advice.base_needed_bytes)} against {label} "
+               f"({format_bytes(capacity)}): {'fits' if advice.base_fits else 'does not fit'}")
+    rows = [[r.name, format_bytes(r.needed_bytes), "yes" if r.fits else "no", r.time_cost] for r in advice.remedies]
+    _print_table("remedies (each re-traced), cheapest first among those that fit",
+                 ["remedy", "needed", "fits", "time cost"], rows, markdown)
+    if advice.combination is None:
+        typer.echo("no combination of these remedies fits; a larger GPU or more GPUs are needed")
+    else:
+        typer.echo(f"cheapest that fits: {advice.combination.name} ({format_bytes(advice.combination.needed_bytes)})")
+        typer.echo(f"  {advice.command} --gpu {gpu}")
+    typer.echo(f"{advice.traces} traces")
 
 
 @app.command()

@@ -1,0 +1,176 @@
+"""`memest advise`: the classic memory savers, each re-traced against a budget, ranked by what they
+cost in time, and the cheapest combination that fits with the command line that reproduces it.
+
+Time costs are what the trace can price: recomputed FLOPs for checkpointing (flop counter formulas),
+communication volume per step for sharding, PCIe volume for offload; "0% FLOPs" for the optimizer
+and precision swaps (they change numerics or dynamics, not work) and for accumulation (same work in
+smaller kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+from dataclasses import asdict, dataclass, field
+
+from ..spec import RunSpec
+from ..trace.checkpointing import repeated_blocks
+from ..units import format_bytes
+from .runner import Runner
+
+
+@dataclass
+class Remedy:
+    name: str
+    changes: dict  # RunSpec fields changed from the base
+    needed_bytes: int
+    fits: bool
+    time_cost: str
+    cost_rank: float  # lower is cheaper
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Advice:
+    base_needed_bytes: int
+    capacity_bytes: int
+    base_fits: bool
+    remedies: list[Remedy] = field(default_factory=list)
+    combination: Remedy | None = None
+    command: str = ""
+    traces: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sharding_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("memest.trace.distributed") is not None
+
+
+def _has_blocks(runner: Runner) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..trace.values import PlaceholderScalars
+
+    with FakeTensorMode(), PlaceholderScalars():
+        model = runner.source.build_model()
+    return bool(repeated_blocks(model)) or getattr(model, "supports_gradient_checkpointing", False)
+
+
+def _recompute_pct(result) -> float:
+    r = result.report
+    base = r.step_flops - r.recompute_flops
+    return 100 * r.recompute_flops / base if base else 0.0
+
+
+def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
+    """(name, changes, rank) of the remedies that apply to the base spec."""
+    base = runner.base
+    out: list[tuple[str, dict, float]] = []
+    if base.precision == "fp32" and base.target == "cuda":
+        out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, -0.1))
+    if base.optim in ("adam", "adamw"):
+        out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
+        out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
+    if base.checkpointing == "none" and base.training and _has_blocks(runner):
+        out.append(("activation checkpointing", {"checkpointing": "blocks"}, 0.2))
+    k = 2
+    while base.batch // k >= 1 and base.batch % k == 0 and k <= 64:
+        out.append((f"micro-batch {base.batch // k} x {k} accumulation",
+                    {"batch": base.batch // k, "grad_accum": base.grad_accum * k}, 0.02 * math.log2(k)))
+        k *= 2
+    if _sharding_available() and base.training:
+        for n in (2, 4, 8):
+            out.append((f"ZeRO-3 / FSDP over {n} GPUs", {"world_size": n, "shard": "zero3"}, 0.3 + 0.05 * n))
+        out.append(("CPU offload of the optimizer", {"offload": "optimizer"}, 0.5))
+    if base.seq and base.seq >= 256:
+        out.append((f"shorter sequence ({base.seq // 2})", {"seq": base.seq // 2}, 1.0))
+    return out
+
+
+def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
+    if "checkpointing" in changes:
+        return f"+{_recompute_pct(result):.0f}% FLOPs (recompute)"
+    if "shard" in changes:
+        n = changes["world_size"]
+        volume = 3 * result.report.param_bytes * (n - 1) / n  # all-gather fwd + bwd, reduce-scatter
+        return f"~{format_bytes(volume)} collectives per step per rank; needs {n} GPUs"
+    if "offload" in changes:
+        return f"~{format_bytes(2 * result.report.param_bytes)} over PCIe per step (grads out, params in)"
+    if "seq" in changes:
+        return "changes the task (shorter context)"
+    if "precision" in changes:
+        return "faster on tensor cores; changes numerics"
+    if "optim" in changes:
+        return "0% FLOPs; changes optimizer dynamics"
+    return "0% FLOPs (same work in smaller kernels)"
+
+
+def advise(runner: Runner, capacity: int) -> Advice:
+    base = runner.run()
+    advice = Advice(base.needed_bytes, capacity, base.fits(capacity))
+    for name, changes, rank in candidates(runner):
+        result = runner.run(**changes)
+        advice.remedies.append(
+            Remedy(name, changes, result.needed_bytes, result.fits(capacity),
+                   _time_cost(name, changes, result, runner.base), rank)
+        )
+    advice.remedies.sort(key=lambda r: (not r.fits, r.cost_rank, r.needed_bytes))
+    advice.combination = _cheapest_combination(runner, capacity, advice.remedies)
+    if advice.combination is not None:
+        spec = dataclasses.replace(runner.base, **advice.combination.changes)
+        advice.command = command_line(spec)
+    advice.traces = runner.traces
+    return advice
+
+
+def _cheapest_combination(runner: Runner, capacity: int, remedies: list[Remedy]) -> Remedy | None:
+    """Greedy, cheapest first: add remedies (one accumulation step, one sharding width at a time)
+    until the traced step fits."""
+    singles = [r for r in remedies if r.fits]
+    if singles:
+        return singles[0]
+    ordered = sorted(remedies, key=lambda r: r.cost_rank)
+    changes: dict = {}
+    seen_keys: set[str] = set()
+    for remedy in ordered:
+        keys = set(remedy.changes)
+        if keys & seen_keys and not ({"batch", "grad_accum"} >= keys or {"world_size", "shard"} >= keys):
+            continue  # e.g. a second optimizer swap
+        trial = {**changes, **remedy.changes}
+        result = runner.run(**trial)
+        changes = trial
+        seen_keys |= keys
+        if result.fits(capacity):
+            names = [r.name for r in ordered if set(r.changes.items()) <= set(changes.items())]
+            return Remedy(" + ".join(names), changes, result.needed_bytes, True, "see the remedies above",
+                          sum(r.cost_rank for r in ordered if r.name in names))
+    return None
+
+
+def command_line(spec: RunSpec, gpu: str | None = None) -> str:
+    """The `memest estimate` command that reproduces ``spec``."""
+    defaults = RunSpec(model=spec.model)
+    parts = ["memest", "estimate", spec.model]
+    flags = {
+        "batch": "--batch", "seq": "--seq", "optim": "--optim", "precision": "--precision", "target": "--target",
+        "grad_accum": "--grad-accum", "checkpointing": "--checkpointing", "zero_grad": "--zero-grad",
+        "world_size": "--world-size", "shard": "--shard", "offload": "--offload", "attention": "--attention",
+        "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache",
+    }
+    for field_name, flag in flags.items():
+        value = getattr(spec, field_name)
+        if value != getattr(defaults, field_name) or field_name in ("batch", "seq") and value is not None:
+            parts += [flag, str(value)]
+    if spec.fused:
+        parts.append("--fused")
+    if gpu:
+        parts += ["--gpu", gpu]
+    return " ".join(shlex.quote(p) for p in parts)
