@@ -122,6 +122,13 @@ def estimate(
     try:
         if gpu is not None:
             resolve_budget(gpu)  # a bad budget fails before the (slower) trace
+        if plot is not None:
+            from pathlib import Path
+
+            from .report.plot import FORMATS
+
+            if Path(plot).suffix.lower() not in FORMATS:  # fail before the trace, not after it
+                raise MemestError(f"cannot write a plot to {plot!r}: use a file name ending in {', '.join(FORMATS)}")
         query = None
         if gpu is None or gpu.strip().isdigit():
             from .device.nvml import query_gpus
@@ -426,7 +433,7 @@ def advise(
 
 
 @app.command()
-def gpus(json: Json = False) -> None:
+def gpus(json: Json = False, markdown: Markdown = False) -> None:
     """Live table of NVIDIA GPUs and their processes (NVML)."""
     from .device.nvml import query_gpus
 
@@ -439,6 +446,14 @@ def gpus(json: Json = False) -> None:
         return
     if not query.gpus:
         typer.echo(query.reason)
+        return
+    if markdown:
+        from .report.markdown import table_markdown
+        from .units import format_bytes
+
+        rows = [[str(g.index), g.name, format_bytes(g.total_bytes), format_bytes(g.used_bytes), format_bytes(g.free_bytes)]
+                for g in query.gpus]
+        sys.stdout.write(table_markdown(["index", "name", "total", "used", "free"], rows) + "\n")
         return
     from .report.console import gpus_table, make_console
 

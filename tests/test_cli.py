@@ -88,3 +88,17 @@ def test_debug_shows_traceback():
     result = run("estimate", model_ref("no_build"), "--debug")
     assert result.exit_code != 0
     assert result.exception is not None
+
+
+def test_plot_written_and_bad_extension_fails_before_tracing(tmp_path):
+    out = tmp_path / "step.html"
+    result = run("estimate", model_ref("mlp"), "--batch", "4", "--plot", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text().lstrip().lower().startswith("<!doctype html")
+    bad = run("estimate", model_ref("mlp"), "--plot", tmp_path / "x.gif")
+    assert bad.exit_code == 2 and ".png" in bad.stderr and bad.stdout == ""
+
+
+def test_estimate_prints_a_terminal_timeline():
+    result = run("estimate", model_ref("mlp"), "--batch", "4")
+    assert "peak" in result.stdout and "f forward" in result.stdout
