@@ -41,8 +41,10 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     if spec.target == "cuda":
         from .device.usage import device_usage
 
-        report.device = device_usage(trace, spec.compute_capability, calibration=calibration)
+        report.device = device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration)
     report.trace_seconds = time.perf_counter() - start
+    if spec.world_size > 1 or spec.offload != "none":
+        _parallel_notes(report, trace, spec)
     if spec.target == "cuda":
         report.notes.append(
             "device = caching-allocator reserved + CUDA context (+ NCCL, cuDNN allowance); "
@@ -57,3 +59,23 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
             else "mixed precision traced with CPU autocast (torch.autocast('cpu'))"
         )
     return Estimate(report, trace)
+
+
+def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
+    """--world-size/--shard/--offload: what the trace is (details: trace.distributed.sharding_summary)."""
+    from .units import format_bytes
+
+    from .trace.distributed import sharding_summary
+
+    report.sharding = sharding_summary(trace)
+    report.effective_batch *= spec.world_size
+    if spec.world_size > 1 and trace.parallel:
+        report.notes.append(f"per-rank estimate: rank 0 of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
+    elif spec.world_size > 1:
+        report.notes.append(f"per-rank estimate: each of the {spec.world_size} ranks runs this {spec.mode} step on its own batch")
+    if spec.offload != "none":
+        where = "host (CPU) memory" if spec.target == "cuda" else "host memory (the same memory on --target cpu)"
+        report.notes.append(
+            f"--offload {spec.offload}: {format_bytes(trace.host_peak())} peak held in {where}, "
+            "not counted in the peak above"
+        )

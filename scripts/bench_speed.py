@@ -9,6 +9,7 @@
 
 Writes benchmarks/speed.md and the raw numbers to benchmarks/speed.json.
 Usage: python scripts/bench_speed.py [--out benchmarks/speed.md] [--reps 5] [--trace-reps 3] [--skip-memtracker]
+                                    [--baseline OTHER_CHECKOUT [--baseline-label TEXT]]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -56,6 +58,18 @@ CASES = [
 ]
 
 
+NOTES = """\
+Notes:
+- Where the time goes: the imports (\"imports alone\") are most of the wall time; then the trace, where
+  FakeTensorMode's own dispatch (cache-key hashing of every argument, output construction) dominates and
+  memest's bookkeeping is a few percent; then ~0.2 s of interpreter exit.
+- Parameters stay fake: the 7B model's fp32 parameters alone are 25 GiB, its peak RSS a few hundred MiB.
+- memest counts the step's inputs (input_ids, labels); MemTracker only sees tensors created under it or
+  passed to track_external, so they are passed there.
+- A shared 2-core machine drifts with load (see the load averages above): compare numbers from one run;
+  `--baseline` interleaves the before and after runs for that reason."""
+
+
 # -- end to end ------------------------------------------------------------------------------------
 def memest_command() -> list[str]:
     """The ``memest`` console script of this interpreter's environment (what a user runs)."""
@@ -73,11 +87,13 @@ def cli_args(case: dict) -> list[str]:
     ]
 
 
-def run_child(cmd: list[str]) -> dict:
-    """Run ``cmd``; wall seconds, the child's own peak RSS (wait4 rusage) and its stdout."""
+def run_child(cmd: list[str], source: str | None = None) -> dict:
+    """Run ``cmd`` (with memest imported from ``source`` when given); wall seconds, the child's own
+    peak RSS (wait4 rusage) and its stdout."""
+    env = dict(os.environ, PYTHONPATH=source) if source else None
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -89,21 +105,32 @@ def run_child(cmd: list[str]) -> dict:
     return {"wall_seconds": wall, "max_rss_bytes": usage.ru_maxrss * 1024, "stdout": stdout}  # Linux: KiB
 
 
-def end_to_end(case: dict, reps: int) -> dict:
+def end_to_end(case: dict, reps: int, baseline: str | None = None) -> dict:
+    """``reps`` timed runs of this checkout (and, interleaved, of a ``baseline`` checkout)."""
     cmd = memest_command() + cli_args(case)
-    run_child(cmd)  # warm-up: page cache, not counted
-    runs = []
-    for i in range(reps):
-        child = run_child(cmd)
-        doc = json.loads(child.pop("stdout"))
-        child.update(peak_allocated_bytes=doc["peak_allocated_bytes"], trace_seconds=doc["trace_seconds"])
-        runs.append(child)
-        print(f"  {case['name']} run {i + 1}: {child['wall_seconds']:.2f} s, "
-              f"{child['max_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+    trees = {"this": str(ROOT)} | ({"baseline": baseline} if baseline else {})
+    for source in trees.values():
+        run_child(cmd, source)  # warm-up: page cache, not counted
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for i in range(reps):  # alternate the order, so drift on a noisy machine hits both alike
+        for name in list(trees) if i % 2 == 0 else list(trees)[::-1]:
+            child = run_child(cmd, trees[name])
+            doc = json.loads(child.pop("stdout"))
+            child.update(peak_allocated_bytes=doc["peak_allocated_bytes"], trace_seconds=doc["trace_seconds"])
+            runs[name].append(child)
+            print(f"  {case['name']} {name} run {i + 1}: {child['wall_seconds']:.2f} s, "
+                  f"{child['max_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+    out = {name: _summary(rows, case) for name, rows in runs.items()}
+    result = out["this"] | {"command": "memest " + " ".join(cli_args(case))}
+    if baseline:
+        result["baseline"] = out["baseline"]
+    return result
+
+
+def _summary(runs: list[dict], case: dict) -> dict:
     if len({r["peak_allocated_bytes"] for r in runs}) != 1:
         raise SystemExit(f"{case['name']}: the peak changed between runs: {[r['peak_allocated_bytes'] for r in runs]}")
     return {
-        "command": "memest " + " ".join(cli_args(case)),
         "runs": runs,
         "median_wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
         "median_max_rss_bytes": statistics.median(r["max_rss_bytes"] for r in runs),
@@ -114,9 +141,11 @@ def end_to_end(case: dict, reps: int) -> dict:
 
 
 def import_floor(case: dict, reps: int) -> float:
-    """Median wall time of a process that only imports what memest must import for this model."""
+    """Median wall time of a process that only imports what memest must import for this model
+    (torch, torch._dynamo — FakeTensorMode needs it — and the model's transformers class), with the
+    garbage collector handled as memest handles it (paused while importing, then gc.freeze)."""
     arch = json.loads((ROOT / "memest" / "data" / "models" / f"{case['model'][3:]}.json").read_text())["architectures"][0]
-    code = f"import torch, torch._dynamo, transformers; transformers.{arch}"
+    code = f"import gc; gc.disable(); import torch, torch._dynamo, transformers; transformers.{arch}; gc.freeze()"
     return statistics.median(run_child([sys.executable, "-c", code])["wall_seconds"] for _ in range(reps))
 
 
@@ -261,18 +290,23 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
         f"{', '.join(f'{x:.2f}' for x in meta['load_average_start'])}; at end: "
         f"{', '.join(f'{x:.2f}' for x in meta['load_average_end'])}.",
         "",
-        "Reproduce: `python scripts/bench_speed.py --out benchmarks/speed.md` (raw numbers: "
-        "`benchmarks/speed.json`).",
+        f"Reproduce: `{meta['command']}` (raw numbers: `benchmarks/speed.json`; add "
+        "`--baseline OTHER_CHECKOUT` for an interleaved before/after).",
         "",
         "## End to end, as a user runs it",
         "",
         f"`{meta['memest_command']} estimate ... --json` as a subprocess: one warm-up run, then the median of "
         f"{reps} runs. Peak RSS is the child's own (`os.wait4`). \"imports alone\" is a process that only "
-        "imports torch, torch._dynamo and the model's transformers class — the floor memest cannot go below.",
+        "imports torch, torch._dynamo and the model's transformers class (GC paused, then frozen, as memest does) "
+        "— a floor memest cannot go below; \"trace\" is the run's own `trace_seconds` (trace + analysis).",
         "",
         "| command | wall (median) | min – max | goal | peak RSS (max) | goal | imports alone | trace (in the run) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    baseline = meta.get("baseline")
+    if baseline:
+        lines[-2] += " baseline (median) | speed-up |"
+        lines[-1] = lines[-1] + "---:|---:|"
     for r in results:
         e, case = r["end_to_end"], r["case"]
         walls = [x["wall_seconds"] for x in e["runs"]]
@@ -285,9 +319,27 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
             f"| `{e['command']}` | **{e['median_wall_seconds']:.2f} s** | {min(walls):.2f} – {max(walls):.2f} s | "
             f"{goal_t} | {e['max_rss_bytes'] / 2**20:.0f} MiB | {goal_m} | {r['import_floor_seconds']:.2f} s | "
             f"{e['median_trace_seconds']:.2f} s |"
+            + (
+                f" {e['baseline']['median_wall_seconds']:.2f} s | {e['baseline']['median_wall_seconds'] / e['median_wall_seconds']:.2f}× |"
+                if baseline else ""
+            )
         )
+    if baseline:
+        lines += [
+            "",
+            f"Baseline: {baseline}, run interleaved with this checkout (order alternating). Baseline peak RSS "
+            + ", ".join(f"{r['case']['name']} {r['end_to_end']['baseline']['max_rss_bytes'] / 2**20:.0f} MiB" for r in results)
+            + "; baseline trace (in the run) "
+            + ", ".join(f"{r['case']['name']} {r['end_to_end']['baseline']['median_trace_seconds']:.2f} s" for r in results)
+            + "; peaks "
+            + ", ".join(
+                f"{r['case']['name']} " + ("identical" if r['end_to_end']['baseline']['peak_allocated_bytes'] == r['end_to_end']['peak_allocated_bytes'] else "DIFFERENT")
+                for r in results
+            )
+            + ".",
+        ]
     if not all("memtracker" in r for r in results):
-        return "\n".join([*lines, "", *meta.get("notes", []), ""])
+        return "\n".join([*lines, "", NOTES, *meta.get("notes", []), ""])
     lines += [
         "",
         "## Against PyTorch's MemTracker, same step",
@@ -295,8 +347,8 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
         "`torch.distributed._tools.mem_tracker.MemTracker` under FakeTensorMode on the step memest traces: the "
         "same RunSpec (default `--target cuda`: foreach AdamW), model and inputs built by "
         "`memest.trace.step.build`, the optimizer from `make_optimizer`, two iterations of `run_iteration` inside "
-        "the contexts memest's trace enters (transformers' mask branches; CUDA SDPA kernels where memest has "
-        "them), `reset_mod_stats()` between iterations; `track_external(model, optimizer, *inputs)`. "
+        "the contexts memest's trace enters (transformers' mask branches; for `--target cuda` the CUDA SDPA "
+        "kernels and, in mixed precision, the CUDA autocast emulation), `reset_mod_stats()` between iterations; `track_external(model, optimizer, *inputs)`. "
         "MemTracker's peak is `get_tracker_snapshot(\"peak\")[cpu][\"Total\"]`; memest's is "
         "`peak_allocated_bytes`. Times are in-process, build + 2 iterations, median of "
         f"{trace_reps} interleaved runs after one warm-up memest trace.",
@@ -312,7 +364,19 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
             f"{m['median_memest_seconds']:.2f} s | {m['median_memtracker_seconds']:.2f} s | "
             f"**{m['speed_ratio']:.1f}×** |"
         )
-    lines += ["", *meta.get("notes", []), ""]
+    lines.append("")
+    for r in results:
+        m = r["memtracker"]
+        verdict = (
+            "agree to the byte" if m["memtracker_peak_bytes"] == m["memest_peak_bytes"]
+            else f"agree within 1% ({100 * m['relative_difference']:+.4f}%)" if abs(m["relative_difference"]) <= 0.01
+            else f"DIFFER by {100 * m['relative_difference']:+.2f}% (more than 1%: investigate)"
+        )
+        lines.append(
+            f"- {r['case']['name']}: the peaks {verdict}; MemTracker took {m['speed_ratio']:.1f}× memest's time "
+            f"(memest's first trace in the process, cold: {m['memest_first_trace_seconds']:.2f} s)."
+        )
+    lines += ["", NOTES, *meta.get("notes", []), ""]
     return "\n".join(lines)
 
 
@@ -323,15 +387,20 @@ def main() -> None:
     parser.add_argument("--trace-reps", type=int, default=3, help="in-process trace runs per case and tool")
     parser.add_argument("--only", choices=[c["name"] for c in CASES], action="append", help="run only these cases")
     parser.add_argument("--skip-memtracker", action="store_true", help="end to end only (MemTracker takes minutes)")
+    parser.add_argument("--baseline", help="another memest checkout to time end to end, interleaved (before/after)")
+    parser.add_argument("--baseline-label", help="how the report names the baseline (default: its path)")
     parser.add_argument("--notes", type=Path, help="Markdown appended to the report (findings, explanations)")
     args = parser.parse_args()
     cases = [c for c in CASES if not args.only or c["name"] in args.only]
 
     meta = machine()
+    meta["command"] = shlex.join(["python", "scripts/bench_speed.py", *sys.argv[1:]])
+    if args.baseline:
+        meta["baseline"] = args.baseline_label or args.baseline
     results = []
     for case in cases:  # end to end first, while this process has not yet imported torch's models
         print(f"{case['name']}: end to end", file=sys.stderr)
-        results.append({"case": case, "end_to_end": end_to_end(case, args.reps),
+        results.append({"case": case, "end_to_end": end_to_end(case, args.reps, args.baseline),
                         "import_floor_seconds": import_floor(case, args.reps)})
     for result in [] if args.skip_memtracker else results:
         print(f"{result['case']['name']}: MemTracker comparison", file=sys.stderr)

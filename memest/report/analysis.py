@@ -10,6 +10,7 @@ from ..spec import RunSpec
 from ..trace.events import Category, Phase, Trace
 from ..trace.checkpointing import within
 from ..trace.optim import FOLKLORE_N
+from ..trace.step import TRACED_MICRO_STEPS
 
 # The JSON contract's categories (design.md §5); buffers and inputs are reported as "other".
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
@@ -65,6 +66,7 @@ class Report:
     step_flops: int = 0  # FLOPs of one step (the last traced), torch.utils.flop_counter formulas
     recompute_flops: int = 0  # of which: forward ops re-run in backward by activation checkpointing
     checkpointed: list[str] = field(default_factory=list)
+    sharding: dict | None = None  # --world-size/--shard/--offload: trace.distributed.sharding_summary
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -179,9 +181,13 @@ def _flops(trace: Trace, spec: RunSpec) -> tuple[int, int]:
     """FLOPs of the last traced step, and the part that is recomputation: checkpointing re-runs the
     forward ops of the checkpointed modules in backward, so their forward FLOPs are counted twice."""
     last = [(phase, module, n) for (it, phase, module), n in trace.flops.items() if it == spec.iterations]
-    total = sum(n for _, _, n in last)
+    # accumulation: the tracer runs min(K, 2) identical micro-steps; a step has K of them
+    traced = min(spec.grad_accum, TRACED_MICRO_STEPS) if spec.training else 1
+    scale = spec.grad_accum / traced if spec.training else 1
+    micro_phases = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
+    total = sum(n * scale if phase in micro_phases else n for phase, _, n in last)
     recompute = sum(n for phase, module, n in last if phase is Phase.FORWARD and within(module, trace.checkpointed))
-    return total, recompute
+    return int(total), int(recompute * scale)
 
 
 def _folklore(trace: Trace, spec: RunSpec) -> tuple[int, str]:

@@ -66,6 +66,15 @@ def summary_table(report: Report) -> Table:
             f"{len(report.checkpointed)} modules ({_names(report.checkpointed)}); recompute costs "
             f"{pct:.1f}% extra FLOPs per step",
         )
+    if report.sharding:
+        sh = report.sharding
+        table.add_row(
+            "data parallel",
+            f"rank 0 of {sh['world_size']}" + (f", {sh['parallel']}" if sh.get("parallel") else "")
+            + f"; effective batch {report.effective_batch}",
+        )
+        if sh.get("host_peak_bytes"):
+            table.add_row("host memory", f"{format_bytes(sh['host_peak_bytes'])} peak offloaded to the CPU (not in the GPU peak)")
     table.add_row("parameters", f"{format_count(report.param_count)} ({format_bytes(report.param_bytes)})")
     table.add_row("peak allocated", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]")
     where = f"step {report.peak_iteration}, {report.phase_at_peak}"

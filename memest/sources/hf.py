@@ -7,7 +7,9 @@ classification, pixel_values for vision. Training runs with ``use_cache=False``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -60,23 +62,27 @@ def load_hf_source(name: str) -> ModelSource:
         raise ModelLoadError(f"{path}: cannot read config: {exc}") from exc
     if "model_type" not in raw:
         raise ModelLoadError(f"{path}: config has no \"model_type\"; it is not a transformers config.json")
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ModelLoadError("hf: models need transformers; install memest[hf] (pip install transformers)") from exc
+    from ..trace.step import imports_without_gc
 
-    transformers.logging.set_verbosity_error()  # config warnings are noise for a config-only model
-    try:
-        config = transformers.AutoConfig.for_model(**raw)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: transformers cannot read this config: {exc}") from exc
+    # transformers imports its modules lazily: the config class here, the model's module on getattr
+    with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():
+        try:
+            import transformers
+        except ImportError as exc:
+            raise ModelLoadError("hf: models need transformers; install memest[hf] (pip install transformers)") from exc
+
+        transformers.logging.set_verbosity_error()  # config warnings are noise for a config-only model
+        try:
+            config = transformers.AutoConfig.for_model(**raw)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: transformers cannot read this config: {exc}") from exc
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        cls = getattr(transformers, arch, None) if arch else None
+        if cls is None:
+            cls = transformers.AutoModel
+            arch = "AutoModel"
     config.use_cache = False
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModel
-        arch = "AutoModel"
     head = _head(arch)
     max_pos = _max_positions(config)
 
@@ -97,6 +103,7 @@ def load_hf_source(name: str) -> ModelSource:
         default_seq=None,
         origin=str(path),
         trace_context=real_mask_branches,
+        max_seq=max_pos if "gpt2" in raw.get("model_type", "") or raw.get("model_type") in ("bert", "vit") else None,
     )
 
 

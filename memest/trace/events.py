@@ -44,6 +44,8 @@ class StorageRecord:
     op: str
     iteration: int
     saved_for_backward: bool = False
+    # held in host (CPU) memory by an offloading run (--offload): not part of the per-GPU events
+    host: bool = False
 
     def classify(self, category: Category) -> None:
         if CATEGORY_PRIORITY.index(category) < CATEGORY_PRIORITY.index(self.category):
@@ -79,6 +81,14 @@ class Trace:
     checkpointed: list[str] = field(default_factory=list)  # modules wrapped by --checkpointing
     param_count: int = 0
     param_bytes: int = 0
+    # data parallelism (--world-size, --shard, --offload): the trace is rank 0's; ``events`` are its
+    # device memory, ``host_events`` what an offloading run keeps in host memory, as
+    # ``(number of device events before it, storage_id, delta_bytes)`` so both can be merged in order
+    world_size: int = 1
+    parallel: str = ""  # how the step was wrapped, e.g. "FSDP2 fully_shard (reshard_after_forward=True)"
+    shard_units: list[str] = field(default_factory=list)  # modules wrapped by fully_shard ('' = root)
+    host_events: list[tuple[int, int, int]] = field(default_factory=list)
+    host_marks: list[int] = field(default_factory=list)  # per phase mark: host events before it
 
     def phase_at(self, event_index: int) -> tuple[int, Phase]:
         starts = [mark[0] for mark in self.phase_marks]
@@ -103,6 +113,44 @@ class Trace:
             if live > best:
                 best, best_i = live, i
         return max(best, 0), best_i
+
+    def split_host(self) -> None:
+        """Move the events of host storages (``StorageRecord.host``) from ``events`` to
+        ``host_events``; phase marks are re-indexed to the remaining (device) events."""
+        if not any(rec.host for rec in self.storages):
+            return
+        device: list[tuple[int, int]] = []
+        new_index: list[tuple[int, int]] = []  # old event index -> (device, host) events before it
+        for sid, delta in self.events:
+            new_index.append((len(device), len(self.host_events)))
+            if self.storages[sid].host:
+                self.host_events.append((len(device), sid, delta))
+            else:
+                device.append((sid, delta))
+        new_index.append((len(device), len(self.host_events)))
+        self.events = device
+        self.host_marks = [new_index[i][1] for i, _, _ in self.phase_marks]
+        self.phase_marks = [(new_index[i][0], it, phase) for i, it, phase in self.phase_marks]
+
+    def host_peak(self) -> int:
+        """Peak bytes held in host memory (0 without offloading)."""
+        live = best = 0
+        for _, _, delta in self.host_events:
+            live += delta
+            best = max(best, live)
+        return best
+
+    def combined_peak(self) -> int:
+        """Peak of device + host bytes together, in event order: what a run whose 'device' and
+        'host' are the same memory (a CPU run) holds at its peak."""
+        merged = [(pos, 1, delta) for pos, _, delta in self.host_events]
+        merged += [(i + 1, 0, delta) for i, (_, delta) in enumerate(self.events)]
+        merged.sort(key=lambda e: (e[0], e[1]))
+        live = best = 0
+        for _, _, delta in merged:
+            live += delta
+            best = max(best, live)
+        return best
 
     def live_at(self, event_index: int) -> set[int]:
         """Storage ids alive just after ``event_index``."""

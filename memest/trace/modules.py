@@ -44,16 +44,21 @@ def _shape_text(output) -> tuple[str, int]:
 class ModuleStack:
     """Context manager: ``current()`` names the innermost running module, forward or backward."""
 
-    def __init__(self, model: torch.nn.Module, trace: Trace) -> None:
+    def __init__(self, model: torch.nn.Module, trace: Trace, wrapper: torch.nn.Module | None = None) -> None:
         self.trace = trace
         self._tracker = ModTracker()
         self._root = type(model).__name__
+        if wrapper is not None:  # the step calls a wrapper (DDP) whose .module is ``model``
+            self._root = f"{type(wrapper).__name__}.module"
+            self._wrapper = type(wrapper).__name__
         self._cache_key: frozenset | None = None
         self._cache_val = ""
         self.record_outputs = True
 
+    _wrapper = None
+
     def _fqn(self, tracker_name: str) -> str:
-        if tracker_name == self._root:
+        if tracker_name == self._root or tracker_name == self._wrapper:
             return ""
         if tracker_name.startswith(self._root + "."):
             return tracker_name[len(self._root) + 1 :]

@@ -9,35 +9,57 @@ run ``spec.iterations`` times (2 by default: optimizer state exists from the fir
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+import gc
 import logging
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
-from torch.utils._pytree import tree_flatten
 
-from ..device.cuda_autocast import cuda_autocast_scope
-from ..device.sdpa import CUDA_SCRATCH, CudaSdpa
-from ..errors import MemestError, TraceError
-from ..sources.base import ModelSource, default_loss
-from ..spec import RunSpec
-from .checkpointing import apply_checkpointing
-from .dtype import cast_floating
-from .events import Category, Phase, Trace
-from .inference import check_generate, run_generate, run_inference
-from .modules import ModuleStack, describe_modules
-from .optim import make_optimizer
-from .tracker import StorageTracker
-from .values import PlaceholderScalars
+@contextlib.contextmanager
+def imports_without_gc():
+    """Import big libraries with the cyclic garbage collector paused, then freeze what they made.
 
-class _FakeMode(FakeTensorMode):
+    torch (and transformers, for hf: models) create ~350k objects that live until the process
+    exits. Full collections would rescan them while the imports run (~0.4 s on 2 cores) and
+    interpreter exit would collect them once more (~0.8 s). gc.freeze() moves every object alive
+    now to a permanent generation that collections skip; objects made later (models, traces) are
+    collected as usual, so traces are unaffected."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+with imports_without_gc():
+    import torch
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+    from torch.utils._pytree import tree_flatten
+
+    from ..device.cuda_autocast import cuda_autocast_scope
+    from ..device.sdpa import CUDA_SCRATCH, CudaSdpa
+    from ..errors import MemestError, TraceError
+    from ..sources.base import ModelSource, default_loss
+    from ..spec import RunSpec
+    from .checkpointing import apply_checkpointing
+    from .dtype import cast_floating
+    from .events import Category, Phase, Trace
+    from .inference import check_generate, run_generate, run_inference
+    from .modules import ModuleStack, describe_modules
+    from .optim import make_optimizer
+    from .tracker import StorageTracker, TrackingFakeMode
+    from .values import PlaceholderScalars
+
+
+class _FakeMode(TrackingFakeMode):
     """One fake mode per trace, kept when a model deep-copies fake tensors (nn.TransformerEncoder
     clones its layer): Tensor.__deepcopy__ deep-copies each slot, ``fake_mode`` among them."""
 
@@ -126,15 +148,22 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
+# Micro-steps 2..K of gradient accumulation allocate and free exactly alike (gradients exist and are
+# accumulated in place), so the tracer runs two of them; tests compare with real runs of all K.
+TRACED_MICRO_STEPS = 2
+
+
 def run_iteration(
-    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu"
+    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
+    max_micro_steps: int | None = None,
 ) -> None:
-    """One training step: ``spec.grad_accum`` micro-steps (loss / K each) then one optimizer step.
-    ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after backward and the optimizer step
-    (the tracer classifies gradients and state there)."""
+    """One training step: ``spec.grad_accum`` micro-steps (loss / K each; at most ``max_micro_steps``
+    run) then one optimizer step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after
+    backward and the optimizer step (the tracer classifies gradients and state there)."""
     mark = on_phase or (lambda phase: None)
     done = after or (lambda phase: None)
-    for _ in range(spec.grad_accum):
+    micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
+    for _ in range(micro_steps):
         mark(Phase.FORWARD)
         with autocast_context(spec, device_type):
             out = call_model(model, inputs)
@@ -155,11 +184,12 @@ def run_iteration(
 
 
 def run_step(
-    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu"
+    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
+    max_micro_steps: int | None = None,
 ) -> None:
     """One step of ``spec.mode``: a training step, an inference forward, or a generation."""
     if spec.training:
-        run_iteration(model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type)
+        run_iteration(model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps)
         return
     mark = on_phase or (lambda phase: None)
     with autocast_context(spec, device_type):
@@ -178,25 +208,40 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
     parameter or activation memory and never touches a GPU."""
     trace = Trace()
     fake_mode = _FakeMode(allow_non_fake_inputs=False)
-    with fake_mode:
+    parallel = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
+    process_group = contextlib.nullcontext()
+    data_parallel = spec.world_size > 1 and spec.training  # inference ranks are plain replicas
+    if data_parallel:
+        from . import distributed
+
+        process_group = distributed.fake_process_group(spec.world_size)
+    with fake_mode, process_group:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
                 built = build(source, spec)
                 model, inputs = built.model, built.inputs
                 trace.checkpointed = built.checkpointed
+                trace.model_type = type(model).__name__
+                if data_parallel:
+                    parallel = _wrap_parallel(source, spec, model)
+                    trace.parallel, trace.shard_units = parallel.description, list(parallel.units)
         owner_of_param = describe_modules(model, trace)
-        trace.model_type = type(model).__name__
         params = [p for p in model.parameters() if p.requires_grad]
         trace.param_count = sum(p.numel() for p in model.parameters())
         trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        optimizer = make_optimizer(spec, params) if spec.training else None
+        if parallel is not None:
+            optimizer = parallel.optimizer
+        else:
+            optimizer = make_optimizer(spec, params) if spec.training else None
         if spec.mode == "generate":
             check_generate(model, inputs)
 
-        stack = ModuleStack(model, trace)
+        stack = ModuleStack(model, trace, wrapper=parallel.wrapper if parallel is not None else None)
         cuda = spec.target == "cuda"
-        tracker = StorageTracker(trace, stack.current, scratch=CUDA_SCRATCH if cuda else None)
+        tracker = StorageTracker(trace, stack.current, fake_mode, scratch=CUDA_SCRATCH if cuda else None)
+        if parallel is not None:
+            distributed.attach(tracker, parallel, spec)  # DTensor shards, DDP's gradient buckets
         sdpa = CudaSdpa(spec.attention, spec.compute_capability) if cuda else contextlib.nullcontext()
         # CUDA autocast rules must also hold in backward, where checkpointing replays the forward
         autocast_scope = cuda_autocast_scope() if cuda and spec.mixed else contextlib.nullcontext()
@@ -215,7 +260,8 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
                     if p.grad is not None:
                         _own(tracker, trace, p.grad, Category.GRADIENTS, owner_of_param[id(p)])
             elif phase is Phase.OPTIMIZER:
-                for p, state in optimizer.state.items():
+                state_of = parallel.optimizer_state() if parallel is not None else optimizer.state
+                for p, state in state_of.items():
                     for t in _storage_tensors(state):
                         _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner_of_param.get(id(p), ""))
 
@@ -227,17 +273,21 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
         try:
             source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
-            with _quiet_fake_tensor_log(), source_context, sdpa, autocast_scope, stack, tracker, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
+            instrument = (
+                distributed.instrument(tracker, spec, owner_of_param) if parallel is not None else contextlib.nullcontext()
+            )
+            with _quiet_fake_tensor_log(), source_context, sdpa, autocast_scope, stack, tracker, instrument, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
                 for it in range(1, spec.iterations + 1):
                     stack.record_outputs = it == 1
                     run_step(
-                        model,
+                        model if parallel is None else parallel.module,
                         inputs,
                         optimizer,
                         source.compute_loss,
                         spec,
                         on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
                         after=classify_after,
+                        max_micro_steps=TRACED_MICRO_STEPS,
                     )
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             raise TraceError(
@@ -258,14 +308,34 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
                 f"{source.origin or source.name}: {_where(stack, tracker)} raised {type(exc).__name__}: "
                 f"{_first_line(exc)}; check that example_inputs() matches the model's forward"
             ) from exc
-        del model, inputs, optimizer, params
+        del model, inputs, optimizer, params, parallel
 
     if cuda:
         trace.attention_backends = dict(sdpa.choices)
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
+    if spec.world_size > 1 or spec.offload != "none":
+        from . import distributed
+
+        trace.world_size = spec.world_size
+        distributed.mark_host(trace, spec)
     return trace
+
+
+def _wrap_parallel(source: ModelSource, spec: RunSpec, model):
+    """The model wrapped for --world-size/--shard (trace/distributed.py), as a TraceError if it cannot be."""
+    from . import distributed
+
+    try:
+        return distributed.wrap(model, spec, fake=True)
+    except MemestError:
+        raise
+    except Exception as exc:
+        raise TraceError(
+            f"{source.origin or source.name}: wrapping the model for --shard {spec.shard} "
+            f"(--world-size {spec.world_size}) raised {type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
 
 
 @contextlib.contextmanager

@@ -1,0 +1,413 @@
+"""Data parallelism: the step as one rank of ``--world-size N`` runs it (docs/sharding.md).
+
+The model is wrapped with torch's own data-parallel code, so the trace records what it allocates:
+
+  --shard none   (N > 1)  DistributedDataParallel: full parameters, gradients and optimizer state
+                          on every rank, plus DDP's gradient buckets (one flat buffer per bucket).
+  --shard zero1           DDP + torch.distributed.optim.ZeroRedundancyOptimizer: the optimizer (and
+                          its state) covers only the parameters ZeRO assigns to this rank.
+  --shard zero2           FSDP2 ``fully_shard(reshard_after_forward=False)``: sharded parameters,
+                          gradients (reduce-scattered) and optimizer state; a unit's unsharded
+                          parameters stay gathered from its forward to its backward.
+  --shard zero3           FSDP2 ``fully_shard(reshard_after_forward=True)``: full shard; parameters
+                          are gathered per unit for its forward and again for its backward.
+  FSDP units: each repeated block (trace/checkpointing.repeated_blocks) and the root.
+  --offload optimizer     optimizer state and the optimizer step's allocations live in host memory.
+  --offload params        (zero3) FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and
+                          optimizer state (and the step) in host memory; each unit's parameters are
+                          copied to the device and gathered there for compute.
+
+The trace is rank 0's, run against a fake process group (``init_process_group("fake")``, the
+technique of torch's own FSDP memory-tracker tests): collectives move no data, but every buffer
+the wrappers allocate for them (all-gather outputs, reduce-scatter inputs and outputs, DDP buckets)
+is an allocation in the trace. ``wrap`` is shared with the real multi-process ground truth
+(validate/distributed_truth.py), so both run the same wrappers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import MemestError
+from ..spec import RunSpec
+from .checkpointing import repeated_blocks
+from .events import Category, Phase, Trace
+from .optim import make_optimizer, optimizer_class
+
+HALF = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@dataclass
+class Parallel:
+    """A model wrapped for data parallelism, and the optimizer this rank runs."""
+
+    module: nn.Module  # what the step calls: the DDP wrapper, or the model itself (FSDP wraps in place)
+    model: nn.Module  # the user's model (its parameters are DTensor shards under FSDP)
+    optimizer: torch.optim.Optimizer
+    description: str
+    units: list[str] = field(default_factory=list)  # fully_shard units ('' = the root)
+    ddp_buckets: list = field(default_factory=list)  # storages of DDP's gradient buckets (traces only)
+
+    @property
+    def wrapper(self) -> nn.Module | None:
+        return self.module if self.module is not self.model else None
+
+    def optimizer_state(self) -> dict:
+        """param -> state of what this rank's optimizer holds (ZeRO keeps it in its local ``optim``)."""
+        return getattr(self.optimizer, "optim", self.optimizer).state
+
+
+# -- process groups ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of ``world_size``: collectives complete at once and move no data."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise MemestError(
+            "a torch.distributed process group is already initialised in this process; memest simulates the "
+            "ranks with its own fake group, so run it outside the distributed job"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _mesh(world_size: int):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with unset_fake_temporarily():  # the mesh reads its rank table as real values
+        return init_device_mesh("cpu", (world_size,))
+
+
+# -- wrapping (shared by the trace and the real ground truth) ------------------------------------
+def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+    """Wrap ``model`` as ``spec.shard`` says; ``fake``: under a fake process group on fake tensors."""
+    if spec.shard in ("zero2", "zero3"):
+        return _fsdp(model, spec)
+    return _ddp(model, spec, fake)
+
+
+def _fsdp(model: nn.Module, spec: RunSpec) -> Parallel:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if spec.optim == "adafactor":  # the real run fails the same way
+        raise MemestError(
+            f"--optim adafactor does not run on FSDP's sharded (DTensor) parameters: its in-place ops on "
+            f"row/column norms need placement changes DTensor does not support; use --shard zero1 or another "
+            f"optimizer with --shard {spec.shard}"
+        )
+    reshard = spec.shard == "zero3"
+    kwargs: dict = {"mesh": _mesh(spec.world_size), "reshard_after_forward": reshard}
+    if spec.offload == "params":
+        # pinned host memory needs CUDA; pinning changes transfer speed, not the bytes held
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    else:
+        kwargs["offload_policy"] = OffloadPolicy()
+    if spec.mixed:  # gather and compute in 16-bit, reduce gradients in fp32 (fp32 master shards)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=HALF[spec.precision], reduce_dtype=torch.float32)
+    units = repeated_blocks(model)
+    modules = dict(model.named_modules())
+    for name in units:
+        fully_shard(modules[name], **kwargs)
+    fully_shard(model, **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    what = f"FSDP2 fully_shard(reshard_after_forward={reshard})"
+    if spec.offload == "params":
+        what += " + CPUOffloadPolicy"
+    if spec.mixed:
+        what += f" + MixedPrecisionPolicy(param_dtype={str(HALF[spec.precision]).removeprefix('torch.')}, reduce_dtype=float32)"
+    n = len(units) + 1
+    return Parallel(model, model, make_optimizer(spec, params), f"{what}, {n} unit{'s' if n > 1 else ''}", units + [""])
+
+
+def _ddp(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    collect = _NewStorages()  # the buckets: C++ allocations, seen as the ops they dispatch
+    with collect:
+        # init_sync checks shapes and broadcasts rank 0's values: it reads data that fake tensors
+        # do not have, and allocates nothing that outlives the constructor
+        ddp = DDP(model, init_sync=not fake)
+    if fake:
+        ddp.register_comm_hook(None, _fake_allreduce)
+        ddp.reducer = _NoBucketRebuild(ddp.reducer)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    if spec.shard == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls, kwargs = optimizer_class(spec)
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+        what = "DDP + ZeroRedundancyOptimizer"
+    else:
+        optimizer = make_optimizer(spec, params)
+        what = "DDP"
+    return Parallel(ddp, model, optimizer, what, ddp_buckets=collect.alive())
+
+
+def _fake_allreduce(state, bucket):
+    """DDP's default hook (allreduce of the bucket, in place) against a fake process group, whose
+    work objects carry no result for the reducer to read back."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+class _NoBucketRebuild:
+    """DDP's reducer, minus the rebuild of its buckets in the order gradients arrived (after the first
+    iteration): the rebuild broadcasts bucket indices as data, which fake tensors do not have. The
+    rebuild replaces buckets by buckets of the same total size (old ones are cleared first)."""
+
+    def __init__(self, reducer) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+class _NewStorages(TorchDispatchMode):
+    """Collects the storages allocated while entered (DDP's C++ reducer allocates its buckets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:  # not a view or in-place
+                self._refs.append(weakref.ref(t.untyped_storage()))
+        return out
+
+    def alive(self) -> list:
+        gc.collect()  # temporaries of the constructor caught in reference cycles
+        seen, out = set(), []
+        for ref in self._refs:
+            st = ref()
+            if st is not None and st.nbytes() and id(st) not in seen:
+                seen.add(id(st))
+                out.append(st)
+        return out
+
+
+class _StorageHandle:
+    """Lets StorageTracker.register take a bare storage."""
+
+    def __init__(self, storage) -> None:
+        self._storage = storage
+
+    def untyped_storage(self):
+        return self._storage
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --target cpu: collectives run on gloo, whose all-gather and reduce-scatter into one tensor use
+# temporaries of the full size (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp):
+# reduce_scatter_tensor_coalesced clones the whole input, all-reduces the clone and copies this
+# rank's chunk out; allgather gathers into a flat output of its own and copies it out. Measured on
+# real gloo runs (validate/distributed_truth.py). NCCL (--target cuda) works in the given buffers.
+def _gloo_buffers() -> dict:
+    c10d = torch.ops.c10d
+    return {
+        c10d._reduce_scatter_base_.default: lambda args, kwargs: [_nbytes(args[1])],
+        c10d._allgather_base_.default: lambda args, kwargs: [_nbytes(args[0])],
+    }
+
+
+def attach(tracker, parallel: Parallel, spec: RunSpec) -> None:
+    """Before anything is registered: track DTensors (FSDP's sharded parameters, gradients and
+    optimizer state) by their local tensors, count gloo's collective buffers (--target cpu), and
+    record the buffers the wrappers made before the step (DDP's gradient buckets)."""
+    from torch.distributed.tensor import DTensor
+
+    tracker.subclass_types = (DTensor,)
+    if spec.target == "cpu":
+        tracker.scratch = {**tracker.scratch, **_gloo_buffers()}
+    for storage in parallel.ddp_buckets:
+        sid = tracker.register(_StorageHandle(storage), Category.GRADIENTS, "DDP gradient bucket", module="")
+        if sid is not None:
+            tracker.trace.owner_module[sid] = ""
+    parallel.ddp_buckets = []
+
+
+# -- tracing instrumentation ---------------------------------------------------------------------
+@contextlib.contextmanager
+def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterator[None]:
+    """While the step runs: track DTensors by their local tensors, skip DTensor's metadata-only ops,
+    record ``UntypedStorage.resize_`` (FSDP frees and re-allocates unsharded parameters with it),
+    name FSDP's communication buffers, and classify unsharded parameters and gradients."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    saved = {
+        "propagate": ShardingPropagator._propagate_tensor_meta_non_cached,
+        "resize": torch.UntypedStorage.resize_,
+        "all_gather": group_mod.foreach_all_gather,
+        "copy_out": group_mod.foreach_all_gather_copy_out,
+        "reduce": group_mod.foreach_reduce,
+    }
+
+    def propagate(self, *args, **kwargs):
+        # DTensor computes output shapes by running the op on global-size fake tensors: no memory
+        tracker.ignoring += 1
+        try:
+            return saved["propagate"](self, *args, **kwargs)
+        finally:
+            tracker.ignoring -= 1
+
+    def resize_(storage, size):
+        old = storage.nbytes()
+        out = saved["resize"](storage, size)
+        new = storage.nbytes()
+        if new != old and not tracker.ignoring:
+            tracker.resized(storage, old, new)
+        return out
+
+    h2d = spec.offload == "params" and spec.target == "cuda"
+
+    def foreach_all_gather(fsdp_params, *args, **kwargs):
+        copy = None
+        if h2d:  # the shards live on the host: each is copied to the device, then gathered
+            nbytes = sum(p._sharded_param_data.untyped_storage().nbytes() for p in fsdp_params)
+            copy = tracker.allocate_unseen(nbytes, Category.TEMPORARIES, "host-to-device copy of offloaded shards")
+        with _label(tracker, "FSDP all-gather"):
+            result = saved["all_gather"](fsdp_params, *args, **kwargs)
+        if copy is not None:
+            tracker.free_unseen(copy)
+        return result
+
+    def foreach_all_gather_copy_out(result, fsdp_params, *args, **kwargs):
+        with _label(tracker, "FSDP all-gather copy-out"):
+            out = saved["copy_out"](result, fsdp_params, *args, **kwargs)
+        for p in fsdp_params:  # the unsharded parameters
+            for t in p.all_gather_outputs:
+                _own_lineage(tracker, t, Category.PARAMETERS, owner_of_param.get(id(p.sharded_param), ""))
+        return out
+
+    def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
+        for p, g in zip(fsdp_params, unsharded_grads):
+            _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
+        with _label(tracker, "FSDP reduce-scatter"):
+            out = saved["reduce"](fsdp_params, unsharded_grads, *args, **kwargs)
+        if spec.offload == "params":
+            for p in fsdp_params:
+                if p.sharded_param.grad is not None:
+                    tracker.move_to_host(p.sharded_param.grad, "sharded gradient (device-to-host copy)")
+        return out
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    torch.UntypedStorage.resize_ = resize_
+    group_mod.foreach_all_gather = foreach_all_gather
+    group_mod.foreach_all_gather_copy_out = foreach_all_gather_copy_out
+    group_mod.foreach_reduce = foreach_reduce
+    try:
+        with warnings.catch_warnings():
+            # FSDP warns that a wrapped module returned a view (an in-place op on it would skip the
+            # all-gather); transformers' outputs are views and nothing writes to them in place
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+            yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = saved["propagate"]
+        torch.UntypedStorage.resize_ = saved["resize"]
+        group_mod.foreach_all_gather = saved["all_gather"]
+        group_mod.foreach_all_gather_copy_out = saved["copy_out"]
+        group_mod.foreach_reduce = saved["reduce"]
+
+
+@contextlib.contextmanager
+def _label(tracker, label: str) -> Iterator[None]:
+    previous, tracker.label = tracker.label, label
+    try:
+        yield
+    finally:
+        tracker.label = previous
+
+
+def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str) -> None:
+    sid = tracker.storage_id(t)
+    if sid is None:
+        return
+    for s in tracker.lineage(sid):
+        tracker.trace.storages[s].classify(category)
+        tracker.trace.owner_module[s] = module
+
+
+# -- host memory ---------------------------------------------------------------------------------
+def mark_host(trace: Trace, spec: RunSpec) -> None:
+    """Flag what an offloading run keeps in host memory, then move it out of the device events.
+    --offload optimizer | params: optimizer state and every allocation of the optimizer step.
+    --offload params: also the sharded parameters (alive before the step) and sharded gradients
+    (flagged when FSDP copies them to the host, see ``instrument``)."""
+    if spec.offload == "none":
+        return
+    for rec in trace.storages:
+        if rec.category is Category.OPTIMIZER_STATE or rec.phase is Phase.OPTIMIZER:
+            rec.host = True
+        elif spec.offload == "params" and rec.category is Category.PARAMETERS and rec.phase is Phase.SETUP:
+            rec.host = True
+    trace.split_host()
+
+
+# -- summary (for reports) -----------------------------------------------------------------------
+MODEL_STATE = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def model_state_bytes(trace: Trace) -> dict[str, dict[str, int]]:
+    """Parameters, gradients and optimizer state this rank holds as the last optimizer step begins
+    (gradients reduced, state from the step before; FSDP units resharded), on the device and on
+    the host: the persistent "model states" that DeepSpeed's ZeRO formulas count (docs/sharding.md).
+    DDP's gradient buckets count as gradients."""
+    last = max((it for _, it, _ in trace.phase_marks), default=0)
+    marks = [k for k, (_, it, phase) in enumerate(trace.phase_marks) if it == last and phase is Phase.OPTIMIZER]
+    device_end, host_end = len(trace.events), len(trace.host_events)
+    if marks:
+        device_end = trace.phase_marks[marks[0]][0]
+        host_end = trace.host_marks[marks[0]] if trace.host_marks else host_end
+    out = {"device": dict.fromkeys((c.value for c in MODEL_STATE), 0), "host": dict.fromkeys((c.value for c in MODEL_STATE), 0)}
+    live: dict[int, int] = {}
+    for sid, delta in trace.events[:device_end]:
+        live[sid] = live.get(sid, 0) + delta
+    for _, sid, delta in trace.host_events[:host_end]:
+        live[sid] = live.get(sid, 0) + delta
+    for sid, nbytes in live.items():
+        rec = trace.storages[sid]
+        if nbytes > 0 and rec.category in MODEL_STATE:
+            out["host" if rec.host else "device"][rec.category.value] += nbytes
+    return out
+
+
+def sharding_summary(trace: Trace) -> dict:
+    """What a report shows for --world-size/--shard/--offload (JSON-ready: ints for bytes)."""
+    device_peak, _ = trace.peak()
+    return {
+        "world_size": trace.world_size,
+        "rank": 0,
+        "parallel": trace.parallel,
+        "shard_units": list(trace.shard_units),
+        "device_peak_bytes": device_peak,
+        "host_peak_bytes": trace.host_peak(),
+        "model_state_bytes": model_state_bytes(trace),
+    }
