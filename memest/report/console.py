@@ -112,19 +112,13 @@ def _names(names: list[str]) -> str:
 
 
 def fit_table(rows: list[FitRow]) -> Table:
+    from .markdown import FIT_HEADERS, fit_cells
+
     table = Table(title="Does it fit?", title_justify="left")
-    for col in ("against", "total", "used", "available", "needed", "headroom", "fits"):
+    for col in FIT_HEADERS:
         table.add_column(col, justify="left" if col == "against" else "right")
-    for r in rows:
-        table.add_row(
-            r.label,
-            format_bytes(r.total_bytes) if r.total_bytes is not None else "-",
-            format_bytes(r.used_bytes) if r.used_bytes is not None else "-",
-            format_bytes(r.capacity_bytes),
-            format_bytes(r.needed_bytes),
-            format_bytes(r.headroom_bytes),
-            "[green]yes[/green]" if r.fits else "[red]no[/red]",
-        )
+    for cells in fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]"):
+        table.add_row(*cells)
     return table
 
 

@@ -111,9 +111,12 @@ def layer_rows(report: Report, depth: int) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def fit_rows_markdown(rows: list[FitRow]) -> str:
-    headers = ["against", "total", "used", "available", "needed", "headroom", "fits"]
-    cells = [
+FIT_HEADERS = ["against", "total", "used", "available", "needed", "headroom", "fits"]
+
+
+def fit_cells(rows: list[FitRow], yes: str = "yes", no: str = "**no**") -> list[list[str]]:
+    """Cells of the "does it fit?" table (shared with the rich table in console.py)."""
+    return [
         [
             r.label,
             format_bytes(r.total_bytes) if r.total_bytes is not None else "-",
@@ -121,11 +124,14 @@ def fit_rows_markdown(rows: list[FitRow]) -> str:
             format_bytes(r.capacity_bytes),
             format_bytes(r.needed_bytes),
             format_bytes(r.headroom_bytes),
-            "yes" if r.fits else "**no**",
+            yes if r.fits else no,
         ]
         for r in rows
     ]
-    return table_markdown(headers, cells)
+
+
+def fit_rows_markdown(rows: list[FitRow]) -> str:
+    return table_markdown(FIT_HEADERS, fit_cells(rows))
 
 
 def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_reason: str = "") -> str:
