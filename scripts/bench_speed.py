@@ -290,8 +290,9 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
         f"{', '.join(f'{x:.2f}' for x in meta['load_average_start'])}; at end: "
         f"{', '.join(f'{x:.2f}' for x in meta['load_average_end'])}.",
         "",
-        f"Reproduce: `{meta['command']}` (raw numbers: `benchmarks/speed.json`; add "
-        "`--baseline OTHER_CHECKOUT` for an interleaved before/after).",
+        f"Reproduce: `{meta['command']}` (raw numbers: `benchmarks/speed.json`). `--baseline DIR` times another "
+        "checkout end to end, interleaved with this one (e.g. `git archive COMMIT | tar -x -C DIR`; its memest "
+        "is imported through PYTHONPATH).",
         "",
         "## End to end, as a user runs it",
         "",
@@ -390,7 +391,15 @@ def main() -> None:
     parser.add_argument("--baseline", help="another memest checkout to time end to end, interleaved (before/after)")
     parser.add_argument("--baseline-label", help="how the report names the baseline (default: its path)")
     parser.add_argument("--notes", type=Path, help="Markdown appended to the report (findings, explanations)")
+    parser.add_argument("--render", type=Path, help="only rewrite --out from this speed.json (no measuring)")
     args = parser.parse_args()
+    if args.render:
+        doc = json.loads(args.render.read_text())
+        results = doc["results"]
+        reps = len(results[0]["end_to_end"]["runs"])
+        trace_reps = len(results[0]["memtracker"]["memest_trace_seconds"]) if "memtracker" in results[0] else 0
+        Path(args.out).write_text(markdown(doc["meta"], results, reps, trace_reps))
+        return
     cases = [c for c in CASES if not args.only or c["name"] in args.only]
 
     meta = machine()

@@ -171,6 +171,7 @@ def _peak_by(trace: Trace, key) -> dict:
         while mark_i + 1 < len(marks) and marks[mark_i + 1][0] <= i:
             mark_i += 1
             current = key(marks[mark_i][1], marks[mark_i][2])
+            out[current] = max(out.get(current, -1), live)  # what is alive when the phase begins counts
         live += delta
         if live > out.get(current, -1):
             out[current] = live

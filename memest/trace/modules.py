@@ -69,7 +69,9 @@ class ModuleStack:
         key = frozenset(parents)
         if key != self._cache_key:
             names = [p for p in parents if p != "Global"]
-            inner = max(names, key=lambda n: n.count("."), default="")
+            # deepest first; ties (e.g. two embeddings still active in backward) by name, so that
+            # attribution does not depend on set order (string hashing differs between runs)
+            inner = max(names, key=lambda n: (n.count("."), n), default="")
             self._cache_key, self._cache_val = key, self._fqn(inner) if inner else ""
         return self._cache_val
 
