@@ -6,10 +6,16 @@
    memest traces: same RunSpec, same model and inputs (memest.trace.step.build), same optimizer
    (make_optimizer), same step (run_iteration) and the same contexts memest enters around it.
    Peaks are compared with memest's, and trace times (build + 2 iterations) with memest's.
+   The 70B case is skipped here unless --memtracker-70b (one MemTracker run would take several minutes).
+3. A sequence sweep: ``memest whatif hf:gpt2 --seq 256,...,4096 --batch 8 --json`` end to end (wall, RSS)
+   and the number of traces it used (its JSON's ``traces``), against 6 direct ``memest estimate`` runs.
+4. Start-up: ``memest --help`` (median of --help-reps runs).
 
 Writes benchmarks/speed.md and the raw numbers to benchmarks/speed.json.
-Usage: python scripts/bench_speed.py [--out benchmarks/speed.md] [--reps 5] [--trace-reps 3] [--skip-memtracker]
+Usage: python scripts/bench_speed.py [--out benchmarks/speed.md] [--reps 5] [--big-reps 3] [--trace-reps 3]
+                                    [--skip-memtracker] [--memtracker-70b] [--quick] [--only CASE ...]
                                     [--baseline OTHER_CHECKOUT [--baseline-label TEXT]]
+  --quick: 2 end-to-end runs (1 for the 70B case), 5 --help runs, no MemTracker, no direct-estimate sweep.
 """
 
 from __future__ import annotations
@@ -55,7 +61,29 @@ CASES = [
         "goal_seconds": 15.0,
         "goal_rss_bytes": int(1.5 * GIB),
     },
+    {
+        "name": "bert-large",
+        "model": "hf:bert-large-uncased",
+        "batch": 8,
+        "seq": 512,
+        "optim": "adamw",
+        "goal_seconds": None,
+        "goal_rss_bytes": None,
+    },
+    {
+        "name": "llama-2-70b",
+        "model": "hf:llama-2-70b",
+        "batch": 1,
+        "seq": 4096,
+        "precision": "bf16-mixed",
+        "optim": "adamw",
+        "goal_seconds": None,
+        "goal_rss_bytes": None,
+        "big": True,  # ~20 s a run: --big-reps runs, MemTracker only with --memtracker-70b
+    },
 ]
+
+SWEEP = {"model": "hf:gpt2", "batch": 8, "seqs": [256, 512, 1024, 1536, 2048, 4096], "optim": "adamw"}
 
 
 NOTES = """\
@@ -81,9 +109,10 @@ def memest_command() -> list[str]:
 
 
 def cli_args(case: dict) -> list[str]:
+    precision = ["--precision", case["precision"]] if case.get("precision") else []
     return [
         "estimate", case["model"], "--batch", str(case["batch"]), "--seq", str(case["seq"]),
-        "--optim", case["optim"], "--json",
+        *precision, "--optim", case["optim"], "--json",
     ]
 
 
@@ -210,7 +239,8 @@ def compare_memtracker(case: dict, reps: int) -> dict:
     from memest.sources import load_source
     from memest.spec import RunSpec
 
-    spec = RunSpec(model=case["model"], batch=case["batch"], seq=case["seq"], optim=case["optim"])
+    spec = RunSpec(model=case["model"], batch=case["batch"], seq=case["seq"], optim=case["optim"],
+                   **({"precision": case["precision"]} if case.get("precision") else {}))
     source = load_source(spec.model)
     first_peak, first_seconds = memest_trace(source, spec)  # warm-up (the first trace in a process is slower)
     memest_runs, tracker_runs = [], []
@@ -235,6 +265,73 @@ def compare_memtracker(case: dict, reps: int) -> dict:
         "median_memest_seconds": memest_s,
         "median_memtracker_seconds": tracker_s,
         "speed_ratio": tracker_s / memest_s,
+    }
+
+
+# -- sequence sweep and start-up ------------------------------------------------------------------
+def sweep(reps: int, direct_reps: int) -> dict:
+    """``memest whatif`` over SWEEP's sequence lengths, end to end (one warm-up, then ``reps`` runs),
+    and ``direct_reps`` rounds of the same points as separate ``memest estimate`` runs (summed)."""
+    whatif_args = [
+        "whatif", SWEEP["model"], "--seq", ",".join(map(str, SWEEP["seqs"])), "--batch", str(SWEEP["batch"]),
+        "--optim", SWEEP["optim"], "--json",
+    ]
+    cmd = memest_command() + whatif_args
+    run_child(cmd)  # warm-up
+    runs = []
+    for i in range(reps):
+        child = run_child(cmd)
+        doc = json.loads(child.pop("stdout"))
+        child.update(traces=doc["traces"], peaks={str(p["seq"]): p["peak_bytes"] for p in doc["points"]},
+                     traced_seqs=[p["seq"] for p in doc["points"] if p.get("traced")])
+        runs.append(child)
+        print(f"  sweep run {i + 1}: {child['wall_seconds']:.2f} s, {child['max_rss_bytes'] / 2**20:.0f} MiB, "
+              f"{child['traces']} traces", file=sys.stderr)
+    result = {
+        "command": "memest " + " ".join(whatif_args),
+        "points": len(SWEEP["seqs"]),
+        "runs": runs,
+        "median_wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
+        "max_rss_bytes": max(r["max_rss_bytes"] for r in runs),
+        "traces": sorted({r["traces"] for r in runs}),
+    }
+    rounds = []
+    for i in range(direct_reps):
+        points = []
+        for seq in SWEEP["seqs"]:
+            case = {"model": SWEEP["model"], "batch": SWEEP["batch"], "seq": seq, "optim": SWEEP["optim"]}
+            child = run_child(memest_command() + cli_args(case))
+            doc = json.loads(child.pop("stdout"))
+            points.append(child | {"seq": seq, "peak_allocated_bytes": doc["peak_allocated_bytes"]})
+        rounds.append({
+            "points": points,
+            "total_wall_seconds": sum(p["wall_seconds"] for p in points),
+            "max_rss_bytes": max(p["max_rss_bytes"] for p in points),
+        })
+        print(f"  6 direct estimates, round {i + 1}: {rounds[-1]['total_wall_seconds']:.2f} s in all", file=sys.stderr)
+    if rounds:
+        result["direct"] = {
+            "rounds": rounds,
+            "median_total_wall_seconds": statistics.median(r["total_wall_seconds"] for r in rounds),
+            "max_rss_bytes": max(r["max_rss_bytes"] for r in rounds),
+            # whatif's points against the direct estimates' peaks (whatif interpolates the untraced ones)
+            "peaks_match": all(runs[0]["peaks"][str(p["seq"])] == p["peak_allocated_bytes"] for p in rounds[0]["points"]),
+        }
+    return result
+
+
+def startup(reps: int) -> dict:
+    """``memest --help``: one warm-up run, then the median of ``reps``."""
+    cmd = memest_command() + ["--help"]
+    run_child(cmd)
+    runs = [run_child(cmd) for _ in range(reps)]
+    for r in runs:
+        r.pop("stdout")
+    return {
+        "command": "memest --help",
+        "runs": runs,
+        "median_wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
+        "max_rss_bytes": max(r["max_rss_bytes"] for r in runs),
     }
 
 
@@ -279,7 +376,8 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
-def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str:
+def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int, extra: dict | None = None) -> str:
+    extra = extra or {}
     lines = [
         "# memest speed",
         "",
@@ -297,7 +395,7 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
         "## End to end, as a user runs it",
         "",
         f"`{meta['memest_command']} estimate ... --json` as a subprocess: one warm-up run, then the median of "
-        f"{reps} runs. Peak RSS is the child's own (`os.wait4`). \"imports alone\" is a process that only "
+        f"{_reps_text(results, reps)}. Peak RSS is the child's own (`os.wait4`). \"imports alone\" is a process that only "
         "imports torch, torch._dynamo and the model's transformers class (GC paused, then frozen, as memest does) "
         "— a floor memest cannot go below; \"trace\" is the run's own `trace_seconds` (trace + analysis).",
         "",
@@ -311,7 +409,9 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
     for r in results:
         e, case = r["end_to_end"], r["case"]
         walls = [x["wall_seconds"] for x in e["runs"]]
-        goal_t = f"< {case['goal_seconds']:g} s {'✅' if e['median_wall_seconds'] < case['goal_seconds'] else '❌'}"
+        goal_t = "-"
+        if case.get("goal_seconds"):
+            goal_t = f"< {case['goal_seconds']:g} s {'✅' if e['median_wall_seconds'] < case['goal_seconds'] else '❌'}"
         goal_m = "-"
         if case["goal_rss_bytes"]:
             ok = e["max_rss_bytes"] < case["goal_rss_bytes"]
@@ -339,7 +439,8 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
             )
             + ".",
         ]
-    if not all("memtracker" in r for r in results):
+    lines += _extra_sections(extra)
+    if not any("memtracker" in r for r in results):
         return "\n".join([*lines, "", NOTES, *meta.get("notes", []), ""])
     lines += [
         "",
@@ -358,16 +459,23 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        m = r["memtracker"]
+        m = r.get("memtracker")
+        if m is None:
+            lines.append(f"| {_label(r['case'])} | {r['end_to_end']['peak_allocated_bytes']:,} B | not run | | "
+                         f"{r['end_to_end']['median_trace_seconds']:.2f} s (in the end-to-end run) | | |")
+            continue
         lines.append(
-            f"| {r['case']['name']} bs{r['case']['batch']} seq{r['case']['seq']} {r['case']['optim']} | "
+            f"| {_label(r['case'])} | "
             f"{m['memest_peak_bytes']:,} B | {m['memtracker_peak_bytes']:,} B | {100 * m['relative_difference']:+.3f}% | "
             f"{m['median_memest_seconds']:.2f} s | {m['median_memtracker_seconds']:.2f} s | "
             f"**{m['speed_ratio']:.1f}×** |"
         )
     lines.append("")
     for r in results:
-        m = r["memtracker"]
+        m = r.get("memtracker")
+        if m is None:
+            lines.append(f"- {r['case']['name']}: MemTracker not run ({r.get('memtracker_skipped', 'skipped')}).")
+            continue
         verdict = (
             "agree to the byte" if m["memtracker_peak_bytes"] == m["memest_peak_bytes"]
             else f"agree within 1% ({100 * m['relative_difference']:+.4f}%)" if abs(m["relative_difference"]) <= 0.01
@@ -375,16 +483,88 @@ def markdown(meta: dict, results: list[dict], reps: int, trace_reps: int) -> str
         )
         lines.append(
             f"- {r['case']['name']}: the peaks {verdict}; MemTracker took {m['speed_ratio']:.1f}× memest's time "
-            f"(memest's first trace in the process, cold: {m['memest_first_trace_seconds']:.2f} s)."
+            f"(memest's first trace in the process, cold: {m['memest_first_trace_seconds']:.2f} s"
+            + (f"; {len(m['memtracker_trace_seconds'])} timed run of each, not {trace_reps}"
+               if len(m["memtracker_trace_seconds"]) != trace_reps else "") + ")."
         )
     lines += ["", NOTES, *meta.get("notes", []), ""]
     return "\n".join(lines)
 
 
+def _label(case: dict) -> str:
+    precision = f" {case['precision']}" if case.get("precision") else ""
+    return f"{case['name']} bs{case['batch']} seq{case['seq']}{precision} {case['optim']}"
+
+
+def _reps_text(results: list[dict], reps: int) -> str:
+    counts = {r["case"]["name"]: len(r["end_to_end"]["runs"]) for r in results}
+    if len(set(counts.values())) <= 1:
+        return f"{next(iter(counts.values()), reps)} runs"
+    return "; ".join(f"{n}: {c} runs" for n, c in counts.items()) + " (the 70B case has fewer: ~20 s a run)"
+
+
+def _extra_sections(extra: dict) -> list[str]:
+    lines = []
+    s = extra.get("sweep")
+    if s:
+        lines += [
+            "",
+            "## Sequence sweep",
+            "",
+            f"`{s['command']}` end to end as a subprocess: one warm-up run, then the median of {len(s['runs'])} runs. "
+            f"\"traces\" is the JSON's `traces` (how many of the {s['points']} points were traced; the rest are fitted "
+            "and one is traced again to verify the fit).",
+            "",
+            "| command | points | traces | wall (median) | min – max | peak RSS (max) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        walls = [r["wall_seconds"] for r in s["runs"]]
+        lines.append(
+            f"| `{s['command']}` | {s['points']} | {', '.join(map(str, s['traces']))} | "
+            f"**{s['median_wall_seconds']:.2f} s** | {min(walls):.2f} – {max(walls):.2f} s | {s['max_rss_bytes'] / 2**20:.0f} MiB |"
+        )
+        d = s.get("direct")
+        if d:
+            lines.append(
+                f"| the same {s['points']} points as separate `memest estimate ... --json` runs (sum) | {s['points']} | "
+                f"{s['points']} | **{d['median_total_wall_seconds']:.2f} s** | "
+                f"{len(d['rounds'])} round(s) | {d['max_rss_bytes'] / 2**20:.0f} MiB |"
+            )
+            lines += ["", f"whatif's peaks vs the direct estimates: {'identical at every point' if d['peaks_match'] else 'DIFFERENT'}; "
+                      f"the sweep took {d['median_total_wall_seconds'] / s['median_wall_seconds']:.1f}× less wall time."]
+        else:
+            lines += ["", f"(Direct estimates not timed in this run; {s['points']} of them would be {s['points']} traces and "
+                      f"{s['points']} process start-ups.)"]
+    st = extra.get("startup")
+    if st:
+        walls = [r["wall_seconds"] for r in st["runs"]]
+        lines += [
+            "",
+            "## Start-up",
+            "",
+            f"`{st['command']}` as a subprocess: one warm-up run, then the median of {len(st['runs'])}: "
+            f"**{st['median_wall_seconds'] * 1000:.0f} ms** ({min(walls) * 1000:.0f} – {max(walls) * 1000:.0f} ms), "
+            f"peak RSS {st['max_rss_bytes'] / 2**20:.0f} MiB.",
+        ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "speed.md"))
-    parser.add_argument("--reps", type=int, default=5, help="timed end-to-end runs per case")
+    parser.add_argument("--reps", type=int, default=None, help="timed end-to-end runs per case (default 5; --quick 2)")
+    parser.add_argument("--big-reps", type=int, default=None,
+                        help="timed end-to-end runs for the 70B case, ~20 s each (default 3; --quick 1)")
+    parser.add_argument("--sweep-reps", type=int, default=None, help="timed whatif sweep runs (default 3; --quick 1)")
+    parser.add_argument("--sweep-direct-reps", type=int, default=None,
+                        help="rounds of 6 direct estimates to compare the sweep with (default 1; --quick 0)")
+    parser.add_argument("--help-reps", type=int, default=None, help="timed `memest --help` runs (default 10; --quick 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a quick run: fewer reps (2, 70B 1, sweep 1, --help 5), no direct sweep, no MemTracker")
+    parser.add_argument("--skip-sweep", action="store_true", help="no whatif sweep")
+    parser.add_argument("--skip-startup", action="store_true", help="no `memest --help` timing")
+    parser.add_argument("--memtracker-70b", action="store_true",
+                        help="run MemTracker on the 70B step too (several minutes a run; skipped by default)")
     parser.add_argument("--trace-reps", type=int, default=3, help="in-process trace runs per case and tool")
     parser.add_argument("--only", choices=[c["name"] for c in CASES], action="append", help="run only these cases")
     parser.add_argument("--skip-memtracker", action="store_true", help="end to end only (MemTracker takes minutes)")
@@ -397,9 +577,17 @@ def main() -> None:
         doc = json.loads(args.render.read_text())
         results = doc["results"]
         reps = len(results[0]["end_to_end"]["runs"])
-        trace_reps = len(results[0]["memtracker"]["memest_trace_seconds"]) if "memtracker" in results[0] else 0
-        Path(args.out).write_text(markdown(doc["meta"], results, reps, trace_reps))
+        tracked = [r for r in results if "memtracker" in r]
+        trace_reps = len(tracked[0]["memtracker"]["memest_trace_seconds"]) if tracked else 0
+        Path(args.out).write_text(markdown(doc["meta"], results, reps, trace_reps, doc))
         return
+    quick = args.quick
+    reps = args.reps if args.reps is not None else (2 if quick else 5)
+    big_reps = args.big_reps if args.big_reps is not None else (1 if quick else 3)
+    sweep_reps = args.sweep_reps if args.sweep_reps is not None else (1 if quick else 3)
+    direct_reps = args.sweep_direct_reps if args.sweep_direct_reps is not None else (0 if quick else 1)
+    help_reps = args.help_reps if args.help_reps is not None else (5 if quick else 10)
+    skip_memtracker = args.skip_memtracker or quick
     cases = [c for c in CASES if not args.only or c["name"] in args.only]
 
     meta = machine()
@@ -409,19 +597,35 @@ def main() -> None:
     results = []
     for case in cases:  # end to end first, while this process has not yet imported torch's models
         print(f"{case['name']}: end to end", file=sys.stderr)
-        results.append({"case": case, "end_to_end": end_to_end(case, args.reps, args.baseline),
-                        "import_floor_seconds": import_floor(case, args.reps)})
-    for result in [] if args.skip_memtracker else results:
+        n = big_reps if case.get("big") else reps
+        results.append({"case": case, "end_to_end": end_to_end(case, n, args.baseline),
+                        "import_floor_seconds": import_floor(case, min(n, reps))})
+    extra = {}
+    if not args.skip_startup:
+        print("memest --help: start-up", file=sys.stderr)
+        extra["startup"] = startup(help_reps)
+    if not args.skip_sweep:
+        print("whatif sequence sweep", file=sys.stderr)
+        extra["sweep"] = sweep(sweep_reps, direct_reps)
+    for result in [] if skip_memtracker else results:
+        if result["case"].get("big") and not args.memtracker_70b:
+            result["memtracker_skipped"] = (
+                "one MemTracker run on this step would take several minutes on this machine; "
+                "pass --memtracker-70b to run it")
+            continue
         print(f"{result['case']['name']}: MemTracker comparison", file=sys.stderr)
-        result["memtracker"] = compare_memtracker(result["case"], args.trace_reps)
+        # the 70B step: one timed run (several minutes each)
+        result["memtracker"] = compare_memtracker(result["case"], 1 if result["case"].get("big") else args.trace_reps)
     meta["load_average_end"] = os.getloadavg()
     if args.notes:
         meta["notes"] = [args.notes.read_text().rstrip()]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    out.write_text(markdown(meta, results, args.reps, args.trace_reps))
+    if skip_memtracker:
+        meta.setdefault("notes", []).append("MemTracker was not run (--quick or --skip-memtracker).")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results, **extra}, indent=2) + "\n")
+    out.write_text(markdown(meta, results, reps, args.trace_reps, extra))
     print(f"wrote {out} and {out.with_suffix('.json')}", file=sys.stderr)
 
 
