@@ -32,6 +32,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from _machine import cpu_model  # noqa: E402  (scripts/ is on sys.path when run)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -322,7 +324,7 @@ def main() -> None:
     summary = headline(rows)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": _cores(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -453,16 +455,6 @@ def markdown(meta: dict, summary: dict, rows: list[dict]) -> str:
         lines += ["", "n/a because the estimator failed:", ""]
         lines += [f"- {k} on {r['model']} b{r['batch']} {r['optim']} {r['technique']}: {v}" for r, k, v in failures]
     return "\n".join(lines) + "\n"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _cores() -> int:

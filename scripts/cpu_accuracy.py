@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from _machine import cpu_model  # noqa: E402  (scripts/ is on sys.path when run)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -57,7 +59,7 @@ def main() -> None:
     errors = [abs(r["error_pct"]) for r in rows]
     meta = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{_cpu_model()}, {platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()}, {platform.machine()}, {torch.get_num_threads()} threads",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
@@ -92,16 +94,6 @@ def main() -> None:
     ]
     out.write_text("\n".join(lines))
     print(f"wrote {out}", file=sys.stderr)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _version(name: str) -> str:
