@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,10 @@ CASES = [
     ("hf:gpt2", 8, 1024, "sgd", "bf16-mixed"),
     ("hf:bert-base-uncased", 16, 512, "adamw", "bf16-mixed"),
     ("hf:gpt2-medium", 4, 1024, "adamw", "bf16-mixed"),
+    # public model code (torchvision), where torchvision imports beside the GPU machine's torch
+    ("scripts/models/tv_resnet50.py", 64, None, "sgd-momentum", "fp32"),
+    ("scripts/models/tv_resnet50.py", 64, None, "adamw", "bf16-mixed"),
+    ("scripts/models/tv_vit_b_16.py", 32, None, "adamw", "bf16-mixed"),
 ]
 
 
@@ -96,7 +101,7 @@ def run_real(case) -> dict:
 
     from memest.sources import load_source
     from memest.trace.optim import make_optimizer
-    from memest.trace.step import build, run_step
+    from memest.trace.step import autocast_context, build, call_model, default_loss, run_step
 
     cc = torch.cuda.get_device_capability()
     spec = _spec(case, cc)
@@ -106,21 +111,38 @@ def run_real(case) -> dict:
     model, inputs = built.model, built.inputs
     model = model.cuda()
     inputs = tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
+    torch.set_default_device("cuda")  # tensors made in compute_loss (targets) land beside the output
     optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     with NvmlPeak(torch.cuda.current_device()) as nvml:
         for _ in range(spec.iterations):
             run_step(model, inputs, optimizer, source.compute_loss, spec, device_type="cuda")
         torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     stats = torch.cuda.memory_stats()
-    return {
+    result = {
         "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
         "active_bytes_peak": stats.get("active_bytes.all.peak"),
         "nvml_peak_used": nvml.peak,
         "compute_capability": list(cc),
+        "seconds_two_steps": seconds,
     }
+    # The plain loop (PyTorch tutorial, nanoGPT, minGPT): the output stays alive through backward and
+    # until the next forward reassigns it. Allocated peak only (the allocator's cache is already warm).
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(spec.iterations):
+        with autocast_context(spec, "cuda"):
+            out = call_model(model, inputs)
+            loss = source.compute_loss(out, inputs) if source.compute_loss else default_loss(out)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    result["kept_outputs_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    return result
 
 
 def run_memest(case, compute_capability) -> dict:
@@ -198,6 +220,8 @@ def main() -> None:
     parser.add_argument("--child-kind")
     parser.add_argument("--child-case", type=int)
     parser.add_argument("--cc")
+    parser.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 2)),
+                        help="memest estimates run in parallel on the CPU (default: cores - 2, at most 8)")
     args = parser.parse_args()
     if args.child_kind:
         _child(args)
@@ -207,11 +231,22 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("validate_gpu.py needs a CUDA GPU; see benchmarks/gpu-validation.md for the last measured run")
     indices = range(len(CASES)) if args.cases == "all" else [int(i) for i in args.cases.split(",")]
-    rows = []
+    cc = list(torch.cuda.get_device_capability(0))
+    hidden = {"CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": "/nonexistent-memest-cache"}
+    # memest never touches the GPU, so its estimates run on the CPU cores beside the (sequential) real runs
+    pool = ThreadPoolExecutor(max_workers=args.workers)
+    estimates = {i: pool.submit(_spawn, "memest", i, hidden, cc) for i in indices}
+    env = _environment()
+    out = Path(args.out)
+    rows, failures = [], []
     for i in indices:
-        real = _spawn("real", i, {})
-        est = _spawn("memest", i, {"CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": "/nonexistent-memest-cache"},
-                     cc=real["compute_capability"])
+        try:
+            real = _spawn("real", i, {})
+            est = estimates[i].result()
+        except Exception as exc:  # noqa: BLE001 -- one failing case must not lose the others' numbers
+            failures.append({"case": CASES[i], "error": str(exc)[-3000:]})
+            print(f"{i:2} {CASES[i]}: FAILED {str(exc)[-600:]}", flush=True)
+            continue
         row = {"case": CASES[i], "real": real, "memest": est,
                "error_allocated_pct": _err(est["allocated"], real["max_memory_allocated"]),
                "error_reserved_pct": _err(est["reserved"], real["max_memory_reserved"]),
@@ -219,14 +254,14 @@ def main() -> None:
         rows.append(row)
         print(f"{i:2} {CASES[i]}: allocated {row['error_allocated_pct']:+.2f}%  reserved "
               f"{row['error_reserved_pct']:+.2f}%  nvml {row['error_nvml_pct']:+.2f}%", flush=True)
-    env = _environment()
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
-    out.write_text(_markdown(env, rows))
+        out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures}, indent=2) + "\n")
+    pool.shutdown()
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures}, indent=2) + "\n")
+    out.write_text(_markdown(env, rows, failures))
     print(f"wrote {out} and {out.with_suffix('.json')}")
 
 
-def _markdown(env: dict, rows: list[dict]) -> str:
+def _markdown(env: dict, rows: list[dict], failures: list[dict] = ()) -> str:
     def stat(key):
         values = [abs(r[key]) for r in rows]
         return f"median {statistics.median(values):.2f}%, max {max(values):.2f}%"
@@ -255,6 +290,9 @@ def _markdown(env: dict, rows: list[dict]) -> str:
             f"{est['reserved'] / mib:.1f} MiB | {r['error_reserved_pct']:+.2f}% | {real['nvml_peak_used'] / mib:.1f} MiB | "
             f"{est['device'] / mib:.1f} MiB | {r['error_nvml_pct']:+.2f}% |"
         )
+    if failures:
+        lines += ["", "Cases that did not run (error, last line):", ""]
+        lines += [f"- {f['case']}: {f['error'].strip().splitlines()[-1] if f['error'].strip() else '?'}" for f in failures]
     return "\n".join(lines) + "\n"
 
 
