@@ -142,7 +142,7 @@ def estimate(
         )
         if (world_size > 1 or shard != "none" or offload != "none") and not _sharding_available():
             raise MemestError("--world-size, --shard and --offload are not available in this build yet")
-        from .estimate import estimate as run_estimate
+        from .pipeline import estimate as run_estimate
 
         result = run_estimate(spec, calibration=_calibration_for(gpu, query) if target == "cuda" else None)
         report = result.report

@@ -185,8 +185,8 @@ def step_contexts(source, spec) -> list:
     SDPA kernels and (mixed precision) the CUDA autocast emulation."""
     contexts = [source.trace_context() if source.trace_context else contextlib.nullcontext()]
     if spec.target == "cuda":
-        from memest.device.cuda_autocast import cuda_autocast_scope
-        from memest.device.sdpa import CudaSdpa
+        from memest.trace.cuda.autocast import cuda_autocast_scope
+        from memest.trace.cuda.sdpa import CudaSdpa
 
         contexts.append(CudaSdpa(spec.attention, spec.compute_capability))
         if spec.mixed:

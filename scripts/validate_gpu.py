@@ -146,7 +146,7 @@ def run_real(case) -> dict:
 
 
 def run_memest(case, compute_capability) -> dict:
-    from memest.estimate import estimate
+    from memest.pipeline import estimate
 
     spec = _spec(case, tuple(compute_capability))
     start = time.perf_counter()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from memest.device.sdpa import SdpaCall, select_backend
+from memest.trace.cuda.sdpa import SdpaCall, select_backend
 from memest.errors import MemestError
 from memest.report.analysis import analyse
 from memest.sources.base import ModelSource

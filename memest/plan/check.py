@@ -47,7 +47,7 @@ def budget_for(gpu: str | None, query) -> tuple[str, int, tuple[int, int] | None
 
 
 def check_config(config: RunConfig, overrides: dict, gpu: str | None, margin: float | None, query) -> CheckRow:
-    from ..estimate import estimate
+    from ..pipeline import estimate
 
     gpu = gpu if gpu is not None else config.gpu
     margin = margin if margin is not None else config.margin

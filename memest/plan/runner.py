@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from ..estimate import Estimate, estimate
+from ..pipeline import Estimate, estimate
 from ..sources import load_source
 from ..spec import RunSpec
 

@@ -1,10 +1,44 @@
-"""The real torch.optim classes, configured the way the target device would run them."""
+"""The real torch.optim classes, configured the way the target device would run them, and the one
+table that says what each --optim choice is."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from ..choices import Optimizer, Target
 from ..spec import RunSpec
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    cls: str  # attribute of torch.optim, or "adam8bit" (memest's model of bitsandbytes' layout)
+    kwargs: dict = field(default_factory=dict)
+    fused: bool = False  # a fused (single-kernel) CUDA implementation exists in torch.optim
+    foreach: bool = True  # a foreach (multi-tensor) implementation exists; CUDA runs default to it
+    folklore_n: float = 2  # bytes of params + grads + state per parameter byte (folklore: params x n)
+    summary: str = ""
+
+
+OPTIMIZERS: dict[Optimizer, OptimizerInfo] = {
+    Optimizer.SGD: OptimizerInfo("SGD", fused=True, folklore_n=2, summary="no state"),
+    Optimizer.SGD_MOMENTUM: OptimizerInfo("SGD", {"momentum": 0.9}, fused=True, folklore_n=3,
+                                          summary="momentum buffer (1x params)"),
+    Optimizer.ADAM: OptimizerInfo("Adam", fused=True, folklore_n=4, summary="exp_avg + exp_avg_sq (2x params)"),
+    Optimizer.ADAMW: OptimizerInfo("AdamW", fused=True, folklore_n=4, summary="exp_avg + exp_avg_sq (2x params)"),
+    Optimizer.ADAFACTOR: OptimizerInfo("Adafactor", folklore_n=2, summary="factored second moment (row + column)"),
+    Optimizer.ADAM8BIT: OptimizerInfo("adam8bit", foreach=False, folklore_n=2.5,
+                                      summary="bitsandbytes 8-bit state, block-wise (modelled)"),
+}
+
+# kept for callers that ask by name
+FUSED = tuple(o.value for o, info in OPTIMIZERS.items() if info.fused)
+FOLKLORE_N = {o.value: info.folklore_n for o, info in OPTIMIZERS.items()}
+
+
+def optim_help() -> str:
+    return "; ".join(f"{o.value}: {info.summary}" for o, info in OPTIMIZERS.items())
 
 
 def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
@@ -16,31 +50,15 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
 
 def optimizer_class(spec: RunSpec) -> tuple[type, dict]:
     """The optimizer class and its keyword arguments (ZeroRedundancyOptimizer builds it itself)."""
-    kwargs: dict = {"lr": spec.lr}
-    if spec.target == "cuda" and spec.optim != "adam8bit":
-        if spec.fused and spec.optim in FUSED:
+    info = OPTIMIZERS[spec.optim]
+    kwargs: dict = {**info.kwargs, "lr": spec.lr}
+    if spec.target == Target.CUDA and info.foreach:
+        if spec.fused and info.fused:
             kwargs["fused"] = True
         else:
             kwargs["foreach"] = True
-    if spec.optim == "sgd":
-        return torch.optim.SGD, kwargs
-    if spec.optim == "sgd-momentum":
-        return torch.optim.SGD, {"momentum": 0.9, **kwargs}
-    if spec.optim == "adam":
-        return torch.optim.Adam, kwargs
-    if spec.optim == "adamw":
-        return torch.optim.AdamW, kwargs
-    if spec.optim == "adafactor":
-        return torch.optim.Adafactor, kwargs
-    if spec.optim == "adam8bit":
+    if info.cls == "adam8bit":
         from .adam8bit import Adam8bitModel
 
         return Adam8bitModel, kwargs
-    raise AssertionError(spec.optim)  # RunSpec validates the name
-
-
-# torch.optim classes with fused (single-kernel) implementations
-FUSED = ("sgd", "sgd-momentum", "adam", "adamw")
-
-# Bytes of optimizer state per parameter byte, for the folklore cross-check (params x n).
-FOLKLORE_N = {"sgd": 2, "sgd-momentum": 3, "adam": 4, "adamw": 4, "adafactor": 2, "adam8bit": 2.5}
+    return getattr(torch.optim, info.cls), kwargs

@@ -44,8 +44,8 @@ with imports_without_gc():
     )
     from torch.utils._pytree import tree_flatten
 
-    from ..device.cuda_autocast import cuda_autocast_scope
-    from ..device.sdpa import CUDA_SCRATCH, CudaSdpa
+    from .cuda.autocast import cuda_autocast_scope
+    from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
     from ..errors import MemestError, TraceError
     from ..sources.base import ModelSource, default_loss
     from ..spec import RunSpec
@@ -81,7 +81,7 @@ def autocast_context(spec: RunSpec, device_type: str = "cpu"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
     if device_type == "cpu" and spec.target == "cuda":  # tracing a CUDA run on CPU tensors
-        from ..device.cuda_autocast import cuda_autocast
+        from .cuda.autocast import cuda_autocast
 
         return cuda_autocast(dtype)
     return torch.autocast(device_type=device_type, dtype=dtype)

@@ -1,0 +1,138 @@
+"""Every choice a user makes, declared once. RunSpec holds these enums; typer, the YAML config schema,
+advise and the reports use them directly.
+
+Members are strings (``Optimizer.ADAM == "adam"``, same hash, ``str()``/f-strings give the value), so
+code and configs that compare with plain strings keep working.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from enum import Enum
+
+from .errors import MemestError
+
+
+class Choice(str, Enum):
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [m.value for m in cls]
+
+    @classmethod
+    def parse(cls, value, flag: str):
+        """The member for ``value`` (a member or its string), or a MemestError naming every choice."""
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        for member in cls:
+            if member.value == text:
+                return member
+        close = difflib.get_close_matches(text, cls.values(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise MemestError(f"unknown {flag} {value!r}{hint}; choose one of: {', '.join(cls.values())}")
+
+
+class Optimizer(Choice):
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd-momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    ADAFACTOR = "adafactor"
+    ADAM8BIT = "adam8bit"
+
+
+class Precision(Choice):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+
+    @property
+    def mixed(self) -> bool:
+        return self.value.endswith("-mixed")
+
+
+class Target(Choice):
+    CUDA = "cuda"  # what a CUDA run allocates (traced on CPU fake tensors, CUDA kernels modelled)
+    CPU = "cpu"  # CPU training
+
+
+class Attention(Choice):
+    AUTO = "auto"  # PyTorch's SDPA backend selection rules
+    FLASH = "flash"
+    EFFICIENT = "efficient"
+    MATH = "math"
+
+
+class ZeroGrad(Choice):
+    NONE = "none"  # grads set to None after the step
+    ZEROS = "zeros"  # grads kept, filled with zeros
+
+
+class Mode(Choice):
+    TRAIN = "train"
+    INFERENCE = "inference"
+    GENERATE = "generate"
+
+
+class Cache(Choice):
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+
+
+class Shard(Choice):
+    NONE = "none"
+    ZERO1 = "zero1"  # optimizer state
+    ZERO2 = "zero2"  # + gradients
+    ZERO3 = "zero3"  # + parameters (FSDP full shard)
+
+
+class Offload(Choice):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    PARAMS = "params"
+
+
+class OutputFormat(Choice):
+    TABLE = "table"
+    MARKDOWN = "markdown"
+    JSON = "json"
+
+
+class CheckpointPolicy(Choice):
+    """--checkpointing: none | blocks | every:N | module.name,other.name (the policy of a value)."""
+
+    NONE = "none"
+    BLOCKS = "blocks"
+    EVERY = "every"
+    NAMES = "names"
+
+    @classmethod
+    def of(cls, text: str) -> CheckpointPolicy:
+        text = text.strip()
+        if text in ("none", "blocks"):
+            return cls(text)
+        if text.startswith("every:"):
+            if not re.fullmatch(r"every:[1-9][0-9]*", text):
+                raise MemestError(f"--checkpointing {text!r}: write every:N with N a whole number >= 1, e.g. every:2")
+            return cls.EVERY
+        if not text or not all(part.strip() for part in text.split(",")):
+            raise MemestError(
+                f"--checkpointing {text!r}: choose none, blocks, every:N or module names separated by commas"
+            )
+        return cls.NAMES
+
+
+def choices_help(cls: type[Choice]) -> str:
+    return " | ".join(cls.values())
