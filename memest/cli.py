@@ -1,497 +1,293 @@
-"""The command line: parse -> call -> render -> exit code. No estimation logic lives here."""
+"""The command line: declarations and calls. Each command parses, calls the app layer (app.py), and
+hands the result's View to the one emit path; ``_run`` maps every error to its exit code."""
 
 from __future__ import annotations
 
-import os
+import errno
 import sys
+import traceback
+from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
-from .errors import EXIT_DOES_NOT_FIT, EXIT_OK, MemestError
+from .choices import Attention, Cache, Mode, Offload, Optimizer, OutputFormat, Precision, Shard, Target, ZeroGrad
+from .errors import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, MemestError
+
+class _OneLineErrors(TyperGroup):
+    """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:  # typer >= 0.2x vendors click as typer._click
+            from typer._click import exceptions as click
+        except ImportError:
+            from click import exceptions as click
+
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `memest` alone: the help, as click prints it
+                exc.show()
+                code = exc.exit_code
+            else:
+                command = exc.ctx.command_path if exc.ctx is not None else "memest"
+                message = exc.format_message().replace("Value error, ", "")  # typer's pydantic coercion prefix
+                typer.echo(f"memest: error: {message} (see {command} --help)", err=True)
+                code = EXIT_USAGE
+        except click.Abort:
+            typer.echo("memest: interrupted", err=True)
+            code = 130
+        except OSError as exc:  # e.g. stdout closed by `| head`: not a clean run, never "ok" or "does not fit"
+            if exc.errno != errno.EPIPE:
+                raise
+            code = EXIT_USAGE
+        code = code if isinstance(code, int) else EXIT_OK
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
-    name="memest",
+    name="memest", cls=_OneLineErrors,
     help="How much GPU memory will this PyTorch training step need? Traced on fake tensors, no GPU touched.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
 
 Model = Annotated[str, typer.Argument(help="model.py[:factory], hf:NAME (bundled config) or hf:path/config.json")]
 Batch = Annotated[int, typer.Option("--batch", "-b", help="Batch size (per step).")]
-Seq = Annotated[Optional[int], typer.Option("--seq", "-s", help="Sequence length (models that take one).")]
-Optim = Annotated[str, typer.Option("--optim", help="sgd | sgd-momentum | adam | adamw | adafactor")]
-Precision = Annotated[str, typer.Option("--precision", help="fp32 | bf16 | fp16 | bf16-mixed | fp16-mixed")]
-Target = Annotated[str, typer.Option("--target", help="cuda: what a CUDA run allocates; cpu: CPU training.")]
-Gpu = Annotated[
-    Optional[str],
-    typer.Option("--gpu", help="Compare with a budget (11GB = 10^9 B, 11GiB = 2^30 B), a card (rtx2080ti) or device 0."),
-]
-Attention = Annotated[
-    str, typer.Option("--attention", help="--target cuda SDPA kernel: auto (PyTorch's rules) | flash | efficient | math")
-]
+Seq = Annotated[Optional[int], typer.Option("--seq", "-s", help="Sequence length (default: the model's own).")]
+Optim = Annotated[Optimizer, typer.Option("--optim", help="adam/adamw: 2 fp32 states; sgd-momentum: 1; sgd: none; "
+                                          "adafactor: factored; adam8bit: bitsandbytes 8-bit state.")]
+Prec = Annotated[Precision, typer.Option("--precision", help="Weights' dtype, or -mixed: fp32 weights + autocast.")]
+Tgt = Annotated[Target, typer.Option("--target", help="cuda: what a CUDA run allocates; cpu: CPU training.")]
+Gpu = Annotated[Optional[str], typer.Option(
+    "--gpu", help="Budget (11GB = 10^9 B, 11GiB = 2^30 B), card (rtx2080ti, a100) or device index (0).")]
+Attn = Annotated[Attention, typer.Option("--attention", help="--target cuda SDPA kernel (auto: PyTorch's rules).")]
 Fused = Annotated[bool, typer.Option("--fused", help="--target cuda: fused optimizer kernels instead of foreach.")]
-GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step (--batch is the micro-batch).")]
-Checkpointing = Annotated[
-    str, typer.Option("--checkpointing", help="none | blocks | every:N | module.name,other.name (activation checkpointing)")
-]
-ZeroGrad = Annotated[str, typer.Option("--zero-grad", help="none: grads set to None after the step; zeros: kept as zeros.")]
-Mode = Annotated[str, typer.Option("--mode", help="train | inference | generate (decoder models, KV cache)")]
-NewTokens = Annotated[int, typer.Option("--new-tokens", help="--mode generate: tokens generated after a --seq prompt.")]
-Cache = Annotated[str, typer.Option("--cache", help="--mode generate: dynamic (grows) | static (preallocated) KV cache")]
-WorldSize = Annotated[int, typer.Option("--world-size", help="Data-parallel ranks (estimates are per rank).")]
-Shard = Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 (FSDP full shard)")]
-Offload = Annotated[str, typer.Option("--offload", help="none | optimizer | params (params needs --shard zero3)")]
-Margin = Annotated[Optional[str], typer.Option("--margin", help="Required headroom, e.g. 10%: needed x 1.1 must fit.")]
-Markdown = Annotated[bool, typer.Option("--markdown", help="Print Markdown instead of terminal tables.")]
-Plot = Annotated[Optional[str], typer.Option("--plot", help="Write memory over the step to FILE.png, .svg or .html.")]
-Depth = Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")]
-Json = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (schema in README).")]
-FailIfNotFits = Annotated[
-    bool, typer.Option("--fail-if-not-fits", help="Exit 1 when the estimate does not fit (for CI).")
-]
-Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+Accum = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step (--batch is the micro-batch).")]
+Ckpt = Annotated[str, typer.Option("--checkpointing", help="none | blocks | every:N | module.name,other.name")]
+Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
+Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
+Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Also print tracebacks (exit codes stay the same).")]
+Budget = Annotated[str, typer.Option("--gpu", help="Budget (24GB, 24GiB), card name or device index.")]
 
 
-def _sharding_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("memest.trace.distributed") is not None
-
-
-def _hide_cuda() -> None:
-    """memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
-    hide CUDA devices from torch in this process before torch is used. NVML still sees every GPU."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+def _format(fmt: OutputFormat, json: bool, markdown: bool) -> OutputFormat:
+    asked = {f for f, on in ((OutputFormat.JSON, json), (OutputFormat.MARKDOWN, markdown)) if on}
+    if fmt != OutputFormat.TABLE:
+        asked.add(fmt)
+    if len(asked) > 1:
+        raise MemestError(f"choose one output format, not {' and '.join(sorted(a.value for a in asked))}")
+    return asked.pop() if asked else OutputFormat.TABLE
 
 
-def _calibration_for(gpu: str | None, query) -> dict | None:
-    """A stored `memest calibrate` result for the GPU being compared against, if any."""
-    if query is None or not query.gpus:
-        return None
-    chosen = [g for g in query.gpus if gpu is None or g.index == int(gpu)][:1]
-    if not chosen:
-        return None
-    import torch
+def _run(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True) -> None:
+    """Run a command's work -> (View, exit code), print it, exit. Exit codes never depend on --debug:
+    0 ok, 1 does not fit, 2 usage / config / model errors and anything unexpected (never 0 or 1).
+    CUDA devices are hidden from torch first (only calibrate uses the GPU)."""
+    from .app import hide_cuda
+    from .report.emit import emit
 
-    from .device.calibration import lookup
+    if hide_gpus:
+        hide_cuda()
+    try:
+        out_format = fmt()
+        view, code = work()
+    except KeyboardInterrupt:
+        typer.echo("memest: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except MemestError as exc:
+        if debug:
+            traceback.print_exc()
+        typer.echo(f"memest: error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except Exception as exc:  # a bug in memest or an unexpected failure: never "ok" or "does not fit"
+        if debug:
+            traceback.print_exc()
+        first = (str(exc).strip().splitlines() or [""])[0]
+        typer.echo(f"memest: internal error: {type(exc).__name__}: {first} (rerun with --debug and report it)", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    emit(view, out_format, sys.stdout)
+    raise typer.Exit(code)
 
-    return lookup(chosen[0].name, query.driver, torch.__version__)
 
+def _progress(on: bool = True):
+    from .app import stderr_progress
 
-def _fail(exc: MemestError, debug: bool) -> None:
-    if debug:
-        raise exc
-    typer.echo(f"memest: error: {exc}", err=True)
-    raise typer.Exit(exc.exit_code)
+    return stderr_progress if on else None
 
 
 @app.command()
 def estimate(
-    model: Model,
-    batch: Batch = 1,
-    seq: Seq = None,
-    optim: Optim = "adam",
-    precision: Precision = "fp32",
-    target: Target = "cuda",
-    attention: Attention = "auto",
-    fused: Fused = False,
-    grad_accum: GradAccum = 1,
-    checkpointing: Checkpointing = "none",
-    zero_grad: ZeroGrad = "none",
-    mode: Mode = "train",
-    new_tokens: NewTokens = 0,
-    cache: Cache = "dynamic",
-    world_size: WorldSize = 1,
-    shard: Shard = "none",
-    offload: Offload = "none",
+    model: Model, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
+    target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
+    checkpointing: Ckpt = "none",
+    zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
+    = ZeroGrad.NONE,
+    mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="--mode generate: tokens after a --seq prompt.")] = 0,
+    cache: Annotated[Cache, typer.Option("--cache", help="--mode generate: dynamic | static KV cache.")] = Cache.DYNAMIC,
+    world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks (estimates are per rank).")] = 1,
+    shard: Annotated[Shard, typer.Option("--shard", help="none | zero1 | zero2 | zero3 (FSDP full shard).")] = Shard.NONE,
+    offload: Annotated[Offload, typer.Option("--offload", help="none | optimizer | params (params: --shard zero3).")]
+    = Offload.NONE,
     gpu: Gpu = None,
-    depth: Depth = 3,
-    json: Json = False,
-    markdown: Markdown = False,
-    plot: Plot = None,
-    fail_if_not_fits: FailIfNotFits = False,
-    debug: Debug = False,
+    depth: Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")] = 3,
+    expand: Annotated[bool, typer.Option("--expand", help="Show every repeated block instead of one row per run.")]
+    = False,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write memory over the step to FILE.png/.svg/.html.")]
+    = None,
+    fail_if_not_fits: Annotated[bool, typer.Option("--fail-if-not-fits", help="Exit 1 when it does not fit (CI).")]
+    = False,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
-    _hide_cuda()
-    from .device.fit import fit_rows, resolve_budget, target_compute_capability
-    from .spec import RunSpec
+    spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
+                fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
+                new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload)
 
-    try:
-        if gpu is not None:
-            resolve_budget(gpu)  # a bad budget fails before the (slower) trace
-        if plot is not None:
-            from pathlib import Path
+    def work():
+        from .app import run_estimate
+        from .report.views import estimate_view
 
-            from .report.plot import FORMATS
+        fmt = _format(format, json, markdown)
+        result = run_estimate(spec, gpu, fail_if_not_fits=fail_if_not_fits, plot=plot,
+                              timeline=fmt == OutputFormat.TABLE, progress=_progress())
+        if result.plot_path is not None:
+            typer.echo(f"memest: wrote {result.plot_path}", err=True)
+        code = EXIT_DOES_NOT_FIT if fail_if_not_fits and result.verdict_fits is False else EXIT_OK
+        return estimate_view(result, depth, expand), code
 
-            if Path(plot).suffix.lower() not in FORMATS:  # fail before the trace, not after it
-                raise MemestError(f"cannot write a plot to {plot!r}: use a file name ending in {', '.join(FORMATS)}")
-        query = None
-        if gpu is None or gpu.strip().isdigit():
-            from .device.nvml import query_gpus
-
-            query = query_gpus()
-        spec = RunSpec(
-            model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-            attention=attention, fused=fused, compute_capability=target_compute_capability(gpu, query),
-            grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
-            new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-        )
-        if (world_size > 1 or shard != "none" or offload != "none") and not _sharding_available():
-            raise MemestError("--world-size, --shard and --offload are not available in this build yet")
-        from .pipeline import estimate as run_estimate
-
-        result = run_estimate(spec, calibration=_calibration_for(gpu, query) if target == "cuda" else None)
-        report = result.report
-        fits = fit_rows(result.needed_bytes, gpu, query, check=result.fits)
-    except MemestError as exc:
-        _fail(exc, debug)
-        return
-    reason = query.reason if query is not None else ""
-    timeline = None
-    if plot is not None or not (json or markdown):
-        from .report.timeline import category_timeline
-
-        timeline = category_timeline(result.trace)
-    if plot is not None:
-        try:
-            from .report.plot import plot_timeline
-
-            written = plot_timeline(timeline, report, plot)
-        except MemestError as exc:
-            _fail(exc, debug)
-            return
-        typer.echo(f"memest: wrote {written}", err=True)
-    if markdown:
-        from .report.markdown import estimate_markdown
-
-        sys.stdout.write(estimate_markdown(report, fits, depth=depth, gpu_reason=reason) + "\n")
-    elif json:
-        from .report.json_doc import json_document
-
-        sys.stdout.write(json_document(report, fits, reason, result.needed_bytes) + "\n")
-    else:
-        from .report.console import make_console, print_estimate
-        from .report.timeline import terminal_timeline
-
-        console = make_console()
-        print_estimate(console, report, fits, reason, depth)
-        for line in terminal_timeline(timeline):
-            console.print(line, markup=False, highlight=False)
-    if fail_if_not_fits and fits and not all(f.fits for f in fits):
-        raise typer.Exit(EXIT_DOES_NOT_FIT)
-    raise typer.Exit(EXIT_OK)
-
-
+    _run(work, lambda: _format(format, json, markdown), debug)
 
 
 @app.command()
 def check(
     configs: Annotated[list[str], typer.Argument(help="YAML run configs (see configs/ and README).")],
     gpu: Gpu = None,
-    margin: Margin = None,
+    margin: Annotated[Optional[str], typer.Option("--margin", help="Headroom: 10% (or 0.1): needed x 1.1 must fit.")]
+    = None,
     batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Override every config's batch.")] = None,
     seq: Annotated[Optional[int], typer.Option("--seq", "-s", help="Override every config's seq.")] = None,
-    optim: Annotated[Optional[str], typer.Option("--optim", help="Override the optimizer.")] = None,
-    precision: Annotated[Optional[str], typer.Option("--precision", help="Override the precision.")] = None,
+    optim: Annotated[Optional[Optimizer], typer.Option("--optim", help="Override the optimizer.")] = None,
+    precision: Annotated[Optional[Precision], typer.Option("--precision", help="Override the precision.")] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Override accumulation steps.")] = None,
     checkpointing: Annotated[Optional[str], typer.Option("--checkpointing", help="Override checkpointing.")] = None,
-    json: Json = False,
-    markdown: Markdown = False,
-    debug: Debug = False,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget, 1 when any does not, 2 for a bad config."""
-    _hide_cuda()
-    from .config import load_config, parse_margin
-    from .device.nvml import query_gpus
-    from .plan.check import check_config
-
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
                      checkpointing=checkpointing)
-    try:
-        margin_value = parse_margin(margin) if margin is not None else None
-        loaded = [load_config(path) for path in configs]  # every config is valid before any is traced
-        query = query_gpus()
-        rows = [check_config(cfg, overrides, gpu, margin_value, query) for cfg in loaded]
-    except MemestError as exc:
-        _fail(exc, debug)
-        return
-    if json:
-        import json as _json
 
-        doc = {"schema_version": 1, "fits": all(r.fits for r in rows), "configs": [r.to_dict() for r in rows]}
-        sys.stdout.write(_json.dumps(doc, indent=2) + "\n")
-    else:
-        from .report.console import check_rows, make_console
+    def work():
+        from .app import run_check
+        from .report.views import check_view
 
-        headers, table_rows = check_rows(rows)
-        if markdown:
-            from .report.markdown import table_markdown
+        result = run_check(configs, overrides, gpu, margin, progress=_progress())
+        return check_view(result), EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
 
-            sys.stdout.write(table_markdown(headers, table_rows) + "\n")
-        else:
-            from rich.table import Table
-
-            table = Table(title="memest check", title_justify="left")
-            for h in headers:
-                table.add_column(h, justify="left" if h in ("config", "model", "budget", "verdict") else "right")
-            for r in table_rows:
-                table.add_row(*r)
-            make_console().print(table)
-    raise typer.Exit(EXIT_OK if all(r.fits for r in rows) else EXIT_DOES_NOT_FIT)
+    _run(work, lambda: _format(format, json, markdown), debug)
 
 
-def _planner(model, batch, seq, optim, precision, target, grad_accum, checkpointing, gpu, need_budget: bool):
-    """(Runner, budget label, capacity) for whatif / max-batch / advise."""
-    from .device.nvml import query_gpus
-    from .plan.check import budget_for
-    from .plan.runner import Runner, stderr_progress
-    from .spec import RunSpec
+def _sizes(text: Optional[str], flag: str):
+    from .plan.whatif import parse_sizes
 
-    query = query_gpus() if gpu is None or gpu.strip().isdigit() else None
-    label, capacity, cc = None, None, (9, 0)
-    if gpu is not None or need_budget or (query and query.gpus):
-        label, capacity, cc = budget_for(gpu, query)
-    spec = RunSpec(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                   grad_accum=grad_accum, checkpointing=checkpointing, compute_capability=cc)
-    return Runner(spec, progress=stderr_progress), label, capacity
-
-
-def _print_table(title: str, headers: list[str], rows: list[list[str]], markdown: bool) -> None:
-    if markdown:
-        from .report.markdown import table_markdown
-
-        sys.stdout.write(table_markdown(headers, rows) + "\n")
-        return
-    from rich.table import Table
-
-    from .report.console import make_console
-
-    table = Table(title=title, title_justify="left")
-    for h in headers:
-        table.add_column(h)
-    for r in rows:
-        table.add_row(*r)
-    make_console().print(table)
-
-
-def _dump(doc) -> None:
-    import json as _json
-
-    sys.stdout.write(_json.dumps(doc, indent=2) + "\n")
+    return parse_sizes(text, flag)
 
 
 @app.command()
 def whatif(
     model: Model,
-    seq: Annotated[Optional[str], typer.Option("--seq", "-s", help="Sequence lengths, e.g. 512,1024,2048,4096.")] = None,
+    seq: Annotated[Optional[str], typer.Option("--seq", "-s", help="Sequence lengths, e.g. 256,512,1024.")] = None,
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
-    optim: Optim = "adam",
-    precision: Precision = "fp32",
-    target: Target = "cuda",
-    grad_accum: GradAccum = 1,
-    checkpointing: Checkpointing = "none",
-    gpu: Gpu = None,
-    json: Json = False,
-    markdown: Markdown = False,
-    debug: Debug = False,
+    optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
+    checkpointing: Ckpt = "none", gpu: Gpu = None,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
-    """Peaks and device usage over a grid of sequence lengths and batch sizes, the fitted scaling,
-    and the largest seq and batch that fit."""
-    _hide_cuda()
-    from .plan.whatif import parse_sizes, sweep
-    from .units import format_bytes
+    """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
+    the largest seq and batch that fit."""
+    def work():
+        from .app import run_whatif
+        from .report.views import whatif_view
 
-    try:
-        seqs = parse_sizes(seq, "--seq")
-        batches = parse_sizes(batch, "--batch")
-        if seqs is None and batches is None:
-            raise MemestError("whatif needs sizes to sweep: --seq 512,1024,2048 and/or --batch 1,2,4,8")
-        runner, label, capacity = _planner(model, (batches or [1])[0], (seqs or [None])[0], optim, precision, target,
-                                           grad_accum, checkpointing, gpu, need_budget=False)
-        result = sweep(runner, batches, seqs, capacity)
-    except MemestError as exc:
-        _fail(exc, debug)
-        return
-    if json:
-        _dump({"schema_version": 1, "budget": label, "capacity_bytes": capacity, **result.to_dict()})
-        return
-    headers = ["batch", "seq", "peak allocated", "device" if target == "cuda" else "needed", "fits", "how"]
-    rows = [[str(p.batch), str(p.seq or "-"), format_bytes(p.peak_bytes), format_bytes(p.needed_bytes),
-             "-" if p.fits is None else ("yes" if p.fits else "no"), "traced" if p.traced else "fit"]
-            for p in result.points]
-    _print_table(f"memest whatif {model}" + (f" against {label}" if label else ""), headers, rows, markdown)
-    for line in result.plain_words:
-        typer.echo(line)
-    v = result.verification
-    if v:
-        typer.echo(f"fit checked by a direct trace at batch {v['batch']}, seq {v['seq']}: peak error "
-                   f"{100 * v['peak_error']:+.3f}%, device error {100 * v['needed_error']:+.3f}%")
-    if result.fallback:
-        typer.echo(f"note: {result.fallback}")
-    if result.largest_batch is not None:
-        typer.echo(f"largest batch that fits (fit): {result.largest_batch}")
-    if result.largest_seq is not None:
-        typer.echo(f"largest seq that fits (fit): {result.largest_seq}")
-    typer.echo(f"{result.traces} traces for {len(result.points)} points")
+        spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
+                    checkpointing=checkpointing)
+        run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
+        return whatif_view(run), EXIT_OK
+
+    _run(work, lambda: _format(format, json, markdown), debug)
 
 
 @app.command("max-batch")
 def max_batch(
-    model: Model,
-    gpu: Annotated[str, typer.Option("--gpu", help="Budget (24GB, 24GiB), card name or device index.")],
-    seq: Seq = None,
+    model: Model, gpu: Budget, seq: Seq = None,
     batch: Annotated[int, typer.Option("--batch", "-b", help="Batch when searching the sequence length.")] = 1,
     seq_search: Annotated[bool, typer.Option("--seq-search", help="Search the longest sequence instead.")] = False,
-    optim: Optim = "adam",
-    precision: Precision = "fp32",
-    target: Target = "cuda",
-    grad_accum: GradAccum = 1,
-    checkpointing: Checkpointing = "none",
+    optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
+    checkpointing: Ckpt = "none",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
-    json: Json = False,
-    markdown: Markdown = False,
-    debug: Debug = False,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
-    """The largest batch (or, with --seq-search, sequence length) that fits, found by search over
-    traces; exact at the boundary."""
-    _hide_cuda()
-    from .plan.search import largest_fitting
-    from .units import format_bytes
+    """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
+    exact at the boundary."""
+    def work():
+        from .app import run_max_batch
+        from .report.views import max_batch_view
 
-    try:
-        runner, label, capacity = _planner(model, batch, seq, optim, precision, target, grad_accum, checkpointing,
-                                           gpu, need_budget=True)
-        key = "seq" if seq_search else "batch"
-        if seq_search and runner.source.max_seq:
-            limit = min(limit, runner.source.max_seq)
-        start = (seq or 512) if seq_search else 1
-        result = largest_fitting(runner, key, capacity, start=start, limit=limit)
-    except MemestError as exc:
-        _fail(exc, debug)
-        return
-    if json:
-        _dump({"schema_version": 1, "budget": label, "traces": runner.traces, **result.to_dict()})
-        return
-    rows = [[str(v), format_bytes(n), "yes" if ok else "no"] for v, n, ok in sorted(set(result.probes))]
-    _print_table(f"memest max-batch {model} against {label}", [key, "needed", "fits"], rows, markdown)
-    if result.value == 0:
-        typer.echo(f"even {key} 1 does not fit {label}: it needs {format_bytes(result.next_needed_bytes or 0)}; "
-                   f"see memest advise")
-    elif result.hit_limit:
-        typer.echo(f"largest {key} that fits: at least {result.value} (the search stopped at --limit {limit})")
-    else:
-        typer.echo(f"largest {key} that fits: {result.value} ({format_bytes(result.needed_bytes)}); "
-                   f"{result.value + 1} needs {format_bytes(result.next_needed_bytes)}")
+        spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+                    grad_accum=grad_accum, checkpointing=checkpointing)
+        return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
+
+    _run(work, lambda: _format(format, json, markdown), debug)
 
 
 @app.command()
 def advise(
-    model: Model,
-    gpu: Annotated[str, typer.Option("--gpu", help="Budget (11GB, 11GiB), card name or device index.")],
-    batch: Batch = 1,
-    seq: Seq = None,
-    optim: Optim = "adam",
-    precision: Precision = "fp32",
-    target: Target = "cuda",
-    grad_accum: GradAccum = 1,
-    checkpointing: Checkpointing = "none",
-    json: Json = False,
-    markdown: Markdown = False,
-    debug: Debug = False,
+    model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
+    precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
-    """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination
-    that fits, with its command line."""
-    _hide_cuda()
-    from .plan.advise import advise as run_advise
-    from .units import format_bytes
+    """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
+    fits, with its command line."""
+    def work():
+        from .app import run_advise
+        from .report.views import advise_view
 
-    try:
-        runner, label, capacity = _planner(model, batch, seq, optim, precision, target, grad_accum, checkpointing,
-                                           gpu, need_budget=True)
-        advice = run_advise(runner, capacity)
-    except MemestError as exc:
-        _fail(exc, debug)
-        return
-    if json:
-        _dump({"schema_version": 1, "budget": label, **advice.to_dict()})
-        return
-    typer.echo(f"as configured: {format_bytes(advice.base_needed_bytes)} against {label} "
-               f"({format_bytes(capacity)}): {'fits' if advice.base_fits else 'does not fit'}")
-    rows = [[r.name, format_bytes(r.needed_bytes), "yes" if r.fits else "no", r.time_cost] for r in advice.remedies]
-    _print_table("remedies (each re-traced), cheapest first among those that fit",
-                 ["remedy", "needed", "fits", "time cost"], rows, markdown)
-    if advice.combination is None:
-        typer.echo("no combination of these remedies fits; a larger GPU or more GPUs are needed")
-    else:
-        typer.echo(f"cheapest that fits: {advice.combination.name} ({format_bytes(advice.combination.needed_bytes)})")
-        typer.echo(f"  {advice.command} --gpu {gpu}")
-    typer.echo(f"{advice.traces} traces")
+        spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+                    grad_accum=grad_accum, checkpointing=checkpointing)
+        return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
+
+    _run(work, lambda: _format(format, json, markdown), debug)
 
 
 @app.command()
-def gpus(json: Json = False, markdown: Markdown = False) -> None:
+def gpus(format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False) -> None:
     """Live table of NVIDIA GPUs and their processes (NVML)."""
-    from .device.nvml import query_gpus
+    def work():
+        from .app import run_gpus
+        from .report.views import gpus_view
 
-    query = query_gpus()
-    if json:
-        import json as _json
+        return gpus_view(run_gpus()), EXIT_OK
 
-        doc = {"gpus": [g.to_dict() for g in query.gpus], "reason": query.reason}
-        sys.stdout.write(_json.dumps(doc, indent=2) + "\n")
-        return
-    if not query.gpus:
-        typer.echo(query.reason)
-        return
-    if markdown:
-        from .report.markdown import table_markdown
-        from .units import format_bytes
-
-        rows = [[str(g.index), g.name, format_bytes(g.total_bytes), format_bytes(g.used_bytes), format_bytes(g.free_bytes)]
-                for g in query.gpus]
-        sys.stdout.write(table_markdown(["index", "name", "total", "used", "free"], rows) + "\n")
-        return
-    from .report.console import gpus_table, make_console
-
-    make_console().print(gpus_table(query))
+    _run(work, lambda: _format(format, json, markdown), debug)
 
 
 @app.command()
 def calibrate(
     device: Annotated[int, typer.Option("--device", help="NVML/CUDA index of the GPU to measure.")] = 0,
-    json: Json = False,
-    debug: Debug = False,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, debug: Debug = False,
 ) -> None:
     """Measure this GPU's CUDA context and cuBLAS workspace once (this command does use the GPU, briefly,
     ~1 GiB); later estimates on the same GPU, driver and torch version use the measurements."""
-    from .device.nvml import query_gpus
+    def work():
+        from .app import run_calibrate
+        from .report.views import calibrate_view
 
-    query = query_gpus()
-    try:
-        if not query.gpus:
-            raise MemestError(f"memest calibrate needs an NVIDIA GPU: {query.reason}")
-        from .device.calibration import measure, save
+        return calibrate_view(run_calibrate(device)), EXIT_OK
 
-        entry = measure(device)
-        path = save(entry)
-    except MemestError as exc:
-        _fail(exc, debug)
-        return
-    if json:
-        import json as _json
-
-        sys.stdout.write(_json.dumps({"saved_to": str(path), **entry}, indent=2) + "\n")
-        return
-    from .units import format_bytes
-
-    typer.echo(f"{entry['gpu_name']} (driver {entry['driver']}, torch {entry['torch_version']}):")
-    typer.echo(f"  CUDA context     {format_bytes(entry['context_bytes'] or 0)}")
-    typer.echo(f"  cuBLAS workspace {format_bytes(entry['cublas_workspace_bytes'])}")
-    typer.echo(f"saved to {path}")
+    _run(work, lambda: _format(format, json, False), debug, hide_gpus=False)
 
 
 def main() -> None:

@@ -48,15 +48,25 @@ class RunConfig:
         return RunSpec(**{**self.values, **{k: v for k, v in overrides.items() if v is not None}})
 
 
-def parse_margin(value: Any) -> float:
-    """'10%' or 0.1 -> 0.1."""
+def parse_margin(value: Any, what: str = "margin") -> float:
+    """Required headroom: '10%' or a fraction 0.1 -> 0.1. A bare number above 1 is ambiguous (10 could
+    mean 10% or x11) and is rejected with the fix."""
+    if isinstance(value, bool):
+        raise MemestError(f"{what} {value!r} is not a number; write a percentage such as 10%")
     text = str(value).strip()
+    percent = text.endswith("%")
     try:
-        margin = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        margin = float(text[:-1].strip()) / 100 if percent else float(text)
     except ValueError:
-        raise MemestError(f"margin {value!r} is not a number; use a percentage such as 10%") from None
+        raise MemestError(f"{what} {value!r} is not a number; write a percentage such as 10%") from None
+    if margin != margin or margin in (float("inf"), float("-inf")):
+        raise MemestError(f"{what} {value!r} is not a finite number; write a percentage such as 10%")
     if margin < 0:
-        raise MemestError(f"margin {value!r} is below zero; use 0% or more")
+        raise MemestError(f"{what} {value!r} is below zero; write 0% or more")
+    if not percent and margin > 1:
+        raise MemestError(
+            f"{what} {value!r} is ambiguous: write {text}% for {text} percent (a bare number is a fraction: 0.1 = 10%)"
+        )
     return margin
 
 
@@ -95,9 +105,13 @@ def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
         if key in data and data[key] is not None:
             values[key] = _typed(key, data[key], where)
     values["model"] = _relative_to(str(values["model"]), path)
-    margin = parse_margin(data["margin"]) if data.get("margin") is not None else 0.0
+    margin = parse_margin(data["margin"], f"{where}margin:") if data.get("margin") is not None else 0.0
     gpu = str(data["gpu"]) if data.get("gpu") is not None else None
-    name = str(data.get("name") or (Path(path).stem if path else model))
+    name = str(data.get("name") or (Path(path).stem if path else values["model"]))
+    try:
+        RunSpec(**values)  # every value checked now (choices, ranges), with the file named
+    except MemestError as exc:
+        raise MemestError(f"{where}{exc}") from None
     return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin)
 
 

@@ -10,6 +10,10 @@ import re
 
 from .errors import MemestError
 
+KiB = 2**10
+MiB = 2**20
+GiB = 2**30
+
 _SUFFIXES = {
     "": 1,
     "b": 1,
@@ -54,3 +58,21 @@ def format_count(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return str(n)
+
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def table_unit(values) -> tuple[str, int]:
+    """One binary unit for a whole table: the largest that the biggest value reaches."""
+    top = max((abs(v) for v in values if v is not None), default=0)
+    for unit, size in _UNITS:
+        if top >= size:
+            return unit, size
+    return "B", 1
+
+
+def format_in(n: int | float, unit: tuple[str, int], precision: int = 2) -> str:
+    """``n`` bytes in a given unit from ``table_unit``: (GiB, 2**30) -> '0.45 GiB'."""
+    name, size = unit
+    return f"{int(n)} B" if size == 1 else f"{n / size:.{precision}f} {name}"

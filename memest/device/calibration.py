@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import MemestError
 
-MiB = 2**20
+from ..units import MiB
 
 
 def cache_file() -> Path:

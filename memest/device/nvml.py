@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-MiB = 2**20
+from ..units import MiB
 
 
 @dataclass

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 
-MiB = 2**20
+from ..units import MiB
 
 # name: (bytes, source)
 CONSTANTS: dict[str, tuple[int, str]] = {

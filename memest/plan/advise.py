@@ -28,7 +28,8 @@ class Remedy:
     fits: bool
     time_cost: str
     cost_rank: float  # lower is cheaper
-    note: str = ""
+    note: str = ""  # for a change that does not lower the need: why (what grows at its peak)
+    lowers_need: bool = True  # False: needs as much as the base or more; listed, never recommended
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,12 +47,6 @@ class Advice:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _sharding_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("memest.trace.distributed") is not None
 
 
 def _has_blocks(runner: Runner) -> bool:
@@ -86,7 +81,7 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
         out.append((f"micro-batch {base.batch // k} x {k} accumulation",
                     {"batch": base.batch // k, "grad_accum": base.grad_accum * k}, 0.02 * math.log2(k)))
         k *= 2
-    if _sharding_available() and base.training:
+    if base.training:
         for n in (2, 4, 8):
             out.append((f"ZeRO-3 / FSDP over {n} GPUs", {"world_size": n, "shard": "zero3"}, 0.3 + 0.05 * n))
         out.append(("CPU offload of the optimizer", {"offload": "optimizer"}, 0.5))
@@ -114,21 +109,37 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
 
 
 def advise(runner: Runner, capacity: int) -> Advice:
+    """Every saver re-traced. A change that does not lower the need is listed with why, never ranked
+    as a remedy; when the base already fits nothing is recommended."""
     base = runner.run()
     advice = Advice(base.needed_bytes, capacity, base.fits(capacity))
     for name, changes, rank in candidates(runner):
         result = runner.run(**changes)
-        advice.remedies.append(
-            Remedy(name, changes, result.needed_bytes, result.fits(capacity),
-                   _time_cost(name, changes, result, runner.base), rank)
-        )
-    advice.remedies.sort(key=lambda r: (not r.fits, r.cost_rank, r.needed_bytes))
-    advice.combination = _cheapest_combination(runner, capacity, advice.remedies)
+        remedy = Remedy(name, changes, result.needed_bytes, result.fits(capacity),
+                        _time_cost(name, changes, result, runner.base), rank)
+        if result.needed_bytes >= base.needed_bytes:
+            remedy.lowers_need = False
+            remedy.note = why_not_lower(base, result)
+        advice.remedies.append(remedy)
+    advice.remedies.sort(key=lambda r: (not r.lowers_need, not r.fits, r.cost_rank, r.needed_bytes))
+    if not advice.base_fits:
+        advice.combination = _cheapest_combination(runner, capacity, [r for r in advice.remedies if r.lowers_need])
     if advice.combination is not None:
         spec = dataclasses.replace(runner.base, **advice.combination.changes)
         advice.command = command_line(spec)
     advice.traces = runner.traces
     return advice
+
+
+def why_not_lower(base, result) -> str:
+    """What grows at the changed step's peak, from the two traces' breakdowns at their peaks."""
+    b, r = base.report, result.report
+    growth = {k: r.breakdown_at_peak.get(k, 0) - b.breakdown_at_peak.get(k, 0) for k in r.breakdown_at_peak}
+    key, grew = max(growth.items(), key=lambda kv: kv[1])
+    where = f"peak in {r.phase_at_peak}" + (f" (was {b.phase_at_peak})" if r.phase_at_peak != b.phase_at_peak else "")
+    if grew <= 0:
+        return f"{where}; allocator rounding and cached blocks add {format_bytes(result.needed_bytes - base.needed_bytes)}"
+    return f"{where}: {key.replace('_', ' ')} +{format_bytes(grew)} at the peak"
 
 
 def _cheapest_combination(runner: Runner, capacity: int, remedies: list[Remedy]) -> Remedy | None:

@@ -43,8 +43,10 @@ class Sweep:
     verification: dict | None  # batch, seq, predicted vs traced peak and device usage, errors
     fallback: str  # why every point was traced ('' when the fit was used)
     traces: int
-    largest_batch: int | None = None  # at the first seq of the sweep
-    largest_seq: int | None = None  # at the first batch of the sweep
+    largest_batch: int | None = None  # at seq largest_batch_at_seq
+    largest_seq: int | None = None  # at batch largest_seq_at_batch
+    largest_batch_at_seq: int | None = None
+    largest_seq_at_batch: int | None = None
     plain_words: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -191,9 +193,11 @@ def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, cap
     if capacity is not None:
         # from the fit (sizes > 1); `memest max-batch` finds the boundary with direct traces
         result.largest_batch = _largest(lambda b: fitted(b, fit_seqs[0])[2](capacity), 1 << 14)
+        result.largest_batch_at_seq = fit_seqs[0]
         if fit_seqs[0] is not None and len(seq_design) >= 3:
             limit = runner.source.max_seq or 1 << 20  # learned position embeddings end somewhere
             result.largest_seq = _largest(lambda s: fitted(fit_batches[0], s)[2](capacity), limit)
+            result.largest_seq_at_batch = fit_batches[0]
     return result
 
 

@@ -1,0 +1,465 @@
+"""The app layer: what every command does between parsing and printing.
+
+Each ``run_*`` function resolves the model source, the GPU / budget / GPU generation / calibration
+once (``resolve_gpu``), runs the pipeline or a planner with user code guarded (``user_code``), and
+returns a result object. The CLI (cli.py) and the Python API (api.py) are thin clients of this
+module; views (report/views.py) turn results into tables, Markdown and JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .choices import Target
+from .errors import MemestError, ModelLoadError
+from .spec import RunSpec
+from .units import format_bytes
+
+Progress = Callable[[str], None]
+
+
+def stderr_progress(message: str) -> None:
+    print(f"memest: {message}", file=sys.stderr, flush=True)
+
+
+def hide_cuda() -> None:
+    """memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
+    the CLI hides CUDA devices from torch in its own process before torch is used. NVML (gpustat)
+    still sees every GPU. The Python API does not do this (it runs inside the user's process)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+# ------------------------------------------------------------------------------------ user code
+
+
+@contextlib.contextmanager
+def user_code(origin: str, quiet_stdout: bool = True) -> Iterator[None]:
+    """Around anything that runs the user's model code: what it prints goes to stderr (stdout carries
+    only memest's own output: one JSON document under --json), and ``sys.exit()`` in model code
+    becomes an error (exit 2) instead of deciding memest's exit code."""
+    redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
+    try:
+        with redirect:
+            yield
+    except SystemExit as exc:
+        raise ModelLoadError(
+            f"{origin}: the model code called sys.exit({exc.code!r}) while memest ran it; memest decides its "
+            "own exit code, so this is an error: remove the exit from the model file's import path, "
+            "build_model() and example_inputs()"
+        ) from None
+
+
+@contextlib.contextmanager
+def ticker(what: str, progress: Progress | None, after: float = 3.0, every: float = 10.0) -> Iterator[None]:
+    """Long work says it is alive on stderr: '<what>: 13 s' after ``after`` s, then every ``every`` s."""
+    if progress is None:
+        yield
+        return
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def tick() -> None:
+        wait = after
+        while not done.wait(wait):
+            progress(f"{what}: {time.perf_counter() - start:.0f} s")
+            wait = every
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+# ------------------------------------------------------------------------------------------ GPUs
+
+
+@dataclass
+class GpuContext:
+    """The GPU side of a command, resolved once: what to compare with, which GPU generation's kernels
+    to model, and the calibration that applies."""
+
+    flag: str | None  # what the user passed as --gpu / gpu:
+    targets: list[Budget]  # what to compare with: the budget, the chosen GPU, or every visible GPU
+    compute_capability: tuple[int, int]
+    arch_reason: str  # why this generation: 'the named card a100', 'GPU 0 NVIDIA ...', 'default: ...'
+    calibration: dict | None = None
+    no_gpu_reason: str = ""
+
+    @property
+    def arch(self) -> str:
+        major, minor = self.compute_capability
+        return f"sm{major}{minor}"
+
+    @property
+    def budget_label(self) -> str | None:
+        return self.targets[0].label if self.targets else None
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The budget (planners and check compare with one): the first target's."""
+        return self.targets[0].capacity_bytes if self.targets else None
+
+    def fit_rows(self, needed: int, fits: Callable[[int], bool] | None = None) -> list:
+        """One FitRow per target; ``fits(capacity)`` decides when given (else needed <= capacity)."""
+        from .device.fit import FitRow
+
+        rows = []
+        for t in self.targets:
+            ok = fits(t.capacity_bytes) if fits else needed <= t.capacity_bytes
+            rows.append(FitRow(t.label, t.capacity_bytes, t.total_bytes, t.used_bytes, needed, ok,
+                               t.capacity_bytes - needed))
+        return rows
+
+
+@dataclass
+class Budget:
+    label: str
+    capacity_bytes: int
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+
+
+def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | str = Target.CUDA) -> GpuContext:
+    """--gpu: a size (11GB = 10^9 B, 11GiB = 2^30 B), a card name (rtx2080ti) or a device index (0);
+    None: every visible GPU's free memory (NVML). ``need_budget``: a command that cannot run without a
+    budget (max-batch, advise, --fail-if-not-fits) fails here, before any trace."""
+    from .device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
+    from .device.fit import resolve_budget
+    from .device.nvml import query_gpus
+
+    flag = gpu.strip() if isinstance(gpu, str) else (str(gpu) if gpu is not None else None)
+    if flag == "":
+        raise MemestError("--gpu is empty; pass a size such as 11GB, a card name such as rtx2080ti, or a device index")
+    resolved = resolve_budget(flag) if flag is not None else None
+    named_card = isinstance(resolved, tuple) and not flag[:1].isdigit()
+    query = None
+    if not named_card:  # a size, a device index or nothing: the local GPUs decide the generation
+        query = query_gpus()
+    gpus = list(query.gpus) if query is not None else []
+    no_gpu_reason = query.reason if query is not None else ""
+    if isinstance(resolved, tuple):
+        text, capacity = resolved
+        label = text if named_card else f"budget {text}"
+        if not named_card and not text.lower().endswith("ib"):  # decimal units: show the binary value beside
+            label += f" ({format_bytes(capacity)})"
+        targets = [Budget(label, capacity, capacity)]
+    else:
+        if isinstance(resolved, int):
+            gpus = [g for g in gpus if g.index == resolved]
+            if not gpus:
+                visible = sorted(g.index for g in query.gpus) if query is not None else []
+                why = no_gpu_reason or f"visible GPUs: {visible or 'none'}"
+                raise MemestError(f"--gpu {resolved}: no such GPU ({why}); pass a budget such as 11GB instead")
+        targets = [Budget(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes) for g in gpus]
+    if need_budget and not targets:
+        raise MemestError(
+            f"no budget to compare with ({no_gpu_reason or 'no GPU'}); pass --gpu with a size such as 11GB or a "
+            "card name such as rtx2080ti"
+        )
+    if named_card:
+        cc, why = compute_capability(flag) or DEFAULT_COMPUTE_CAPABILITY, f"the named card {flag}"
+    elif gpus and compute_capability(gpus[0].name):
+        cc, why = compute_capability(gpus[0].name), f"GPU {gpus[0].index} {gpus[0].name}"
+    else:
+        cc = DEFAULT_COMPUTE_CAPABILITY
+        why = "default: no GPU named or visible; --gpu CARD (e.g. --gpu a100) models another generation"
+    calibration = None
+    if gpus and str(target) == "cuda" and not named_card:
+        calibration = _calibration(gpus[0].name, query.driver)
+    return GpuContext(flag, targets, tuple(cc), why, calibration, no_gpu_reason)
+
+
+def _calibration(gpu_name: str, driver: str) -> dict | None:
+    import torch
+
+    from .device.calibration import lookup
+
+    return lookup(gpu_name, driver, torch.__version__)
+
+
+# ------------------------------------------------------------------------------------- estimate
+
+
+@dataclass
+class EstimateResult:
+    estimate: object  # pipeline.Estimate
+    gpu: GpuContext
+    fits: list  # device.fit.FitRow per compared GPU or budget
+    timeline: object = None  # report.timeline.Timeline, when asked for
+    plot_path: Path | None = None
+
+    @property
+    def report(self):
+        return self.estimate.report
+
+    @property
+    def verdict_fits(self) -> bool | None:
+        return all(f.fits for f in self.fits) if self.fits else None
+
+
+def check_plot_path(path: str | None) -> Path | None:
+    """--plot: a known file type in a folder memest can write to, checked before any trace."""
+    if path is None:
+        return None
+    from .report.plot import FORMATS
+
+    out = Path(path)
+    if out.suffix.lower() not in FORMATS:
+        raise MemestError(f"cannot write a plot to {path!r}: use a file name ending in {', '.join(FORMATS)}")
+    folder = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise MemestError(f"cannot write a plot to {path!r}: it is a folder; name a file such as step.html")
+    if not folder.is_dir():
+        raise MemestError(f"cannot write a plot to {path!r}: folder {str(folder)!r} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".memest-", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise MemestError(f"cannot write a plot to {path!r}: {exc.strerror or exc} (choose a writable folder)") from None
+    return out
+
+
+def run_estimate(
+    spec_args: dict,
+    gpu: str | None = None,
+    *,
+    fail_if_not_fits: bool = False,
+    plot: str | None = None,
+    timeline: bool = False,
+    progress: Progress | None = None,
+    source=None,
+) -> EstimateResult:
+    """``spec_args``: RunSpec fields (strings or enums); compute_capability comes from ``gpu``."""
+    from .pipeline import estimate
+    from .sources import load_source
+
+    plot_path = check_plot_path(plot)
+    ctx = resolve_gpu(gpu, need_budget=False, target=spec_args.get("target", Target.CUDA))
+    if fail_if_not_fits and ctx.capacity_bytes is None:
+        raise MemestError(
+            f"--fail-if-not-fits needs something to compare with, and there is none ({ctx.no_gpu_reason or 'no GPU'}); "
+            "pass --gpu 11GB (a size), a card name or a device index"
+        )
+    spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
+    with user_code(spec.model):
+        source = source or load_source(spec.model)
+        with ticker(f"tracing {source.name}", progress):
+            result = estimate(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, source=source)
+    if spec.target == Target.CUDA:
+        result.report.notes.append(f"CUDA kernels modelled for {ctx.arch} ({ctx.arch_reason})")
+    fits = ctx.fit_rows(result.needed_bytes, result.fits)
+    out = EstimateResult(result, ctx, fits)
+    if timeline or plot_path is not None:
+        from .report.timeline import category_timeline
+
+        out.timeline = category_timeline(result.trace)
+    if plot_path is not None:
+        from .report.plot import plot_timeline
+
+        out.plot_path = plot_timeline(out.timeline, result.report, plot_path)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- check
+
+
+@dataclass
+class CheckResult:
+    rows: list  # plan.check.CheckRow
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.rows)
+
+
+def run_check(
+    paths: list[str], overrides: dict, gpu: str | None, margin, *, strict_unit: bool = False,
+    progress: Progress | None = None,
+) -> CheckResult:
+    """Every config is read, validated, its budget resolved and its model loaded before any is traced;
+    errors name the file."""
+    from .config import load_config, parse_margin
+    from .plan.check import check_config
+    from .sources import load_source
+
+    if not paths:
+        raise MemestError("memest check needs at least one YAML run config (see configs/)")
+    margin_value = parse_margin(margin, "--margin") if margin is not None else None
+    prepared = []
+    for path in paths:
+        cfg = load_config(path)
+        try:
+            ctx = resolve_gpu(cfg.gpu if gpu is None else gpu, need_budget=True,
+                              target=overrides.get("target") or cfg.values.get("target", Target.CUDA))
+            spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
+            with user_code(f"{path}: {spec.model}"):
+                source = load_source(spec.model)
+        except MemestError as exc:
+            if str(exc).startswith(str(path)):
+                raise
+            raise type(exc)(f"{path}: {exc}") from None
+        prepared.append((cfg, ctx, spec, source))
+    rows = []
+    start = time.perf_counter()
+    for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
+        if progress:
+            progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
+        with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
+            row = check_config(cfg, spec, source, ctx, margin_value)
+        rows.append(row)
+        if progress:
+            progress(f"check {k}/{len(prepared)}: {cfg.name}: {'fits' if row.fits else 'does not fit'} "
+                     f"({time.perf_counter() - start:.1f} s elapsed)")
+    return CheckResult(rows)
+
+
+# ------------------------------------------------------------------------------------- planners
+
+
+@dataclass
+class PlannerContext:
+    runner: object  # plan.runner.Runner
+    gpu: GpuContext
+
+
+def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progress | None) -> PlannerContext:
+    from .plan.runner import Runner
+
+    ctx = resolve_gpu(gpu, need_budget=need_budget, target=spec_args.get("target", Target.CUDA))
+    spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
+    with user_code(spec.model):
+        runner = Runner(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
+    return PlannerContext(runner, ctx)
+
+
+def check_seq_limit(source, seqs: list[int], flag: str = "--seq") -> None:
+    limit = getattr(source, "max_seq", None)
+    too_long = [s for s in seqs if s is not None and limit and s > limit]
+    if too_long:
+        raise MemestError(
+            f"{flag} {max(too_long)}: {source.name} takes at most {limit} positions; sweep lengths up to {limit}"
+        )
+
+
+@dataclass
+class WhatifResult:
+    sweep: object  # plan.whatif.Sweep
+    gpu: GpuContext
+    model: str
+    target: str
+
+
+def run_whatif(spec_args: dict, batches: list[int] | None, seqs: list[int] | None, gpu: str | None,
+               progress: Progress | None = None) -> WhatifResult:
+    from .plan.whatif import sweep
+
+    if seqs is None and batches is None:
+        raise MemestError("whatif needs sizes to sweep: --seq 256,512,1024 and/or --batch 1,2,4,8")
+    args = {**spec_args, "batch": (batches or [spec_args.get("batch") or 1])[0],
+            "seq": (seqs or [spec_args.get("seq")])[0]}
+    ctx = planner(args, gpu, need_budget=False, progress=progress)
+    check_seq_limit(ctx.runner.source, seqs or [])
+    with user_code(args["model"]):
+        result = sweep(ctx.runner, batches, seqs, ctx.gpu.capacity_bytes)
+    return WhatifResult(result, ctx.gpu, args["model"], str(ctx.runner.base.target))
+
+
+@dataclass
+class SearchRun:
+    result: object  # plan.search.SearchResult
+    gpu: GpuContext
+    model: str
+    traces: int
+
+
+def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
+                  progress: Progress | None = None) -> SearchRun:
+    from .plan.search import largest_fitting
+
+    if limit < 1:
+        raise MemestError(f"--limit must be at least 1, got {limit}")
+    ctx = planner(spec_args, gpu, need_budget=True, progress=progress)
+    runner = ctx.runner
+    key = "seq" if seq_search else "batch"
+    if seq_search and runner.source.max_seq:
+        limit = min(limit, runner.source.max_seq)
+    if not seq_search:
+        check_seq_limit(runner.source, [runner.base.seq])
+    start = (runner.base.seq or 512) if seq_search else 1
+    with user_code(spec_args["model"]):
+        result = largest_fitting(runner, key, ctx.gpu.capacity_bytes, start=min(start, limit), limit=limit)
+    return SearchRun(result, ctx.gpu, spec_args["model"], runner.traces)
+
+
+@dataclass
+class AdviseRun:
+    advice: object  # plan.advise.Advice
+    gpu: GpuContext
+    model: str
+
+
+def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None) -> AdviseRun:
+    from .plan.advise import advise
+
+    ctx = planner(spec_args, gpu, need_budget=True, progress=progress)
+    check_seq_limit(ctx.runner.source, [ctx.runner.base.seq])
+    with user_code(spec_args["model"]):
+        advice = advise(ctx.runner, ctx.gpu.capacity_bytes)
+    if advice.command:
+        advice.command += f" --gpu {gpu}"
+    return AdviseRun(advice, ctx.gpu, spec_args["model"])
+
+
+# ------------------------------------------------------------------------------- gpus, calibrate
+
+
+def run_gpus():
+    from .device.nvml import query_gpus
+
+    return query_gpus()
+
+
+@dataclass
+class CalibrationRun:
+    entry: dict
+    path: Path
+
+
+def run_calibrate(device: int) -> CalibrationRun:
+    from .device.calibration import cache_file, measure, save
+    from .device.nvml import query_gpus
+
+    query = query_gpus()
+    if not query.gpus:
+        raise MemestError(f"memest calibrate needs an NVIDIA GPU: {query.reason}")
+    if device not in [g.index for g in query.gpus]:
+        raise MemestError(f"--device {device}: no such GPU (visible: {sorted(g.index for g in query.gpus)})")
+    path = cache_file()
+    _check_writable(path)  # before measuring, not after
+    entry = measure(device)
+    return CalibrationRun(entry, save(entry, path))
+
+
+def _check_writable(path: Path) -> None:
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".memest-", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise MemestError(
+            f"cannot write the calibration cache {str(path)!r}: {exc.strerror or exc}; set XDG_CACHE_HOME to a "
+            "writable folder"
+        ) from None
+

@@ -1,0 +1,94 @@
+"""The one emit path: a command's View rendered as rich tables, Markdown or one JSON document.
+
+A View is data: its JSON document, and for people a list of blocks (tables and lines). Only
+``emit`` writes, and only to the stream it is given (stdout); progress and errors go to stderr
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ..choices import OutputFormat
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    left: tuple[str, ...] = ()  # headers of left-aligned columns (others are right-aligned numbers)
+
+
+@dataclass
+class View:
+    doc: dict  # the JSON document (schema_version and memest_version are added by emit)
+    blocks: list[Table | str] = field(default_factory=list)
+    # commands with a view of their own (estimate): rich(console) and markdown() replace the blocks
+    rich: Callable[[Any], None] | None = None
+    markdown: Callable[[], str] | None = None
+
+
+def json_text(doc: dict) -> str:
+    from .. import __version__
+
+    full = {"schema_version": SCHEMA_VERSION, "memest_version": __version__, **doc}
+    return json.dumps(full, indent=2, default=_jsonable)
+
+
+def _jsonable(value):
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def emit(view: View, fmt: OutputFormat, out: IO[str]) -> None:
+    if fmt == OutputFormat.JSON:
+        out.write(json_text(view.doc) + "\n")
+        return
+    if fmt == OutputFormat.MARKDOWN:
+        out.write(_markdown(view) + "\n")
+        return
+    from .console import make_console
+
+    console = make_console()  # writes to sys.stdout, which is ``out`` for the CLI
+    if view.rich is not None:
+        view.rich(console)
+        return
+    for block in view.blocks:
+        if isinstance(block, Table):
+            console.print(_rich_table(block))
+        else:
+            console.print(block, markup=False, highlight=False)
+
+
+def _markdown(view: View) -> str:
+    if view.markdown is not None:
+        return view.markdown()
+    from .markdown import table_markdown
+
+    parts = []
+    for block in view.blocks:
+        if isinstance(block, Table):
+            parts.append((f"**{block.title}**\n\n" if block.title else "") + table_markdown(block.headers, block.rows))
+        else:
+            parts.append(block)
+    return "\n\n".join(parts)
+
+
+def _rich_table(block: Table):
+    from rich.table import Table as RichTable
+
+    table = RichTable(title=block.title or None, title_justify="left")
+    for h in block.headers:
+        table.add_column(h, justify="left" if h in block.left else "right", overflow="fold")
+    for r in block.rows:
+        table.add_row(*r)
+    return table

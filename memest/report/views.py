@@ -1,0 +1,219 @@
+"""Each command's result as a View (report/emit.py): its JSON document and, for people, tables and
+lines. Byte figures in one table share one binary unit; a budget written in decimal units (24GB)
+keeps its own text beside the binary value."""
+
+from __future__ import annotations
+
+from ..units import format_bytes, format_in, table_unit
+from .emit import Table, View
+
+
+def _yes(ok: bool | None) -> str:
+    return "-" if ok is None else ("yes" if ok else "no")
+
+
+# -------------------------------------------------------------------------------------- estimate
+
+
+def estimate_doc(result) -> dict:
+    report = result.report
+    doc = report.to_dict()
+    doc["peak_by_iteration"] = {str(k): v for k, v in report.peak_by_iteration.items()}
+    needed = result.estimate.needed_bytes
+    doc["needed_bytes"] = needed
+    doc["gpus"] = {
+        "compared_bytes": needed,
+        "rows": [f.to_dict() for f in result.fits],
+        "fits": result.verdict_fits,
+        "reason": "" if result.fits else result.gpu.no_gpu_reason,
+    }
+    doc["gpu_arch"] = {"arch": result.gpu.arch, "why": result.gpu.arch_reason}
+    return doc
+
+
+def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
+    from .console import print_estimate
+    from .markdown import estimate_markdown
+
+    report, fits, reason = result.report, result.fits, result.gpu.no_gpu_reason
+
+    def rich(console) -> None:
+        print_estimate(console, report, fits, reason, depth, **_expand_kw(print_estimate, expand))
+        if result.timeline is not None:
+            from .timeline import terminal_timeline
+
+            for line in terminal_timeline(result.timeline):
+                console.print(line, markup=False, highlight=False)
+
+    def markdown() -> str:
+        return estimate_markdown(report, fits, depth=depth, gpu_reason=reason, **_expand_kw(estimate_markdown, expand))
+
+    return View(estimate_doc(result), rich=rich, markdown=markdown)
+
+
+def _expand_kw(fn, expand: bool) -> dict:
+    """Pass expand= to renderers that take it."""
+    import inspect
+
+    return {"expand": expand} if "expand" in inspect.signature(fn).parameters else {}
+
+
+# ----------------------------------------------------------------------------------------- check
+
+
+def check_view(result) -> View:
+    rows = result.rows
+    unit = table_unit([v for r in rows for v in (r.needed_bytes, r.required_bytes, r.budget_bytes)])
+    headers = ["config", "model", "seq", "predicted", "with margin", "budget", "headroom", "verdict"]
+    cells = [
+        [
+            r.name,
+            r.model if r.model.startswith("hf:") else r.model.rsplit("/", 1)[-1],
+            str(r.seq) if r.seq is not None else "-",
+            format_in(r.needed_bytes, unit),
+            f"{format_in(r.required_bytes, unit)} (+{100 * r.margin:g}%)",
+            f"{format_in(r.budget_bytes, unit)} ({r.budget_label})",
+            format_in(r.headroom_bytes, unit),
+            "fits" if r.fits else "DOES NOT FIT",
+        ]
+        for r in rows
+    ]
+    doc = {"fits": result.fits, "configs": [r.to_dict() for r in rows]}
+    return View(doc, [Table("memest check", headers, cells, left=("config", "model", "budget", "verdict"))])
+
+
+# ---------------------------------------------------------------------------------------- whatif
+
+
+def whatif_view(run) -> View:
+    s = run.sweep
+    budget = run.gpu.capacity_bytes
+    unit = table_unit([v for p in s.points for v in (p.peak_bytes, p.needed_bytes)] + [budget or 0])
+    headers = ["batch", "seq", "peak allocated", "needed", "fits", "headroom", "how"]
+    rows = [
+        [str(p.batch), str(p.seq or "-"), format_in(p.peak_bytes, unit), format_in(p.needed_bytes, unit),
+         _yes(p.fits), format_in(budget - p.needed_bytes, unit) if budget is not None else "-",
+         "traced" if p.traced else "fit"]
+        for p in s.points
+    ]
+    against = f" against {run.gpu.budget_label}" if run.gpu.budget_label else ""
+    blocks: list = [Table(f"memest whatif {run.model}{against}", headers, rows, left=("how", "fits"))]
+    blocks += list(s.plain_words)
+    v = s.verification
+    if v:
+        blocks.append(f"fit checked by a direct trace at batch {v['batch']}, seq {v['seq']}: peak error "
+                      f"{100 * v['peak_error']:+.3f}%, needed error {100 * v['needed_error']:+.3f}%")
+    if s.fallback:
+        blocks.append(f"note: {s.fallback}")
+    blocks += largest_lines(s)
+    blocks.append("needed: the smallest device budget the step runs in (allocator replay); "
+                  + ("peak allocated: tensors only" if run.target == "cuda" else "--target cpu: the peak allocated"))
+    blocks.append(f"{s.traces} traces for {len(s.points)} points")
+    doc = {"budget": run.gpu.budget_label, "capacity_bytes": budget, **s.to_dict()}
+    return View(doc, blocks)
+
+
+def largest_lines(s) -> list[str]:
+    lines = []
+    if s.largest_batch is not None:
+        at = f" at seq {s.largest_batch_at_seq}" if s.largest_batch_at_seq is not None else ""
+        lines.append(f"largest batch that fits{at}: {s.largest_batch} (from the fit; memest max-batch confirms "
+                     "with traces)")
+    if s.largest_seq is not None:
+        lines.append(f"largest seq that fits at batch {s.largest_seq_at_batch}: {s.largest_seq} (from the fit)")
+    return lines
+
+
+# ------------------------------------------------------------------------------------- max-batch
+
+
+def max_batch_view(run) -> View:
+    r = run.result
+    budget = run.gpu.capacity_bytes
+    unit = table_unit([n for _, n, _ in r.probes] + [budget])
+    rows = [[str(v), format_in(n, unit), _yes(ok), format_in(budget - n, unit)] for v, n, ok in sorted(set(r.probes))]
+    blocks: list = [Table(f"memest max-batch {run.model} against {run.gpu.budget_label}",
+                          [r.key, "needed", "fits", "headroom"], rows, left=("fits",))]
+    if r.value == 0:
+        blocks.append(f"even {r.key} 1 does not fit {run.gpu.budget_label}: it needs "
+                      f"{format_in(r.next_needed_bytes or 0, unit)}; see memest advise")
+    elif r.hit_limit:
+        blocks.append(f"largest {r.key} that fits: at least {r.value} (the search stopped at --limit {r.limit})")
+    else:
+        blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}); "
+                      f"{r.value + 1} needs {format_in(r.next_needed_bytes, unit)}")
+    doc = {"budget": run.gpu.budget_label, "traces": run.traces, **r.to_dict()}
+    return View(doc, blocks)
+
+
+# ---------------------------------------------------------------------------------------- advise
+
+
+def advise_view(run) -> View:
+    a = run.advice
+    unit = table_unit([a.base_needed_bytes, a.capacity_bytes] + [r.needed_bytes for r in a.remedies])
+    label = run.gpu.budget_label
+    blocks: list = []
+    headroom = a.capacity_bytes - a.base_needed_bytes
+    if a.base_fits:
+        blocks.append(f"as configured: needs {format_in(a.base_needed_bytes, unit)} of {label}: fits, with "
+                      f"{format_in(headroom, unit)} headroom; no change needed. The savers below, each re-traced, "
+                      "show what more headroom would cost.")
+    else:
+        blocks.append(f"as configured: needs {format_in(a.base_needed_bytes, unit)} of {label}: does not fit "
+                      f"({format_in(-headroom, unit)} over)")
+    lowering = [r for r in a.remedies if r.lowers_need]
+    other = [r for r in a.remedies if not r.lowers_need]
+    if lowering:
+        title = ("memory savers, each re-traced" + ("" if a.base_fits else ", cheapest first among those that fit"))
+        rows = [[r.name, format_in(r.needed_bytes, unit), format_in(a.base_needed_bytes - r.needed_bytes, unit),
+                 _yes(r.fits), r.time_cost] for r in lowering]
+        blocks.append(Table(title, ["remedy", "needed", "saves", "fits", "time cost"], rows,
+                            left=("remedy", "fits", "time cost")))
+    if other:
+        rows = [[r.name, format_in(r.needed_bytes, unit), format_in(r.needed_bytes - a.base_needed_bytes, unit),
+                 r.note] for r in other]
+        blocks.append(Table("do not lower the need here (not remedies for this step)",
+                            ["change", "needed", "adds", "why"], rows, left=("change", "why")))
+    if not a.base_fits:
+        if a.combination is None:
+            blocks.append("no combination of these remedies fits; a larger GPU or more GPUs are needed")
+        else:
+            blocks.append(f"cheapest that fits: {a.combination.name} ({format_in(a.combination.needed_bytes, unit)})")
+            blocks.append(f"  {a.command}")
+    blocks.append(f"{a.traces} traces")
+    doc = {"budget": label, "headroom_bytes": headroom, **a.to_dict()}
+    return View(doc, blocks)
+
+
+# ---------------------------------------------------------------------------------- gpus, calibrate
+
+
+def gpus_view(query) -> View:
+    doc = {"gpus": [g.to_dict() for g in query.gpus], "reason": query.reason}
+    if not query.gpus:
+        return View(doc, [query.reason])
+    unit = table_unit([g.total_bytes for g in query.gpus])
+    rows = [
+        [str(g.index), g.name, format_in(g.total_bytes, unit), format_in(g.used_bytes, unit),
+         format_in(g.free_bytes, unit), f"{g.utilization}%" if g.utilization is not None else "-",
+         ", ".join(f"{p.command}[{p.pid}] {format_bytes(p.used_bytes)}" for p in g.processes) or "-"]
+        for g in query.gpus
+    ]
+    headers = ["index", "name", "total", "used", "free", "util", "processes"]
+    return View(doc, [Table("NVIDIA GPUs", headers, rows, left=("name", "processes"))])
+
+
+def calibrate_view(run) -> View:
+    e = run.entry
+    lines = [
+        f"{e['gpu_name']} (driver {e['driver']}, torch {e['torch_version']}):",
+        f"  CUDA context     {format_bytes(e['context_bytes'] or 0)}",
+        f"  cuBLAS workspace {format_bytes(e['cublas_workspace_bytes'])}",
+        f"saved to {run.path}",
+    ]
+    return View({"saved_to": str(run.path), **e}, lines)
+
+
+__all__ = ["estimate_view", "check_view", "whatif_view", "max_batch_view", "advise_view", "gpus_view",
+           "calibrate_view"]
