@@ -1,3 +1,13 @@
-"""memest: GPU memory estimates for PyTorch training, traced on fake tensors."""
+"""memest: GPU memory estimates for PyTorch training, traced on fake tensors.
+
+    import memest
+    est = memest.estimate("hf:gpt2", batch=8, seq=1024, optim="adamw")
+    print(est.peak_allocated_bytes, est.fits("11GB"))
+"""
 
 __version__ = "0.1.0"
+
+from .api import estimate  # noqa: E402  (the Python API; torch is imported only when it runs)
+from .errors import MemestError  # noqa: E402
+
+__all__ = ["estimate", "MemestError", "__version__"]

@@ -49,15 +49,42 @@ CASES = [
     ("scripts/models/tv_resnet50.py", 64, None, "sgd-momentum", "fp32"),
     ("scripts/models/tv_resnet50.py", 64, None, "adamw", "bf16-mixed"),
     ("scripts/models/tv_vit_b_16.py", 32, None, "adamw", "bf16-mixed"),
+    # second batch sizes, dropout-heavy transformer steps (gpt2/bert: dropout 0.1), GQA decoders with a
+    # large vocabulary, checkpointing, cuDNN benchmark on (cuDNN may pick workspace-heavy algorithms),
+    # an LSTM (cuDNN RNN reserve space), timm ConvNeXt (depthwise 7x7)
+    ("hf:gpt2", 8, 1024, "adamw", "fp32"),
+    ("hf:bert-base-uncased", 32, 512, "adamw", "bf16-mixed"),
+    ("hf:bert-base-uncased", 16, 512, "adamw", "fp32"),
+    ("hf:tinyllama-1.1b", 4, 1024, "adamw", "bf16-mixed"),
+    ("hf:tinyllama-1.1b", 8, 1024, "adamw", "bf16-mixed"),
+    ("hf:llama-3.2-1b", 4, 1024, "adamw", "bf16-mixed"),
+    ("hf:llama-3.2-1b", 4, 2048, "adamw", "bf16-mixed", {"checkpointing": "blocks"}),
+    ("examples/cnn.py", 256, None, "sgd-momentum", "fp32", {"cudnn_benchmark": True}),
+    ("scripts/models/tv_resnet50.py", 64, None, "sgd-momentum", "fp32", {"cudnn_benchmark": True}),
+    ("scripts/models/tv_resnet50.py", 128, None, "sgd-momentum", "fp32"),
+    ("scripts/models/tv_resnet50.py", 128, None, "sgd-momentum", "fp32", {"cudnn_benchmark": True}),
+    ("scripts/models/timm_convnext_tiny.py", 32, None, "adamw", "fp32"),
+    ("scripts/models/timm_convnext_tiny.py", 64, None, "adamw", "bf16-mixed"),
+    ("scripts/models/lstm_lm.py", 32, 128, "adam", "fp32"),
+    ("scripts/models/lstm_lm.py", 64, 128, "adam", "fp32"),
 ]
+
+# case options that are not RunSpec fields (they change the real run only; memest has no flag yet)
+RUN_ONLY = ("cudnn_benchmark",)
+
+
+def _options(case) -> dict:
+    return dict(case[5]) if len(case) > 5 and case[5] else {}
 
 
 def _spec(case, compute_capability=(9, 0)):
     from memest.spec import RunSpec
 
-    model, batch, seq, optim, precision = case
+    model, batch, seq, optim, precision = case[:5]
     ref = model if model.startswith("hf:") else str(ROOT / model)
-    return RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, compute_capability=compute_capability)
+    fields = {k: v for k, v in _options(case).items() if k not in RUN_ONLY}
+    return RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision,
+                   compute_capability=tuple(compute_capability), **fields)
 
 
 class NvmlPeak:
@@ -105,6 +132,7 @@ def run_real(case) -> dict:
 
     cc = torch.cuda.get_device_capability()
     spec = _spec(case, cc)
+    torch.backends.cudnn.benchmark = bool(_options(case).get("cudnn_benchmark", False))
     source = load_source(spec.model)
     torch.manual_seed(0)
     built = build(source, spec)  # on CPU, then moved: what most scripts do
@@ -148,7 +176,7 @@ def run_real(case) -> dict:
 def run_memest(case, compute_capability) -> dict:
     from memest.pipeline import estimate
 
-    spec = _spec(case, tuple(compute_capability))
+    spec = _spec(case, compute_capability)
     start = time.perf_counter()
     result = estimate(spec, calibration=None)
     report = result.report
@@ -163,7 +191,7 @@ def run_memest(case, compute_capability) -> dict:
 
 
 def _child(args) -> None:
-    case = CASES[args.child_case]
+    case = json.loads(args.case_json)
     if args.child_kind == "real":
         out = run_real(case)
     else:
@@ -171,8 +199,8 @@ def _child(args) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def _spawn(kind: str, index: int, env_extra: dict, cc=None) -> dict:
-    cmd = [sys.executable, __file__, "--child-kind", kind, "--child-case", str(index)]
+def _spawn(kind: str, case, env_extra: dict, cc=None) -> dict:
+    cmd = [sys.executable, __file__, "--child-kind", kind, "--case-json", json.dumps(case)]
     if cc is not None:
         cmd += ["--cc", json.dumps(cc)]
     env = {**os.environ, **env_extra}
@@ -180,7 +208,7 @@ def _spawn(kind: str, index: int, env_extra: dict, cc=None) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"case {index} ({kind}) failed:\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"case {case} ({kind}) failed:\n{proc.stderr[-3000:]}")
 
 
 def _environment() -> dict:
@@ -218,7 +246,12 @@ def main() -> None:
     parser.add_argument("--cases", default="all")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu-validation.md"))
     parser.add_argument("--child-kind")
-    parser.add_argument("--child-case", type=int)
+    parser.add_argument("--case-json")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in --out's JSON (other cases), replacing those run now")
+    parser.add_argument("--rescore", metavar="JSON",
+                        help="no GPU needed: re-run only memest (this checkout) against the real numbers stored in "
+                             "JSON (a previous run's results) and rewrite --out")
     parser.add_argument("--cc")
     parser.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 2)),
                         help="memest estimates run in parallel on the CPU (default: cores - 2, at most 8)")
@@ -226,37 +259,86 @@ def main() -> None:
     if args.child_kind:
         _child(args)
         return
+    out = Path(args.out)
+    hidden = {"CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": "/nonexistent-memest-cache"}
+    if args.rescore:
+        _rescore(Path(args.rescore), out, hidden)
+        return
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("validate_gpu.py needs a CUDA GPU; see benchmarks/gpu-validation.md for the last measured run")
-    indices = range(len(CASES)) if args.cases == "all" else [int(i) for i in args.cases.split(",")]
+        sys.exit("validate_gpu.py needs a CUDA GPU (or --rescore FILE); see benchmarks/gpu-validation.md")
+    indices = _indices(args.cases)
+    cases = [list(CASES[i]) for i in indices]
     cc = list(torch.cuda.get_device_capability(0))
-    hidden = {"CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": "/nonexistent-memest-cache"}
     # memest never touches the GPU, so its estimates run on the CPU cores beside the (sequential) real runs
     pool = ThreadPoolExecutor(max_workers=args.workers)
-    estimates = {i: pool.submit(_spawn, "memest", i, hidden, cc) for i in indices}
+    estimates = [pool.submit(_spawn, "memest", case, hidden, cc) for case in cases]
     env = _environment()
-    out = Path(args.out)
-    rows, failures = [], []
-    for i in indices:
+    kept = []
+    if args.append and out.with_suffix(".json").exists():
+        old = json.loads(out.with_suffix(".json").read_text())
+        kept = [r for r in old["rows"] if r["case"] not in cases]
+    rows, failures = list(kept), []
+
+    def save():
+        out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures},
+                                                       indent=2) + "\n")
+
+    for i, case, future in zip(indices, cases, estimates):
         try:
-            real = _spawn("real", i, {})
-            est = estimates[i].result()
+            real = _spawn("real", case, {})
+            est = future.result()
         except Exception as exc:  # noqa: BLE001 -- one failing case must not lose the others' numbers
-            failures.append({"case": CASES[i], "error": str(exc)[-3000:]})
-            print(f"{i:2} {CASES[i]}: FAILED {str(exc)[-600:]}", flush=True)
+            failures.append({"case": case, "error": str(exc)[-3000:]})
+            print(f"{i:2} {case}: FAILED {str(exc)[-600:]}", flush=True)
             continue
-        row = {"case": CASES[i], "real": real, "memest": est,
-               "error_allocated_pct": _err(est["allocated"], real["max_memory_allocated"]),
-               "error_reserved_pct": _err(est["reserved"], real["max_memory_reserved"]),
-               "error_nvml_pct": _err(est["device"], real["nvml_peak_used"])}
+        row = _row(case, real, est)
         rows.append(row)
-        print(f"{i:2} {CASES[i]}: allocated {row['error_allocated_pct']:+.2f}%  reserved "
+        print(f"{i:2} {case}: allocated {row['error_allocated_pct']:+.2f}%  reserved "
               f"{row['error_reserved_pct']:+.2f}%  nvml {row['error_nvml_pct']:+.2f}%", flush=True)
-        out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures}, indent=2) + "\n")
+        save()
     pool.shutdown()
-    out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures}, indent=2) + "\n")
+    save()
+    out.write_text(_markdown(env, rows, failures))
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+
+
+def _indices(text: str) -> list[int]:
+    """'all', '0,3,5' or '17-31'."""
+    if text == "all":
+        return list(range(len(CASES)))
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    return out
+
+
+def _row(case, real: dict, est: dict) -> dict:
+    return {"case": list(case), "real": real, "memest": est,
+            "error_allocated_pct": _err(est["allocated"], real["max_memory_allocated"]),
+            "error_reserved_pct": _err(est["reserved"], real["max_memory_reserved"]),
+            "error_nvml_pct": _err(est["device"], real["nvml_peak_used"])}
+
+
+def _rescore(source: Path, out: Path, hidden: dict) -> None:
+    """The real numbers of a previous GPU run against memest as it is now (runs on any machine)."""
+    stored = json.loads(source.read_text())
+    rows, failures = [], list(stored.get("failures", []))
+    for stored_row in stored["rows"]:
+        case, real = stored_row["case"], stored_row["real"]
+        try:
+            est = _spawn("memest", case, hidden, real["compute_capability"])
+        except Exception as exc:  # noqa: BLE001
+            failures.append({"case": case, "error": str(exc)[-3000:]})
+            continue
+        rows.append(_row(case, real, est))
+        print(f"{case}: allocated {rows[-1]['error_allocated_pct']:+.2f}%  reserved "
+              f"{rows[-1]['error_reserved_pct']:+.2f}%  nvml {rows[-1]['error_nvml_pct']:+.2f}%", flush=True)
+    env = {**stored["environment"], "rescored": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures},
+                                                   indent=2) + "\n")
     out.write_text(_markdown(env, rows, failures))
     print(f"wrote {out} and {out.with_suffix('.json')}")
 
@@ -271,7 +353,9 @@ def _markdown(env: dict, rows: list[dict], failures: list[dict] = ()) -> str:
         "",
         f"Measured {env['date']} on {env['gpu']} (driver {env['driver']}), CUDA {env['cuda']}, torch {env['torch']}, "
         f"transformers {env['transformers']}. Reproduce: `python scripts/validate_gpu.py` on a machine with a GPU.",
-        "memest ran with defaults (no calibration) and never touched the GPU (CUDA hidden in its process).",
+        "memest ran with defaults (no calibration) and never touched the GPU (CUDA hidden in its process)."
+        + (f" memest side re-run on {env['rescored']} with `--rescore` (the real numbers are the stored ones)."
+           if env.get("rescored") else ""),
         "",
         f"- allocated (max_memory_allocated): {stat('error_allocated_pct')} — goal 3% median, 8% max",
         f"- reserved (max_memory_reserved): {stat('error_reserved_pct')} — goal 5% median",
@@ -282,7 +366,9 @@ def _markdown(env: dict, rows: list[dict], failures: list[dict] = ()) -> str:
     ]
     mib = 2**20
     for r in rows:
-        m, b, s, o, p = r["case"]
+        m, b, s, o, p = r["case"][:5]
+        if len(r["case"]) > 5 and r["case"][5]:
+            p += " " + " ".join(f"{k}={v}" for k, v in r["case"][5].items())
         real, est = r["real"], r["memest"]
         lines.append(
             f"| {m} | {b} | {s or '-'} | {o} | {p} | {real['max_memory_allocated'] / mib:.1f} MiB | "

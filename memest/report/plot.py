@@ -47,9 +47,30 @@ def plot_timeline(timeline: Timeline, report: Report | None, path: str | Path) -
     if suffix not in FORMATS:
         raise MemestError(f"cannot write a plot to {str(path)!r}: use a file name ending in {', '.join(FORMATS)}")
     if suffix == ".html":
-        path.write_text(html_page(timeline, report), encoding="utf-8")
-    else:
-        _matplotlib_figure(timeline, report).savefig(path, format=suffix[1:], dpi=150)
+        page = html_page(timeline, report)
+        return atomic_write(path, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+    figure = _matplotlib_figure(timeline, report)
+    return atomic_write(path, lambda tmp: figure.savefig(tmp, format=suffix[1:], dpi=150))
+
+
+def atomic_write(path: Path, write) -> Path:
+    """``write(tmp)`` into a temporary file beside ``path``, then rename it over ``path``: a full disk
+    or an error leaves the old file (or none), never a truncated one."""
+    import os
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)  # as a plain open() would have made it
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

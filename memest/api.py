@@ -1,0 +1,65 @@
+"""The Python API, for notebooks and training scripts:
+
+    import memest
+    est = memest.estimate("hf:gpt2", batch=8, seq=1024, optim="adamw", precision="bf16-mixed")
+    est = memest.estimate(lambda: MyNet(), inputs=lambda b: (torch.randn(b, 3, 224, 224),), batch=64)
+    est.peak_allocated_bytes, est.device_bytes, est.needed_bytes, est.breakdown, est.layers
+    est.fits("11GB"), est.to_json()
+
+The same pipeline as the CLI (app layer, pipeline.estimate). It runs in the caller's process and
+does not hide CUDA devices from torch (the CLI does); it allocates nothing on a GPU either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import MemestError
+
+
+def estimate(
+    model: str | Callable[[], Any],
+    inputs: Callable[..., Any] | None = None,
+    *,
+    batch: int = 1,
+    seq: int | None = None,
+    optim: str = "adam",
+    precision: str = "fp32",
+    target: str = "cuda",
+    loss: Callable[[Any, Any], Any] | None = None,
+    gpu: str | None = None,
+    **options: Any,
+):
+    """Estimate one training (or inference) step. ``model``: a ``model.py[:factory]`` path, ``hf:NAME``,
+    or a zero-argument model factory (then ``inputs`` is required: ``(batch_size[, seq_len]) -> inputs``).
+    ``options``: the other RunSpec fields (grad_accum, checkpointing, mode, world_size, shard, ...).
+    ``gpu``: the GPU generation to model, by card name (``"a100"``), and the default budget of
+    ``fits()``. Returns a pipeline.Estimate."""
+    from .app import user_code
+    from .device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
+    from .pipeline import estimate as run
+    from .spec import RunSpec
+
+    if isinstance(model, str):
+        if inputs is not None or loss is not None:
+            raise MemestError("inputs= and loss= go with a model factory; a model file defines its own")
+        from .sources import load_source
+
+        with user_code(model, quiet_stdout=False):
+            source = load_source(model)
+        ref = model
+    else:
+        from .sources.callables import callable_source
+
+        source = callable_source(model, inputs, loss)
+        ref = source.origin
+    cc = options.pop("compute_capability", None)
+    if cc is None:
+        cc = (compute_capability(gpu) if gpu and not gpu[:1].isdigit() else None) or DEFAULT_COMPUTE_CAPABILITY
+    spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+                   compute_capability=cc, **options)
+    with user_code(source.origin or ref, quiet_stdout=False):
+        result = run(spec, source=source)
+    result.default_budget = gpu
+    return result
