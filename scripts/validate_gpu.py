@@ -288,10 +288,16 @@ def main() -> None:
     for i, case, future in zip(indices, cases, estimates):
         try:
             real = _spawn("real", case, {})
-            est = future.result()
         except Exception as exc:  # noqa: BLE001 -- one failing case must not lose the others' numbers
             failures.append({"case": case, "error": str(exc)[-3000:]})
             print(f"{i:2} {case}: FAILED {str(exc)[-600:]}", flush=True)
+            continue
+        try:
+            est = future.result()
+        except Exception as exc:  # noqa: BLE001 -- keep the real numbers: --rescore can fill memest in later
+            failures.append({"case": case, "error": str(exc)[-3000:], "real": real})
+            print(f"{i:2} {case}: memest FAILED (real numbers kept) {str(exc)[-600:]}", flush=True)
+            save()
             continue
         row = _row(case, real, est)
         rows.append(row)
@@ -325,8 +331,8 @@ def _row(case, real: dict, est: dict) -> dict:
 def _rescore(source: Path, out: Path, hidden: dict) -> None:
     """The real numbers of a previous GPU run against memest as it is now (runs on any machine)."""
     stored = json.loads(source.read_text())
-    rows, failures = [], list(stored.get("failures", []))
-    for stored_row in stored["rows"]:
+    rows, failures = [], [f for f in stored.get("failures", []) if "real" not in f]
+    for stored_row in stored["rows"] + [f for f in stored.get("failures", []) if "real" in f]:
         case, real = stored_row["case"], stored_row["real"]
         try:
             est = _spawn("memest", case, hidden, real["compute_capability"])

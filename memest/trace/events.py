@@ -78,6 +78,7 @@ class Trace:
     attention_backends: dict[str, int] = field(default_factory=dict)  # SDPA backend -> calls (cuda)
     # FLOPs (torch.utils.flop_counter formulas) by (iteration, phase, module)
     flops: dict[tuple[int, Phase, str], int] = field(default_factory=dict)
+    uncounted_flop_ops: set[str] = field(default_factory=set)  # ops whose flop formula failed (counted as 0)
     checkpointed: list[str] = field(default_factory=list)  # modules wrapped by --checkpointing
     param_count: int = 0
     param_bytes: int = 0
