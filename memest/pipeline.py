@@ -7,14 +7,15 @@ import time
 from dataclasses import dataclass
 
 from .report.analysis import Report, analyse
+from .result import EstimateViews
 from .sources import load_source
 from .spec import RunSpec
 from .trace.events import Trace
 from .trace.step import trace_step
 
 
-@dataclass
-class Estimate:
+@dataclass(repr=False)
+class Estimate(EstimateViews):
     report: Report
     trace: Trace
 

@@ -71,6 +71,8 @@ def callable_source(
         return inputs(batch_size, seq_len) if takes_seq else inputs(batch_size)
 
     label = name or _name(model)
+    if "<lambda>" in label:
+        label = "model"  # the report names the built class beside it
     return ModelSource(
         name=label,
         build_model=model,
