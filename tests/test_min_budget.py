@@ -1,8 +1,17 @@
-"""The smallest device limit the caching-allocator replay completes under (allocator.min_device_limit)."""
+""""Needed" is the smallest device budget the step runs in (the allocator replay with that limit
+completes), so fits(budget) <=> needed <= budget <=> headroom >= 0, and the unconstrained usage (what a
+GPU with room to spare shows) stays available beside it."""
 
 import pytest
 
 from memest.device.allocator import min_device_limit, parse_alloc_conf, replay
+from memest.device.fit import fit_rows
+from memest.device.usage import fits_in
+from memest.plan.runner import Runner
+from memest.plan.whatif import sweep
+from memest.spec import RunSpec
+
+from .conftest import model_ref
 
 MiB = 2**20
 
@@ -47,6 +56,56 @@ def test_search_floor_is_the_requested_peak_not_the_allocated_one():
     assert replay(ev, conf).peak_allocated == 31 * MiB
     assert min_device_limit(ev, conf) == 30 * MiB
     assert not replay(ev, conf, device_limit_bytes=30 * MiB).oom
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """hf:gpt2, seq 256, bf16-mixed: unconstrained usage dips from batch 2 to 3 (cached segments)."""
+    run = Runner(RunSpec(model="hf:gpt2", seq=256, optim="adamw", precision="bf16-mixed"))
+    return {b: run.run(batch=b) for b in (2, 3, 4)}
+
+
+def test_needed_rises_with_batch_where_unconstrained_usage_dips(gpt2):
+    unconstrained = [gpt2[b].report.device.device_bytes for b in (2, 3, 4)]
+    assert unconstrained[1] < unconstrained[0]  # the case this test is about
+    needed = [gpt2[b].needed_bytes for b in (2, 3, 4)]
+    assert needed[0] < needed[1] < needed[2]
+    for b in (2, 3, 4):
+        device = gpt2[b].report.device
+        assert device.min_budget_bytes == gpt2[b].needed_bytes <= device.device_bytes
+        outside = device.device_bytes - device.reserved_peak_bytes  # the same costs outside the allocator
+        assert device.min_budget_bytes == device.min_allocator_limit_bytes + outside
+
+
+def test_fits_at_needed_and_not_one_byte_below_and_a_direct_replay_agrees(gpt2):
+    for b, result in gpt2.items():
+        needed, usage = result.needed_bytes, result.report.device
+        assert result.fits(needed) and not result.fits(needed - 1)
+        assert fits_in(result.trace, usage, needed, env={})
+        assert not fits_in(result.trace, usage, needed - 1, env={})
+    assert gpt2[2].needed_bytes < gpt2[2].report.device.device_bytes  # so "needed" is not the unconstrained use
+
+
+def test_headroom_is_non_negative_exactly_when_it_fits(gpt2):
+    result = gpt2[2]
+    needed, unconstrained = result.needed_bytes, result.report.device.device_bytes
+    for budget in (needed - 1, needed, (needed + unconstrained) // 2, unconstrained):
+        (row,) = fit_rows(result.needed_bytes, f"{budget}B", None, check=result.fits)
+        assert row.fits == (row.headroom_bytes >= 0) == (budget >= needed)
+        assert result.headroom_bytes(budget) == row.headroom_bytes
+
+
+def test_whatif_points_fit_exactly_when_needed_is_within_the_budget():
+    run = Runner(RunSpec(model=model_ref("transformer"), batch=2, seq=128, optim="adamw"))
+    direct = run.run(batch=12, seq=128)
+    capacity = direct.report.device.device_bytes - 1
+    assert direct.fits(capacity)  # the allocator's cache release lets batch 12 run below its unconstrained use
+    result = sweep(run, [2, 4, 8, 10, 12, 16], [128], capacity=capacity)
+    assert not result.fallback
+    point = next(p for p in result.points if p.batch == 12)
+    assert not point.traced and point.fits  # rebuilt from the fit, and fits below the unconstrained use
+    for p in result.points:
+        assert p.fits == (p.needed_bytes <= capacity)
 
 
 @pytest.mark.parametrize("conf", ["expandable_segments:True", "per_process_memory_fraction:0.5"])
