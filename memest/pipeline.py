@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from .report.analysis import Report, analyse
-from .result import EstimateViews
+from .result import EstimateViews, budget_bytes
 from .sources import load_source
 from .spec import RunSpec
 from .trace.events import Trace
@@ -21,16 +21,20 @@ class Estimate(EstimateViews):
 
     @property
     def needed_bytes(self) -> int:
-        """What must fit on the device: predicted device usage (cuda) or peak allocated (cpu)."""
+        """What the step needs: the smallest device budget it runs in (cuda: the allocator replay with
+        that limit completes, DeviceUsage.min_budget_bytes), or the peak allocated (cpu). Unconstrained
+        usage (a GPU with room to spare) is report.device.device_bytes."""
         device = self.report.device
-        return device.device_bytes if device else self.report.peak_allocated_bytes
+        return device.min_budget_bytes if device else self.report.peak_allocated_bytes
 
-    def fits(self, capacity_bytes: int) -> bool:
-        if self.report.device is None:
-            return self.report.peak_allocated_bytes <= capacity_bytes
-        from .device.usage import fits_in
+    def fits(self, capacity: int | str) -> bool:
+        """needed <= capacity, by definition, so "fits" and headroom (capacity - needed) never disagree.
+        ``capacity``: bytes, or a budget as the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
+        return self.needed_bytes <= budget_bytes(capacity)
 
-        return fits_in(self.trace, self.report.device, capacity_bytes)
+    def headroom_bytes(self, capacity: int | str) -> int:
+        """>= 0 exactly when the step fits."""
+        return budget_bytes(capacity) - self.needed_bytes
 
 
 def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Estimate:

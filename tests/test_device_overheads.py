@@ -83,6 +83,9 @@ def test_fits_counts_the_allocators_cache_release():
     # 120 MiB < 126 MiB predicted, but the allocator frees its cached 12 MiB segment and retries
     assert fits_in(trace, usage, 120 * MiB, env={})
     assert not fits_in(trace, usage, 113 * MiB, env={})  # 13 MiB left for a 14 MiB block
+    # so the step needs 14 MiB + the context, not the 126 MiB it holds with room to spare
+    assert usage.min_allocator_limit_bytes == 14 * MiB
+    assert usage.min_budget_bytes == 114 * MiB and usage.device_bytes == 126 * MiB
 
 
 def test_workspaces_are_allocator_blocks():

@@ -3,6 +3,10 @@
     allocated (torch.cuda.max_memory_allocated) = the trace's blocks, 512 B-rounded, + cuBLAS workspaces
     reserved  (torch.cuda.max_memory_reserved)  = the caching-allocator replay of those blocks
     device    (nvidia-smi for the process)      = reserved + CUDA context (+ NCCL buffers, + cuDNN allowance)
+    min budget (what the step needs)            = the smallest device budget under which the replay, with
+                                                  the allocator's OOM recovery, completes + the same costs
+Reserved and device are unconstrained: what a GPU with room to spare shows. On a smaller one the allocator
+frees its cache and retries before raising OOM, so a step can run in less: the min budget.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from ..trace.events import Phase, Trace
-from .allocator import parse_alloc_conf, replay
+from .allocator import min_device_limit, parse_alloc_conf, replay
 from .overheads import FixedCost, fixed_costs
 
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
@@ -20,9 +24,13 @@ _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (fo
 @dataclass
 class DeviceUsage:
     tensor_peak_bytes: int
-    allocated_peak_bytes: int
-    reserved_peak_bytes: int
-    device_bytes: int
+    allocated_peak_bytes: int  # unconstrained max_memory_allocated
+    reserved_peak_bytes: int  # unconstrained max_memory_reserved
+    device_bytes: int  # unconstrained: reserved peak + costs outside the allocator (nvidia-smi, room to spare)
+    # The smallest device budget under which the step runs (the allocator replay with that limit
+    # completes): min_allocator_limit_bytes + costs outside the allocator. Fits: min_budget_bytes <= budget.
+    min_budget_bytes: int
+    min_allocator_limit_bytes: int  # the caching allocator's part (allocator.min_device_limit)
     fixed_costs: list[FixedCost] = field(default_factory=list)
     allocator_config: str = ""
     calibrated: bool = False
@@ -80,7 +88,10 @@ def device_usage(
     if allowance:
         costs.append(allowance)
     conf_text = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    result = replay(allocator_events(trace, costs), parse_alloc_conf(conf_text))
+    conf = parse_alloc_conf(conf_text)
+    events = allocator_events(trace, costs)
+    result = replay(events, conf)
+    limit = min_device_limit(events, conf, unconstrained=result)
     outside = sum(c.bytes for c in costs if not c.in_allocator)
     return DeviceUsage(
         tensor_peak_bytes=trace.peak()[0],
@@ -90,17 +101,20 @@ def device_usage(
         fixed_costs=costs,
         allocator_config=conf_text,
         calibrated=any(c.calibrated for c in costs),
+        min_budget_bytes=limit + outside,
+        min_allocator_limit_bytes=limit,
     )
 
 
 def fits_in(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dict | None = None) -> bool:
-    """Would the step run in ``capacity_bytes``? Replays with the device limit, so the allocator's
-    own recovery (freeing cached blocks and retrying before raising OOM) is taken into account."""
-    if usage.device_bytes <= capacity_bytes:
-        return True
+    """A direct check: does the allocator replay with the device limit ``capacity_bytes`` (less the
+    costs outside the allocator) complete? The estimate's answer is ``usage.min_budget_bytes <= capacity``;
+    they agree at the min budget (completes) and one byte below it (OOM; 1 MiB below with
+    per_process_memory_fraction or expandable segments); elsewhere they can differ only where OOM is not
+    monotonic in the limit (allocator.min_device_limit)."""
     outside = sum(c.bytes for c in usage.fixed_costs if not c.in_allocator)
     limit = capacity_bytes - outside
-    if limit <= 0:
+    if limit < 0:
         return False
     env = os.environ if env is None else env
     result = replay(

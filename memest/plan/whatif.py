@@ -32,7 +32,7 @@ class GridPoint:
     batch: int
     seq: int | None
     peak_bytes: int  # tensor peak (peak allocated)
-    needed_bytes: int  # predicted device usage (cuda) or peak allocated (cpu)
+    needed_bytes: int  # smallest device budget the step runs in (cuda) or peak allocated (cpu)
     fits: bool | None  # None without a budget
     traced: bool  # traced directly (True) or rebuilt from the fit (False)
 
@@ -209,10 +209,11 @@ def _rebuild(runner: Runner):
         peak = trace.peak()[0]
         if base.target != "cuda":
             return peak, peak, lambda cap: peak <= cap
-        from ..device.usage import device_usage, fits_in
+        from ..device.usage import device_usage
 
         usage = device_usage(trace, base.compute_capability, world_size=base.world_size, calibration=runner.calibration)
-        return peak, usage.device_bytes, lambda cap: fits_in(trace, usage, cap)
+        needed = usage.min_budget_bytes
+        return peak, needed, lambda cap: needed <= cap
 
     return evaluate
 
