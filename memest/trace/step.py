@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,12 +127,27 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
 
 def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
     where = source.origin or source.name
-    if "cuda" in str(exc).lower():
-        return TraceError(
-            f"{where}: {what} asks for a CUDA device (.cuda(), device='cuda'); build on the default device — "
-            "memest traces on CPU fake tensors and models the GPU itself (--target cuda)"
-        )
-    return TraceError(f"{where}: {what} raised {type(exc).__name__}: {_first_line(exc)}")
+    return TraceError(f"{where}: {what} raised {type(exc).__name__}: {_first_line(exc)}{_cuda_hint(exc)}")
+
+
+# torch's words for "there is no CUDA device here" (CPU-only builds, hidden or absent GPUs, no driver) and
+# for CUDA tensors meeting CPU ones; an error that merely mentions "cuda" (an option name) is not one
+_NO_CUDA_DEVICE = re.compile(
+    r"not compiled with cuda|not linked with support for cuda|no cuda gpus are available|"
+    r"no cuda-capable device|found no nvidia driver|nvidia driver|cuda driver|"
+    r"torch\.cuda\.is_available\(\) is false|cuda:?\d*,? (and )?cpu\b|\bcpu,? (and )?cuda",
+    re.IGNORECASE,
+)
+
+
+def _cuda_hint(exc: Exception) -> str:
+    """The hint for errors about an unavailable CUDA device, else ''."""
+    if not _NO_CUDA_DEVICE.search(str(exc)):
+        return ""
+    return (
+        " — it asks for a CUDA device (.cuda(), device='cuda'); build on the default device: memest traces "
+        "on CPU fake tensors and models the GPU itself (--target cuda)"
+    )
 
 
 def _cast_floats(inputs, dtype):
@@ -304,9 +320,10 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
         except MemestError:
             raise
         except Exception as exc:
+            fix = _cuda_hint(exc) or "; check that example_inputs() matches the model's forward"
             raise TraceError(
                 f"{source.origin or source.name}: {_where(stack, tracker)} raised {type(exc).__name__}: "
-                f"{_first_line(exc)}; check that example_inputs() matches the model's forward"
+                f"{_first_line(exc)}{fix}"
             ) from exc
         del model, inputs, optimizer, params, parallel
 
