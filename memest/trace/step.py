@@ -98,6 +98,8 @@ class Built:
 def build(source: ModelSource, spec: RunSpec) -> Built:
     """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype, in
     train or eval mode, with --checkpointing applied."""
+    seq = spec.seq if spec.seq is not None else source.default_seq
+    check_positions(source, spec, seq)
     try:
         model = source.build_model()
     except MemestError:
@@ -111,7 +113,6 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         model = cast_floating(model, dtype)
     model.train(spec.training)
     checkpointed = apply_checkpointing(model, spec.checkpointing, source.origin or source.name)
-    seq = spec.seq if spec.seq is not None else source.default_seq
     try:
         inputs = source.example_inputs(spec.batch, seq)
     except MemestError:
@@ -123,6 +124,26 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
     if not spec.training and isinstance(inputs, dict):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
     return Built(model, inputs, checkpointed)
+
+
+def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None:
+    """Refuse a sequence longer than the model takes (``source.max_seq``: learned position embeddings
+    end there; for RoPE models it is the configured maximum, see sources/hf.py). A generation counts
+    the prompt and the new tokens: the sequence it produces must have a position for each token."""
+    limit = source.max_seq
+    if limit is None or seq is None:
+        return
+    name = source.name
+    why = f" ({source.max_seq_why})" if source.max_seq_why else ""
+    if spec.mode == "generate":
+        total = seq + spec.new_tokens
+        if total > limit:
+            raise MemestError(
+                f"--mode generate: the prompt (--seq {seq}) and --new-tokens {spec.new_tokens} make {total} positions; "
+                f"{name} takes at most {limit} positions{why}; use --seq + --new-tokens of {limit} or less"
+            )
+    elif seq > limit:
+        raise MemestError(f"{name} takes at most {limit} positions{why}; use --seq {limit} or less")
 
 
 def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
