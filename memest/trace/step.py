@@ -242,114 +242,228 @@ def _storage_tensors(obj) -> list[torch.Tensor]:
 
 def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
     """Trace ``spec.iterations`` training steps of ``source`` on fake tensors. Allocates no real
-    parameter or activation memory and never touches a GPU."""
-    trace = Trace()
-    fake_mode = _FakeMode(allow_non_fake_inputs=False)
-    parallel = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
-    process_group = contextlib.nullcontext()
-    data_parallel = spec.world_size > 1 and spec.training  # inference ranks are plain replicas
-    if data_parallel:
+    parameter or activation memory and never touches a GPU.
+
+    The trace runs in named stages (each below), entered in order on one ExitStack so that every
+    hook, patch and mode is undone however a stage ends (the style of torch's mem_tracker)."""
+    step = _Step(source, spec)
+    with contextlib.ExitStack() as stages:
+        stages.enter_context(_fake_world(step))
+        stages.enter_context(_built(step))
+        _track_storages(step)
+        _register_storages(step)
+        stages.enter_context(_step_errors(step))
+        stages.enter_context(_instrumented(step))
+        _run_iterations(step)
+    _classify(step)
+    return step.trace
+
+
+@dataclass
+class _Step:
+    """What the stages of one trace share."""
+
+    source: ModelSource
+    spec: RunSpec
+    trace: Trace = field(default_factory=Trace)
+    fake_mode: _FakeMode = field(default_factory=lambda: _FakeMode(allow_non_fake_inputs=False))
+    # the build stage
+    model: Any = None
+    inputs: Any = None
+    parallel: Any = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
+    params: list = field(default_factory=list)  # parameters that require grad
+    owner_of_param: dict[int, str] = field(default_factory=dict)
+    optimizer: Any = None
+    # the tracking stages
+    stack: ModuleStack | None = None
+    tracker: StorageTracker | None = None
+    sdpa: Any = None
+
+    @property
+    def where(self) -> str:
+        return self.source.origin or self.source.name
+
+    @property
+    def cuda(self) -> bool:
+        return self.spec.target == "cuda"
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.spec.world_size > 1 and self.spec.training  # inference ranks are plain replicas
+
+
+@contextlib.contextmanager
+def _fake_world(step: _Step):
+    """Stage 1: the fake tensor mode everything runs in, and for --world-size a fake process group."""
+    with step.fake_mode:
+        if not step.data_parallel:
+            yield
+            return
         from . import distributed
 
-        process_group = distributed.fake_process_group(spec.world_size)
-    with fake_mode, process_group:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
-                built = build(source, spec)
-                model, inputs = built.model, built.inputs
-                trace.checkpointed = built.checkpointed
-                trace.model_type = type(model).__name__
-                if data_parallel:
-                    parallel = _wrap_parallel(source, spec, model)
-                    trace.parallel, trace.shard_units = parallel.description, list(parallel.units)
-        owner_of_param = describe_modules(model, trace)
-        params = [p for p in model.parameters() if p.requires_grad]
-        trace.param_count = sum(p.numel() for p in model.parameters())
-        trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if parallel is not None:
-            optimizer = parallel.optimizer
-        else:
-            optimizer = make_optimizer(spec, params) if spec.training else None
-        if spec.mode == "generate":
-            check_generate(model, inputs)
+        with distributed.fake_process_group(step.spec.world_size):
+            yield
 
-        stack = ModuleStack(model, trace, wrapper=parallel.wrapper if parallel is not None else None)
-        cuda = spec.target == "cuda"
-        tracker = StorageTracker(trace, stack.current, fake_mode, scratch=CUDA_SCRATCH if cuda else None)
-        if parallel is not None:
-            distributed.attach(tracker, parallel, spec)  # DTensor shards, DDP's gradient buckets
-        sdpa = CudaSdpa(spec.attention, spec.compute_capability) if cuda else contextlib.nullcontext()
-        # CUDA autocast rules must also hold in backward, where checkpointing replays the forward
-        autocast_scope = cuda_autocast_scope() if cuda and spec.mixed else contextlib.nullcontext()
-        for name, p in model.named_parameters():
-            sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner_of_param[id(p)])
-            if sid is not None:
-                trace.owner_module[sid] = owner_of_param[id(p)]
-        for name, b in model.named_buffers():
-            tracker.register(b, Category.BUFFERS, "buffer", module=name.rpartition(".")[0])
-        for t in _storage_tensors(inputs):
-            tracker.register(t, Category.INPUTS, "input", module="")
 
-        def classify_after(phase: Phase) -> None:
-            if phase is Phase.BACKWARD:
-                for p in params:
-                    if p.grad is not None:
-                        _own(tracker, trace, p.grad, Category.GRADIENTS, owner_of_param[id(p)])
-            elif phase is Phase.OPTIMIZER:
-                state_of = parallel.optimizer_state() if parallel is not None else optimizer.state
-                for p, state in state_of.items():
-                    for t in _storage_tensors(state):
-                        _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner_of_param.get(id(p), ""))
+@contextlib.contextmanager
+def _built(step: _Step):
+    """Stage 2: model and inputs (weight init reading values gets placeholders), the data-parallel
+    wrapper, module records and owners, parameter counts and the optimizer; all dropped at exit."""
+    trace, spec = step.trace, step.spec
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
+            built = build(step.source, spec)
+            step.model, step.inputs = built.model, built.inputs
+            trace.checkpointed = built.checkpointed
+            trace.model_type = type(step.model).__name__
+            if step.data_parallel:
+                step.parallel = _wrap_parallel(step.source, spec, step.model)
+                trace.parallel, trace.shard_units = step.parallel.description, list(step.parallel.units)
+    model = step.model
+    step.owner_of_param = describe_modules(model, trace)
+    step.params = [p for p in model.parameters() if p.requires_grad]
+    trace.param_count = sum(p.numel() for p in model.parameters())
+    trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if step.parallel is not None:
+        step.optimizer = step.parallel.optimizer
+    else:
+        step.optimizer = make_optimizer(spec, step.params) if spec.training else None
+    if spec.mode == "generate":
+        check_generate(model, step.inputs)
+    try:
+        yield
+    finally:
+        step.model = step.inputs = step.optimizer = step.parallel = None
+        step.params = []
 
-        def mark_saved(t: torch.Tensor):
-            sid = tracker.storage_id(t)
-            if sid is not None:
-                trace.storages[sid].saved_for_backward = True
-            return t
 
-        try:
-            source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
-            instrument = (
-                distributed.instrument(tracker, spec, owner_of_param) if parallel is not None else contextlib.nullcontext()
-            )
-            with _quiet_fake_tensor_log(), source_context, sdpa, autocast_scope, stack, tracker, instrument, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
-                for it in range(1, spec.iterations + 1):
-                    stack.record_outputs = it == 1
-                    run_step(
-                        model if parallel is None else parallel.module,
-                        inputs,
-                        optimizer,
-                        source.compute_loss,
-                        spec,
-                        on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
-                        after=classify_after,
-                        max_micro_steps=TRACED_MICRO_STEPS,
-                    )
-        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise TraceError(
-                f"{source.origin or source.name}: {_where(stack, tracker)} uses a data-dependent op "
-                f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
-                "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
-                "boolean-mask indexing or nonzero"
-            ) from exc
-        except UnsupportedOperatorException as exc:
-            raise TraceError(
-                f"{source.origin or source.name}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
-                "cannot trace it; replace it with standard torch ops or register a fake kernel (torch.library)"
-            ) from exc
-        except MemestError:
-            raise
-        except Exception as exc:
-            fix = _cuda_hint(exc) or "; check that example_inputs() matches the model's forward"
-            raise TraceError(
-                f"{source.origin or source.name}: {_where(stack, tracker)} raised {type(exc).__name__}: "
-                f"{_first_line(exc)}{fix}"
-            ) from exc
-        del model, inputs, optimizer, params, parallel
+def _track_storages(step: _Step) -> None:
+    """Stage 3: the module stack and the storage tracker (for --world-size, attached to the wrapper:
+    DTensor shards, DDP's gradient buckets)."""
+    parallel = step.parallel
+    step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
+    step.tracker = StorageTracker(
+        step.trace, step.stack.current, step.fake_mode, scratch=CUDA_SCRATCH if step.cuda else None
+    )
+    if parallel is not None:
+        from . import distributed
 
-    if cuda:
-        trace.attention_backends = dict(sdpa.choices)
+        distributed.attach(step.tracker, parallel, step.spec)
+
+
+def _register_storages(step: _Step) -> None:
+    """Stage 4: what exists before the step: parameters (owned by their module), buffers, inputs."""
+    tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
+    for name, p in step.model.named_parameters():
+        sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner[id(p)])
+        if sid is not None:
+            trace.owner_module[sid] = owner[id(p)]
+    for name, b in step.model.named_buffers():
+        tracker.register(b, Category.BUFFERS, "buffer", module=name.rpartition(".")[0])
+    for t in _storage_tensors(step.inputs):
+        tracker.register(t, Category.INPUTS, "input", module="")
+
+
+@contextlib.contextmanager
+def _step_errors(step: _Step):
+    """Stage 5: a failing step becomes one TraceError that says where it failed and what to change
+    (entered outside the instrumentation, so hooks are gone when the message is made)."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise TraceError(
+            f"{step.where}: {_where(step.stack, step.tracker)} uses a data-dependent op "
+            f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
+            "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
+            "boolean-mask indexing or nonzero"
+        ) from exc
+    except UnsupportedOperatorException as exc:
+        raise TraceError(
+            f"{step.where}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
+            "cannot trace it; replace it with standard torch ops or register a fake kernel (torch.library)"
+        ) from exc
+    except MemestError:
+        raise
+    except Exception as exc:
+        fix = _cuda_hint(exc) or "; check that example_inputs() matches the model's forward"
+        raise TraceError(
+            f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
+            f"{_first_line(exc)}{fix}"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _instrumented(step: _Step):
+    """Stage 6: while the step runs: the source's context (transformers' mask branches), CUDA
+    semantics for --target cuda (SDPA backends, autocast rules also in backward, where checkpointing
+    replays the forward), the module stack, the tracker, the data-parallel instrumentation, and the
+    saved-tensor hook that marks activations."""
+    spec, tracker = step.spec, step.tracker
+    step.sdpa = CudaSdpa(spec.attention, spec.compute_capability) if step.cuda else None
+
+    def mark_saved(t: torch.Tensor):
+        sid = tracker.storage_id(t)
+        if sid is not None:
+            step.trace.storages[sid].saved_for_backward = True
+        return t
+
+    with contextlib.ExitStack() as hooks:
+        hooks.enter_context(_quiet_fake_tensor_log())
+        if step.source.trace_context:
+            hooks.enter_context(step.source.trace_context())
+        if step.cuda:
+            hooks.enter_context(step.sdpa)
+            if spec.mixed:
+                hooks.enter_context(cuda_autocast_scope())
+        hooks.enter_context(step.stack)
+        hooks.enter_context(tracker)
+        if step.parallel is not None:
+            from . import distributed
+
+            hooks.enter_context(distributed.instrument(tracker, spec, step.owner_of_param))
+        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t))
+        yield
+
+
+def _run_iterations(step: _Step) -> None:
+    """Stage 7: ``spec.iterations`` steps; gradients and optimizer state are classified as they appear."""
+    spec, tracker, parallel = step.spec, step.tracker, step.parallel
+    module = step.model if parallel is None else parallel.module
+    for it in range(1, spec.iterations + 1):
+        step.stack.record_outputs = it == 1
+        run_step(
+            module,
+            step.inputs,
+            step.optimizer,
+            step.source.compute_loss,
+            spec,
+            on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
+            after=lambda phase: _classify_after(step, phase),
+            max_micro_steps=TRACED_MICRO_STEPS,
+        )
+
+
+def _classify_after(step: _Step, phase: Phase) -> None:
+    """After backward: the gradients; after the optimizer step: its state (owned by the parameter's module)."""
+    tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
+    if phase is Phase.BACKWARD:
+        for p in step.params:
+            if p.grad is not None:
+                _own(tracker, trace, p.grad, Category.GRADIENTS, owner[id(p)])
+    elif phase is Phase.OPTIMIZER:
+        state_of = step.parallel.optimizer_state() if step.parallel is not None else step.optimizer.state
+        for p, state in state_of.items():
+            for t in _storage_tensors(state):
+                _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner.get(id(p), ""))
+
+
+def _classify(step: _Step) -> None:
+    """Stage 8, after the step: attention backends chosen, temporaries saved for backward are
+    activations, and for --world-size/--offload the host storages split from the device's."""
+    trace, spec = step.trace, step.spec
+    if step.cuda:
+        trace.attention_backends = dict(step.sdpa.choices)
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
@@ -358,7 +472,6 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
         trace.world_size = spec.world_size
         distributed.mark_host(trace, spec)
-    return trace
 
 
 def _wrap_parallel(source: ModelSource, spec: RunSpec, model):
