@@ -108,6 +108,17 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         raise _build_error(source, "building the model", exc) from exc
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    if spec.training and next(model.parameters(), None) is None:
+        raise TraceError(
+            f"{source.origin or source.name}: build_model() returned a {type(model).__name__} with no parameters, so "
+            "there is nothing to train; return the module whose parameters the step trains (frozen ones count), "
+            "or use --mode inference"
+        )
+    if spec.training and spec.shard == "zero3" and not _trainable(model):
+        raise TraceError(
+            f"{source.origin or source.name}: every parameter is frozen (requires_grad=False); memest does not "
+            "model FSDP (--shard zero3) of a frozen model; use --shard none (each rank holds the whole model)"
+        )
     dtype = model_dtype(spec)
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
@@ -185,6 +196,12 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
+def step_optimizer(spec: RunSpec, params: list) -> torch.optim.Optimizer | None:
+    """The optimizer of a training step over the parameters that require grad; None when there is
+    nothing to step (inference, or every parameter frozen: torch.optim refuses an empty list)."""
+    return make_optimizer(spec, params) if spec.training and params else None
+
+
 # Micro-steps 2..K of gradient accumulation allocate and free exactly alike (gradients exist and are
 # accumulated in place), so the tracer runs two of them; tests compare with real runs of all K.
 TRACED_MICRO_STEPS = 2
@@ -196,7 +213,11 @@ def run_iteration(
 ) -> None:
     """One training step: ``spec.grad_accum`` micro-steps (loss / K each; at most ``max_micro_steps``
     run) then one optimizer step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after
-    backward and the optimizer step (the tracer classifies gradients and state there)."""
+    backward and the optimizer step (the tracer classifies gradients and state there).
+
+    ``optimizer`` None: no parameter requires grad (a frozen model). Then there is no optimizer step,
+    and backward runs only if the loss requires grad (inputs that do): a real ``loss.backward()``
+    raises otherwise, so the step a real loop can run is forward + loss."""
     mark = on_phase or (lambda phase: None)
     done = after or (lambda phase: None)
     micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
@@ -209,10 +230,15 @@ def run_iteration(
             if spec.grad_accum > 1:
                 loss = loss / spec.grad_accum
         del out
-        mark(Phase.BACKWARD)
-        loss.backward()
+        backward = optimizer is not None or loss.requires_grad
+        if backward:
+            mark(Phase.BACKWARD)
+            loss.backward()
         del loss
-        done(Phase.BACKWARD)
+        if backward:
+            done(Phase.BACKWARD)
+    if optimizer is None:
+        return
     mark(Phase.OPTIMIZER)
     optimizer.step()
     done(Phase.OPTIMIZER)
@@ -273,6 +299,7 @@ class _Step:
     parallel: Any = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
     params: list = field(default_factory=list)  # parameters that require grad
     owner_of_param: dict[int, str] = field(default_factory=dict)
+    trainable_count: int = 0  # elements of the parameters that require grad
     optimizer: Any = None
     # the tracking stages
     stack: ModuleStack | None = None
@@ -317,18 +344,24 @@ def _built(step: _Step):
             step.model, step.inputs = built.model, built.inputs
             trace.checkpointed = built.checkpointed
             trace.model_type = type(step.model).__name__
-            if step.data_parallel:
+            if step.data_parallel and _trainable(step.model):
                 step.parallel = _wrap_parallel(step.source, spec, step.model)
                 trace.parallel, trace.shard_units = step.parallel.description, list(step.parallel.units)
+            elif step.data_parallel:  # frozen: no gradients to synchronise, plain replicas (DDP refuses it)
+                trace.notes.append(
+                    f"every parameter is frozen: the {spec.world_size} ranks are plain replicas"
+                    + (f" (--shard {spec.shard} has nothing to shard)" if spec.shard != "none" else "")
+                )
     model = step.model
     step.owner_of_param = describe_modules(model, trace)
     step.params = [p for p in model.parameters() if p.requires_grad]
     trace.param_count = sum(p.numel() for p in model.parameters())
     trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step.trainable_count = sum(p.numel() for p in step.params)
     if step.parallel is not None:
         step.optimizer = step.parallel.optimizer
     else:
-        step.optimizer = make_optimizer(spec, step.params) if spec.training else None
+        step.optimizer = step_optimizer(spec, step.params)
     if spec.mode == "generate":
         check_generate(model, step.inputs)
     try:
@@ -462,6 +495,8 @@ def _classify(step: _Step) -> None:
     """Stage 8, after the step: attention backends chosen, temporaries saved for backward are
     activations, and for --world-size/--offload the host storages split from the device's."""
     trace, spec = step.trace, step.spec
+    if spec.training and step.trainable_count < trace.param_count:
+        trace.notes.append(_frozen_note(trace, step.trainable_count))
     if step.cuda:
         trace.attention_backends = dict(step.sdpa.choices)
     for rec in trace.storages:
@@ -472,6 +507,28 @@ def _classify(step: _Step) -> None:
 
         trace.world_size = spec.world_size
         distributed.mark_host(trace, spec)
+
+
+def _trainable(model: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def _frozen_note(trace: Trace, trainable: int) -> str:
+    from ..units import format_count
+
+    frozen = trace.param_count - trainable
+    if trainable:
+        return (
+            f"{format_count(frozen)} of {format_count(trace.param_count)} parameters frozen (requires_grad=False): "
+            f"gradients and optimizer state for the {format_count(trainable)} trainable ones only"
+        )
+    if any(phase is Phase.BACKWARD for _, _, phase in trace.phase_marks):
+        return "every parameter is frozen (requires_grad=False): backward runs for the inputs that require grad; no optimizer step"
+    return (
+        "every parameter is frozen (requires_grad=False) and the loss does not require grad: traced forward + loss "
+        "only, without backward or optimizer step (a real loss.backward() raises here); --mode inference traces "
+        "the forward without autograd"
+    )
 
 
 def _wrap_parallel(source: ModelSource, spec: RunSpec, model):
