@@ -166,7 +166,7 @@ def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
 # for CUDA tensors meeting CPU ones; an error that merely mentions "cuda" (an option name) is not one
 _NO_CUDA_DEVICE = re.compile(
     r"not compiled with cuda|not linked with support for cuda|no cuda gpus are available|"
-    r"no cuda-capable device|found no nvidia driver|nvidia driver|cuda driver|"
+    r"no cuda-capable device|nvidia driver|cuda driver|"
     r"torch\.cuda\.is_available\(\) is false|cuda:?\d*,? (and )?cpu\b|\bcpu,? (and )?cuda",
     re.IGNORECASE,
 )
