@@ -3,6 +3,7 @@ Library code: returns data, prints nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class Estimate(EstimateViews):
 def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Estimate:
     """``source``: an already loaded ModelSource for ``spec.model`` (planners reuse one)."""
     source = source or load_source(spec.model)
+    if spec.seq is None and source.default_seq is not None:
+        # the sequence length the step runs with, resolved once: the report and JSON show it
+        spec = dataclasses.replace(spec, seq=source.default_seq)
     start = time.perf_counter()
     trace = trace_step(source, spec)
     report = analyse(trace, spec, source.name)

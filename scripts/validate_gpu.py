@@ -127,8 +127,7 @@ def run_real(case) -> dict:
     from torch.utils._pytree import tree_map
 
     from memest.sources import load_source
-    from memest.trace.optim import make_optimizer
-    from memest.trace.step import autocast_context, build, call_model, default_loss, run_step
+    from memest.trace.step import autocast_context, build, call_model, default_loss, run_step, step_optimizer
 
     cc = torch.cuda.get_device_capability()
     spec = _spec(case, cc)
@@ -140,7 +139,7 @@ def run_real(case) -> dict:
     model = model.cuda()
     inputs = tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
     torch.set_default_device("cuda")  # tensors made in compute_loss (targets) land beside the output
-    optimizer = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
+    optimizer = step_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()

@@ -159,6 +159,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         step_flops=step_flops,
         recompute_flops=recompute,
         checkpointed=list(trace.checkpointed),
+        notes=list(trace.notes),
     )
 
 

@@ -19,6 +19,7 @@ class ModelSource:
     default_seq: int | None = None  # used when the user gives no --seq and the model takes one
     origin: str = ""  # file or config the model came from, for error messages
     max_seq: int | None = None  # the longest sequence the model takes (position embeddings), if known
+    max_seq_why: str = ""  # what sets max_seq, for messages (e.g. "n_positions")
     # context manager entered around the traced step (e.g. transformers' mask branches)
     trace_context: Callable[[], Any] | None = None
 

@@ -85,6 +85,9 @@ def load_hf_source(name: str) -> ModelSource:
     config.use_cache = False
     head = _head(arch)
     max_pos = _max_positions(config)
+    takes_seq = not (head == "image-classification" or raw.get("model_type") == "vit")
+    default_seq = min(DEFAULT_SEQ, max_pos or DEFAULT_SEQ) if takes_seq else None
+    max_seq, max_seq_why = _position_limit(config) if takes_seq else (None, "")
 
     def build_model():
         if cls is transformers.AutoModel:
@@ -94,16 +97,17 @@ def load_hf_source(name: str) -> ModelSource:
         return model
 
     def example_inputs(batch_size: int, seq_len: int | None = None):
-        return _inputs(config, head, batch_size, seq_len or min(DEFAULT_SEQ, max_pos or DEFAULT_SEQ))
+        return _inputs(config, head, batch_size, seq_len or default_seq or DEFAULT_SEQ)
 
     return ModelSource(
         name=path.stem if path.parent == BUNDLED else str(path),
         build_model=build_model,
         example_inputs=example_inputs,
-        default_seq=None,
+        default_seq=default_seq,
         origin=str(path),
         trace_context=real_mask_branches,
-        max_seq=max_pos if "gpt2" in raw.get("model_type", "") or raw.get("model_type") in ("bert", "vit") else None,
+        max_seq=max_seq,
+        max_seq_why=max_seq_why,
     )
 
 
@@ -113,6 +117,31 @@ def _max_positions(config) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def _position_limit(config) -> tuple[int | None, str]:
+    """The longest sequence the model takes, and what sets it (for the error message).
+
+    - Learned (absolute) position embeddings (GPT-2's n_positions, BERT's max_position_embeddings): a
+      table with one row per position; a longer sequence indexes past it and the real step crashes.
+    - Rotary embeddings (Llama, Mistral): RoPE computes any position, so a longer sequence runs, but the
+      model was configured (and trained) for max_position_embeddings; memest refuses it as well and says
+      that it is the configured maximum (extend it in the config, e.g. with rope scaling, to go further).
+    - Relative position buckets (T5): no maximum.
+    """
+    if getattr(config, "relative_attention_num_buckets", None) is not None:
+        return None, ""
+    rope = any(getattr(config, attr, None) for attr in ("rope_parameters", "rope_scaling", "rope_theta"))
+    for attr in ("n_positions", "max_position_embeddings"):  # GPT-2's own name first (the other aliases it)
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            if rope:
+                return value, (
+                    f"{attr}, its configured maximum: RoPE computes positions beyond it, but the model was not "
+                    "trained for them"
+                )
+            return value, attr
+    return None, ""
 
 
 def _inputs(config, head: str, batch: int, seq: int) -> dict:

@@ -90,6 +90,7 @@ class Trace:
     shard_units: list[str] = field(default_factory=list)  # modules wrapped by fully_shard ('' = root)
     host_events: list[tuple[int, int, int]] = field(default_factory=list)
     host_marks: list[int] = field(default_factory=list)  # per phase mark: host events before it
+    notes: list[str] = field(default_factory=list)  # facts of the trace for the report (one line each)
 
     def phase_at(self, event_index: int) -> tuple[int, Phase]:
         starts = [mark[0] for mark in self.phase_marks]

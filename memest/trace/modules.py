@@ -11,21 +11,38 @@ from .events import ModuleRecord, Trace
 
 
 def describe_modules(model: torch.nn.Module, trace: Trace) -> dict[int, str]:
-    """Fill ``trace.modules`` and return a map id(parameter) -> name of the module that owns it."""
+    """Fill ``trace.modules`` and return a map id(parameter) -> name of the module that owns it.
+
+    A parameter is owned by the first module that registers it, in ``named_modules`` order; a shared
+    (tied) parameter — GPT-2's ``lm_head.weight`` is ``transformer.wte.weight`` — is counted once, in
+    its owner and the owner's ancestors, so the rows add up to the model."""
     owner: dict[int, str] = {}
+    first_name: dict[int, str] = {}  # id(parameter) -> its first full name
+    shared: dict[int, list[str]] = {}  # id(parameter) -> its other names
     for mod_name, module in model.named_modules(remove_duplicate=True):
-        for p in module.parameters(recurse=False):
-            owner.setdefault(id(p), mod_name)
-        seen: set[int] = set()
-        count = nbytes = 0
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                count += p.numel()
-                nbytes += p.numel() * p.element_size()
-        trace.modules[mod_name] = ModuleRecord(
-            name=mod_name, type=type(module).__name__, params=count, param_bytes=nbytes
-        )
+        for p_name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if id(p) in owner:
+                shared.setdefault(id(p), []).append(full)
+            else:
+                owner[id(p)], first_name[id(p)] = mod_name, full
+        trace.modules[mod_name] = ModuleRecord(name=mod_name, type=type(module).__name__, params=0, param_bytes=0)
+    for p in model.parameters():  # each parameter once
+        name = owner[id(p)]
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            rec = trace.modules.get(".".join(parts[:depth]))
+            if rec is not None:
+                rec.params += p.numel()
+                rec.param_bytes += p.numel() * p.element_size()
+    notes = [
+        f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} {first_name[pid]} (shared): counted once, "
+        f"in {owner[pid] or 'the model'}"
+        for pid, others in shared.items()
+    ]
+    if len(notes) > 3:
+        notes = notes[:3] + [f"and {len(notes) - 3} more shared parameters, each counted once in its first module"]
+    trace.notes.extend(notes)
     return owner
 
 

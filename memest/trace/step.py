@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,8 @@ class Built:
 def build(source: ModelSource, spec: RunSpec) -> Built:
     """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype, in
     train or eval mode, with --checkpointing applied."""
+    seq = spec.seq if spec.seq is not None else source.default_seq
+    check_positions(source, spec, seq)
     try:
         model = source.build_model()
     except MemestError:
@@ -105,12 +108,22 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         raise _build_error(source, "building the model", exc) from exc
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    if spec.training and next(model.parameters(), None) is None:
+        raise TraceError(
+            f"{source.origin or source.name}: build_model() returned a {type(model).__name__} with no parameters, so "
+            "there is nothing to train; return the module whose parameters the step trains (frozen ones count), "
+            "or use --mode inference"
+        )
+    if spec.training and spec.shard == "zero3" and not _trainable(model):
+        raise TraceError(
+            f"{source.origin or source.name}: every parameter is frozen (requires_grad=False); memest does not "
+            "model FSDP (--shard zero3) of a frozen model; use --shard none (each rank holds the whole model)"
+        )
     dtype = model_dtype(spec)
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
     model.train(spec.training)
     checkpointed = apply_checkpointing(model, spec.checkpointing, source.origin or source.name)
-    seq = spec.seq if spec.seq is not None else source.default_seq
     try:
         inputs = source.example_inputs(spec.batch, seq)
     except MemestError:
@@ -124,14 +137,49 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
     return Built(model, inputs, checkpointed)
 
 
+def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None:
+    """Refuse a sequence longer than the model takes (``source.max_seq``: learned position embeddings
+    end there; for RoPE models it is the configured maximum, see sources/hf.py). A generation counts
+    the prompt and the new tokens: the sequence it produces must have a position for each token."""
+    limit = source.max_seq
+    if limit is None or seq is None:
+        return
+    name = source.name
+    why = f" ({source.max_seq_why})" if source.max_seq_why else ""
+    if spec.mode == "generate":
+        total = seq + spec.new_tokens
+        if total > limit:
+            raise MemestError(
+                f"--mode generate: the prompt (--seq {seq}) and --new-tokens {spec.new_tokens} make {total} positions; "
+                f"{name} takes at most {limit} positions{why}; use --seq + --new-tokens of {limit} or less"
+            )
+    elif seq > limit:
+        raise MemestError(f"{name} takes at most {limit} positions{why}; use --seq {limit} or less")
+
+
 def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
     where = source.origin or source.name
-    if "cuda" in str(exc).lower():
-        return TraceError(
-            f"{where}: {what} asks for a CUDA device (.cuda(), device='cuda'); build on the default device — "
-            "memest traces on CPU fake tensors and models the GPU itself (--target cuda)"
-        )
-    return TraceError(f"{where}: {what} raised {type(exc).__name__}: {_first_line(exc)}")
+    return TraceError(f"{where}: {what} raised {type(exc).__name__}: {_first_line(exc)}{_cuda_hint(exc)}")
+
+
+# torch's words for "there is no CUDA device here" (CPU-only builds, hidden or absent GPUs, no driver) and
+# for CUDA tensors meeting CPU ones; an error that merely mentions "cuda" (an option name) is not one
+_NO_CUDA_DEVICE = re.compile(
+    r"not compiled with cuda|not linked with support for cuda|no cuda gpus are available|"
+    r"no cuda-capable device|nvidia driver|cuda driver|"
+    r"torch\.cuda\.is_available\(\) is false|cuda:?\d*,? (and )?cpu\b|\bcpu,? (and )?cuda",
+    re.IGNORECASE,
+)
+
+
+def _cuda_hint(exc: Exception) -> str:
+    """The hint for errors about an unavailable CUDA device, else ''."""
+    if not _NO_CUDA_DEVICE.search(str(exc)):
+        return ""
+    return (
+        " — it asks for a CUDA device (.cuda(), device='cuda'); build on the default device: memest traces "
+        "on CPU fake tensors and models the GPU itself (--target cuda)"
+    )
 
 
 def _cast_floats(inputs, dtype):
@@ -148,6 +196,12 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
+def step_optimizer(spec: RunSpec, params: list) -> torch.optim.Optimizer | None:
+    """The optimizer of a training step over the parameters that require grad; None when there is
+    nothing to step (inference, or every parameter frozen: torch.optim refuses an empty list)."""
+    return make_optimizer(spec, params) if spec.training and params else None
+
+
 # Micro-steps 2..K of gradient accumulation allocate and free exactly alike (gradients exist and are
 # accumulated in place), so the tracer runs two of them; tests compare with real runs of all K.
 TRACED_MICRO_STEPS = 2
@@ -159,7 +213,11 @@ def run_iteration(
 ) -> None:
     """One training step: ``spec.grad_accum`` micro-steps (loss / K each; at most ``max_micro_steps``
     run) then one optimizer step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after
-    backward and the optimizer step (the tracer classifies gradients and state there)."""
+    backward and the optimizer step (the tracer classifies gradients and state there).
+
+    ``optimizer`` None: no parameter requires grad (a frozen model). Then there is no optimizer step,
+    and backward runs only if the loss requires grad (inputs that do): a real ``loss.backward()``
+    raises otherwise, so the step a real loop can run is forward + loss."""
     mark = on_phase or (lambda phase: None)
     done = after or (lambda phase: None)
     micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
@@ -172,10 +230,15 @@ def run_iteration(
             if spec.grad_accum > 1:
                 loss = loss / spec.grad_accum
         del out
-        mark(Phase.BACKWARD)
-        loss.backward()
+        backward = optimizer is not None or loss.requires_grad
+        if backward:
+            mark(Phase.BACKWARD)
+            loss.backward()
         del loss
-        done(Phase.BACKWARD)
+        if backward:
+            done(Phase.BACKWARD)
+    if optimizer is None:
+        return
     mark(Phase.OPTIMIZER)
     optimizer.step()
     done(Phase.OPTIMIZER)
@@ -205,113 +268,237 @@ def _storage_tensors(obj) -> list[torch.Tensor]:
 
 def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
     """Trace ``spec.iterations`` training steps of ``source`` on fake tensors. Allocates no real
-    parameter or activation memory and never touches a GPU."""
-    trace = Trace()
-    fake_mode = _FakeMode(allow_non_fake_inputs=False)
-    parallel = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
-    process_group = contextlib.nullcontext()
-    data_parallel = spec.world_size > 1 and spec.training  # inference ranks are plain replicas
-    if data_parallel:
+    parameter or activation memory and never touches a GPU.
+
+    The trace runs in named stages (each below), entered in order on one ExitStack so that every
+    hook, patch and mode is undone however a stage ends (the style of torch's mem_tracker)."""
+    step = _Step(source, spec)
+    with contextlib.ExitStack() as stages:
+        stages.enter_context(_fake_world(step))
+        stages.enter_context(_built(step))
+        _track_storages(step)
+        _register_storages(step)
+        stages.enter_context(_step_errors(step))
+        stages.enter_context(_instrumented(step))
+        _run_iterations(step)
+    _classify(step)
+    return step.trace
+
+
+@dataclass
+class _Step:
+    """What the stages of one trace share."""
+
+    source: ModelSource
+    spec: RunSpec
+    trace: Trace = field(default_factory=Trace)
+    fake_mode: _FakeMode = field(default_factory=lambda: _FakeMode(allow_non_fake_inputs=False))
+    # the build stage
+    model: Any = None
+    inputs: Any = None
+    parallel: Any = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
+    params: list = field(default_factory=list)  # parameters that require grad
+    owner_of_param: dict[int, str] = field(default_factory=dict)
+    trainable_count: int = 0  # elements of the parameters that require grad
+    optimizer: Any = None
+    # the tracking stages
+    stack: ModuleStack | None = None
+    tracker: StorageTracker | None = None
+    sdpa: Any = None
+
+    @property
+    def where(self) -> str:
+        return self.source.origin or self.source.name
+
+    @property
+    def cuda(self) -> bool:
+        return self.spec.target == "cuda"
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.spec.world_size > 1 and self.spec.training  # inference ranks are plain replicas
+
+
+@contextlib.contextmanager
+def _fake_world(step: _Step):
+    """Stage 1: the fake tensor mode everything runs in, and for --world-size a fake process group."""
+    with step.fake_mode:
+        if not step.data_parallel:
+            yield
+            return
         from . import distributed
 
-        process_group = distributed.fake_process_group(spec.world_size)
-    with fake_mode, process_group:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
-                built = build(source, spec)
-                model, inputs = built.model, built.inputs
-                trace.checkpointed = built.checkpointed
-                trace.model_type = type(model).__name__
-                if data_parallel:
-                    parallel = _wrap_parallel(source, spec, model)
-                    trace.parallel, trace.shard_units = parallel.description, list(parallel.units)
-        owner_of_param = describe_modules(model, trace)
-        params = [p for p in model.parameters() if p.requires_grad]
-        trace.param_count = sum(p.numel() for p in model.parameters())
-        trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if parallel is not None:
-            optimizer = parallel.optimizer
-        else:
-            optimizer = make_optimizer(spec, params) if spec.training else None
-        if spec.mode == "generate":
-            check_generate(model, inputs)
+        with distributed.fake_process_group(step.spec.world_size):
+            yield
 
-        stack = ModuleStack(model, trace, wrapper=parallel.wrapper if parallel is not None else None)
-        cuda = spec.target == "cuda"
-        tracker = StorageTracker(trace, stack.current, fake_mode, scratch=CUDA_SCRATCH if cuda else None)
-        if parallel is not None:
-            distributed.attach(tracker, parallel, spec)  # DTensor shards, DDP's gradient buckets
-        sdpa = CudaSdpa(spec.attention, spec.compute_capability) if cuda else contextlib.nullcontext()
-        # CUDA autocast rules must also hold in backward, where checkpointing replays the forward
-        autocast_scope = cuda_autocast_scope() if cuda and spec.mixed else contextlib.nullcontext()
-        for name, p in model.named_parameters():
-            sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner_of_param[id(p)])
-            if sid is not None:
-                trace.owner_module[sid] = owner_of_param[id(p)]
-        for name, b in model.named_buffers():
-            tracker.register(b, Category.BUFFERS, "buffer", module=name.rpartition(".")[0])
-        for t in _storage_tensors(inputs):
-            tracker.register(t, Category.INPUTS, "input", module="")
 
-        def classify_after(phase: Phase) -> None:
-            if phase is Phase.BACKWARD:
-                for p in params:
-                    if p.grad is not None:
-                        _own(tracker, trace, p.grad, Category.GRADIENTS, owner_of_param[id(p)])
-            elif phase is Phase.OPTIMIZER:
-                state_of = parallel.optimizer_state() if parallel is not None else optimizer.state
-                for p, state in state_of.items():
-                    for t in _storage_tensors(state):
-                        _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner_of_param.get(id(p), ""))
+@contextlib.contextmanager
+def _built(step: _Step):
+    """Stage 2: model and inputs (weight init reading values gets placeholders), the data-parallel
+    wrapper, module records and owners, parameter counts and the optimizer; all dropped at exit."""
+    trace, spec = step.trace, step.spec
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
+            built = build(step.source, spec)
+            step.model, step.inputs = built.model, built.inputs
+            trace.checkpointed = built.checkpointed
+            trace.model_type = type(step.model).__name__
+            if step.data_parallel and _trainable(step.model):
+                step.parallel = _wrap_parallel(step.source, spec, step.model)
+                trace.parallel, trace.shard_units = step.parallel.description, list(step.parallel.units)
+            elif step.data_parallel:  # frozen: no gradients to synchronise, plain replicas (DDP refuses it)
+                trace.notes.append(
+                    f"every parameter is frozen: the {spec.world_size} ranks are plain replicas"
+                    + (f" (--shard {spec.shard} has nothing to shard)" if spec.shard != "none" else "")
+                )
+    model = step.model
+    step.owner_of_param = describe_modules(model, trace)
+    step.params = [p for p in model.parameters() if p.requires_grad]
+    trace.param_count = sum(p.numel() for p in model.parameters())
+    trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step.trainable_count = sum(p.numel() for p in step.params)
+    if step.parallel is not None:
+        step.optimizer = step.parallel.optimizer
+    else:
+        step.optimizer = step_optimizer(spec, step.params)
+    if spec.mode == "generate":
+        check_generate(model, step.inputs)
+    try:
+        yield
+    finally:
+        step.model = step.inputs = step.optimizer = step.parallel = None
+        step.params = []
 
-        def mark_saved(t: torch.Tensor):
-            sid = tracker.storage_id(t)
-            if sid is not None:
-                trace.storages[sid].saved_for_backward = True
-            return t
 
-        try:
-            source_context = source.trace_context() if source.trace_context else contextlib.nullcontext()
-            instrument = (
-                distributed.instrument(tracker, spec, owner_of_param) if parallel is not None else contextlib.nullcontext()
-            )
-            with _quiet_fake_tensor_log(), source_context, sdpa, autocast_scope, stack, tracker, instrument, torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
-                for it in range(1, spec.iterations + 1):
-                    stack.record_outputs = it == 1
-                    run_step(
-                        model if parallel is None else parallel.module,
-                        inputs,
-                        optimizer,
-                        source.compute_loss,
-                        spec,
-                        on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
-                        after=classify_after,
-                        max_micro_steps=TRACED_MICRO_STEPS,
-                    )
-        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise TraceError(
-                f"{source.origin or source.name}: {_where(stack, tracker)} uses a data-dependent op "
-                f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
-                "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
-                "boolean-mask indexing or nonzero"
-            ) from exc
-        except UnsupportedOperatorException as exc:
-            raise TraceError(
-                f"{source.origin or source.name}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
-                "cannot trace it; replace it with standard torch ops or register a fake kernel (torch.library)"
-            ) from exc
-        except MemestError:
-            raise
-        except Exception as exc:
-            raise TraceError(
-                f"{source.origin or source.name}: {_where(stack, tracker)} raised {type(exc).__name__}: "
-                f"{_first_line(exc)}; check that example_inputs() matches the model's forward"
-            ) from exc
-        del model, inputs, optimizer, params, parallel
+def _track_storages(step: _Step) -> None:
+    """Stage 3: the module stack and the storage tracker (for --world-size, attached to the wrapper:
+    DTensor shards, DDP's gradient buckets)."""
+    parallel = step.parallel
+    step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
+    step.tracker = StorageTracker(
+        step.trace, step.stack.current, step.fake_mode, scratch=CUDA_SCRATCH if step.cuda else None
+    )
+    if parallel is not None:
+        from . import distributed
 
-    if cuda:
-        trace.attention_backends = dict(sdpa.choices)
+        distributed.attach(step.tracker, parallel, step.spec)
+
+
+def _register_storages(step: _Step) -> None:
+    """Stage 4: what exists before the step: parameters (owned by their module), buffers, inputs."""
+    tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
+    for name, p in step.model.named_parameters():
+        sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner[id(p)])
+        if sid is not None:
+            trace.owner_module[sid] = owner[id(p)]
+    for name, b in step.model.named_buffers():
+        tracker.register(b, Category.BUFFERS, "buffer", module=name.rpartition(".")[0])
+    for t in _storage_tensors(step.inputs):
+        tracker.register(t, Category.INPUTS, "input", module="")
+
+
+@contextlib.contextmanager
+def _step_errors(step: _Step):
+    """Stage 5: a failing step becomes one TraceError that says where it failed and what to change
+    (entered outside the instrumentation, so hooks are gone when the message is made)."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise TraceError(
+            f"{step.where}: {_where(step.stack, step.tracker)} uses a data-dependent op "
+            f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
+            "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
+            "boolean-mask indexing or nonzero"
+        ) from exc
+    except UnsupportedOperatorException as exc:
+        raise TraceError(
+            f"{step.where}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
+            "cannot trace it; replace it with standard torch ops or register a fake kernel (torch.library)"
+        ) from exc
+    except MemestError:
+        raise
+    except Exception as exc:
+        fix = _cuda_hint(exc) or "; check that example_inputs() matches the model's forward"
+        raise TraceError(
+            f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
+            f"{_first_line(exc)}{fix}"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _instrumented(step: _Step):
+    """Stage 6: while the step runs: the source's context (transformers' mask branches), CUDA
+    semantics for --target cuda (SDPA backends, autocast rules also in backward, where checkpointing
+    replays the forward), the module stack, the tracker, the data-parallel instrumentation, and the
+    saved-tensor hook that marks activations."""
+    spec, tracker = step.spec, step.tracker
+    step.sdpa = CudaSdpa(spec.attention, spec.compute_capability) if step.cuda else None
+
+    def mark_saved(t: torch.Tensor):
+        sid = tracker.storage_id(t)
+        if sid is not None:
+            step.trace.storages[sid].saved_for_backward = True
+        return t
+
+    with contextlib.ExitStack() as hooks:
+        hooks.enter_context(_quiet_fake_tensor_log())
+        if step.source.trace_context:
+            hooks.enter_context(step.source.trace_context())
+        if step.cuda:
+            hooks.enter_context(step.sdpa)
+            if spec.mixed:
+                hooks.enter_context(cuda_autocast_scope())
+        hooks.enter_context(step.stack)
+        hooks.enter_context(tracker)
+        if step.parallel is not None:
+            from . import distributed
+
+            hooks.enter_context(distributed.instrument(tracker, spec, step.owner_of_param))
+        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t))
+        yield
+
+
+def _run_iterations(step: _Step) -> None:
+    """Stage 7: ``spec.iterations`` steps; gradients and optimizer state are classified as they appear."""
+    spec, tracker, parallel = step.spec, step.tracker, step.parallel
+    module = step.model if parallel is None else parallel.module
+    for it in range(1, spec.iterations + 1):
+        step.stack.record_outputs = it == 1
+        run_step(
+            module,
+            step.inputs,
+            step.optimizer,
+            step.source.compute_loss,
+            spec,
+            on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
+            after=lambda phase: _classify_after(step, phase),
+            max_micro_steps=TRACED_MICRO_STEPS,
+        )
+
+
+def _classify_after(step: _Step, phase: Phase) -> None:
+    """After backward: the gradients; after the optimizer step: its state (owned by the parameter's module)."""
+    tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
+    if phase is Phase.BACKWARD:
+        for p in step.params:
+            if p.grad is not None:
+                _own(tracker, trace, p.grad, Category.GRADIENTS, owner[id(p)])
+    elif phase is Phase.OPTIMIZER:
+        state_of = step.parallel.optimizer_state() if step.parallel is not None else step.optimizer.state
+        for p, state in state_of.items():
+            for t in _storage_tensors(state):
+                _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner.get(id(p), ""))
+
+
+def _classify(step: _Step) -> None:
+    """Stage 8, after the step: attention backends chosen, temporaries saved for backward are
+    activations, and for --world-size/--offload the host storages split from the device's."""
+    trace, spec = step.trace, step.spec
+    if spec.training and step.trainable_count < trace.param_count:
+        trace.notes.append(_frozen_note(trace, step.trainable_count))
+    if step.cuda:
+        trace.attention_backends = dict(step.sdpa.choices)
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
@@ -320,7 +507,28 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
         trace.world_size = spec.world_size
         distributed.mark_host(trace, spec)
-    return trace
+
+
+def _trainable(model: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def _frozen_note(trace: Trace, trainable: int) -> str:
+    from ..units import format_count
+
+    frozen = trace.param_count - trainable
+    if trainable:
+        return (
+            f"{format_count(frozen)} of {format_count(trace.param_count)} parameters frozen (requires_grad=False): "
+            f"gradients and optimizer state for the {format_count(trainable)} trainable ones only"
+        )
+    if any(phase is Phase.BACKWARD for _, _, phase in trace.phase_marks):
+        return "every parameter is frozen (requires_grad=False): backward runs for the inputs that require grad; no optimizer step"
+    return (
+        "every parameter is frozen (requires_grad=False) and the loss does not require grad: traced forward + loss "
+        "only, without backward or optimizer step (a real loss.backward() raises here); --mode inference traces "
+        "the forward without autograd"
+    )
 
 
 def _wrap_parallel(source: ModelSource, spec: RunSpec, model):

@@ -9,8 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..sources.base import ModelSource
 from ..spec import RunSpec
-from ..trace.optim import make_optimizer
-from ..trace.step import build, run_step
+from ..trace.step import build, run_step, step_optimizer
 
 
 def _allocation_events(prof) -> list:
@@ -45,7 +44,7 @@ def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(spec, params) if spec.training else None
+    optimizer = step_optimizer(spec, params)
     baseline = _distinct_storage_bytes(
         list(model.parameters()) + list(model.buffers()) + tree_flatten(inputs)[0]
     )

@@ -113,7 +113,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     model, inputs = built.model, built.inputs
     del built
     fsdp = spec.shard in ("zero2", "zero3")
-    parallel = wrap(model, spec, fake=False) if fsdp else None
+    # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
+    replicas = not any(p.requires_grad for p in model.parameters())
+    parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None
     # alive before profiling: parameters (this rank's shards under FSDP), buffers, inputs
     held = [getattr(t, "_local_tensor", t) for t in model.parameters()] + list(model.buffers()) + tree_flatten(inputs)[0]
     baseline = _distinct_storage_bytes(held)
@@ -121,13 +123,15 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     gc.collect()  # the previous case's model and optimizer (FSDP and DDP keep reference cycles)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
-        if parallel is None:
+        if parallel is None and not replicas:
             parallel = wrap(model, spec, fake=False)
-        parallel.ddp_buckets = []
+        if parallel is not None:
+            parallel.ddp_buckets = []
+        module, optimizer = (model, None) if parallel is None else (parallel.module, parallel.optimizer)
         marker = torch.empty(SENTINEL_BYTES, dtype=torch.uint8)
         del marker
         for _ in range(spec.iterations):
-            run_step(parallel.module, inputs, parallel.optimizer, source.compute_loss, spec)
+            run_step(module, inputs, optimizer, source.compute_loss, spec)
     dist.barrier()
     return _peak(_allocation_events(prof), baseline, rank)
 

@@ -1,0 +1,46 @@
+"""Errors raised while building the model or its inputs: the real error is kept (type and first line);
+the CUDA hint is added only when the error is about a CUDA device that is not there."""
+
+import pytest
+from typer.testing import CliRunner
+
+from memest.cli import app
+from memest.errors import TraceError
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import trace_step
+
+from .conftest import model_ref
+
+
+def _trace_error(name: str) -> str:
+    ref = model_ref(name)
+    with pytest.raises(TraceError) as info:
+        trace_step(load_source(ref), RunSpec(model=ref, target="cpu"))
+    return str(info.value)
+
+
+def test_error_mentioning_cuda_keeps_the_real_error():
+    message = _trace_error("build_bad_option")
+    assert "ValueError: bad cuda_kernel_size option" in message
+    assert "CUDA device" not in message
+
+
+def test_dot_cuda_keeps_the_error_and_adds_the_hint():
+    message = _trace_error("build_on_cuda")
+    assert "building the model raised RuntimeError" in message  # torch's own words follow
+    assert "asks for a CUDA device" in message and "--target cuda" in message
+
+
+@pytest.mark.parametrize("name,needle", [("build_bad_option", "cuda_kernel_size"), ("build_on_cuda", "CUDA device")])
+def test_build_errors_are_one_line_exit_2(name, needle):
+    result = CliRunner().invoke(app, ["estimate", model_ref(name)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.output
+
+
+def test_cuda_tensor_in_the_forward_gets_the_hint():
+    message = _trace_error("forward_on_cuda")
+    assert "the forward raised" in message and "cpu and cuda" in message  # torch's own words kept
+    assert "asks for a CUDA device" in message

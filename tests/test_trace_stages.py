@@ -1,0 +1,52 @@
+"""trace_step's stages (trace/step.py) leave nothing behind, whether the step succeeds or fails:
+no mode, module hook, saved-tensor hook, SDPA or transformers patch outlives a trace."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from memest.errors import TraceError
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import trace_step
+
+from .conftest import model_ref
+
+
+def _global_state():
+    from transformers import masking_utils
+
+    return (
+        F.scaled_dot_product_attention,
+        masking_utils._ignore_causal_mask_sdpa,
+        torch.UntypedStorage.resize_,
+        dict(nn_module._global_forward_hooks),
+        dict(nn_module._global_forward_pre_hooks),
+        dict(nn_module._global_backward_hooks),
+    )
+
+
+@pytest.mark.parametrize("name,extra,fails", [
+    ("hf:gpt2-tiny", {"seq": 32, "precision": "bf16-mixed", "checkpointing": "blocks"}, False),
+    ("data_dependent", {}, True),
+    ("forward_on_cuda", {}, True),
+    ("mlp", {"world_size": 2, "shard": "zero3"}, False),
+])
+def test_a_trace_leaves_no_hooks_or_patches(name, extra, fails):
+    before = _global_state()
+    ref = model_ref(name)
+    spec = RunSpec(model=ref, batch=2, target="cuda", **extra)
+    if fails:
+        with pytest.raises(TraceError):
+            trace_step(load_source(ref), spec)
+    else:
+        trace_step(load_source(ref), spec)
+    assert _global_state() == before
+    assert _get_current_dispatch_mode() is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not torch.distributed.is_initialized()
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()  # a real tensor, real autograd
+    assert x.grad.tolist() == [2.0, 2.0]
