@@ -54,6 +54,11 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     report.trace_seconds = time.perf_counter() - start
     if spec.world_size > 1 or spec.offload != "none":
         _parallel_notes(report, trace, spec)
+    if trace.uncounted_flop_ops:
+        report.notes.append(
+            f"FLOPs of {', '.join(sorted(trace.uncounted_flop_ops))} not counted (torch's flop formula rejected the "
+            "shapes); time costs such as recompute % are understated, memory is unaffected"
+        )
     if spec.target == "cuda":
         report.notes.append(
             "device = caching-allocator reserved + CUDA context (+ NCCL, cuDNN allowance); "
