@@ -4,7 +4,6 @@
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
 from transformer import D_MODEL, HEADS, LAYERS, VOCAB, compute_loss, example_inputs  # noqa: F401
 
 

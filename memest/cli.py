@@ -15,6 +15,7 @@ from typer.core import TyperGroup
 from .choices import Attention, Cache, Mode, Offload, Optimizer, OutputFormat, Precision, Shard, Target, ZeroGrad
 from .errors import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, MemestError
 
+
 class _OneLineErrors(TyperGroup):
     """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
 

@@ -77,9 +77,8 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
 
 def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
     """--world-size/--shard/--offload: what the trace is (details: trace.distributed.sharding_summary)."""
-    from .units import format_bytes
-
     from .trace.distributed import sharding_summary
+    from .units import format_bytes
 
     report.sharding = sharding_summary(trace)
     report.effective_batch *= spec.world_size

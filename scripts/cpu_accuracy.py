@@ -75,7 +75,7 @@ def main() -> None:
         "(design.md §3). Reproduce: `python scripts/cpu_accuracy.py`.",
         "",
         f"**Median |error| {statistics.median(errors):.3f}%, max {max(errors):.2f}%** over {len(rows)} cases "
-        f"(LSTM included; see the note); without LSTM: max {max(e for e, r in zip(errors, rows) if r['model'] != 'lstm'):.2f}%.",
+        f"(LSTM included; see the note); without LSTM: max {max(e for e, r in zip(errors, rows, strict=True) if r['model'] != 'lstm'):.2f}%.",
         "",
         "| model | batch | seq | optimizer | precision | technique | estimated | measured | error |",
         "|---|---:|---:|---|---|---|---:|---:|---:|",

@@ -284,7 +284,7 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "failures": failures},
                                                        indent=2) + "\n")
 
-    for i, case, future in zip(indices, cases, estimates):
+    for i, case, future in zip(indices, cases, estimates, strict=True):
         try:
             real = _spawn("real", case, {})
         except Exception as exc:  # noqa: BLE001 -- one failing case must not lose the others' numbers

@@ -367,7 +367,7 @@ CONFIGS = [
 @pytest.mark.parametrize("limit", [None, 400 * MiB])
 def test_random_sequences_keep_invariants(config, limit):
     rng = random.Random(1234)
-    for trial in range(4):
+    for _ in range(4):
         events = _random_events(rng, 300)
         alloc = CachingAllocator(config, limit)
         live, requested = {}, 0

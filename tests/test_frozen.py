@@ -97,7 +97,7 @@ def test_frozen_model_ranks_are_replicas_as_measured():
     ref = model_ref("frozen")
     specs = [RunSpec(model=ref, batch=16, optim="adam", target="cpu", world_size=2, shard=shard) for shard in ("none", "zero1")]
     measured = measure_distributed_peaks(specs)
-    for spec, ranks in zip(specs, measured):
+    for spec, ranks in zip(specs, measured, strict=True):
         result = estimate(spec)
         estimated, real = result.report.peak_allocated_bytes, ranks[0]["peak_bytes"]
         assert abs(estimated - real) / real <= 0.05, f"--shard {spec.shard}: estimated {estimated} B, measured {real} B"

@@ -78,7 +78,7 @@ def test_needed_rises_with_batch_where_unconstrained_usage_dips(gpt2):
 
 
 def test_fits_at_needed_and_not_one_byte_below_and_a_direct_replay_agrees(gpt2):
-    for b, result in gpt2.items():
+    for result in gpt2.values():
         needed, usage = result.needed_bytes, result.report.device
         assert result.fits(needed) and not result.fits(needed - 1)
         assert fits_in(result.trace, usage, needed, env={})

@@ -6,6 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from memest.device.fit import fit_rows
 from memest.errors import MemestError
 from memest.report.analysis import analyse
 from memest.report.markdown import escape_cell, estimate_markdown, table_markdown
@@ -15,7 +16,6 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.trace import trace_step
 from memest.trace.events import Category, Phase, StorageRecord, Trace
-from memest.device.fit import fit_rows
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_downsampling_keeps_bucket_maxima():
     assert tl.peak.index == 61_234 and tl.peak.bytes == max(full)
     # each of 10 equal slices: its maximum is within the kept points (maxima, not strides)
     for a in range(0, 100_000, 10_000):
-        assert max(t for i, t in zip(tl.index, tl.total) if a <= i < a + 10_000) >= 0.95 * max(full[a:a + 10_000])
+        assert max(t for i, t in zip(tl.index, tl.total, strict=True) if a <= i < a + 10_000) >= 0.95 * max(full[a:a + 10_000])
 
 
 def test_categories_sum_to_the_total(traced):
@@ -102,7 +102,7 @@ def test_categories_sum_to_the_total(traced):
     for max_points in (2000, 30):
         tl = category_timeline(trace, max_points=max_points)
         assert set(tl.series) == set(tl.categories)
-        for k, i in enumerate(tl.index):
+        for k in range(len(tl.index)):
             assert sum(tl.series[c][k] for c in tl.categories) == tl.total[k]
     # and each category matches a recount of the storages alive at the peak
     tl = category_timeline(trace)
@@ -117,7 +117,7 @@ def test_phase_spans_cover_the_events_in_order(traced):
     tl = category_timeline(trace)
     spans = tl.spans
     assert spans[0].start == 0 and spans[-1].end == len(trace.events)
-    for a, b in zip(spans, spans[1:]):
+    for a, b in zip(spans, spans[1:], strict=False):
         assert a.end == b.start and a.start < a.end
         assert (a.iteration, list(Phase).index(Phase(a.phase))) != (b.iteration, list(Phase).index(Phase(b.phase)))
     assert [(s.start, s.iteration, s.phase) for s in spans if s.phase != "setup"] == [

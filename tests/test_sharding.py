@@ -69,7 +69,7 @@ def measured():
         if world_size not in cache:
             cases = CASES[world_size]
             results = measure_distributed_peaks([_spec(c, world_size) for c in cases])
-            cache[world_size] = dict(zip(cases, results))
+            cache[world_size] = dict(zip(cases, results, strict=True))
         return cache[world_size][case]
 
     return get

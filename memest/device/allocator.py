@@ -166,7 +166,7 @@ def _parse_roundup(tok: _Tokens, i: int, divisions: list[int]) -> int:
     return i + 1
 
 
-def parse_alloc_conf(text: str | None) -> AllocatorConfig:
+def parse_alloc_conf(text: str | None) -> AllocatorConfig:  # noqa: C901 -- mirrors parseArgs branch for branch
     """Parse a PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF string the way torch 2.13 does.
 
     Invalid values raise ValueError as torch does. Keys torch accepts but that do not matter here land in
@@ -835,7 +835,7 @@ class CachingAllocator:
             chain = sorted(by_seg.get(seg, []), key=lambda b: b.addr)
             assert chain, "every segment holds blocks"
             assert chain[0].addr == seg.base and chain[0].prev is None and chain[-1].next is None
-            for a, b in zip(chain, chain[1:]):
+            for a, b in zip(chain, chain[1:], strict=False):
                 assert a.addr + a.size == b.addr and a.next is b and b.prev is a
                 assert a.allocated or b.allocated or a.mapped != b.mapped, "free neighbours merge"
             assert sum(b.size for b in chain) == seg.size

@@ -14,8 +14,6 @@ from pathlib import Path
 
 from ..errors import MemestError
 
-from ..units import MiB
-
 
 def cache_file() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

@@ -107,7 +107,7 @@ class SizeModel:
         t = self.template
         return dataclasses.replace(
             t,
-            storages=[dataclasses.replace(r, nbytes=n) for r, n in zip(t.storages, sizes)],
+            storages=[dataclasses.replace(r, nbytes=n) for r, n in zip(t.storages, sizes, strict=True)],
             events=[(sid, sizes[sid] if delta > 0 else -sizes[sid]) for sid, delta in t.events],
         )
 
@@ -191,14 +191,19 @@ def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, cap
     result = Sweep(points, verification, "", runner.traces)
     result.plain_words = _plain_words(model, fit_batches[0], fit_seqs)
     if capacity is not None:
-        # from the fit (sizes > 1); `memest max-batch` finds the boundary with direct traces
-        result.largest_batch = _largest(lambda b: fitted(b, fit_seqs[0])[2](capacity), 1 << 14)
-        result.largest_batch_at_seq = fit_seqs[0]
-        if fit_seqs[0] is not None and len(seq_design) >= 3:
-            limit = runner.source.max_seq or 1 << 20  # learned position embeddings end somewhere
-            result.largest_seq = _largest(lambda s: fitted(fit_batches[0], s)[2](capacity), limit)
-            result.largest_seq_at_batch = fit_batches[0]
+        seq_max = (runner.source.max_seq or 1 << 20) if len(seq_design) >= 3 else None
+        _largest_from_fit(result, lambda b, s: fitted(b, s)[2](capacity), fit_batches[0], fit_seqs[0], seq_max)
     return result
+
+
+def _largest_from_fit(result: Sweep, fits, batch: int, seq: int | None, seq_max: int | None) -> None:
+    """The largest batch (at ``seq``) and seq (at ``batch``, up to ``seq_max``: learned position embeddings
+    end somewhere) that fit, from the fit (sizes > 1); `memest max-batch` finds the boundary with traces."""
+    result.largest_batch = _largest(lambda b: fits(b, seq), 1 << 14)
+    result.largest_batch_at_seq = seq
+    if seq is not None and seq_max is not None:
+        result.largest_seq = _largest(lambda s: fits(batch, s), seq_max)
+        result.largest_seq_at_batch = batch
 
 
 def _rebuild(runner: Runner):

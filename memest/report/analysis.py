@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..device.usage import DeviceUsage
 from ..spec import RunSpec
-from ..trace.events import Category, Phase, Trace
 from ..trace.checkpointing import within
+from ..trace.events import Category, Phase, Trace
 from ..trace.optim import FOLKLORE_N
 from ..trace.step import TRACED_MICRO_STEPS
 

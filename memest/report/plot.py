@@ -317,7 +317,7 @@ def timeline_svg(timeline: Timeline, report: Report | None = None) -> str:
     xs = list(timeline.index) + [n]
     lower = [0] * len(timeline.index)
     for cat, series in stack:
-        upper = [a + b for a, b in zip(lower, series)]
+        upper = [a + b for a, b in zip(lower, series, strict=True)]
         out.append(f'<path d="{_step_area(xs, lower, upper, x, y)}" fill="{COLOURS[cat]}" stroke="none">'
                    f"<title>{esc(LABELS[cat])}</title></path>")
         lower = upper

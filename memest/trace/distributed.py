@@ -308,7 +308,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         return out
 
     def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
-        for p, g in zip(fsdp_params, unsharded_grads):
+        for p, g in zip(fsdp_params, unsharded_grads, strict=True):
             _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
         with _label(tracker, "FSDP reduce-scatter"):
             out = saved["reduce"](fsdp_params, unsharded_grads, *args, **kwargs)

@@ -103,7 +103,7 @@ class ModuleStack:
         if rec.calls == 1:
             rec.output_shape, rec.output_bytes = _shape_text(output)
 
-    def __enter__(self) -> "ModuleStack":
+    def __enter__(self) -> ModuleStack:
         self._tracker.register_user_hooks(post_fw_hook=self._post_forward)
         self._tracker.__enter__()
         return self

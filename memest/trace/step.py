@@ -45,12 +45,12 @@ with imports_without_gc():
     )
     from torch.utils._pytree import tree_flatten
 
-    from .cuda.autocast import cuda_autocast_scope
-    from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
     from ..errors import MemestError, TraceError
     from ..sources.base import ModelSource, default_loss
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
+    from .cuda.autocast import cuda_autocast_scope
+    from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
     from .inference import check_generate, run_generate, run_inference
@@ -388,7 +388,7 @@ def _track_storages(step: _Step) -> None:
 def _register_storages(step: _Step) -> None:
     """Stage 4: what exists before the step: parameters (owned by their module), buffers, inputs."""
     tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
-    for name, p in step.model.named_parameters():
+    for p in step.model.parameters():
         sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner[id(p)])
         if sid is not None:
             trace.owner_module[sid] = owner[id(p)]

@@ -118,7 +118,7 @@ class StorageTracker:
 
         return freed
 
-    def __enter__(self) -> "StorageTracker":
+    def __enter__(self) -> StorageTracker:
         if self._fake_mode.tracker is not None:
             raise RuntimeError("the fake mode is already tracking a step")
         self._fake_mode.tracker = self

@@ -1,7 +1,6 @@
 """A model file whose build raises an error that mentions "cuda" but is not about a CUDA device."""
 
 import torch
-from torch import nn
 
 
 def build_model():

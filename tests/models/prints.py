@@ -18,7 +18,7 @@ class Chatty(nn.Module):
 
     def forward(self, x):
         print("forward called")
-        warnings.warn("a warning from the model's forward")
+        warnings.warn("a warning from the model's forward", stacklevel=2)
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)

@@ -105,7 +105,7 @@ class CudaSdpa:
         self.choices: Counter[str] = Counter()
         self._lib = None
 
-    def __enter__(self) -> "CudaSdpa":
+    def __enter__(self) -> CudaSdpa:
         self._lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
@@ -174,7 +174,7 @@ def flash_backward_scratch(args, kwargs) -> list[int]:
     """Bytes mha_bwd allocates besides dq/dk/dv (flash_api.cpp): softmax_d (B, H, Lq rounded to 128)
     and dq_accum (B, Lq rounded to 128, H, head dim rounded to 32), both fp32; for grouped-query
     attention also dk_expanded and dv_expanded (B, Lk, H, D) in the input dtype."""
-    grad_out, query, key = args[0], args[1], args[2]
+    query, key = args[1], args[2]  # args[0] is grad_out
     b, h, lq, d = query.shape
     lk, hk = key.shape[2], key.shape[1]
     lq_r, d_r = _round_up(lq, 128), _round_up(d, 32)
