@@ -20,6 +20,9 @@ class _OneLineErrors(TyperGroup):
     """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from .report.text import ascii_fallback_streams
+
+        ascii_fallback_streams()  # LANG=C / PYTHONIOENCODING=ascii: ASCII instead of a UnicodeEncodeError
         try:  # typer >= 0.2x vendors click as typer._click
             from typer._click import exceptions as click
         except ImportError:

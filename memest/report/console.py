@@ -10,35 +10,84 @@ from ..device.nvml import GpuQuery
 from ..units import format_bytes, format_count
 from .analysis import BREAKDOWN_KEYS, Report
 
+# per-layer columns: (header, justify, drop order: higher goes first when the terminal is too narrow;
+# 0 never goes). Numbers are never truncated: columns are left out instead, and the caption says which.
+LAYER_COLUMNS = (
+    ("module", "left", 0),
+    ("type", "left", 5),
+    ("output shape", "left", 6),
+    ("params", "right", 4),
+    ("weights+grads+optim", "right", 2),
+    ("saved for bwd", "right", 3),
+    ("alive at peak", "right", 0),
+    ("% of peak", "right", 1),
+)
 
-def layer_table(report: Report, depth: int) -> Table:
-    table = Table(title=f"{report.model} ({report.model_type}) — per layer", title_justify="left")
-    for col, justify in (
-        ("module", "left"),
-        ("type", "left"),
-        ("output shape", "left"),
-        ("params", "right"),
-        ("weights+grads+optim", "right"),
-        ("saved for bwd", "right"),
-        ("alive at peak", "right"),
-        ("% of peak", "right"),
-    ):
-        table.add_column(col, justify=justify, no_wrap=True)
-    for row in report.layers:
-        if row.depth > depth:
-            continue
-        name = "  " * row.depth + (row.name.rpartition(".")[2] if row.name else "(model)")
-        model_state = row.param_bytes + row.grad_bytes + row.optimizer_bytes
-        table.add_row(
-            name,
-            row.type,
-            row.output_shape,
-            format_count(row.params),
-            format_bytes(model_state),
-            format_bytes(row.activation_bytes),
-            format_bytes(row.bytes_at_peak),
-            f"{100 * row.share_of_peak:.1f}%",
-        )
+
+# headers on two lines where that keeps number columns narrow
+HEADER_LINES = {"weights+grads+optim": "weights+grads\n+optim", "saved for bwd": "saved\nfor bwd",
+                "alive at peak": "alive at\npeak", "% of peak": "% of\npeak", "output shape": "output\nshape"}
+
+
+def _layer_cells(line) -> dict[str, str]:
+    return {
+        "module": "  " * line.depth + line.label,
+        "type": line.type,
+        "output shape": line.output_shape,
+        "params": format_count(line.params),
+        "weights+grads+optim": format_bytes(line.state_bytes),
+        "saved for bwd": format_bytes(line.activation_bytes),
+        "alive at peak": format_bytes(line.bytes_at_peak),
+        "% of peak": f"{100 * line.share_of_peak:.1f}%",
+    }
+
+
+def layer_table(report: Report, depth: int, expand: bool = False, width: int | None = None) -> Table:
+    """The per-layer table to ``depth``, repeated blocks collapsed unless ``expand``, fitted to ``width``
+    (the console's) by leaving out low-priority columns, never by truncating a number."""
+    from .layers import collapse_note, select_layers
+
+    lines = select_layers(report.layers, depth, expand)
+    cells = [_layer_cells(line) for line in lines]
+    columns = list(LAYER_COLUMNS)
+    dropped: list[str] = []
+
+    longest = {name: max([len(part) for part in HEADER_LINES.get(name, name).split("\n")] + [len(c[name]) for c in cells])
+               for name, _, _ in LAYER_COLUMNS}
+
+    def build() -> Table:
+        table = Table(title=f"{report.model} ({report.model_type}) — per layer", title_justify="left")
+        for name, justify, _ in columns:
+            wraps = name in ("module", "type", "output shape")  # text may wrap, within a readable width
+            table.add_column(HEADER_LINES.get(name, name), justify=justify, no_wrap=not wraps,
+                             overflow="fold",
+                             min_width=min(longest[name], 24) if wraps else None)
+        for c in cells:
+            table.add_row(*(c[name] for name, _, _ in columns))
+        notes = []
+        if dropped:
+            notes.append(f"left out at this width: {', '.join(dropped)} (a wider terminal, --markdown or --json "
+                         "shows them)")
+        note = collapse_note(lines)
+        if note:
+            notes.append(note)
+        if notes:
+            table.caption, table.caption_justify = "\n".join(notes), "left"
+        return table
+
+    def needed_width() -> int:  # numbers in full, text columns at their minimum, padding 2, borders
+        text = ("module", "type", "output shape")
+        return sum(min(longest[n], 24) if n in text else longest[n] for n, _, _ in columns) + 3 * len(columns) + 1
+
+    table = build()
+    while width is not None and needed_width() > width:
+        droppable = [c for c in columns if c[2] > 0]
+        if not droppable:
+            break
+        victim = max(droppable, key=lambda c: c[2])
+        columns.remove(victim)
+        dropped.append(victim[0])
+        table = build()
     return table
 
 
@@ -96,7 +145,10 @@ def summary_table(report: Report) -> Table:
             if not cost.in_allocator:
                 tag = "calibrated" if cost.calibrated else "assumption" if cost.source.startswith("assumption") else "default"
                 table.add_row("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)} ({tag})")
-        table.add_row("predicted device use", f"[bold]{format_bytes(dev.device_bytes)}[/bold] (what nvidia-smi would show)")
+        table.add_row("predicted device use", f"{format_bytes(dev.device_bytes)} (what nvidia-smi would show on a GPU "
+                      "with room to spare)")
+        table.add_row("needed", f"[bold]{format_bytes(dev.min_budget_bytes)}[/bold] (the smallest device budget the step "
+                      "runs in: the allocator frees its cache before running out)")
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
     table.add_row(
@@ -111,14 +163,29 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f", … (+{len(names) - 3})" if len(names) > 3 else "")
 
 
-def fit_table(rows: list[FitRow]) -> Table:
+def fit_table(rows: list[FitRow], width: int | None = None) -> Table:
+    """Numbers in full: at a narrow width the total and used columns go first."""
     from .markdown import FIT_HEADERS, fit_cells
 
+    cells = fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]")
+    plain = fit_cells(rows)
+    keep = list(range(len(FIT_HEADERS)))
+
+    def needed_width() -> int:
+        widths = [max([len(FIT_HEADERS[j])] + [len(r[j]) for r in plain]) for j in keep]
+        return sum(min(w, 24) if FIT_HEADERS[j] == "against" else w for w, j in zip(widths, keep, strict=True)) \
+            + 3 * len(keep) + 1
+
+    for optional in ("used", "total"):
+        if width is not None and needed_width() > width:
+            keep.remove(FIT_HEADERS.index(optional))
     table = Table(title="Does it fit?", title_justify="left")
-    for col in FIT_HEADERS:
-        table.add_column(col, justify="left" if col == "against" else "right")
-    for cells in fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]"):
-        table.add_row(*cells)
+    for j in keep:
+        col = FIT_HEADERS[j]
+        table.add_column(col, justify="left" if col == "against" else "right", no_wrap=col != "against",
+                         overflow="fold", min_width=min(24, len(col)) if col == "against" else None)
+    for r in cells:
+        table.add_row(*(r[j] for j in keep))
     return table
 
 
@@ -129,13 +196,14 @@ def make_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
-def print_estimate(console: Console, report: Report, fits: list[FitRow], gpu_reason: str, depth: int) -> None:
-    console.print(layer_table(report, depth))
+def print_estimate(console: Console, report: Report, fits: list[FitRow], gpu_reason: str, depth: int,
+                   expand: bool = False) -> None:
+    console.print(layer_table(report, depth, expand=expand, width=console.width))
     console.print(summary_table(report))
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")
     if fits:
-        console.print(fit_table(fits))
+        console.print(fit_table(fits, width=console.width))
     else:
         console.print(f"GPUs: {gpu_reason}; pass --gpu 11GB to compare with a budget.")
 

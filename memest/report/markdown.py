@@ -73,7 +73,9 @@ def summary_items(report: Report) -> list[tuple[str, str]]:
         dev = report.device
         items.append(("torch would report", f"max_memory_allocated {format_bytes(dev.allocated_peak_bytes)}, "
                                             f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)}"))
-        items.append(("predicted device use", f"**{format_bytes(dev.device_bytes)}** (what nvidia-smi would show)"))
+        items.append(("predicted device use", f"{format_bytes(dev.device_bytes)} (what nvidia-smi would show on a GPU "
+                                              "with room to spare)"))
+        items.append(("needed", f"**{format_bytes(dev.min_budget_bytes)}** (the smallest device budget the step runs in)"))
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
     items.append(("folklore formula", f"{format_bytes(report.folklore_bytes)} ({report.folklore_formula}): "
@@ -91,22 +93,23 @@ def breakdown_rows(report: Report) -> list[list[str]]:
     return rows
 
 
-def layer_rows(report: Report, depth: int) -> tuple[list[str], list[list[str]]]:
+def layer_rows(report: Report, depth: int, expand: bool = False) -> tuple[list[str], list[list[str]]]:
+    from .layers import select_layers
+
     headers = ["module", "type", "output shape", "params", "weights+grads+optim", "saved for bwd",
                "alive at peak", "% of peak"]
     rows = [
         [
-            row.name or "(model)",
-            row.type,
-            row.output_shape,
-            format_count(row.params),
-            format_bytes(row.param_bytes + row.grad_bytes + row.optimizer_bytes),
-            format_bytes(row.activation_bytes),
-            format_bytes(row.bytes_at_peak),
-            f"{100 * row.share_of_peak:.1f}%",
+            line.name or "(model)",
+            line.type,
+            line.output_shape,
+            format_count(line.params),
+            format_bytes(line.state_bytes),
+            format_bytes(line.activation_bytes),
+            format_bytes(line.bytes_at_peak),
+            f"{100 * line.share_of_peak:.1f}%",
         ]
-        for row in report.layers
-        if row.depth <= depth
+        for line in select_layers(report.layers, depth, expand)
     ]
     return headers, rows
 
@@ -134,13 +137,19 @@ def fit_rows_markdown(rows: list[FitRow]) -> str:
     return table_markdown(FIT_HEADERS, fit_cells(rows))
 
 
-def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_reason: str = "") -> str:
+def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_reason: str = "",
+                      expand: bool = False) -> str:
     """The ``estimate`` view in Markdown: summary, breakdown at the peak, layers to ``depth``, fit."""
     parts = [f"### memest: {escape_cell(report.model)} ({escape_cell(report.model_type)})", ""]
     parts += [f"- **{label}**: {value}" for label, value in summary_items(report)]
     parts += ["", table_markdown(["alive at the peak", "bytes", "share"], breakdown_rows(report))]
-    headers, rows = layer_rows(report, depth)
+    from .layers import collapse_note, select_layers
+
+    headers, rows = layer_rows(report, depth, expand)
     parts += ["", f"#### Per layer (depth {depth})", "", table_markdown(headers, rows)]
+    note = collapse_note(select_layers(report.layers, depth, expand))
+    if note:
+        parts += ["", f"_{note}_"]
     if report.notes:
         parts += ["", "\n>\n".join(f"> note: {note}" for note in report.notes)]
     parts += [""]
