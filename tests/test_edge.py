@@ -374,3 +374,9 @@ def test_long_work_reports_progress_on_stderr_with_elapsed_time():
     with ticker("fast", quiet.append, after=5):
         pass
     assert quiet == []  # short work says nothing
+
+
+def test_a_bad_allocator_setting_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1")
+    line = one_line_error(run("estimate", model_ref("mlp")))
+    assert "PYTORCH_CUDA_ALLOC_CONF" in line and "max_split_size_mb" in line

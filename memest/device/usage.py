@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from ..errors import MemestError
 from ..trace.events import Phase, Trace
 from .allocator import min_device_limit, parse_alloc_conf, replay
 from .overheads import FixedCost, fixed_costs
@@ -88,7 +89,12 @@ def device_usage(
     if allowance:
         costs.append(allowance)
     conf_text = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    conf = parse_alloc_conf(conf_text)
+    try:
+        conf = parse_alloc_conf(conf_text)
+    except ValueError as exc:  # torch would refuse to start the run with the same setting
+        raise MemestError(
+            f"PYTORCH_CUDA_ALLOC_CONF={conf_text!r}: {exc}; torch rejects this setting too (fix or unset it)"
+        ) from None
     events = allocator_events(trace, costs)
     result = replay(events, conf)
     limit = min_device_limit(events, conf, unconstrained=result)
