@@ -3,57 +3,16 @@ hands the result's View to the one emit path; ``_run`` maps every error to its e
 
 from __future__ import annotations
 
-import errno
-import sys
-import traceback
-from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperGroup
 
 from .choices import Attention, Cache, Mode, Offload, Optimizer, OutputFormat, Precision, Shard, Target, ZeroGrad
-from .errors import EXIT_DOES_NOT_FIT, EXIT_OK, EXIT_USAGE, MemestError
-
-
-class _OneLineErrors(TyperGroup):
-    """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        from .report.text import ascii_fallback_streams
-
-        ascii_fallback_streams()  # LANG=C / PYTHONIOENCODING=ascii: ASCII instead of a UnicodeEncodeError
-        try:  # typer >= 0.2x vendors click as typer._click
-            from typer._click import exceptions as click
-        except ImportError:
-            from click import exceptions as click
-
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.UsageError as exc:
-            if type(exc).__name__ == "NoArgsIsHelpError":  # `memest` alone: the help, as click prints it
-                exc.show()
-                code = exc.exit_code
-            else:
-                command = exc.ctx.command_path if exc.ctx is not None else "memest"
-                message = exc.format_message().replace("Value error, ", "")  # typer's pydantic coercion prefix
-                typer.echo(f"memest: error: {message} (see {command} --help)", err=True)
-                code = EXIT_USAGE
-        except click.Abort:
-            typer.echo("memest: interrupted", err=True)
-            code = 130
-        except OSError as exc:  # e.g. stdout closed by `| head`: not a clean run, never "ok" or "does not fit"
-            if exc.errno != errno.EPIPE:
-                raise
-            code = EXIT_USAGE
-        code = code if isinstance(code, int) else EXIT_OK
-        if standalone_mode:
-            sys.exit(code)
-        return code
-
+from .errors import EXIT_DOES_NOT_FIT, EXIT_OK
+from .exits import OneLineErrors, output_format, run_command
 
 app = typer.Typer(
-    name="memest", cls=_OneLineErrors,
+    name="memest", cls=OneLineErrors,
     help="How much GPU memory will this PyTorch training step need? Traced on fake tensors, no GPU touched.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
@@ -76,45 +35,6 @@ Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Also print tracebacks (exit codes stay the same).")]
 Budget = Annotated[str, typer.Option("--gpu", help="Budget (24GB, 24GiB), card name or device index.")]
-
-
-def _format(fmt: OutputFormat, json: bool, markdown: bool) -> OutputFormat:
-    asked = {f for f, on in ((OutputFormat.JSON, json), (OutputFormat.MARKDOWN, markdown)) if on}
-    if fmt != OutputFormat.TABLE:
-        asked.add(fmt)
-    if len(asked) > 1:
-        raise MemestError(f"choose one output format, not {' and '.join(sorted(a.value for a in asked))}")
-    return asked.pop() if asked else OutputFormat.TABLE
-
-
-def _run(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True) -> None:
-    """Run a command's work -> (View, exit code), print it, exit. Exit codes never depend on --debug:
-    0 ok, 1 does not fit, 2 usage / config / model errors and anything unexpected (never 0 or 1).
-    CUDA devices are hidden from torch first (only calibrate uses the GPU)."""
-    from .app import hide_cuda
-    from .report.emit import emit
-
-    if hide_gpus:
-        hide_cuda()
-    try:
-        out_format = fmt()
-        view, code = work()
-    except KeyboardInterrupt:
-        typer.echo("memest: interrupted", err=True)
-        raise typer.Exit(130) from None
-    except MemestError as exc:
-        if debug:
-            traceback.print_exc()
-        typer.echo(f"memest: error: {exc}", err=True)
-        raise typer.Exit(exc.exit_code) from None
-    except Exception as exc:  # a bug in memest or an unexpected failure: never "ok" or "does not fit"
-        if debug:
-            traceback.print_exc()
-        first = (str(exc).strip().splitlines() or [""])[0]
-        typer.echo(f"memest: internal error: {type(exc).__name__}: {first} (rerun with --debug and report it)", err=True)
-        raise typer.Exit(EXIT_USAGE) from None
-    emit(view, out_format, sys.stdout)
-    raise typer.Exit(code)
 
 
 def _progress(on: bool = True):
@@ -156,7 +76,7 @@ def estimate(
         from .app import run_estimate
         from .report.views import estimate_view
 
-        fmt = _format(format, json, markdown)
+        fmt = output_format(format, json, markdown)
         result = run_estimate(spec, gpu, fail_if_not_fits=fail_if_not_fits, plot=plot,
                               timeline=fmt == OutputFormat.TABLE, progress=_progress())
         if result.plot_path is not None:
@@ -164,7 +84,7 @@ def estimate(
         code = EXIT_DOES_NOT_FIT if fail_if_not_fits and result.verdict_fits is False else EXIT_OK
         return estimate_view(result, depth, expand), code
 
-    _run(work, lambda: _format(format, json, markdown), debug)
+    run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
 @app.command()
@@ -192,7 +112,7 @@ def check(
         result = run_check(configs, overrides, gpu, margin, progress=_progress())
         return check_view(result), EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
 
-    _run(work, lambda: _format(format, json, markdown), debug)
+    run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
 def _sizes(text: Optional[str], flag: str):
@@ -221,7 +141,7 @@ def whatif(
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
         return whatif_view(run), EXIT_OK
 
-    _run(work, lambda: _format(format, json, markdown), debug)
+    run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
 @app.command("max-batch")
@@ -244,7 +164,7 @@ def max_batch(
                     grad_accum=grad_accum, checkpointing=checkpointing)
         return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
 
-    _run(work, lambda: _format(format, json, markdown), debug)
+    run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
 @app.command()
@@ -263,7 +183,7 @@ def advise(
                     grad_accum=grad_accum, checkpointing=checkpointing)
         return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
 
-    _run(work, lambda: _format(format, json, markdown), debug)
+    run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
 @app.command()
@@ -275,7 +195,7 @@ def gpus(format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdow
 
         return gpus_view(run_gpus()), EXIT_OK
 
-    _run(work, lambda: _format(format, json, markdown), debug)
+    run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
 @app.command()
@@ -291,7 +211,7 @@ def calibrate(
 
         return calibrate_view(run_calibrate(device)), EXIT_OK
 
-    _run(work, lambda: _format(format, json, False), debug, hide_gpus=False)
+    run_command(work, lambda: output_format(format, json, False), debug, hide_gpus=False)
 
 
 def main() -> None:

@@ -380,3 +380,23 @@ def test_a_bad_allocator_setting_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1")
     line = one_line_error(run("estimate", model_ref("mlp")))
     assert "PYTORCH_CUDA_ALLOC_CONF" in line and "max_split_size_mb" in line
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matrix_gpus_calibrate_and_not_fitting(tmp_path, fmt):
+    from memest.device import nvml
+
+    gpus = run("gpus", *fmt)
+    assert gpus.exit_code == 0, gpus.output
+    if "json" in fmt:
+        assert "gpus" in json.loads(gpus.stdout)
+    if not nvml.query_gpus().gpus:  # this machine has no GPU: calibrate says so, exit 2, nothing on stdout
+        calibrate = run("calibrate", *[f for f in fmt if f != "--markdown"])
+        assert calibrate.exit_code == 2 and calibrate.stdout == "" and "NVIDIA GPU" in calibrate.stderr
+    tight = write(tmp_path, "tight.yaml", f"model: {model_ref('prints')}\nbatch: 4\ngpu: 1MiB\n")
+    result = run("check", tight, *fmt)
+    assert result.exit_code == 1, result.output
+    if "json" in fmt:
+        assert json.loads(result.stdout)["fits"] is False
+    bad = run("check", write(tmp_path, "bad.yaml", "model: [\n"), *fmt)
+    assert bad.exit_code == 2 and bad.stdout == ""

@@ -1,0 +1,93 @@
+"""The edge between memest and the shell: exit codes and one-line errors, for every command.
+
+0 ok; 1 the answer is "does not fit"; 2 usage, config and model errors and anything unexpected (never 0
+or 1 for a run that gave no answer); 130 interrupted. ``--debug`` adds tracebacks, never changes a code.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+import traceback
+from collections.abc import Callable
+
+import typer
+from typer.core import TyperGroup
+
+from .choices import OutputFormat
+from .errors import EXIT_OK, EXIT_USAGE, MemestError
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from .report.text import ascii_fallback_streams
+
+        ascii_fallback_streams()  # LANG=C / PYTHONIOENCODING=ascii: ASCII instead of a UnicodeEncodeError
+        try:  # typer >= 0.2x vendors click as typer._click
+            from typer._click import exceptions as click
+        except ImportError:
+            from click import exceptions as click
+
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `memest` alone: the help, as click prints it
+                exc.show()
+                code = exc.exit_code
+            else:
+                command = exc.ctx.command_path if exc.ctx is not None else "memest"
+                message = exc.format_message().replace("Value error, ", "")  # typer's pydantic coercion prefix
+                typer.echo(f"memest: error: {message} (see {command} --help)", err=True)
+                code = EXIT_USAGE
+        except click.Abort:
+            typer.echo("memest: interrupted", err=True)
+            code = 130
+        except OSError as exc:  # e.g. stdout closed by `| head`: not a clean run, never "ok" or "does not fit"
+            if exc.errno != errno.EPIPE:
+                raise
+            code = EXIT_USAGE
+        code = code if isinstance(code, int) else EXIT_OK
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def output_format(fmt: OutputFormat, json: bool, markdown: bool) -> OutputFormat:
+    asked = {f for f, on in ((OutputFormat.JSON, json), (OutputFormat.MARKDOWN, markdown)) if on}
+    if fmt != OutputFormat.TABLE:
+        asked.add(fmt)
+    if len(asked) > 1:
+        raise MemestError(f"choose one output format, not {' and '.join(sorted(a.value for a in asked))}")
+    return asked.pop() if asked else OutputFormat.TABLE
+
+
+def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True) -> None:
+    """Run a command's work -> (View, exit code), print it, exit. Exit codes never depend on --debug:
+    0 ok, 1 does not fit, 2 usage / config / model errors and anything unexpected (never 0 or 1).
+    CUDA devices are hidden from torch first (only calibrate uses the GPU)."""
+    from .app import hide_cuda
+    from .report.emit import emit
+
+    if hide_gpus:
+        hide_cuda()
+    try:
+        out_format = fmt()
+        view, code = work()
+    except KeyboardInterrupt:
+        typer.echo("memest: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except MemestError as exc:
+        if debug:
+            traceback.print_exc()
+        typer.echo(f"memest: error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except Exception as exc:  # a bug in memest or an unexpected failure: never "ok" or "does not fit"
+        if debug:
+            traceback.print_exc()
+        first = (str(exc).strip().splitlines() or [""])[0]
+        typer.echo(f"memest: internal error: {type(exc).__name__}: {first} (rerun with --debug and report it)", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    emit(view, out_format, sys.stdout)
+    raise typer.Exit(code)
