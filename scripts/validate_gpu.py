@@ -29,7 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# (model, batch, seq, optimizer, precision); two batch sizes for most models
+# LoRA options for the real run (peft's LoraConfig): rank, alpha, dropout, target modules
+LORA_ATTN = {"r": 16, "alpha": 32, "dropout": 0.05, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+LORA_ALL = {"r": 16, "alpha": 32, "dropout": 0.05, "targets": "all-linear"}
+
+# (model, batch, seq, optimizer, precision[, options]); two batch sizes for most models
 CASES = [
     ("examples/cnn.py", 64, None, "sgd-momentum", "fp32"),
     ("examples/cnn.py", 256, None, "sgd-momentum", "fp32"),
@@ -67,22 +71,33 @@ CASES = [
     ("scripts/models/timm_convnext_tiny.py", 64, None, "adamw", "bf16-mixed"),
     ("scripts/models/lstm_lm.py", 32, 128, "adam", "fp32"),
     ("scripts/models/lstm_lm.py", 64, 128, "adam", "fp32"),
+    # ground truth ahead of memest support (the memest side fails until then; --rescore fills it in):
+    # LoRA through peft (issue 12) and torch.compile (inductor, issue 10); option formats below
+    ("hf:tinyllama-1.1b", 4, 1024, "adamw", "bf16-mixed", {"lora": LORA_ATTN}),
+    ("hf:llama-3.2-1b", 4, 1024, "adamw", "bf16", {"lora": LORA_ALL}),
+    ("hf:llama-3.2-1b", 8, 1024, "adamw", "bf16", {"lora": LORA_ALL, "checkpointing": "blocks"}),
+    ("hf:gpt2", 8, 1024, "adamw", "bf16-mixed", {"compile": True}),
+    ("hf:llama-3.2-1b", 4, 1024, "adamw", "bf16-mixed", {"compile": True}),
 ]
 
 # case options that are not RunSpec fields (they change the real run only; memest has no flag yet)
 RUN_ONLY = ("cudnn_benchmark",)
+# options the real run applies itself (peft, torch.compile); passed to memest as RunSpec fields of the
+# same name, so its side fails (real numbers kept) until memest supports them
+REAL_APPLIES = ("lora", "compile")
 
 
 def _options(case) -> dict:
     return dict(case[5]) if len(case) > 5 and case[5] else {}
 
 
-def _spec(case, compute_capability=(9, 0)):
+def _spec(case, compute_capability=(9, 0), real: bool = False):
     from memest.spec import RunSpec
 
     model, batch, seq, optim, precision = case[:5]
     ref = model if model.startswith("hf:") else str(ROOT / model)
-    fields = {k: v for k, v in _options(case).items() if k not in RUN_ONLY}
+    skip = RUN_ONLY + (REAL_APPLIES if real else ())
+    fields = {k: v for k, v in _options(case).items() if k not in skip}
     return RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision,
                    compute_capability=tuple(compute_capability), **fields)
 
@@ -130,13 +145,22 @@ def run_real(case) -> dict:
     from memest.trace.step import autocast_context, build, call_model, default_loss, run_step, step_optimizer
 
     cc = torch.cuda.get_device_capability()
-    spec = _spec(case, cc)
-    torch.backends.cudnn.benchmark = bool(_options(case).get("cudnn_benchmark", False))
+    spec = _spec(case, cc, real=True)
+    options = _options(case)
+    torch.backends.cudnn.benchmark = bool(options.get("cudnn_benchmark", False))
     source = load_source(spec.model)
     torch.manual_seed(0)
     built = build(source, spec)  # on CPU, then moved: what most scripts do
     model, inputs = built.model, built.inputs
+    if "lora" in options:  # peft's own LoRA, as a fine-tuning script applies it
+        from peft import LoraConfig, get_peft_model
+
+        lora = options["lora"]
+        model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                                 target_modules=lora["targets"], task_type="CAUSAL_LM"))
     model = model.cuda()
+    if options.get("compile"):
+        model = torch.compile(model)  # inductor, default mode; compilation happens in the measured steps
     inputs = tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
     torch.set_default_device("cuda")  # tensors made in compute_loss (targets) land beside the output
     optimizer = step_optimizer(spec, [p for p in model.parameters() if p.requires_grad])
