@@ -400,3 +400,13 @@ def test_matrix_gpus_calibrate_and_not_fitting(tmp_path, fmt):
         assert json.loads(result.stdout)["fits"] is False
     bad = run("check", write(tmp_path, "bad.yaml", "model: [\n"), *fmt)
     assert bad.exit_code == 2 and bad.stdout == ""
+
+
+def test_cli_start_up_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from memest.cli import app; from memest.report.text import ascii_fallback_streams; "
+            "ascii_fallback_streams(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr  # --help and usage errors stay instant
