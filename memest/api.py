@@ -4,7 +4,8 @@
     est = memest.estimate("hf:gpt2", batch=8, seq=1024, optim="adamw", precision="bf16-mixed")
     est = memest.estimate(lambda: MyNet(), inputs=lambda b: (torch.randn(b, 3, 224, 224),), batch=64)
     est.peak_allocated_bytes, est.device_bytes, est.needed_bytes, est.breakdown, est.layers
-    est.fits("11GB"), est.to_json()
+    est.fits("11GB"), est.verdict("11GB"), est.needed_range, est.to_json()
+    est = memest.estimate("hf:gpt2", batch=8, calibration="profiles/h100-cuda13.0-torch2.11.json")
 
 The same pipeline as the CLI (app layer, pipeline.estimate). It runs in the caller's process and
 does not hide CUDA devices from torch (the CLI does); it allocates nothing on a GPU either way.
@@ -29,13 +30,16 @@ def estimate(
     target: str = "cuda",
     loss: Callable[[Any, Any], Any] | None = None,
     gpu: str | None = None,
+    calibration: str | dict | None = None,
     **options: Any,
 ):
     """Estimate one training (or inference) step. ``model``: a ``model.py[:factory]`` path, ``hf:NAME``,
     or a zero-argument model factory (then ``inputs`` is required: ``(batch_size[, seq_len]) -> inputs``).
     ``options``: the other RunSpec fields (grad_accum, checkpointing, mode, world_size, shard, ...).
     ``gpu``: the GPU generation to model, by card name (``"a100"``), and the default budget of
-    ``fits()``. Returns a pipeline.Estimate."""
+    ``fits()``. ``calibration``: a profile file from ``memest calibrate --out`` (or its dict): its
+    measured costs replace the defaults, and its GPU generation is modelled unless ``gpu`` names a card.
+    Returns a pipeline.Estimate."""
     from .app import user_code
     from .device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
     from .pipeline import estimate as run
@@ -54,12 +58,21 @@ def estimate(
 
         source = callable_source(model, inputs, loss)
         ref = source.origin
+    profile = None
+    if calibration is not None:
+        from .app import load_calibration
+
+        profile = load_calibration(calibration)
     cc = options.pop("compute_capability", None)
     if cc is None:
-        cc = (compute_capability(gpu) if gpu and not gpu[:1].isdigit() else None) or DEFAULT_COMPUTE_CAPABILITY
+        named = compute_capability(gpu) if gpu and not gpu[:1].isdigit() else None
+        if named and profile and tuple(named) != tuple(profile["compute_capability"]):
+            raise MemestError(f"the calibration profile was measured on {profile['gpu_name']}, not a {gpu}; pass a "
+                              "profile measured on that card")
+        cc = named or (profile["compute_capability"] if profile else None) or DEFAULT_COMPUTE_CAPABILITY
     spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                    compute_capability=cc, **options)
     with user_code(source.origin or ref, quiet_stdout=False):
-        result = run(spec, source=source)
+        result = run(spec, calibration=profile if spec.target == "cuda" else None, source=source)
     result.default_budget = gpu
     return result

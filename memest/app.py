@@ -97,6 +97,12 @@ class GpuContext:
     no_gpu_reason: str = ""
 
     @property
+    def calibration_note(self) -> str | None:
+        from .device.calibration import describe
+
+        return describe(self.calibration) if self.calibration else None
+
+    @property
     def arch(self) -> str:
         major, minor = self.compute_capability
         return f"sm{major}{minor}"
@@ -110,15 +116,19 @@ class GpuContext:
         """The budget (planners and check compare with one): the first target's."""
         return self.targets[0].capacity_bytes if self.targets else None
 
-    def fit_rows(self, needed: int, fits: Callable[[int], bool] | None = None) -> list:
-        """One FitRow per target; ``fits(capacity)`` decides when given (else needed <= capacity)."""
-        from .device.fit import FitRow
+    def fit_rows(self, needed: int, fits: Callable[[int], bool] | None = None,
+                 needed_range: tuple[int, int, int] | None = None) -> list:
+        """One FitRow per target; ``fits(capacity)`` decides when given (else needed <= capacity);
+        ``needed_range`` (low, expected, high) gives each row its three-way verdict."""
+        from .device.fit import FitRow, verdict
 
+        low, _, high = needed_range or (needed, needed, needed)
         rows = []
         for t in self.targets:
             ok = fits(t.capacity_bytes) if fits else needed <= t.capacity_bytes
             rows.append(FitRow(t.label, t.capacity_bytes, t.total_bytes, t.used_bytes, needed, ok,
-                               t.capacity_bytes - needed))
+                               t.capacity_bytes - needed, verdict(needed, high, t.capacity_bytes) if ok else
+                               "does-not-fit", low, high))
         return rows
 
 
@@ -130,10 +140,13 @@ class Budget:
     used_bytes: int | None = None
 
 
-def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | str = Target.CUDA) -> GpuContext:
+def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | str = Target.CUDA,
+                calibration: str | Path | dict | None = None) -> GpuContext:
     """--gpu: a size (11GB = 10^9 B, 11GiB = 2^30 B), a card name (rtx2080ti) or a device index (0);
     None: every visible GPU's free memory (NVML). ``need_budget``: a command that cannot run without a
-    budget (max-batch, advise, --fail-if-not-fits) fails here, before any trace."""
+    budget (max-batch, advise, --fail-if-not-fits) fails here, before any trace. ``calibration``: a
+    profile (file or dict, `memest calibrate --out`): its GPU generation is the one modelled, and its
+    measurements replace the defaults; without one, a cached calibration of the local GPU applies."""
     from .device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
     from .device.fit import resolve_budget
     from .device.nvml import query_gpus
@@ -174,10 +187,29 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
     else:
         cc = DEFAULT_COMPUTE_CAPABILITY
         why = "default: no GPU named or visible; --gpu CARD (e.g. --gpu a100) models another generation"
-    calibration = None
-    if gpus and str(target) == "cuda" and not named_card:
-        calibration = _calibration(gpus[0].name, query.driver)
-    return GpuContext(flag, targets, tuple(cc), why, calibration, no_gpu_reason)
+    profile = None
+    if calibration is not None:
+        profile = load_calibration(calibration)
+        if named_card and tuple(cc) != tuple(profile["compute_capability"]):
+            raise MemestError(
+                f"the calibration profile was measured on {profile['gpu_name']} (sm{''.join(map(str, profile['compute_capability']))}) "
+                f"but --gpu {flag} is sm{''.join(map(str, cc))}; pass a profile measured on that card, or a budget size "
+                "such as --gpu 11GB with this profile"
+            )
+        if not named_card:
+            cc, why = tuple(profile["compute_capability"]), f"the calibration profile's GPU, {profile['gpu_name']}"
+    elif gpus and str(target) == "cuda" and not named_card:
+        profile = _calibration(gpus[0].name, query.driver)
+    return GpuContext(flag, targets, tuple(cc), why, profile if str(target) == "cuda" else None, no_gpu_reason)
+
+
+def load_calibration(calibration: str | Path | dict) -> dict:
+    """A calibration profile from a file (checked, device/calibration.load_profile) or a dict."""
+    from .device.calibration import load_profile
+
+    if isinstance(calibration, dict):
+        return {**calibration, "compute_capability": tuple(calibration["compute_capability"])}
+    return load_profile(calibration)
 
 
 def _calibration(gpu_name: str, driver: str) -> dict | None:
@@ -205,7 +237,21 @@ class EstimateResult:
 
     @property
     def verdict_fits(self) -> bool | None:
+        """Expected needed <= every budget compared (fits or tight); None without a budget."""
         return all(f.fits for f in self.fits) if self.fits else None
+
+    @property
+    def verdict(self) -> str | None:
+        """The worst three-way verdict over the budgets compared: fits | tight | does-not-fit."""
+        from .device.fit import worst
+
+        return worst([f.verdict for f in self.fits])
+
+    def passes(self, strict: bool = False) -> bool | None:
+        """For exit codes: fits, or tight unless ``strict``; None without a budget."""
+        from .device.fit import passes
+
+        return passes(self.verdict, strict) if self.fits else None
 
 
 def check_plot_path(path: str | None) -> Path | None:
@@ -239,13 +285,15 @@ def run_estimate(
     timeline: bool = False,
     progress: Progress | None = None,
     source=None,
+    calibration: str | Path | None = None,
 ) -> EstimateResult:
-    """``spec_args``: RunSpec fields (strings or enums); compute_capability comes from ``gpu``."""
+    """``spec_args``: RunSpec fields (strings or enums); compute_capability comes from ``gpu`` (or the
+    calibration profile's GPU)."""
     from .pipeline import estimate
     from .sources import load_source
 
     plot_path = check_plot_path(plot)
-    ctx = resolve_gpu(gpu, need_budget=False, target=spec_args.get("target", Target.CUDA))
+    ctx = resolve_gpu(gpu, need_budget=False, target=spec_args.get("target", Target.CUDA), calibration=calibration)
     if fail_if_not_fits and ctx.capacity_bytes is None:
         raise MemestError(
             f"--fail-if-not-fits needs something to compare with, and there is none ({ctx.no_gpu_reason or 'no GPU'}); "
@@ -258,7 +306,9 @@ def run_estimate(
             result = estimate(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, source=source)
     if spec.target == Target.CUDA:
         result.report.notes.append(f"CUDA kernels modelled for {ctx.arch} ({ctx.arch_reason})")
-    fits = ctx.fit_rows(result.needed_bytes, result.fits)
+        if ctx.calibration_note:
+            result.report.notes.append(ctx.calibration_note)
+    fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range)
     out = EstimateResult(result, ctx, fits)
     if timeline or plot_path is not None:
         from .report.timeline import category_timeline
@@ -277,18 +327,31 @@ def run_estimate(
 @dataclass
 class CheckResult:
     rows: list  # plan.check.CheckRow
+    strict: bool = False  # tight counts as not fitting
 
     @property
     def fits(self) -> bool:
+        """Every config passes: fits, or tight unless strict (the exit code)."""
         return all(r.fits for r in self.rows)
+
+    @property
+    def verdict(self) -> str | None:
+        from .device.fit import worst
+
+        return worst([r.verdict for r in self.rows])
+
+    @property
+    def tight(self) -> list:
+        return [r for r in self.rows if r.verdict == "tight"]
 
 
 def run_check(
     paths: list[str], overrides: dict, gpu: str | None, margin, *, strict_unit: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | None = None, strict: bool = False, calibration: str | Path | None = None,
 ) -> CheckResult:
     """Every config is read, validated, its budget resolved and its model loaded before any is traced;
-    errors name the file."""
+    errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
+    file) overrides each config's ``calibration:``."""
     from .config import load_config, parse_margin
     from .plan.check import check_config
     from .sources import load_source
@@ -301,7 +364,8 @@ def run_check(
         cfg = load_config(path)
         try:
             ctx = resolve_gpu(cfg.gpu if gpu is None else gpu, need_budget=True,
-                              target=overrides.get("target") or cfg.values.get("target", Target.CUDA))
+                              target=overrides.get("target") or cfg.values.get("target", Target.CUDA),
+                              calibration=calibration if calibration is not None else cfg.calibration)
             spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
             with user_code(f"{path}: {spec.model}"):
                 source = load_source(spec.model)
@@ -316,12 +380,12 @@ def run_check(
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
         with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
-            row = check_config(cfg, spec, source, ctx, margin_value)
+            row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
         rows.append(row)
         if progress:
-            progress(f"check {k}/{len(prepared)}: {cfg.name}: {'fits' if row.fits else 'does not fit'} "
+            progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
                      f"({time.perf_counter() - start:.1f} s elapsed)")
-    return CheckResult(rows)
+    return CheckResult(rows, strict)
 
 
 # ------------------------------------------------------------------------------------- planners
@@ -433,33 +497,31 @@ def run_gpus():
 @dataclass
 class CalibrationRun:
     entry: dict
-    path: Path
+    path: Path  # the cache it was saved to
+    profile_path: Path | None = None  # --out
 
 
-def run_calibrate(device: int) -> CalibrationRun:
-    from .device.calibration import cache_file, measure, save
-    from .device.nvml import query_gpus
+def run_calibrate(device: int, out: str | None = None, nccl: bool = True) -> CalibrationRun:
+    """Measure on the GPU (calibration.measure, which checks for one through torch and NVML); save to
+    the cache for this machine and, with ``out``, to a portable profile file."""
+    from .device.calibration import cache_file, measure, save, write_profile
 
-    query = query_gpus()
-    if not query.gpus:
-        raise MemestError(f"memest calibrate needs an NVIDIA GPU: {query.reason}")
-    if device not in [g.index for g in query.gpus]:
-        raise MemestError(f"--device {device}: no such GPU (visible: {sorted(g.index for g in query.gpus)})")
     path = cache_file()
-    _check_writable(path)  # before measuring, not after
-    entry = measure(device)
-    return CalibrationRun(entry, save(entry, path))
+    _check_writable(path, "the calibration cache", "set XDG_CACHE_HOME to a writable folder")  # before measuring
+    if out is not None:
+        if Path(out).is_dir():
+            raise MemestError(f"--out {out!r} is a folder; name a file such as profiles/rtx2080ti.json")
+        _check_writable(Path(out), "the profile", "choose a writable folder")
+    entry = measure(device, nccl=nccl)
+    return CalibrationRun(entry, save(entry, path), write_profile(entry, out) if out is not None else None)
 
 
-def _check_writable(path: Path) -> None:
+def _check_writable(path: Path, what: str, fix: str) -> None:
     folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".memest-", suffix=".check"):
             pass
     except OSError as exc:
-        raise MemestError(
-            f"cannot write the calibration cache {str(path)!r}: {exc.strerror or exc}; set XDG_CACHE_HOME to a "
-            "writable folder"
-        ) from None
+        raise MemestError(f"cannot write {what} {str(path)!r}: {exc.strerror or exc}; {fix}") from None
 

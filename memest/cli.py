@@ -35,6 +35,10 @@ Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Also print tracebacks (exit codes stay the same).")]
 Budget = Annotated[str, typer.Option("--gpu", help="Budget (24GB, 24GiB), card name or device index.")]
+Calibration = Annotated[Optional[str], typer.Option(
+    "--calibration", help="A profile from `memest calibrate --out FILE`: its measured costs replace the defaults.")]
+Strict = Annotated[bool, typer.Option(
+    "--strict", help="A tight verdict (expected fits, the high end of the range does not) counts as not fitting.")]
 
 
 def _progress(on: bool = True):
@@ -65,6 +69,7 @@ def estimate(
     = None,
     fail_if_not_fits: Annotated[bool, typer.Option("--fail-if-not-fits", help="Exit 1 when it does not fit (CI).")]
     = False,
+    strict: Strict = False, calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
@@ -78,10 +83,10 @@ def estimate(
 
         fmt = output_format(format, json, markdown)
         result = run_estimate(spec, gpu, fail_if_not_fits=fail_if_not_fits, plot=plot,
-                              timeline=fmt == OutputFormat.TABLE, progress=_progress())
+                              timeline=fmt == OutputFormat.TABLE, progress=_progress(), calibration=calibration)
         if result.plot_path is not None:
             typer.echo(f"memest: wrote {result.plot_path}", err=True)
-        code = EXIT_DOES_NOT_FIT if fail_if_not_fits and result.verdict_fits is False else EXIT_OK
+        code = EXIT_DOES_NOT_FIT if fail_if_not_fits and result.passes(strict) is False else EXIT_OK
         return estimate_view(result, depth, expand), code
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -99,9 +104,11 @@ def check(
     precision: Annotated[Optional[Precision], typer.Option("--precision", help="Override the precision.")] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Override accumulation steps.")] = None,
     checkpointing: Annotated[Optional[str], typer.Option("--checkpointing", help="Override checkpointing.")] = None,
+    strict: Strict = False, calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
-    """CI gate: exit 0 when every config fits its GPU or budget, 1 when any does not, 2 for a bad config."""
+    """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
+    1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
                      checkpointing=checkpointing)
 
@@ -109,7 +116,10 @@ def check(
         from .app import run_check
         from .report.views import check_view
 
-        result = run_check(configs, overrides, gpu, margin, progress=_progress())
+        result = run_check(configs, overrides, gpu, margin, progress=_progress(), strict=strict, calibration=calibration)
+        if result.tight and not strict:
+            typer.echo(f"memest: warning: TIGHT ({', '.join(r.name for r in result.tight)}): counted as fitting; "
+                       "--strict counts tight as not fitting", err=True)
         return check_view(result), EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -201,15 +211,19 @@ def gpus(format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdow
 @app.command()
 def calibrate(
     device: Annotated[int, typer.Option("--device", help="NVML/CUDA index of the GPU to measure.")] = 0,
+    out: Annotated[Optional[str], typer.Option("--out", help="Also write a portable profile to FILE (for "
+                                               "--calibration FILE on machines without this GPU).")] = None,
+    nccl: Annotated[bool, typer.Option("--nccl/--no-nccl", help="Also measure NCCL (a world of one).")] = True,
     format: Fmt = OutputFormat.TABLE, json: Json = False, debug: Debug = False,
 ) -> None:
-    """Measure this GPU's CUDA context and cuBLAS workspace once (this command does use the GPU, briefly,
-    ~1 GiB); later estimates on the same GPU, driver and torch version use the measurements."""
+    """Measure this GPU's CUDA context, libraries (cuBLAS, cuDNN, NCCL) and cuBLAS workspace once (this
+    command does use the GPU, briefly, ~1 GiB); later estimates on the same GPU, driver and torch version
+    use the measurements, and --out FILE makes them portable."""
     def work():
         from .app import run_calibrate
         from .report.views import calibrate_view
 
-        return calibrate_view(run_calibrate(device)), EXIT_OK
+        return calibrate_view(run_calibrate(device, out, nccl)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, False), debug, hide_gpus=False)
 

@@ -10,8 +10,9 @@
     checkpointing: blocks
     gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
     margin: 10%               # required headroom: needed x (1 + margin) must fit
+    calibration: profiles/rtx2080ti.json  # a `memest calibrate --out` profile (relative to this file)
 
-Keys are RunSpec's fields plus ``gpu``, ``margin`` and ``name``; unknown keys are rejected with a
+Keys are RunSpec's fields plus ``gpu``, ``margin``, ``name`` and ``calibration``; unknown keys are rejected with a
 did-you-mean; CLI flags override the file's values.
 """
 
@@ -29,7 +30,7 @@ from .spec import RunSpec
 _SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
 _INTERNAL = {"iterations", "lr", "compute_capability"}  # not run-config keys
 SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
-EXTRA_KEYS = ("gpu", "margin", "name")
+EXTRA_KEYS = ("gpu", "margin", "name", "calibration")
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size"}
@@ -43,6 +44,7 @@ class RunConfig:
     values: dict[str, Any]  # RunSpec fields
     gpu: str | None = None
     margin: float = 0.0
+    calibration: str | None = None  # a calibration profile file (memest calibrate --out)
 
     def spec(self, **overrides) -> RunSpec:
         return RunSpec(**{**self.values, **{k: v for k, v in overrides.items() if v is not None}})
@@ -108,11 +110,17 @@ def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
     margin = parse_margin(data["margin"], f"{where}margin:") if data.get("margin") is not None else 0.0
     gpu = str(data["gpu"]) if data.get("gpu") is not None else None
     name = str(data.get("name") or (Path(path).stem if path else values["model"]))
+    calibration = None
+    if data.get("calibration") is not None:
+        calibration = str(data["calibration"])
+        beside = Path(path).parent / calibration if path else None
+        if beside is not None and not Path(calibration).is_absolute() and beside.exists():
+            calibration = str(beside.resolve())
     try:
         RunSpec(**values)  # every value checked now (choices, ranges), with the file named
     except MemestError as exc:
         raise MemestError(f"{where}{exc}") from None
-    return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin)
+    return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin, calibration=calibration)
 
 
 def _relative_to(model: str, config_path: str | Path) -> str:

@@ -28,10 +28,28 @@ class Estimate(EstimateViews):
         device = self.report.device
         return device.min_budget_bytes if device else self.report.peak_allocated_bytes
 
+    @property
+    def needed_range(self) -> tuple[int, int, int]:
+        """(low, expected, high) of the needed budget: the evidence spread of the fixed costs plus the
+        allocator replay's measured band (device/usage.py); expected == needed_bytes. cpu: no spread."""
+        device = self.report.device
+        if device is None:
+            return (self.needed_bytes,) * 3
+        return device.needed_bytes_low, device.needed_bytes_expected, device.needed_bytes_high
+
     def fits(self, capacity: int | str) -> bool:
         """needed <= capacity, by definition, so "fits" and headroom (capacity - needed) never disagree.
-        ``capacity``: bytes, or a budget as the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
+        True for both "fits" and "tight" verdicts (see ``verdict``). ``capacity``: bytes, or a budget as
+        the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
         return self.needed_bytes <= budget_bytes(capacity)
+
+    def verdict(self, capacity: int | str) -> str:
+        """"fits" (the high end of the needed range fits), "tight" (expected fits, high does not) or
+        "does-not-fit" (expected does not)."""
+        from .device.fit import verdict
+
+        _, expected, high = self.needed_range
+        return verdict(expected, high, budget_bytes(capacity))
 
     def headroom_bytes(self, capacity: int | str) -> int:
         """>= 0 exactly when the step fits."""
@@ -61,9 +79,11 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
         )
     if spec.target == "cuda":
         report.notes.append(
-            "device = caching-allocator reserved + CUDA context (+ NCCL, cuDNN allowance); "
-            + ("calibrated values used" if report.device.calibrated else "defaults, not calibrated for this GPU (memest calibrate)")
+            "device = caching-allocator reserved + CUDA context + libraries (+ NCCL, cuDNN allowance); "
+            + ("calibrated values used" if report.device.calibrated else "defaults from evidence, not calibrated for "
+               "this GPU (memest calibrate)")
         )
+        report.notes += [f"range rests on: {line}" for line in report.device.range_basis]
     else:
         report.notes.append("peak allocated = bytes held by the CPU allocator at the step's peak")
     if spec.mixed:

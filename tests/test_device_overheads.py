@@ -63,7 +63,7 @@ def hand_trace(sizes_and_frees):
     return trace
 
 
-NO_WORKSPACE = {"context_bytes": 100 * MiB, "cublas_workspace_bytes": 0}
+NO_WORKSPACE = {"context_bytes": 100 * MiB, "cublas_library_bytes": 0, "cudnn_library_bytes": 0, "cublas_workspace_bytes": 0}
 
 
 def test_device_usage_is_reserved_plus_context():

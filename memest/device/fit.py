@@ -1,4 +1,14 @@
-"""Does the estimate fit? Against the live free memory of each GPU, a chosen GPU, or a budget."""
+"""Does the estimate fit? Against the live free memory of each GPU, a chosen GPU, or a budget.
+
+The verdict is three-way, on the needed range (the smallest budget the step runs in, low / expected /
+high, device/usage.py):
+
+    fits          high <= budget       the step fits across the evidence's spread
+    tight         expected <= budget < high
+    does-not-fit  budget < expected
+
+By default a tight step counts as fitting for exit codes (said loudly); with --strict it does not.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,24 @@ from ..units import parse_bytes
 from .catalogue import CARDS, DEFAULT_COMPUTE_CAPABILITY, card_bytes, compute_capability
 from .nvml import GpuQuery
 
+FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does-not-fit"
+VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)  # best to worst
+
+
+def verdict(needed_expected: int, needed_high: int, capacity: int) -> str:
+    if needed_high <= capacity:
+        return FITS
+    return TIGHT if needed_expected <= capacity else DOES_NOT_FIT
+
+
+def passes(result: str, strict: bool = False) -> bool:
+    """What a verdict means for an exit code: tight passes unless ``strict``."""
+    return result == FITS or (result == TIGHT and not strict)
+
+
+def worst(verdicts: list[str]) -> str | None:
+    return max(verdicts, key=VERDICTS.index) if verdicts else None
+
 
 @dataclass
 class FitRow:
@@ -17,8 +45,11 @@ class FitRow:
     total_bytes: int | None
     used_bytes: int | None
     needed_bytes: int
-    fits: bool
+    fits: bool  # needed (expected) <= capacity: fits or tight
     headroom_bytes: int
+    verdict: str = ""  # fits | tight | does-not-fit (from the needed range)
+    needed_bytes_low: int | None = None
+    needed_bytes_high: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

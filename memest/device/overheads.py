@@ -1,32 +1,34 @@
-"""Fixed device costs outside the tensors a step allocates: one table of constants, each with its
-source, and the arithmetic that turns them into bytes for one run.
+"""Fixed device costs outside the tensors a step allocates, from evidence: each number comes from a
+table of measurements (public ones with their address, and this project's own), and the default and
+its range are computed from those rows, never typed in.
 
-Defaults are replaced by `memest calibrate` measurements when a calibration for the same GPU, driver
-and torch version exists (see calibration.py); the report says which values are which.
+What a training process holds on the GPU outside the caching allocator (what nvidia-smi shows minus
+torch.cuda.memory_reserved()):
+
+    CUDA context     driver state + the kernels loaded at start-up         CONTEXTS (by GPU generation)
+    libraries        cuBLAS/cuBLASLt (every step with a linear layer),     LIBRARY_RUNS: whole training
+                     cuDNN (convolutions, batch norm, RNNs)                processes minus their context
+    NCCL             communicator state (world size > 1)                   the probe's NCCL stage
+
+Each is a Spread: low / expected / high. The expected context is the median of the measurements for
+the GPU generation being modelled (all generations' median where none exists); low and high are the
+smallest and largest measurement of any generation for the same loading mode, so the range covers
+the GPUs, drivers and CUDA versions the evidence spans. Defaults are replaced by `memest calibrate`
+measurements (calibration.py); a calibrated value has no spread.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import statistics
 from dataclasses import asdict, dataclass
 
 from ..units import MiB
+from .measured_runs import H100_STACK, MEASURED_RUNS, PROBE_SOURCE, PROBE_STAGES, VALIDATION_SOURCE, Run
 
 # name: (bytes, source)
 CONSTANTS: dict[str, tuple[int, str]] = {
-    # CUDA context (driver state + loaded kernels). With lazy module loading (default from CUDA 11.7,
-    # PyTorch >= 1.13) only kernels that run are loaded.
-    "context_lazy": (
-        400 * MiB,
-        "~300-400 MB with CUDA >= 11.7 lazy loading (ptrblck, pytorch#107667, pytorch#109888); "
-        "274 MiB lazy vs 636 MiB eager measured in pytorch#86509; 256 MiB on an RTX 3090 with torch 2.7.1+cu128 "
-        "(invoke-ai/InvokeAI#9413). Default: the upper value, uncalibrated",
-    ),
-    "context_eager": (
-        1000 * MiB,
-        ">1000 MB when all kernels load at start-up (CUDA_MODULE_LOADING=EAGER or CUDA < 11.7; pytorch#107667)",
-    ),
     # cuBLAS workspace per (handle, stream), allocated through the caching allocator.
     "cublas_workspace_default": (
         4096 * 1024 * 2 + 16 * 1024 * 8,
@@ -44,22 +46,194 @@ CONSTANTS: dict[str, tuple[int, str]] = {
     # NCCL: per channel, per peer, for each of its protocols' buffers.
     "nccl_buffsize": (4 * MiB, "NCCL_BUFFSIZE default 4 MiB (NCCL environment-variable docs)"),
 }
-# Measured lazy-loading contexts by GPU generation (compute capability) where a public measurement
-# exists; other generations use "context_lazy". Add rows from `memest calibrate` / validate_gpu.py runs.
-CONTEXT_LAZY_BY_CC: dict[tuple[int, int], tuple[int, str]] = {
-    (8, 6): (256 * MiB, "256 MiB measured on RTX 3090, torch 2.7.1+cu128, driver 610.43 (invoke-ai/InvokeAI#9413)"),
-}
 NCCL_CHANNELS_DEFAULT = 16  # assumption: NCCL picks 2-32 channels by topology; NCCL_MAX_NCHANNELS caps it
 CUBLAS_HANDLES_IN_TRAINING = 2  # the forward thread and autograd's device thread each reserve a handle
+
+LAZY, EAGER = "lazy", "eager"
+
+
+# ------------------------------------------------------------------------------------ evidence
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured CUDA context: bytes the process held on the GPU outside torch's allocator."""
+
+    loading: str  # lazy (CUDA >= 11.7 default, PyTorch >= 1.13) | eager (all kernels at start-up)
+    bytes: int
+    gpu: str
+    compute_capability: tuple[int, int] | None  # None: the source does not name the GPU
+    stack: str  # torch / CUDA / driver as the source gives them
+    source: str  # address of the measurement
+    measured: str  # what was measured, and any arithmetic applied to it here
+
+    @property
+    def mib(self) -> float:
+        return self.bytes / MiB
+
+
+_H100 = (9, 0)
+_PROBE_INIT = {mode: stages["init"][0] - stages["init"][1] for mode, stages in PROBE_STAGES.items()}
+
+# Bare CUDA contexts (the first CUDA call of a torch process, nothing else loaded), by loading mode.
+CONTEXTS: tuple[Measurement, ...] = (
+    Measurement(LAZY, 287_047_680 - 20 * MiB, "not named", None, "torch 1.13 release branch, CUDA 11.7",
+                "https://github.com/pytorch/pytorch/pull/86509",
+                "cudaMemGetInfo total-free = 287,047,680 B after one 6.4 MB tensor; minus the 20 MiB allocator "
+                "segment that tensor occupies (1-10 MiB requests get a 20 MiB segment)"),
+    Measurement(LAZY, 256 * MiB, "RTX 3090", (8, 6), "torch 2.7.1+cu128, driver 610.43.03",
+                "https://github.com/invoke-ai/InvokeAI/issues/9413",
+                "nvidia-smi per-process use of an idle process holding only a CUDA context: 256 MiB"),
+    Measurement(LAZY, 300 * MiB, "not named", None, "CUDA >= 11.7, PyTorch 2.0 era",
+                "https://github.com/pytorch/pytorch/issues/107667",
+                "ptrblck: 'the currently used ~300MB' for the CUDA context with lazy loading (approximate, as stated)"),
+    Measurement(LAZY, 400 * MiB, "not named", None, "CUDA >= 11.7, PyTorch 2.0 era",
+                "https://github.com/pytorch/pytorch/issues/109888",
+                "ptrblck: the CUDA context 'uses around 400MB if CUDA >= 11.7 is used and lazy module loading "
+                "enabled' (approximate, as stated)"),
+    Measurement(LAZY, 426 * MiB, "RTX 6000 Ada", (8, 9), "torch 2.10.0+cu130",
+                "https://github.com/unslothai/unsloth-zoo/pull/1053",
+                "nvidia-smi after torch.cuda.mem_get_info(0) created the context, torch allocated/reserved 0: 426 MiB"),
+    Measurement(LAZY, _PROBE_INIT[LAZY], "H100 80GB HBM3", _H100, H100_STACK, PROBE_SOURCE,
+                "NVML used by the process minus torch's reserved after torch.empty(1, device='cuda')"),
+    Measurement(EAGER, 666_632_192 - 20 * MiB, "not named", None, "torch 1.13 release branch, CUDA 11.7",
+                "https://github.com/pytorch/pytorch/pull/86509",
+                "CUDA_MODULE_LOADING=DEFAULT (eager): total-free = 666,632,192 B after one 6.4 MB tensor; minus its "
+                "20 MiB allocator segment"),
+    Measurement(EAGER, 721 * MiB - 2 * MiB, "GTX 1080", (6, 1), "torch 1.8.2+cu101",
+                "https://github.com/pytorch/pytorch/issues/55277",
+                "721 MiB after torch.Tensor(1).cuda(); minus the 2 MiB small-pool segment of that tensor"),
+    Measurement(EAGER, 1687 * MiB - 2 * MiB, "RTX 3090", (8, 6), "torch 1.8.2+cu111",
+                "https://github.com/pytorch/pytorch/issues/55277",
+                "1687 MiB after torch.Tensor(1).cuda(); minus the 2 MiB small-pool segment of that tensor"),
+    Measurement(EAGER, 1343 * MiB - 2 * MiB, "Tesla V100-SXM2 16GB", (7, 0), "driver 460.91.03 (CUDA 11.2), Jan 2022",
+                "https://github.com/huggingface/transformers/blob/main/docs/source/en/model_memory_anatomy.md",
+                "NVML device used 1343 MB after torch.ones((1, 1)).to('cuda') on an empty GPU; minus the 2 MiB "
+                "small-pool segment of that tensor"),
+    Measurement(EAGER, _PROBE_INIT[EAGER], "H100 80GB HBM3", _H100, H100_STACK, PROBE_SOURCE,
+                "CUDA_MODULE_LOADING=EAGER: NVML used minus torch's reserved after torch.empty(1, device='cuda')"),
+)
+
+# Reports kept for the record but not counted: a bound or a range, not a measurement.
+NOT_COUNTED: tuple[tuple[str, str], ...] = (
+    ("https://github.com/pytorch/pytorch/issues/107667", "before CUDA 11.7 all kernels loaded: '>1000MB' (a bound)"),
+    ("https://github.com/pytorch/pytorch/issues/20532", "V100 (AWS p3.8xlarge), torch 1.1: 'around 300MB to 400MB'"),
+    ("https://github.com/pytorch/pytorch/issues/28113", "Tesla K40c, torch 1.3, CUDA 10.1: '200+mb to 700+mb' by machine"),
+)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A fixed cost from evidence: the expected value and the range the evidence spans."""
+
+    low: int
+    expected: int
+    high: int
+    basis: str  # which rows and which rule, in words (shown in the report)
+
+    def __post_init__(self) -> None:
+        assert self.low <= self.expected <= self.high, self
+
+    @classmethod
+    def exact(cls, nbytes: int, basis: str) -> Spread:
+        return cls(nbytes, nbytes, nbytes, basis)
+
+    def __add__(self, other: Spread) -> Spread:
+        return Spread(self.low + other.low, self.expected + other.expected, self.high + other.high,
+                      f"{self.basis}; {other.basis}")
+
+
+def _median(values: list[int]) -> int:
+    return int(statistics.median(values))
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f}"
+
+
+def context_spread(compute_capability: tuple[int, int], loading: str,
+                   rows: tuple[Measurement, ...] = CONTEXTS) -> Spread:
+    """Expected: the median of this generation's measurements (all generations' where there is none);
+    low / high: the smallest and largest measurement of the loading mode, any generation."""
+    rows = tuple(r for r in rows if r.loading == loading)
+    if not rows:
+        raise ValueError(f"no context measurement for loading mode {loading!r}")
+    same = [r.bytes for r in rows if r.compute_capability == tuple(compute_capability)]
+    values = [r.bytes for r in rows]
+    expected = _median(same) if same else _median(values)
+    which = (f"median of {len(same)} sm{''.join(map(str, compute_capability))} measurement(s)" if same
+             else f"median of all {len(values)}")
+    return Spread(min(values), expected, max(values),
+                  f"CUDA context ({loading} loading): {which}; range {_mib(min(values))}-{_mib(max(values))} MiB over "
+                  f"{len(values)} public and measured contexts (overheads.CONTEXTS)")
+
+
+def library_increments(runs: tuple[Run, ...] = MEASURED_RUNS, context: int = _PROBE_INIT[LAZY]) -> list[tuple[Run, int]]:
+    """What each real training process held outside the allocator beyond its bare CUDA context: the
+    libraries a step loads (cuBLAS/cuBLASLt, cuDNN where used) with lazy loading."""
+    return [(run, run.process_overhead - context) for run in runs]
+
+
+def _probe_delta(loading: str, stage: str, since: str) -> int:
+    nvml, reserved = PROBE_STAGES[loading][stage]
+    nvml0, reserved0 = PROBE_STAGES[loading][since]
+    return (nvml - reserved) - (nvml0 - reserved0)
+
+
+def library_spread(loading: str, cudnn: bool, runs: tuple[Run, ...] = MEASURED_RUNS) -> Spread:
+    """cuBLAS/cuBLASLt (+ cuDNN) loaded by a training step, outside the allocator.
+
+    lazy: from whole training processes (NVML peak - max reserved - the same GPU's bare context);
+    expected: the median over runs of the same kind (with / without cuDNN kernels), range over all.
+    eager: the probe's stages (first GEMMs; + convolution forward/backward), one measurement each."""
+    if loading == EAGER:
+        cublas = _probe_delta(EAGER, "cublaslt_bf16", "init")
+        value = cublas + (_probe_delta(EAGER, "cudnn_conv", "cublaslt_bf16") if cudnn else 0)
+        return Spread.exact(value, f"libraries (eager): {'cuBLAS/cuBLASLt + cuDNN' if cudnn else 'cuBLAS/cuBLASLt'} "
+                                   f"stages of the H100 probe, one measurement ({PROBE_SOURCE})")
+    rows = library_increments(runs)
+    if not rows:
+        raise ValueError("no training-process measurement to derive library costs from")
+    values = [v for _, v in rows]
+    kind = [v for run, v in rows if run.cudnn == cudnn] or values
+    what = "cuBLAS/cuBLASLt + cuDNN" if cudnn else "cuBLAS/cuBLASLt"
+    return Spread(min(values), _median(kind), max(values),
+                  f"libraries ({what}): median of {len(kind)} real training processes "
+                  f"{'with' if cudnn else 'without'} cuDNN kernels, range {_mib(min(values))}-{_mib(max(values))} MiB "
+                  f"over {len(values)} (NVML peak - max reserved - bare context; {VALIDATION_SOURCE}; measured on "
+                  "H100 only)")
+
+
+def nccl_spread(loading: str) -> Spread:
+    value = _probe_delta(loading, "nccl", "sdpa_flash")
+    return Spread.exact(value, f"NCCL communicator: the H100 probe's NCCL stage ({loading}; world of 1 and one "
+                               f"all_reduce), one measurement ({PROBE_SOURCE})")
+
+
+# ------------------------------------------------------------------------------------ fixed costs
 
 
 @dataclass
 class FixedCost:
     name: str
-    bytes: int
+    bytes: int  # the expected value
     source: str
     calibrated: bool = False
     in_allocator: bool = False  # allocated through the caching allocator (part of reserved memory)
+    bytes_low: int | None = None  # the evidence's range (None: no spread, equal to bytes)
+    bytes_high: int | None = None
+
+    @property
+    def low(self) -> int:
+        return self.bytes if self.bytes_low is None else self.bytes_low
+
+    @property
+    def high(self) -> int:
+        return self.bytes if self.bytes_high is None else self.bytes_high
+
+    @classmethod
+    def from_spread(cls, name: str, spread: Spread) -> FixedCost:
+        return cls(name, spread.expected, spread.basis, bytes_low=spread.low, bytes_high=spread.high)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,28 +250,53 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int], env: dict | None
     return CONSTANTS[key][0]
 
 
+def loading_mode(env: dict | None = None) -> str:
+    env = os.environ if env is None else env
+    return EAGER if env.get("CUDA_MODULE_LOADING", "LAZY").upper() == "EAGER" else LAZY
+
+
+def _calibrated(cal: dict, key: str, name: str, what: str) -> FixedCost | None:
+    if cal.get(key) is None:
+        return None
+    source = f"{what} measured by {cal.get('source', 'memest calibrate')}"
+    if cal.get("gpu_name"):
+        source += f" on {cal['gpu_name']} (driver {cal.get('driver', '?')}, torch {cal.get('torch_version', '?')})"
+    return FixedCost(name, int(cal[key]), source, calibrated=True)
+
+
 def fixed_costs(
     compute_capability: tuple[int, int],
     world_size: int = 1,
     training: bool = True,
     calibration: dict | None = None,
     env: dict | None = None,
+    *,
+    cudnn: bool = False,
+    evidence_runs: tuple[Run, ...] | None = None,
 ) -> list[FixedCost]:
+    """The fixed costs of one process: ``cudnn``: the step runs cuDNN kernels (convolutions, batch
+    norm, RNNs). A calibration's measured values replace the evidence defaults, component by component.
+    ``evidence_runs``: the measured training processes to derive library costs from (default: all of
+    measured_runs.MEASURED_RUNS; benchmarks leave a run out to test on it)."""
     env = os.environ if env is None else env
     cal = calibration or {}
+    loading = loading_mode(env)
     costs = []
-    eager = env.get("CUDA_MODULE_LOADING", "LAZY").upper() == "EAGER"
-    key = "context_eager" if eager else "context_lazy"
-    if "context_bytes" in cal and not eager:
-        costs.append(FixedCost("cuda_context", int(cal["context_bytes"]), cal.get("source", "memest calibrate"), True))
-    elif not eager and tuple(compute_capability) in CONTEXT_LAZY_BY_CC:
-        nbytes, source = CONTEXT_LAZY_BY_CC[tuple(compute_capability)]
-        costs.append(FixedCost("cuda_context", nbytes, source))
-    else:
-        costs.append(FixedCost("cuda_context", CONSTANTS[key][0], CONSTANTS[key][1]))
+    calibrated_loading = str(cal.get("module_loading", LAZY)).lower()
+    use_cal = bool(cal) and calibrated_loading == loading
+    context = use_cal and _calibrated(cal, "context_bytes", "cuda_context", "CUDA context")
+    costs.append(context or FixedCost.from_spread("cuda_context", context_spread(compute_capability, loading)))
+
+    libraries = None
+    if use_cal and cal.get("cublas_library_bytes") is not None and (not cudnn or cal.get("cudnn_library_bytes") is not None):
+        total = int(cal["cublas_library_bytes"]) + (int(cal["cudnn_library_bytes"]) if cudnn else 0)
+        libraries = _calibrated({**cal, "libraries": total}, "libraries", "cuda_libraries",
+                                "cuBLAS/cuBLASLt" + (" + cuDNN" if cudnn else ""))
+    runs = MEASURED_RUNS if evidence_runs is None else evidence_runs
+    costs.append(libraries or FixedCost.from_spread("cuda_libraries", library_spread(loading, cudnn, runs)))
 
     handles = CUBLAS_HANDLES_IN_TRAINING if training else 1
-    if "cublas_workspace_bytes" in cal:
+    if cal.get("cublas_workspace_bytes") is not None:
         ws, src, calibrated = int(cal["cublas_workspace_bytes"]), cal.get("source", "memest calibrate"), True
     else:
         ws = cublas_workspace_bytes(compute_capability, env)
@@ -112,6 +311,8 @@ def fixed_costs(
         lt = int(env.get("CUBLASLT_WORKSPACE_SIZE", 1024)) * 1024
         costs.append(FixedCost("cublaslt_workspaces", lt * handles, CONSTANTS["cublaslt_workspace"][1], in_allocator=True))
     if world_size > 1:
+        nccl = use_cal and _calibrated(cal, "nccl_library_bytes", "nccl_communicator", "NCCL communicator")
+        costs.append(nccl or FixedCost.from_spread("nccl_communicator", nccl_spread(loading)))
         buff = int(env.get("NCCL_BUFFSIZE", CONSTANTS["nccl_buffsize"][0]))
         channels = int(env.get("NCCL_MAX_NCHANNELS", NCCL_CHANNELS_DEFAULT))
         peers = 2  # ring: previous and next rank
@@ -124,3 +325,10 @@ def fixed_costs(
             )
         )
     return costs
+
+
+def outside_allocator(costs: list[FixedCost]) -> Spread:
+    """The process's memory outside the caching allocator: the sum of those costs, low to high."""
+    outside = [c for c in costs if not c.in_allocator]
+    return Spread(sum(c.low for c in outside), sum(c.bytes for c in outside), sum(c.high for c in outside),
+                  "; ".join(f"{c.name}: {c.source}" for c in outside))

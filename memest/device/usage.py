@@ -2,11 +2,16 @@
 
     allocated (torch.cuda.max_memory_allocated) = the trace's blocks, 512 B-rounded, + cuBLAS workspaces
     reserved  (torch.cuda.max_memory_reserved)  = the caching-allocator replay of those blocks
-    device    (nvidia-smi for the process)      = reserved + CUDA context (+ NCCL buffers, + cuDNN allowance)
+    device    (nvidia-smi for the process)      = reserved + CUDA context + libraries (cuBLAS, cuDNN)
+                                                  (+ NCCL, + cuDNN allowance)
     min budget (what the step needs)            = the smallest device budget under which the replay, with
                                                   the allocator's OOM recovery, completes + the same costs
 Reserved and device are unconstrained: what a GPU with room to spare shows. On a smaller one the allocator
 frees its cache and retries before raising OOM, so a step can run in less: the min budget.
+
+Both come as low / expected / high: the fixed costs' evidence spread (overheads.py) plus the replay's
+measured error band on reserved memory (slack.py). ``device_bytes`` and ``min_budget_bytes`` are the
+expected values; the verdict against a budget (device/fit.py) uses the needed range.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from ..errors import MemestError
 from ..trace.events import Phase, Trace
 from .allocator import min_device_limit, parse_alloc_conf, replay
-from .overheads import FixedCost, fixed_costs
+from .overheads import FixedCost, fixed_costs, outside_allocator
+from .slack import slack_band
 
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
 
@@ -35,6 +41,18 @@ class DeviceUsage:
     fixed_costs: list[FixedCost] = field(default_factory=list)
     allocator_config: str = ""
     calibrated: bool = False
+    # The ranges (expected = device_bytes / min_budget_bytes): the evidence spread of the fixed costs
+    # outside the allocator plus the allocator replay's measured band on reserved memory.
+    bytes_low: int = 0  # unconstrained device use (nvidia-smi with room to spare), low / expected / high
+    bytes_expected: int = 0
+    bytes_high: int = 0
+    needed_bytes_low: int = 0  # the smallest budget the step runs in, low / expected / high
+    needed_bytes_expected: int = 0
+    needed_bytes_high: int = 0
+    reserved_bytes_low: int = 0
+    reserved_bytes_high: int = 0
+    cudnn_kernels: bool = False  # the step runs cuDNN kernels (convolution, batch norm, RNN)
+    range_basis: list[str] = field(default_factory=list)  # what the range rests on, one line per part
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +78,15 @@ def allocator_events(trace: Trace, costs: list[FixedCost]) -> list[tuple[int, in
     return events
 
 
+CUDNN_OPS = ("convolution", "batch_norm", "rnn", "lstm", "gru")  # aten ops whose CUDA kernels are cuDNN's
+
+
+def uses_cudnn(trace: Trace) -> bool:
+    """Does the step run cuDNN kernels on CUDA (so the process loads cuDNN)? Convolutions, batch norm
+    (cudnn_batch_norm) and RNNs; named by the aten ops the trace recorded."""
+    return any(any(name in r.op for name in CUDNN_OPS) for r in trace.storages)
+
+
 def cudnn_allowance(trace: Trace) -> FixedCost | None:
     """cuDNN convolution algorithms allocate a workspace per call through the caching allocator; its
     size depends on the algorithm cuDNN picks. Allowance (an assumption until validated on a GPU):
@@ -82,9 +109,13 @@ def device_usage(
     world_size: int = 1,
     calibration: dict | None = None,
     env: dict | None = None,
+    evidence_runs: tuple | None = None,
 ) -> DeviceUsage:
+    """``evidence_runs``: the measured runs the ranges rest on (default: measured_runs.MEASURED_RUNS)."""
     env = os.environ if env is None else env
-    costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env)
+    cudnn = uses_cudnn(trace)
+    costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env, cudnn=cudnn,
+                        evidence_runs=evidence_runs)
     allowance = cudnn_allowance(trace)
     if allowance:
         costs.append(allowance)
@@ -98,17 +129,31 @@ def device_usage(
     events = allocator_events(trace, costs)
     result = replay(events, conf)
     limit = min_device_limit(events, conf, unconstrained=result)
-    outside = sum(c.bytes for c in costs if not c.in_allocator)
+    outside = outside_allocator(costs)
+    band = slack_band(cudnn) if evidence_runs is None else slack_band(cudnn, evidence_runs)
+    allocated = result.peak_allocated
+    reserved_low, reserved_high = band.bounds(allocated, result.peak_reserved, floor=allocated)
+    limit_low, limit_high = band.bounds(allocated, limit, floor=min(limit, allocated))
     return DeviceUsage(
         tensor_peak_bytes=trace.peak()[0],
-        allocated_peak_bytes=result.peak_allocated,
+        allocated_peak_bytes=allocated,
         reserved_peak_bytes=result.peak_reserved,
-        device_bytes=result.peak_reserved + outside,
+        device_bytes=result.peak_reserved + outside.expected,
         fixed_costs=costs,
         allocator_config=conf_text,
         calibrated=any(c.calibrated for c in costs),
-        min_budget_bytes=limit + outside,
+        min_budget_bytes=limit + outside.expected,
         min_allocator_limit_bytes=limit,
+        bytes_low=reserved_low + outside.low,
+        bytes_expected=result.peak_reserved + outside.expected,
+        bytes_high=reserved_high + outside.high,
+        needed_bytes_low=limit_low + outside.low,
+        needed_bytes_expected=limit + outside.expected,
+        needed_bytes_high=limit_high + outside.high,
+        reserved_bytes_low=reserved_low,
+        reserved_bytes_high=reserved_high,
+        cudnn_kernels=cudnn,
+        range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis],
     )
 
 

@@ -143,12 +143,14 @@ def summary_table(report: Report) -> Table:
         table.add_row("", f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)} (caching-allocator replay)")
         for cost in dev.fixed_costs:
             if not cost.in_allocator:
-                tag = "calibrated" if cost.calibrated else "assumption" if cost.source.startswith("assumption") else "default"
-                table.add_row("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)} ({tag})")
-        table.add_row("predicted device use", f"{format_bytes(dev.device_bytes)} (what nvidia-smi would show on a GPU "
-                      "with room to spare)")
-        table.add_row("needed", f"[bold]{format_bytes(dev.min_budget_bytes)}[/bold] (the smallest device budget the step "
-                      "runs in: the allocator frees its cache before running out)")
+                tag = "calibrated" if cost.calibrated else "assumption" if cost.source.startswith("assumption") else "evidence"
+                spread = f", {format_bytes(cost.low)}-{format_bytes(cost.high)}" if cost.low != cost.high else ""
+                table.add_row("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)} ({tag}{spread})")
+        table.add_row("predicted device use", f"{format_bytes(dev.device_bytes)} (range {format_bytes(dev.bytes_low)} - "
+                      f"{format_bytes(dev.bytes_high)}; what nvidia-smi would show on a GPU with room to spare)")
+        table.add_row("needed", f"[bold]{format_bytes(dev.min_budget_bytes)}[/bold] (range "
+                      f"{format_bytes(dev.needed_bytes_low)} - {format_bytes(dev.needed_bytes_high)}; the smallest device "
+                      "budget the step runs in: the allocator frees its cache before running out)")
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
     table.add_row(
@@ -167,7 +169,7 @@ def fit_table(rows: list[FitRow], width: int | None = None) -> Table:
     """Numbers in full: at a narrow width the total and used columns go first."""
     from .markdown import FIT_HEADERS, fit_cells
 
-    cells = fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]")
+    cells = fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]", tight="[yellow]tight[/yellow]")
     plain = fit_cells(rows)
     keep = list(range(len(FIT_HEADERS)))
 

@@ -73,9 +73,11 @@ def summary_items(report: Report) -> list[tuple[str, str]]:
         dev = report.device
         items.append(("torch would report", f"max_memory_allocated {format_bytes(dev.allocated_peak_bytes)}, "
                                             f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)}"))
-        items.append(("predicted device use", f"{format_bytes(dev.device_bytes)} (what nvidia-smi would show on a GPU "
+        items.append(("predicted device use", f"{format_bytes(dev.device_bytes)} (range {format_bytes(dev.bytes_low)}"
+                                              f" - {format_bytes(dev.bytes_high)}; what nvidia-smi would show on a GPU "
                                               "with room to spare)"))
-        items.append(("needed", f"**{format_bytes(dev.min_budget_bytes)}** (the smallest device budget the step runs in)"))
+        items.append(("needed", f"**{format_bytes(dev.min_budget_bytes)}** (range {format_bytes(dev.needed_bytes_low)}"
+                                f" - {format_bytes(dev.needed_bytes_high)}; the smallest device budget the step runs in)"))
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
     items.append(("folklore formula", f"{format_bytes(report.folklore_bytes)} ({report.folklore_formula}): "
@@ -117,8 +119,15 @@ def layer_rows(report: Report, depth: int, expand: bool = False) -> tuple[list[s
 FIT_HEADERS = ["against", "total", "used", "available", "needed", "headroom", "fits"]
 
 
-def fit_cells(rows: list[FitRow], yes: str = "yes", no: str = "**no**") -> list[list[str]]:
-    """Cells of the "does it fit?" table (shared with the rich table in console.py)."""
+def _verdict_cell(r: FitRow, yes: str, no: str, tight: str) -> str:
+    if r.verdict == "tight":
+        return tight
+    return yes if r.fits else no
+
+
+def fit_cells(rows: list[FitRow], yes: str = "yes", no: str = "**no**", tight: str = "**tight**") -> list[list[str]]:
+    """Cells of the "does it fit?" table (shared with the rich table in console.py). tight: the expected
+    need fits, the high end of its range does not."""
     return [
         [
             r.label,
@@ -127,7 +136,7 @@ def fit_cells(rows: list[FitRow], yes: str = "yes", no: str = "**no**") -> list[
             format_bytes(r.capacity_bytes),
             format_bytes(r.needed_bytes),
             format_bytes(r.headroom_bytes),
-            yes if r.fits else no,
+            _verdict_cell(r, yes, no, tight),
         ]
         for r in rows
     ]

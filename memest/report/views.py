@@ -21,13 +21,18 @@ def estimate_doc(result) -> dict:
     doc["peak_by_iteration"] = {str(k): v for k, v in report.peak_by_iteration.items()}
     needed = result.estimate.needed_bytes
     doc["needed_bytes"] = needed
+    low, _, high = result.estimate.needed_range
+    doc["needed_bytes_low"], doc["needed_bytes_high"] = low, high
     doc["gpus"] = {
         "compared_bytes": needed,
         "rows": [f.to_dict() for f in result.fits],
         "fits": result.verdict_fits,
+        "verdict": result.verdict,
         "reason": "" if result.fits else result.gpu.no_gpu_reason,
     }
+    doc["verdict"] = result.verdict  # worst over the budgets compared; None without one
     doc["gpu_arch"] = {"arch": result.gpu.arch, "why": result.gpu.arch_reason}
+    doc["calibration"] = result.gpu.calibration_note
     return doc
 
 
@@ -61,25 +66,44 @@ def _expand_kw(fn, expand: bool) -> dict:
 # ----------------------------------------------------------------------------------------- check
 
 
+VERDICT_TEXT = {"fits": "fits", "tight": "TIGHT", "does-not-fit": "DOES NOT FIT"}
+
+
 def check_view(result) -> View:
     rows = result.rows
     unit = table_unit([v for r in rows for v in (r.needed_bytes, r.required_bytes, r.budget_bytes)])
-    headers = ["config", "model", "seq", "predicted", "with margin", "budget", "headroom", "verdict"]
+    headers = ["config", "model", "seq", "predicted", "range", "with margin", "budget", "headroom", "verdict"]
     cells = [
         [
             r.name,
             r.model if r.model.startswith("hf:") else r.model.rsplit("/", 1)[-1],
             str(r.seq) if r.seq is not None else "-",
             format_in(r.needed_bytes, unit),
+            f"{format_in(r.needed_bytes_low, unit)}-{format_in(r.needed_bytes_high, unit)}",
             f"{format_in(r.required_bytes, unit)} (+{100 * r.margin:g}%)",
             f"{format_in(r.budget_bytes, unit)} ({r.budget_label})",
             format_in(r.headroom_bytes, unit),
-            "fits" if r.fits else "DOES NOT FIT",
+            VERDICT_TEXT.get(r.verdict, r.verdict),
         ]
         for r in rows
     ]
-    doc = {"fits": result.fits, "configs": [r.to_dict() for r in rows]}
-    return View(doc, [Table("memest check", headers, cells, left=("config", "model", "budget", "verdict"))])
+    doc = {"fits": result.fits, "verdict": result.verdict, "strict": result.strict,
+           "configs": [r.to_dict() for r in rows]}
+    blocks: list = [Table("memest check", headers, cells, left=("config", "model", "budget", "verdict"))]
+    blocks += tight_lines(result)
+    return View(doc, blocks)
+
+
+def tight_lines(result) -> list[str]:
+    """Said loudly: what tight means and how it was counted."""
+    tight = result.tight
+    if not tight:
+        return []
+    names = ", ".join(r.name for r in tight)
+    counted = ("counted as NOT fitting (--strict)" if result.strict else
+               "counted as fitting (exit 0); --strict counts tight as not fitting")
+    return [f"TIGHT: {names}: the expected need fits, the high end of its range does not; {counted}. "
+            "`memest calibrate` on the card narrows the range."]
 
 
 # ---------------------------------------------------------------------------------------- whatif
@@ -206,13 +230,24 @@ def gpus_view(query) -> View:
 
 def calibrate_view(run) -> View:
     e = run.entry
+
+    def size(key: str) -> str:
+        return format_bytes(e[key]) if e.get(key) is not None else "not measured"
+
     lines = [
-        f"{e['gpu_name']} (driver {e['driver']}, torch {e['torch_version']}):",
-        f"  CUDA context     {format_bytes(e['context_bytes'] or 0)}",
-        f"  cuBLAS workspace {format_bytes(e['cublas_workspace_bytes'])}",
+        f"{e['gpu_name']} (driver {e['driver']}, CUDA {e.get('cuda_version')}, torch {e['torch_version']}, "
+        f"{e.get('module_loading', 'lazy')} loading), outside the caching allocator:",
+        f"  CUDA context       {size('context_bytes')}",
+        f"  cuBLAS/cuBLASLt    {size('cublas_library_bytes')}",
+        f"  cuDNN              {size('cudnn_library_bytes')}",
+        f"  NCCL               {size('nccl_library_bytes')}",
+        f"  cuBLAS workspace   {size('cublas_workspace_bytes')} (inside the allocator)",
         f"saved to {run.path}",
     ]
-    return View({"saved_to": str(run.path), **e}, lines)
+    if run.profile_path is not None:
+        lines.append(f"profile written to {run.profile_path}: use it anywhere with --calibration {run.profile_path}")
+    doc = {"saved_to": str(run.path), "profile": str(run.profile_path) if run.profile_path else None, **e}
+    return View(doc, lines)
 
 
 __all__ = ["estimate_view", "check_view", "whatif_view", "max_batch_view", "advise_view", "gpus_view",

@@ -1,0 +1,420 @@
+"""Goal benchmark (issue 11): memest's uncalibrated device prediction against measured GPU runs.
+
+Each row is a real training run on a GPU whose whole-process memory was measured (NVML: what
+nvidia-smi shows), with its source and setup:
+
+  v100-hf   Hugging Face's "Model training anatomy" / "efficient training on one GPU" runs: bert-large-
+            uncased sequence classification, seq 512, Trainer, on a Tesla V100-SXM2 16GB (driver
+            460.91.03, CUDA 11.2, January 2022): NVML device used after trainer.train().
+  h100      this project's runs (benchmarks/gpu-validation.json, memest.device.measured_runs): NVML peak
+            of the process over two training steps on an H100 80GB, CUDA 13.0, torch 2.11.
+
+memest runs without calibration and never touches a GPU. Per row: the expected device use (allocator
+reserved + fixed costs from evidence) and its [low, high] range; the three-way verdict against the
+row's card (the needed range); and the old default (reserved + a 400 MiB context, 1000 MiB eager) for
+comparison. The h100 rows are also evidence for the ranges (library costs, allocator band), so they
+are scored twice: in-sample, and leave-one-out (the row's own run removed from the evidence).
+
+Goals: |expected - measured| / measured within 5% median and 12% max; measured inside [low, high] in
+>= 90% of rows; no row where memest says "fits" and the measured run exceeded the card.
+
+    pip install --target /tmp/peers --no-deps torchvision==0.28.0 timm   # the torchvision / timm rows
+    python scripts/bench_gpu_published.py                  # -> benchmarks/gpu-published.md and .json
+    python scripts/bench_gpu_published.py --groups v100-hf
+
+torchvision and timm stay outside memest's environment (--peers, default /tmp/peers, is added to
+sys.path); rows whose model code cannot be imported are listed as not scored, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # memest never touches a GPU
+
+MiB = 2**20
+HF_DOC = ("https://github.com/huggingface/transformers/blob/249ef8164cfbd8e288c2f6d8395539b9e90e8300/docs/source/en/"
+          "model_memory_anatomy.md")
+HF_DOC_ONE_GPU = ("https://github.com/huggingface/transformers/blob/57ddbf5ead36f05e6e77d4a34d0d838bddf2af9f/docs/source/"
+                  "zh/perf_train_gpu_one.md (the same V100 runs as the anatomy page; the English page's 2022 numbers "
+                  "are kept in this translation)")
+V100_SETUP = ("Tesla V100-SXM2 16GB (16160 MiB), driver 460.91.03 (CUDA 11.2: kernels load eagerly), Jan 2022; "
+              "transformers Trainer (4.16 era: its own AdamW, per-parameter), bert-large-uncased "
+              "ForSequenceClassification, seq 512, 512 samples, 1 epoch; NVML device used after train()")
+V100_CARD = 16160 * MiB
+H100_CARD = 81559 * MiB  # nvidia-smi total on the H100 80GB HBM3 these runs used
+OLD_CONTEXT = {"lazy": 400 * MiB, "eager": 1000 * MiB}  # memest's previous defaults (context only)
+
+
+@dataclass
+class Row:
+    group: str
+    label: str
+    source: str
+    setup: str
+    spec: dict  # RunSpec fields (model, batch, seq, optim, precision, ...)
+    cc: tuple[int, int]
+    env: dict
+    card_bytes: int
+    measured_bytes: int
+    notes: list[str] = field(default_factory=list)
+    run: object = None  # measured_runs.Run for this project's rows (leave-one-out)
+
+
+def v100_rows() -> list[Row]:
+    """HF's V100 runs: (label, batch, grad_accum, checkpointing, precision, optimizer, NVML MB)."""
+    config = str(ROOT / "scripts" / "models" / "hf_bert_large_seqcls.json")
+    runs = [
+        ("vanilla", 4, 1, "none", "fp32", "adamw", 14949, HF_DOC),
+        ("grad accumulation 4", 1, 4, "none", "fp32", "adamw", 8681, HF_DOC_ONE_GPU),
+        ("+ gradient checkpointing", 1, 4, "blocks", "fp32", "adamw", 6775, HF_DOC_ONE_GPU),
+        ("fp16", 4, 1, "none", "fp16-mixed", "adamw", 13939, HF_DOC_ONE_GPU),
+        ("accumulation + checkpointing + fp16", 1, 4, "blocks", "fp16-mixed", "adamw", 7275, HF_DOC_ONE_GPU),
+        ("adafactor", 4, 1, "none", "fp32", "adafactor", 12295, HF_DOC_ONE_GPU),
+        ("accumulation + checkpointing + fp16 + adafactor", 1, 4, "blocks", "fp16-mixed", "adafactor", 4847,
+         HF_DOC_ONE_GPU),
+        ("8-bit Adam (bitsandbytes)", 4, 1, "none", "fp32", "adam8bit", 13085, HF_DOC_ONE_GPU),
+        ("accumulation + checkpointing + fp16 + 8-bit Adam", 1, 4, "blocks", "fp16-mixed", "adam8bit", 5363,
+         HF_DOC_ONE_GPU),
+    ]
+    rows = []
+    for label, batch, accum, ckpt, precision, optim, mb, source in runs:
+        spec = dict(model=f"hf:{config}", batch=batch, seq=512, optim=optim, precision=precision, grad_accum=accum,
+                    checkpointing=ckpt, attention="math", fused=optim == "adamw")
+        notes = ["transformers' per-parameter AdamW modelled as --fused (no multi-tensor temporaries)"] \
+            if optim == "adamw" else []
+        rows.append(Row("v100-hf", label, source, V100_SETUP, spec, (7, 0), {"CUDA_MODULE_LOADING": "EAGER"},
+                        V100_CARD, mb * MiB, notes))
+    return rows
+
+
+def h100_rows() -> list[Row]:
+    from memest.device.measured_runs import H100_STACK, MEASURED_RUNS, VALIDATION_SOURCE
+
+    rows = []
+    for run in MEASURED_RUNS:
+        ref = run.model if run.model.startswith("hf:") else str(ROOT / run.model)
+        spec = dict(model=ref, batch=run.batch, seq=run.seq, optim=run.optim, precision=run.precision)
+        notes = []
+        if run.options.startswith("checkpointing="):
+            spec["checkpointing"] = run.options.split("=", 1)[1]
+        elif run.options:
+            notes.append(f"{run.options}: not modelled (memest models cudnn.benchmark off)")
+        rows.append(Row("h100", run.label, f"this project: {VALIDATION_SOURCE}",
+                        f"{H100_STACK}; memest's training loop, two steps", spec, (9, 0), {}, H100_CARD,
+                        run.nvml_peak, notes, run))
+    return rows
+
+
+GROUPS = {"v100-hf": v100_rows, "h100": h100_rows}
+
+
+def python_only_torchvision() -> None:
+    """PyPI's torchvision wheels are built against CUDA torch; on a CPU-only torch their C ops (nms,
+    roi_align, ...) cannot load. The classification models scored here use none of them, but importing
+    torchvision registers fake kernels for nms and qnms, which needs their schemas: declare those two,
+    only when the C extension does not load."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    import torch
+
+    library = next(Path(spec.submodule_search_locations[0]).glob("_C*.so"), None)
+    try:
+        if library is not None:
+            torch.ops.load_library(str(library))
+            return
+    except (OSError, RuntimeError):
+        pass
+    global _TORCHVISION_SCHEMAS
+    _TORCHVISION_SCHEMAS = torch.library.Library("torchvision", "DEF")
+    for name in ("nms", "qnms"):
+        _TORCHVISION_SCHEMAS.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+
+_TORCHVISION_SCHEMAS = None  # kept alive: a Library object unregisters its definitions when collected
+
+
+def score(row: Row) -> dict:
+    from memest.device.fit import verdict
+    from memest.device.measured_runs import MEASURED_RUNS
+    from memest.device.usage import device_usage
+    from memest.pipeline import estimate
+    from memest.spec import RunSpec
+
+    start = time.perf_counter()
+    result = estimate(RunSpec(**row.spec, compute_capability=row.cc))
+    env = {**row.env}
+    usage = device_usage(result.trace, row.cc, env=env)
+    out = {
+        "group": row.group, "label": row.label, "source": row.source, "setup": row.setup, "spec": row.spec,
+        "compute_capability": list(row.cc), "env": row.env, "card_bytes": row.card_bytes,
+        "measured_bytes": row.measured_bytes, "notes": row.notes,
+        "allocated": usage.allocated_peak_bytes, "reserved": usage.reserved_peak_bytes,
+        "cudnn_kernels": usage.cudnn_kernels,
+        "fixed_costs": {c.name: [c.low, c.bytes, c.high] for c in usage.fixed_costs},
+        "in_sample": _scores(usage, row, verdict),
+        "old_default_bytes": usage.reserved_peak_bytes + OLD_CONTEXT[env.get("CUDA_MODULE_LOADING", "LAZY").lower()],
+    }
+    if row.run is not None:  # leave this run out of the evidence the ranges rest on
+        others = tuple(r for r in MEASURED_RUNS if r is not row.run)
+        out["leave_one_out"] = _scores(device_usage(result.trace, row.cc, env=env, evidence_runs=others), row, verdict)
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def _scores(usage, row: Row, verdict) -> dict:
+    measured = row.measured_bytes
+    return {
+        "low": usage.bytes_low, "expected": usage.bytes_expected, "high": usage.bytes_high,
+        "needed": [usage.needed_bytes_low, usage.needed_bytes_expected, usage.needed_bytes_high],
+        "error_pct": 100 * (usage.bytes_expected - measured) / measured,
+        "inside": usage.bytes_low <= measured <= usage.bytes_high,
+        "verdict": verdict(usage.needed_bytes_expected, usage.needed_bytes_high, row.card_bytes),
+    }
+
+
+KNOWN_UNMODELLED = {  # runs whose memory comes from kernels memest does not model yet (issue 11 section 3)
+    "cudnn_benchmark=True": "cudnn.benchmark on: memest models the default (off); --cudnn-benchmark is the CUDA-kernel task's",
+    "lstm_lm": "cuDNN RNN reserve space and workspace: not modelled yet (the CUDA-kernel task)",
+}
+
+
+def unmodelled(row: dict) -> str | None:
+    for key, why in KNOWN_UNMODELLED.items():
+        if key in row["label"]:
+            return why
+    return None
+
+
+def summary(rows: list[dict], key: str) -> dict:
+    scored = [r[key] for r in rows if key in r]
+    if not scored:
+        return {}
+    errors = [abs(s["error_pct"]) for s in scored]
+    inside = sum(s["inside"] for s in scored)
+    exceeded = [r["label"] for r in rows if key in r and r[key]["verdict"] == "fits" and r["measured_bytes"] > r["card_bytes"]]
+    false_alarm = [r["label"] for r in rows if key in r and r[key]["verdict"] == "does-not-fit"
+                   and r["measured_bytes"] <= r["card_bytes"]]
+    old = [abs(100 * (r["old_default_bytes"] - r["measured_bytes"]) / r["measured_bytes"]) for r in rows if key in r]
+    return {
+        "rows": len(scored), "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
+        "inside_range": inside, "inside_range_pct": 100 * inside / len(scored),
+        "fits_but_exceeded": exceeded, "does_not_fit_but_ran": false_alarm,
+        "old_default_median_abs_error_pct": statistics.median(old), "old_default_max_abs_error_pct": max(old),
+        "goals": {"median_5pct": statistics.median(errors) <= 5, "max_12pct": max(errors) <= 12,
+                  "inside_90pct": inside >= 0.9 * len(scored), "no_fits_but_exceeded": not exceeded},
+    }
+
+
+def _environment() -> dict:
+    import torch
+
+    from memest import __version__
+
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = None
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    peers = {}
+    for name in ("torchvision", "timm"):
+        try:
+            peers[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            peers[name] = None
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "memest": __version__, "commit": commit,
+            "torch": torch.__version__, "transformers": tf, "python": sys.version.split()[0], **peers}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def misses(rows: list[dict]) -> list[str]:
+    """The analysis, with the numbers computed from the rows."""
+    out = []
+    h100 = [r for r in rows if r["group"] == "h100"]
+    for r in h100:
+        s = r.get("leave_one_out", r["in_sample"])
+        if s["inside"] and abs(s["error_pct"]) <= 12:
+            continue
+        why = unmodelled(r) or MISS_REASONS.get(r["label"], "")
+        out.append(f"- h100 {r['label']}: {s['error_pct']:+.1f}%, measured {'inside' if s['inside'] else 'outside'} "
+                   f"[low, high] (leave-one-out). {why}")
+    v100 = [r for r in rows if r["group"] == "v100-hf"]
+    if v100:
+        small = [r for r in v100 if r["spec"]["batch"] == 1]
+        gaps = ", ".join(f"{(r['measured_bytes'] - r['reserved']) / MiB:.0f}" for r in small)
+        expected = [(r["in_sample"]["expected"] - r["reserved"]) / MiB for r in small]
+        big = [r for r in v100 if r["spec"]["batch"] == 4]
+        out.append(
+            f"- v100-hf, batch-1 rows (accumulation, checkpointing): memest reads {min(r['in_sample']['error_pct'] for r in small):+.1f}% "
+            f"to {max(r['in_sample']['error_pct'] for r in small):+.1f}%. Measured minus memest's reserved is "
+            f"{gaps} MiB (in row order; the Adafactor row's is lowest because memest's reserved there is itself high): "
+            f"mostly about the source's own bare context (1341 MiB), where memest adds {min(expected):.0f} MiB, that "
+            "context plus the eager cuBLAS/cuBLASLt load measured on CUDA 13 (582 MiB). The "
+            "2022 stack (CUDA 11.x, no lazy loading) appears to have loaded those kernels with the context; memest has no "
+            "measurement of that stack beyond these rows, so it does not model it (calibrating such a machine would).")
+        out.append(
+            f"- v100-hf, batch-4 rows: memest reads {min(r['in_sample']['error_pct'] for r in big):+.1f}% to "
+            f"{max(r['in_sample']['error_pct'] for r in big):+.1f}%, low where activations dominate (fp16 most): memest traces "
+            "the transformers and torch installed today, not the 2022 code these runs used (transformers 4.16's BERT, "
+            "torch 1.10 autocast), so the saved activations differ; the optimizer is a further proxy (transformers' "
+            "per-parameter AdamW as fused).")
+    out.append("- \"fits but exceeded\": none of the collected runs ran out of memory, so this goal is checked but not "
+               "tested by these rows; memest said \"does not fit\" for none of the runs that ran.")
+    xl = [r for r in h100 if "gpt2-xl" in r["label"]]
+    for r in xl:
+        run = next((m for m in _measured_runs() if m.label == r["label"]), None)
+        if run is not None:
+            out.append(f"- allocator slack (issue 11 item 5), {r['label']}: real reserved / allocated "
+                       f"{run.reserved / run.allocated:.3f}, the replay's {run.memest_reserved / run.memest_allocated:.3f} "
+                       f"(reserved {100 * (run.memest_reserved - run.reserved) / run.reserved:+.1f}%).")
+    return out
+
+
+MISS_REASONS = {
+    "examples/cnn.py b64 sgd-momentum fp32": "cuDNN convolution workspaces of a small CNN (memest's allocated peak is "
+                                             "-29% here): the cuDNN workspace model is the CUDA-kernel task's.",
+    "hf:gpt2-xl b1 s1024 adamw fp32": "the largest allocator error above the replay (+1.1% of the allocated peak); "
+                                      "without this run the band's top is +0.4%, so it falls just outside.",
+}
+
+
+def _measured_runs():
+    from memest.device.measured_runs import MEASURED_RUNS
+
+    return MEASURED_RUNS
+
+
+def markdown(env: dict, rows: list[dict], groups: dict, skipped: list[dict] = ()) -> str:
+    def goal_line(name: str, s: dict) -> str:
+        g = s["goals"]
+        mark = {True: "met", False: "**missed**"}
+        return (f"| {name} | {s['rows']} | {s['median_abs_error_pct']:.2f}% ({mark[g['median_5pct']]}) | "
+                f"{s['max_abs_error_pct']:.2f}% ({mark[g['max_12pct']]}) | {s['inside_range']}/{s['rows']} = "
+                f"{s['inside_range_pct']:.0f}% ({mark[g['inside_90pct']]}) | {len(s['fits_but_exceeded'])} "
+                f"({mark[g['no_fits_but_exceeded']]}) | {len(s['does_not_fit_but_ran'])} | "
+                f"{s['old_default_median_abs_error_pct']:.2f}% / {s['old_default_max_abs_error_pct']:.2f}% |")
+
+    lines = [
+        "# What the GPU will show: memest vs measured GPU runs (uncalibrated)",
+        "",
+        f"Scored {env['date']} with memest {env['memest']} ({env['commit']}), torch {env['torch']}, transformers "
+        f"{env['transformers']}, on a CPU (memest never touches a GPU). Reproduce: `python scripts/bench_gpu_published.py` "
+        "(raw numbers in gpu-published.json).",
+        "",
+        "Measured = NVML used memory (what nvidia-smi shows). memest = expected device use (caching-allocator reserved "
+        "+ CUDA context + libraries, from evidence: memest/device/overheads.py, slack.py) and its [low, high] range; "
+        "the verdict is against the row's card, from the needed range. Old default = reserved + 400 MiB context "
+        "(1000 MiB eager), what memest said before.",
+        "",
+        "Goals: median |error| <= 5%, max <= 12%, measured inside [low, high] in >= 90% of rows, no \"fits\" where the "
+        "measured run exceeded the card.",
+        "",
+        "| rows | n | median \\|error\\| | max \\|error\\| | measured in [low, high] | fits but exceeded | "
+        "does not fit but ran | old default median / max |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in groups.items():
+        if s:
+            lines.append(goal_line(name, s))
+    lines += ["", "## Rows", "",
+              "| group | run | measured GiB | expected GiB | error | low-high GiB | inside | leave-one-out error, inside | "
+              "verdict vs card | old default error | notes |",
+              "|---|---|---:|---:|---:|---|---|---|---|---:|---|"]
+    for r in rows:
+        s = r["in_sample"]
+        loo = r.get("leave_one_out")
+        loo_text = f"{loo['error_pct']:+.2f}%, {'yes' if loo['inside'] else '**no**'}" if loo else "-"
+        old = 100 * (r["old_default_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
+        lines.append(
+            f"| {r['group']} | {r['label']} | {_gib(r['measured_bytes'])} | {_gib(s['expected'])} | {s['error_pct']:+.2f}% "
+            f"| {_gib(s['low'])}-{_gib(s['high'])} | {'yes' if s['inside'] else '**no**'} | {loo_text} | {s['verdict']} "
+            f"| {old:+.2f}% | {'; '.join(r['notes'])} |")
+    if skipped:
+        lines += ["", "Not scored here: " + "; ".join(f"{s['group']} {s['label']} ({s['reason']})" for s in skipped)]
+    lines += ["", "## Where the goals are missed, and why", ""] + misses(rows)
+    lines += ["", "## Sources and setups", ""]
+    seen = set()
+    for r in rows:
+        key = (r["group"], r["source"])
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"- **{r['group']}**: {r['source']}. {r['setup']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", default=",".join(GROUPS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu-published.md"))
+    parser.add_argument("--peers", default="/tmp/peers", help="folder with torchvision and timm (pip --target)")
+    parser.add_argument("--render", action="store_true", help="rewrite the Markdown from --out's JSON, no scoring")
+    args = parser.parse_args()
+    if args.render:
+        stored = json.loads(Path(args.out).with_suffix(".json").read_text())
+        write(Path(args.out), stored["environment"], stored["rows"], stored.get("not_scored", []))
+        return
+    sys.path.append(args.peers)
+    python_only_torchvision()
+    rows = [row for name in args.groups.split(",") for row in GROUPS[name]()]
+    scored, skipped = [], []
+    for row in rows:
+        try:
+            scored.append(score(row))
+        except Exception as exc:  # noqa: BLE001 -- a model whose code cannot be imported here is listed, not lost
+            skipped.append({"group": row.group, "label": row.label, "reason": str(exc).splitlines()[0][:300]})
+            print(f"{row.group:8} {row.label:60} NOT SCORED: {skipped[-1]['reason']}", flush=True)
+            continue
+        s = scored[-1]["in_sample"]
+        print(f"{row.group:8} {row.label:60} measured {_gib(row.measured_bytes)} GiB, expected {_gib(s['expected'])} "
+              f"({s['error_pct']:+.2f}%), inside {s['inside']}, {s['verdict']}", flush=True)
+    env = _environment()
+    write(Path(args.out), env, scored, skipped)
+
+
+def summaries(scored: list[dict]) -> dict:
+    groups = {}
+    for name in dict.fromkeys(r["group"] for r in scored):
+        part = [r for r in scored if r["group"] == name]
+        groups[f"{name} (in-sample)" if name == "h100" else name] = summary(part, "in_sample")
+        if name == "h100":
+            groups["h100 (leave-one-out)"] = summary(part, "leave_one_out")
+            modelled = [r for r in part if not unmodelled(r)]
+            groups["h100 leave-one-out, without cudnn.benchmark-on and LSTM runs"] = summary(modelled, "leave_one_out")
+    groups["all rows (h100 in-sample)"] = summary(scored, "in_sample")
+    loo_all = [{**r, "mixed": r.get("leave_one_out", r["in_sample"])} for r in scored]
+    groups["all rows (h100 leave-one-out)"] = summary(loo_all, "mixed")
+    return groups
+
+
+def write(out: Path, env: dict, scored: list[dict], skipped: list[dict]) -> None:
+    groups = summaries(scored)
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "summary": groups, "rows": scored,
+                                                    "not_scored": skipped}, indent=2, default=str) + "\n")
+    out.write_text(markdown(env, scored, groups, skipped))
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
