@@ -41,7 +41,7 @@ class OneLineErrors(TyperGroup):
                 message = exc.format_message().replace("Value error, ", "")  # typer's pydantic coercion prefix
                 typer.echo(f"memest: error: {message} (see {command} --help)", err=True)
                 code = EXIT_USAGE
-        except click.Abort:
+        except typer.Abort:  # typer >= 0.2x defines Abort itself (not in its vendored click)
             typer.echo("memest: interrupted", err=True)
             code = 130
         except OSError as exc:  # e.g. stdout closed by `| head`: not a clean run, never "ok" or "does not fit"
