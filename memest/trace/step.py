@@ -51,6 +51,7 @@ with imports_without_gc():
     from .checkpointing import apply_checkpointing
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
+    from .devices import DeviceRequests, traced_device
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
     from .inference import check_generate, run_generate, run_inference
@@ -93,6 +94,7 @@ class Built:
     model: torch.nn.Module
     inputs: Any
     checkpointed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the model code did that the report should say
 
 
 def build(source: ModelSource, spec: RunSpec) -> Built:
@@ -120,6 +122,7 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
             "model FSDP (--shard zero3) of a frozen model; use --shard none (each rank holds the whole model)"
         )
     dtype = model_dtype(spec)
+    notes = [note] if (note := _own_cast_note(model, dtype)) else []
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
     model.train(spec.training)
@@ -134,7 +137,21 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         inputs = _cast_floats(inputs, dtype)
     if not spec.training and isinstance(inputs, dict):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
-    return Built(model, inputs, checkpointed)
+    return Built(model, inputs, checkpointed, notes)
+
+
+def _own_cast_note(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """A note when the model code built floating-point parameters in another dtype than float32 (``.half()``,
+    ``.to(torch.bfloat16)`` in build_model): memory changes with it, so they are traced as built, unless
+    ``--precision bf16/fp16`` (``dtype``) casts every parameter anyway."""
+    def name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    built = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+    if not built or built == {dtype}:
+        return None
+    then = "traced as built" if dtype == torch.float32 else f"--precision casts them to {name(dtype)}"
+    return f"the model code builds {' and '.join(sorted(map(name, built)))} parameters itself (e.g. .half()): {then}"
 
 
 def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None:
@@ -177,8 +194,9 @@ def _cuda_hint(exc: Exception) -> str:
     if not _NO_CUDA_DEVICE.search(str(exc)):
         return ""
     return (
-        " — it asks for a CUDA device (.cuda(), device='cuda'); build on the default device: memest traces "
-        "on CPU fake tensors and models the GPU itself (--target cuda)"
+        " — it calls CUDA itself (torch.cuda.*, a CUDA stream or generator); memest places .cuda(), .to('cuda') and "
+        "device='cuda' on its traced device (CPU fake tensors, the GPU modelled by --target cuda) but cannot run "
+        "CUDA calls: guard them with torch.cuda.is_available()"
     )
 
 
@@ -305,6 +323,7 @@ class _Step:
     stack: ModuleStack | None = None
     tracker: StorageTracker | None = None
     sdpa: Any = None
+    devices: DeviceRequests | None = None  # the model code's CUDA requests, placed on the traced device
 
     @property
     def where(self) -> str:
@@ -321,8 +340,9 @@ class _Step:
 
 @contextlib.contextmanager
 def _fake_world(step: _Step):
-    """Stage 1: the fake tensor mode everything runs in, and for --world-size a fake process group."""
-    with step.fake_mode:
+    """Stage 1: the fake tensor mode everything runs in, the model code's CUDA requests and module
+    conversions on it (trace/devices.py), and for --world-size a fake process group."""
+    with step.fake_mode, traced_device() as step.devices:
         if not step.data_parallel:
             yield
             return
@@ -343,6 +363,7 @@ def _built(step: _Step):
             built = build(step.source, spec)
             step.model, step.inputs = built.model, built.inputs
             trace.checkpointed = built.checkpointed
+            trace.notes += built.notes
             trace.model_type = type(step.model).__name__
             if step.data_parallel and _trainable(step.model):
                 step.parallel = _wrap_parallel(step.source, spec, step.model)
@@ -497,6 +518,8 @@ def _classify(step: _Step) -> None:
     trace, spec = step.trace, step.spec
     if spec.training and step.trainable_count < trace.param_count:
         trace.notes.append(_frozen_note(trace, step.trainable_count))
+    if devices := step.devices.note(spec.target):
+        trace.notes.append(devices)
     if step.cuda:
         trace.attention_backends = dict(step.sdpa.choices)
     for rec in trace.storages:
