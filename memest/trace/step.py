@@ -47,6 +47,7 @@ with imports_without_gc():
 
     from ..errors import MemestError, TraceError
     from ..sources.base import ModelSource, default_loss
+    from ..sources.hf_masks import holds_transformers_model, real_mask_branches
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
     from .cuda.autocast import cuda_autocast_scope
@@ -449,10 +450,10 @@ def _step_errors(step: _Step):
 
 @contextlib.contextmanager
 def _instrumented(step: _Step):
-    """Stage 6: while the step runs: the source's context (transformers' mask branches), CUDA
-    semantics for --target cuda (SDPA backends, autocast rules also in backward, where checkpointing
-    replays the forward), the module stack, the tracker, the data-parallel instrumentation, and the
-    saved-tensor hook that marks activations."""
+    """Stage 6: while the step runs: the source's context (transformers' mask branches, also for a
+    transformers model that a model file builds), CUDA semantics for --target cuda (SDPA backends,
+    autocast rules also in backward, where checkpointing replays the forward), the module stack, the
+    tracker, the data-parallel instrumentation, and the saved-tensor hook that marks activations."""
     spec, tracker = step.spec, step.tracker
     step.sdpa = CudaSdpa(spec.attention, spec.compute_capability) if step.cuda else None
 
@@ -466,6 +467,8 @@ def _instrumented(step: _Step):
         hooks.enter_context(_quiet_fake_tensor_log())
         if step.source.trace_context:
             hooks.enter_context(step.source.trace_context())
+        elif holds_transformers_model(step.model):  # a transformers model built by a model file
+            hooks.enter_context(real_mask_branches())
         if step.cuda:
             hooks.enter_context(step.sdpa)
             if spec.mixed:
