@@ -239,3 +239,22 @@ def test_models_without_transformers_layers_are_left_alone():
 
     assert not holds_transformers_model(load_source(model_ref("mlp")).build_model())
     assert holds_transformers_model(load_source(model_ref("hf_by_hand")).build_model())
+
+
+# -- data-dependent ops: a clear error that offers the way out -------------------------------------------
+
+@pytest.mark.parametrize("name,op,needles", [
+    ("nonzero", "aten.nonzero", ["size-bounded", "torch.where(mask, x, 0)", "add_self_loops=False"]),
+    ("unique", "aten._unique2", ["size-bounded", "at most as many values as its input"]),
+    ("ctc", "aten._ctc_loss", ["compute_loss uses", "2 x longest target + 1", "no kernel for it"]),
+    ("data_dependent", "aten._local_scalar_dense", ["no .item() or Python branches"]),
+])
+def test_data_dependent_ops_say_what_bounds_them(name, op, needles):
+    from memest.errors import TraceError
+
+    ref = model_ref(name)
+    with pytest.raises(TraceError) as info:
+        trace_step(load_source(ref), RunSpec(model=ref, batch=2, target="cpu"))
+    message = str(info.value)
+    assert "data-dependent op" in message and op in message and len(message.splitlines()) == 1
+    assert all(needle in message for needle in needles), message

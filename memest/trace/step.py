@@ -52,6 +52,7 @@ with imports_without_gc():
     from .checkpointing import apply_checkpointing
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
+    from .data_dependent import explain
     from .devices import DeviceRequests, traced_device
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
@@ -427,12 +428,7 @@ def _step_errors(step: _Step):
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        raise TraceError(
-            f"{step.where}: {_where(step.stack, step.tracker)} uses a data-dependent op "
-            f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
-            "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
-            "boolean-mask indexing or nonzero"
-        ) from exc
+        raise TraceError(f"{step.where}: {explain(_where(step.stack, step.tracker), _op_name(exc))}") from exc
     except UnsupportedOperatorException as exc:
         raise TraceError(
             f"{step.where}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
