@@ -8,13 +8,14 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def model_ref(name: str) -> str:
-    """tests/models/NAME.py, examples/NAME.py, or hf:tests/configs/NAME.json."""
+    """tests/models/NAME.py, examples/NAME.py (NAME:factory for another factory), or hf:tests/configs/NAME.json."""
     if name.startswith("hf:"):
         return f"hf:{CONFIGS / (name[3:] + '.json')}"
+    name, sep, factory = name.partition(":")
     for folder in (MODELS, ROOT / "examples"):
         path = folder / f"{name}.py"
         if path.exists():
-            return str(path)
+            return f"{path}{sep}{factory}"
     raise FileNotFoundError(name)
 
 

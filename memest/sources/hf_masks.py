@@ -5,11 +5,31 @@ transformers skips building a causal mask (and lets SDPA use ``is_causal``) afte
 batch x 1 x seq x seq mask that the real run never allocates (and that would also rule out flash
 attention). memest generates the inputs of ``hf:`` models itself — no attention_mask, contiguous
 positions — so it knows what those checks would find, and answers them here.
+
+A transformers model built in a model file (or a Python-API factory) gets the same answers
+(:func:`holds_transformers_model`, checked after the build): the checks read values only of an
+``attention_mask`` (then the original check runs: with a mask the trace builds the 4-D mask, the
+conservative branch) and of ``position_ids``, which are answered as contiguous, one sequence per
+row — a model file passing packed sequences (several per row) is traced as unpacked. The patch is
+harmless for other models, which never call transformers' masking code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+
+
+def holds_transformers_model(model) -> bool:
+    """Whether ``model`` is or contains a transformers PreTrainedModel (peft wraps one, a user's module
+    may hold one). Never imports transformers: a model built without it holds none."""
+    if "transformers" not in sys.modules:
+        return False
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 the real recomputation in backward.
 
   none            nothing
-  blocks          every repeated block: the children of each nn.ModuleList whose modules share a class
-                  (transformer layers); transformers models use their own gradient-checkpointing switch
+  blocks          every repeated block (see repeated_blocks: transformer layers, a ViT's blocks, the
+                  residual blocks of each ResNet stage); transformers models use their own switch
   every:N         every N-th repeated block (0, N, 2N, ...)
   a.b,c.d         the named modules
 """
@@ -19,15 +19,32 @@ from ..errors import MemestError
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
-    """Names of the children of every nn.ModuleList (2+ entries) whose modules all share one class."""
-    names = []
-    for list_name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            classes = {type(child) for child in module}
-            if len(classes) == 1:
-                prefix = f"{list_name}." if list_name else ""
-                names += [f"{prefix}{i}" for i in range(len(module))]
+    """Names of the repeated blocks: the children of a list of blocks (:func:`_block_list`), outermost
+    only — a list inside a block (a MoE layer's experts, a ConvNeXt stage's blocks when the stages form
+    a list themselves) is part of that block, and checkpointing it again would recompute it twice."""
+    names: list[str] = []
+    for list_name, module in model.named_modules():  # parents before their children
+        if within(list_name, names) or not _block_list(module):
+            continue
+        prefix = f"{list_name}." if list_name else ""
+        names += [f"{prefix}{key}" for key in module._modules]
     return names
+
+
+def _block_list(module: nn.Module) -> bool:
+    """An nn.ModuleList or nn.Sequential of 2+ modules of one class, each one a module with a forward
+    (not a ModuleList/ModuleDict, which the model indexes instead of calling; never None, which a
+    ModuleList may hold: x-transformers' ``layer_integrators``). In an nn.Sequential each must hold
+    submodules itself — a ViT's Blocks, a ResNet stage's Bottlenecks — since nn.Sequential(Linear,
+    Linear) or a stack of convolutions is a layer inside a block, not a list of blocks."""
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    entries = list(module._modules.values())
+    if len(entries) < 2 or any(e is None or isinstance(e, (nn.ModuleList, nn.ModuleDict)) for e in entries):
+        return False
+    if len({type(e) for e in entries}) != 1:
+        return False
+    return isinstance(module, nn.ModuleList) or all(next(e.children(), None) is not None for e in entries)
 
 
 def _wrap(module: nn.Module) -> None:
@@ -51,6 +68,18 @@ def _hf_switch(model: nn.Module) -> bool:
     return True
 
 
+def _hf_checkpointed(model: nn.Module) -> list[str]:
+    """The layers transformers' switch checkpoints (GradientCheckpointingLayer with the flag set)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older transformers: its encoders loop over their layers themselves
+        return []
+    return [
+        name for name, m in model.named_modules()
+        if isinstance(m, GradientCheckpointingLayer) and getattr(m, "gradient_checkpointing", False)
+    ]
+
+
 def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the model") -> list[str]:
     """Apply ``--checkpointing value``; return the names of the checkpointed modules."""
     if value == "none":
@@ -59,12 +88,13 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
         blocks = repeated_blocks(model)
         if not blocks:
             raise MemestError(
-                f"--checkpointing {value}: {model_name} has no repeated blocks (an nn.ModuleList of same-class "
-                "modules); name the modules to checkpoint instead, e.g. --checkpointing encoder,decoder"
+                f"--checkpointing {value}: {model_name} has no repeated blocks (an nn.ModuleList, or an "
+                "nn.Sequential of blocks, of same-class modules); name the modules to checkpoint instead, "
+                "e.g. --checkpointing encoder,decoder"
             )
         if value == "blocks":
             if _hf_switch(model):
-                return blocks
+                return _hf_checkpointed(model) or blocks
             chosen = blocks
         else:
             try:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook as _torch_register_multi_grad_hook
+from torch.distributed._tools import mod_tracker as _mod_tracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten
 
@@ -58,12 +60,56 @@ def _shape_text(output) -> tuple[str, int]:
     return text, nbytes
 
 
+class _ModTracker(ModTracker):
+    """torch's ModTracker, without keeping autograd graphs alive after their backward.
+
+    To see a module's backward start and end, ModTracker hooks its inputs and outputs with
+    ``register_multi_grad_hook``, and drops the handle. In mode "all" the hook's closure holds the
+    gradient nodes of the hooked tensors, and a node holds its hooks: a cycle through C++ that gc
+    cannot see, so every hooked node outlives its backward, and with it the nodes it points to, down
+    to each AccumulateGrad and its leaf tensor. For parameters that changes nothing; for a leaf made in
+    the forward (transformers' ``enable_input_require_grads`` makes the embeddings' output one, for
+    peft and gradient checkpointing) it keeps the leaf and its ``.grad`` alive for the rest of the
+    trace, where the real step frees them with the graph (measured: +2.2% on a tiny LoRA Llama). This
+    tracker removes the hooks when their backward ends (an autograd engine callback) or on exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._grad_hooks: list = []
+
+    def _register(self, tensors, fn, **kwargs):
+        handle = _torch_register_multi_grad_hook(tensors, fn, **kwargs)
+        self._grad_hooks.append(handle)
+        return handle
+
+    def _remove_grad_hooks(self) -> None:
+        hooks, self._grad_hooks = self._grad_hooks, []
+        for handle in hooks:
+            handle.remove()
+
+    def _maybe_set_engine_callback(self):
+        if not self._has_callback:  # once per backward, as ModTracker's own callback
+            torch.autograd.Variable._execution_engine.queue_callback(self._remove_grad_hooks)
+        super()._maybe_set_engine_callback()
+
+    def __enter__(self):
+        _mod_tracker.register_multi_grad_hook = self._register
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        try:
+            super().__exit__(*args)
+        finally:
+            _mod_tracker.register_multi_grad_hook = _torch_register_multi_grad_hook
+            self._remove_grad_hooks()
+
+
 class ModuleStack:
     """Context manager: ``current()`` names the innermost running module, forward or backward."""
 
     def __init__(self, model: torch.nn.Module, trace: Trace, wrapper: torch.nn.Module | None = None) -> None:
         self.trace = trace
-        self._tracker = ModTracker()
+        self._tracker = _ModTracker()
         self._root = type(model).__name__
         if wrapper is not None:  # the step calls a wrapper (DDP) whose .module is ``model``
             self._root = f"{type(wrapper).__name__}.module"

@@ -47,10 +47,13 @@ with imports_without_gc():
 
     from ..errors import MemestError, TraceError
     from ..sources.base import ModelSource, default_loss
+    from ..sources.hf_masks import holds_transformers_model, real_mask_branches
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
+    from .data_dependent import explain
+    from .devices import DeviceRequests, traced_device
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
     from .inference import check_generate, run_generate, run_inference
@@ -93,6 +96,7 @@ class Built:
     model: torch.nn.Module
     inputs: Any
     checkpointed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the model code did that the report should say
 
 
 def build(source: ModelSource, spec: RunSpec) -> Built:
@@ -120,6 +124,7 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
             "model FSDP (--shard zero3) of a frozen model; use --shard none (each rank holds the whole model)"
         )
     dtype = model_dtype(spec)
+    notes = [note] if (note := _own_cast_note(model, dtype)) else []
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
     model.train(spec.training)
@@ -134,7 +139,21 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         inputs = _cast_floats(inputs, dtype)
     if not spec.training and isinstance(inputs, dict):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
-    return Built(model, inputs, checkpointed)
+    return Built(model, inputs, checkpointed, notes)
+
+
+def _own_cast_note(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """A note when the model code built floating-point parameters in another dtype than float32 (``.half()``,
+    ``.to(torch.bfloat16)`` in build_model): memory changes with it, so they are traced as built, unless
+    ``--precision bf16/fp16`` (``dtype``) casts every parameter anyway."""
+    def name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    built = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+    if not built or built == {dtype}:
+        return None
+    then = "traced as built" if dtype == torch.float32 else f"--precision casts them to {name(dtype)}"
+    return f"the model code builds {' and '.join(sorted(map(name, built)))} parameters itself (e.g. .half()): {then}"
 
 
 def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None:
@@ -177,8 +196,9 @@ def _cuda_hint(exc: Exception) -> str:
     if not _NO_CUDA_DEVICE.search(str(exc)):
         return ""
     return (
-        " — it asks for a CUDA device (.cuda(), device='cuda'); build on the default device: memest traces "
-        "on CPU fake tensors and models the GPU itself (--target cuda)"
+        " — it calls CUDA itself (torch.cuda.*, a CUDA stream or generator); memest places .cuda(), .to('cuda') and "
+        "device='cuda' on its traced device (CPU fake tensors, the GPU modelled by --target cuda) but cannot run "
+        "CUDA calls: guard them with torch.cuda.is_available()"
     )
 
 
@@ -305,6 +325,7 @@ class _Step:
     stack: ModuleStack | None = None
     tracker: StorageTracker | None = None
     sdpa: Any = None
+    devices: DeviceRequests | None = None  # the model code's CUDA requests, placed on the traced device
 
     @property
     def where(self) -> str:
@@ -321,8 +342,9 @@ class _Step:
 
 @contextlib.contextmanager
 def _fake_world(step: _Step):
-    """Stage 1: the fake tensor mode everything runs in, and for --world-size a fake process group."""
-    with step.fake_mode:
+    """Stage 1: the fake tensor mode everything runs in, the model code's CUDA requests and module
+    conversions on it (trace/devices.py), and for --world-size a fake process group."""
+    with step.fake_mode, traced_device() as step.devices:
         if not step.data_parallel:
             yield
             return
@@ -343,6 +365,7 @@ def _built(step: _Step):
             built = build(step.source, spec)
             step.model, step.inputs = built.model, built.inputs
             trace.checkpointed = built.checkpointed
+            trace.notes += built.notes
             trace.model_type = type(step.model).__name__
             if step.data_parallel and _trainable(step.model):
                 step.parallel = _wrap_parallel(step.source, spec, step.model)
@@ -405,12 +428,7 @@ def _step_errors(step: _Step):
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        raise TraceError(
-            f"{step.where}: {_where(step.stack, step.tracker)} uses a data-dependent op "
-            f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
-            "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
-            "boolean-mask indexing or nonzero"
-        ) from exc
+        raise TraceError(f"{step.where}: {explain(_where(step.stack, step.tracker), _op_name(exc))}") from exc
     except UnsupportedOperatorException as exc:
         raise TraceError(
             f"{step.where}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
@@ -428,10 +446,10 @@ def _step_errors(step: _Step):
 
 @contextlib.contextmanager
 def _instrumented(step: _Step):
-    """Stage 6: while the step runs: the source's context (transformers' mask branches), CUDA
-    semantics for --target cuda (SDPA backends, autocast rules also in backward, where checkpointing
-    replays the forward), the module stack, the tracker, the data-parallel instrumentation, and the
-    saved-tensor hook that marks activations."""
+    """Stage 6: while the step runs: the source's context (transformers' mask branches, also for a
+    transformers model that a model file builds), CUDA semantics for --target cuda (SDPA backends,
+    autocast rules also in backward, where checkpointing replays the forward), the module stack, the
+    tracker, the data-parallel instrumentation, and the saved-tensor hook that marks activations."""
     spec, tracker = step.spec, step.tracker
     step.sdpa = CudaSdpa(spec.attention, spec.compute_capability) if step.cuda else None
 
@@ -445,6 +463,8 @@ def _instrumented(step: _Step):
         hooks.enter_context(_quiet_fake_tensor_log())
         if step.source.trace_context:
             hooks.enter_context(step.source.trace_context())
+        elif holds_transformers_model(step.model):  # a transformers model built by a model file
+            hooks.enter_context(real_mask_branches())
         if step.cuda:
             hooks.enter_context(step.sdpa)
             if spec.mixed:
@@ -497,6 +517,8 @@ def _classify(step: _Step) -> None:
     trace, spec = step.trace, step.spec
     if spec.training and step.trainable_count < trace.param_count:
         trace.notes.append(_frozen_note(trace, step.trainable_count))
+    if devices := step.devices.note(spec.target):
+        trace.notes.append(devices)
     if step.cuda:
         trace.attention_backends = dict(step.sdpa.choices)
     for rec in trace.storages:

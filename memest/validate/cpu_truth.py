@@ -1,5 +1,9 @@
 """CPU ground truth (design.md §3): run the step for real on CPU under torch.profiler with memory
-events and take the true peak of the CPU allocator."""
+events and take the true peak of the CPU allocator.
+
+The model code runs under trace/devices.py's ``traced_device``, as in the trace: its CUDA requests
+(``.cuda()``, ``device="cuda"``) become the CPU, for real tensors here, so a model file written for a
+GPU runs on this CPU as the step the trace describes (without it, ``.cuda()`` fails on a CPU-only torch)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..sources.base import ModelSource
 from ..spec import RunSpec
+from ..trace.devices import traced_device
 from ..trace.step import build, run_step, step_optimizer
 
 
@@ -41,6 +46,11 @@ def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
     """Peak bytes of the real step (parameters, buffers and inputs included) and the op that made it."""
     assert spec.target == "cpu", "CPU ground truth is for --target cpu estimates"
     torch.manual_seed(seed)
+    with traced_device():
+        return _measure(source, spec)
+
+
+def _measure(source: ModelSource, spec: RunSpec) -> dict:
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,4 +1,4 @@
-"""A model file that moves its model to the GPU while building it (memest builds on the default device)."""
+"""A model file that moves its model to the GPU while building it: placed on memest's traced device."""
 
 import torch
 from torch import nn

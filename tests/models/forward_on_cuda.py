@@ -1,4 +1,4 @@
-"""A model file whose forward makes a tensor on device='cuda' (memest traces on CPU fake tensors)."""
+"""A model file whose forward makes a tensor on device='cuda': placed on memest's traced device."""
 
 import torch
 from torch import nn

@@ -1,0 +1,58 @@
+"""Ops whose result depends on tensor values, which fake tensors do not have: what the error says.
+
+Two kinds. A value read (``.item()``, a Python ``if`` on a tensor) has no bound: the forward must not
+need it. A size-bounded op has an output whose size depends on values but cannot exceed a size known
+from its inputs — ``nonzero`` (and boolean-mask indexing, which runs it) at most one row per input
+element, ``unique`` at most the input's elements, CTC's alignment table at most the targets' padded
+width. For those the message says the bound and how to write the step so that it is traced at that
+bound. memest has no upper-bound mode (yet): see docs/ARCHITECTURE.md for what one would take.
+"""
+
+from __future__ import annotations
+
+_MASK = (
+    "it is size-bounded: at most one entry per element of its input (boolean-mask indexing x[mask] runs "
+    "it). To estimate the bound, keep every element instead — torch.where(mask, x, 0) or x * mask — about the "
+    "memory of a mask that selects all (less nonzero's numel x ndim int64 indices); graph layers that insert self loops this way (torch_geometric's "
+    "GCNConv) take add_self_loops=False with edges that already hold them"
+)
+_UNIQUE = (
+    "it is size-bounded: at most as many values as its input. To estimate the bound, use the input in its "
+    "place (every value distinct), e.g. behind a flag the model file sets"
+)
+_CTC = (
+    "fake tensors have no kernel for it, even with integer lengths (torch treats its alignment table as "
+    "data-dependent); the table is batch x input length x (2 x longest target + 1) floats, the longest target "
+    "at most the targets' padded width. To estimate, trace with another loss on the same output (the default: "
+    "its mean) and add that table"
+)
+# aten op name (without overload) -> what is known about its size, and the way out
+SIZE_BOUNDED = {
+    "nonzero": _MASK,
+    "nonzero_static": _MASK,
+    "masked_select": _MASK,
+    "_unique2": _UNIQUE,
+    "unique_dim": _UNIQUE,
+    "unique_consecutive": _UNIQUE,
+    "unique_dim_consecutive": _UNIQUE,
+    "_ctc_loss": _CTC,
+}
+
+VALUE_FREE = (
+    "make the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
+    "boolean-mask indexing or nonzero"
+)
+
+
+def op_base_name(op: str) -> str:
+    """'aten.nonzero.default' -> 'nonzero'."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def explain(where: str, op: str) -> str:
+    """The one-line error for a data-dependent op ``op`` (e.g. 'aten.nonzero.default') met at ``where``."""
+    known = SIZE_BOUNDED.get(op_base_name(op))
+    if known is None:
+        return f"{where} uses a data-dependent op ({op}) whose result depends on tensor values, which fake tensors do not have; {VALUE_FREE}"
+    return f"{where} uses a data-dependent op ({op}): its output size depends on tensor values, which fake tensors do not have; {known}"
