@@ -53,6 +53,7 @@ with imports_without_gc():
     from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
+    from .fake_kernels import real_fake_kernels
     from .inference import check_generate, run_generate, run_inference
     from .modules import ModuleStack, describe_modules
     from .optim import make_optimizer
@@ -443,6 +444,7 @@ def _instrumented(step: _Step):
 
     with contextlib.ExitStack() as hooks:
         hooks.enter_context(_quiet_fake_tensor_log())
+        hooks.enter_context(real_fake_kernels())
         if step.source.trace_context:
             hooks.enter_context(step.source.trace_context())
         if step.cuda:
