@@ -408,9 +408,8 @@ def _step_errors(step: _Step):
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
         raise TraceError(
             f"{step.where}: {_where(step.stack, step.tracker)} uses a data-dependent op "
-            f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; make "
-            "the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
-            "boolean-mask indexing or nonzero"
+            f"({_op_name(exc)}) whose result depends on tensor values, which fake tensors do not have; "
+            f"{step.source.values_hint}"
         ) from exc
     except UnsupportedOperatorException as exc:
         raise TraceError(
@@ -420,7 +419,7 @@ def _step_errors(step: _Step):
     except MemestError:
         raise
     except Exception as exc:
-        fix = _cuda_hint(exc) or "; check that example_inputs() matches the model's forward"
+        fix = _cuda_hint(exc) or f"; {step.source.inputs_hint}"
         raise TraceError(
             f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
             f"{_first_line(exc)}{fix}"
@@ -446,7 +445,7 @@ def _instrumented(step: _Step):
         hooks.enter_context(_quiet_fake_tensor_log())
         hooks.enter_context(real_fake_kernels())
         if step.source.trace_context:
-            hooks.enter_context(step.source.trace_context())
+            hooks.enter_context(step.source.trace_context(spec))
         if step.cuda:
             hooks.enter_context(step.sdpa)
             if spec.mixed:
