@@ -70,6 +70,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
 
         report.device = device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration)
     report.trace_seconds = time.perf_counter() - start
+    report.notes.extend(source.notes)
     if spec.world_size > 1 or spec.offload != "none":
         _parallel_notes(report, trace, spec)
     if trace.uncounted_flop_ops:

@@ -29,8 +29,23 @@ PUBLISHED = {
 }
 
 
+# Mixture-of-experts totals as their cards publish them, in billions (rounded): Mixtral-8x7B "46.7B"
+# (mistral.ai/news/mixtral-of-experts), Qwen3-30B-A3B "30.5B in total and 3.3B activated" (its model card).
+PUBLISHED_BILLIONS = {"mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5}
+
+
 def test_every_required_config_is_bundled():
-    assert set(PUBLISHED) <= set(bundled_names())
+    assert set(PUBLISHED) | set(PUBLISHED_BILLIONS) <= set(bundled_names())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_bundled_moe_config_builds_fake_with_published_size(name):
+    source = load_source(f"hf:{name}")
+    with FakeTensorMode(), PlaceholderScalars():
+        model = source.build_model()
+    count = sum(p.numel() for p in model.parameters())
+    assert round(count / 1e9, 1) == PUBLISHED_BILLIONS[name], count
+    assert model.config._experts_implementation == "grouped_mm"  # transformers' default: routing-independent buffers
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,8 +20,17 @@ class ModelSource:
     origin: str = ""  # file or config the model came from, for error messages
     max_seq: int | None = None  # the longest sequence the model takes (position embeddings), if known
     max_seq_why: str = ""  # what sets max_seq, for messages (e.g. "n_positions")
-    # context manager entered around the traced step (e.g. transformers' mask branches)
-    trace_context: Callable[[], Any] | None = None
+    # (RunSpec) -> context manager entered around the traced step (e.g. transformers' mask branches,
+    # its MoE kernel choice on the target device)
+    trace_context: Callable[[Any], Any] | None = None
+    notes: list[str] = field(default_factory=list)  # facts about the model or its inputs, for the report
+    # what to check when the step fails on its inputs (model files: their example_inputs())
+    inputs_hint: str = "check that example_inputs() matches the model's forward"
+    # what to change when the step reads tensor values (model files: their forward)
+    values_hint: str = (
+        "make the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
+        "boolean-mask indexing or nonzero"
+    )
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -1,30 +1,44 @@
-"""``hf:NAME`` / ``hf:path/config.json``: a transformers model built from its config alone — no
-weights, no network. Bundled configs live in memest/data/models (also reachable as configs/models).
+"""``hf:NAME``, ``hf:org/name`` and ``hf:path/config.json``: a transformers model built from its
+config alone — no weights.
 
-Inputs follow the model's head: input_ids + labels for causal/masked LM and seq2seq, labels for
-classification, pixel_values for vision. Training runs with ``use_cache=False``.
+- ``hf:NAME`` (no slash): a config bundled in memest/data/models (also reachable as configs/models).
+- ``hf:path/config.json`` or ``hf:path/dir`` (an existing file or folder): that config.
+- ``hf:org/name``: a Hugging Face Hub id, resolved by transformers' own config loading
+  (``AutoConfig.from_pretrained``): the local Hugging Face cache first (HF_HOME / HF_HUB_CACHE), the
+  hub when it can be reached. Only config.json is read; no code from the hub is run.
+
+Inputs follow the model's head (sources/hf_inputs.py). Training runs with ``use_cache=False``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import sys
 from pathlib import Path
 
 from ..errors import ModelLoadError
 from .base import ModelSource
+from .hf_experts import cuda_experts_dispatch
+from .hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params, head_of, make_inputs, value_ranges
 from .hf_masks import real_mask_branches
+from .hf_values import known_values
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "models"
-DEFAULT_SEQ = 512  # when --seq is not given (capped by the model's maximum positions)
+# huggingface_hub's repo id rule (utils/_validators.py, validate_repo_id): org/name of letters, digits, - _ .
+HUB_ID = re.compile(r"^[\w.-]{1,96}/[\w.-]{1,96}$")
+
+__all__ = ["BUNDLED", "DEFAULT_SEQ", "bundled_names", "load_hf_source"]
 
 
 def bundled_names() -> list[str]:
     return sorted(p.stem for p in BUNDLED.glob("*.json"))
 
 
-def _config_path(name: str) -> Path:
+def _config_path(name: str) -> Path | None:
+    """The config.json that ``name`` names on disk, or None for a hub id."""
     path = Path(name)
     if path.suffix == ".json" or path.is_dir():
         if path.is_dir():
@@ -32,38 +46,26 @@ def _config_path(name: str) -> Path:
         if not path.exists():
             raise ModelLoadError(f"hf config {str(path)!r} not found; pass an existing config.json")
         return path
-    bundled = BUNDLED / f"{name}.json"
-    if not bundled.exists():
+    if "/" not in name:
+        bundled = BUNDLED / f"{name}.json"
+        if not bundled.exists():
+            raise ModelLoadError(
+                f"unknown hf model {name!r}; bundled: {', '.join(bundled_names())} — or pass a hub id "
+                "hf:org/name or hf:path/to/config.json"
+            )
+        return bundled
+    if not HUB_ID.match(name):
         raise ModelLoadError(
-            f"unknown hf model {name!r}; bundled: {', '.join(bundled_names())} — or pass hf:path/to/config.json"
+            f"hf:{name} is neither an existing path nor a Hugging Face Hub id (org/name); pass hf:org/name, "
+            "hf:path/to/config.json or a bundled name"
         )
-    return bundled
-
-
-def _head(arch: str) -> str:
-    for suffix, head in (
-        ("ForCausalLM", "causal-lm"),
-        ("LMHeadModel", "causal-lm"),
-        ("ForMaskedLM", "masked-lm"),
-        ("ForConditionalGeneration", "seq2seq"),
-        ("ForImageClassification", "image-classification"),
-        ("ForSequenceClassification", "sequence-classification"),
-    ):
-        if arch.endswith(suffix):
-            return head
-    return "base"
+    return None
 
 
 def load_hf_source(name: str) -> ModelSource:
-    path = _config_path(name)
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path}: cannot read config: {exc}") from exc
-    if "model_type" not in raw:
-        raise ModelLoadError(f"{path}: config has no \"model_type\"; it is not a transformers config.json")
     from ..trace.step import imports_without_gc
 
+    path = _config_path(name)
     # transformers imports its modules lazily: the config class here, the model's module on getattr
     with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():
         try:
@@ -72,92 +74,167 @@ def load_hf_source(name: str) -> ModelSource:
             raise ModelLoadError("hf: models need transformers; install memest[hf] (pip install transformers)") from exc
 
         transformers.logging.set_verbosity_error()  # config warnings are noise for a config-only model
-        try:
-            config = transformers.AutoConfig.for_model(**raw)
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: transformers cannot read this config: {exc}") from exc
-        archs = raw.get("architectures") or []
+        config = _from_file(transformers, path) if path is not None else _from_hub(transformers, name)
+        archs = getattr(config, "architectures", None) or []
         arch = archs[0] if archs else None
         cls = getattr(transformers, arch, None) if arch else None
         if cls is None:
-            cls = transformers.AutoModel
-            arch = "AutoModel"
+            cls, arch = transformers.AutoModel, "AutoModel"
+            params = forward_params(_auto_class(transformers, config))
+        else:
+            params = forward_params(cls)
+    display = (path.stem if path.parent == BUNDLED else str(path)) if path is not None else name
+    try:
+        head = head_of(arch, config, params)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"hf:{display}: {exc}") from None
     config.use_cache = False
-    head = _head(arch)
-    max_pos = _max_positions(config)
-    takes_seq = not (head == "image-classification" or raw.get("model_type") == "vit")
-    default_seq = min(DEFAULT_SEQ, max_pos or DEFAULT_SEQ) if takes_seq else None
-    max_seq, max_seq_why = _position_limit(config) if takes_seq else (None, "")
+    notes = list(head.notes) + _layerdrop_off(config)
+    ranges = _weak_ranges() if head.reads_values else None
 
     def build_model():
         if cls is transformers.AutoModel:
-            model = cls.from_config(config)
-        else:
-            model = cls(config)
-        return model
+            return cls.from_config(config)
+        return cls(config)
 
     def example_inputs(batch_size: int, seq_len: int | None = None):
-        return _inputs(config, head, batch_size, seq_len or default_seq or DEFAULT_SEQ)
+        seq = seq_len or head.default_seq or DEFAULT_SEQ
+        check_seq(head, seq, f"hf:{display}")
+        inputs = make_inputs(config, head, batch_size, seq)
+        if ranges is not None:
+            for tensor, low, high in value_ranges(config, head, inputs):
+                ranges[tensor] = (low, high)
+        return inputs
+
+    @contextlib.contextmanager
+    def trace_context(spec):
+        """While the step is traced: transformers' mask branches as on real tensors (hf_masks.py), its
+        value checks on memest's inputs answered (hf_values.py) and, for --target cuda, its MoE kernel as
+        on the target GPU (hf_experts.py)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(real_mask_branches())
+            if spec.target == "cuda":
+                stack.enter_context(cuda_experts_dispatch(spec.compute_capability))
+            if ranges is not None:
+                stack.enter_context(known_values(ranges, ctc=head.name == CTC))
+            yield
 
     return ModelSource(
-        name=path.stem if path.parent == BUNDLED else str(path),
+        name=display,
         build_model=build_model,
         example_inputs=example_inputs,
-        default_seq=default_seq,
-        origin=str(path),
-        trace_context=real_mask_branches,
-        max_seq=max_seq,
-        max_seq_why=max_seq_why,
+        default_seq=head.default_seq,
+        origin=str(path) if path is not None else f"hf:{name}",
+        trace_context=trace_context,
+        max_seq=head.max_seq if head.default_seq is not None else None,
+        max_seq_why=head.max_seq_why,
+        notes=notes,
+        inputs_hint=(
+            f"memest built the inputs of a {head.name} head for {arch} ({'; '.join(head.notes) or 'input_ids, labels'}); "
+            "if the model needs other inputs, memest does not support its head or config yet — estimate it from a "
+            "model file with your own example_inputs() (memest estimate model.py)"
+        ),
+        values_hint=_values_hint(arch, config),
     )
 
 
-def _max_positions(config) -> int | None:
-    for attr in ("max_position_embeddings", "n_positions"):
+def _from_file(transformers, path: Path):
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read config: {exc}") from exc
+    if "model_type" not in raw:
+        raise ModelLoadError(f"{path}: config has no \"model_type\"; it is not a transformers config.json")
+    try:
+        return transformers.AutoConfig.for_model(**raw)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: transformers cannot read this config: {exc}") from exc
+
+
+def _from_hub(transformers, repo_id: str):
+    """transformers' own config loading: the local cache first (no network), then the hub."""
+    try:
+        return transformers.AutoConfig.from_pretrained(repo_id, local_files_only=True, trust_remote_code=False)
+    except OSError:
+        pass  # not in the local cache
+    except ValueError as exc:
+        raise _hub_error(repo_id, exc) from exc
+    hub_log = logging.getLogger("huggingface_hub")  # its retry warnings: the error below says it in one line
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        return transformers.AutoConfig.from_pretrained(repo_id, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise _hub_error(repo_id, exc) from exc
+    finally:
+        hub_log.setLevel(level)
+
+
+def _hub_error(repo_id: str, exc: Exception) -> ModelLoadError:
+    from huggingface_hub import constants, errors
+
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+        return ModelLoadError(
+            f"hf:{repo_id} needs code from the hub (trust_remote_code), which memest does not run; download its "
+            "modeling code and estimate it from a model file (memest estimate model.py)"
+        )
+    if isinstance(cause, errors.GatedRepoError):
+        return ModelLoadError(
+            f"hf:{repo_id} is a gated repository: accept its terms on https://huggingface.co/{repo_id} and log in "
+            f"(hf auth login), or pass a local copy of its config: hf:path/to/config.json"
+        )
+    if isinstance(cause, errors.RepositoryNotFoundError):
+        return ModelLoadError(
+            f"hf:{repo_id}: no such model on the Hugging Face Hub (or a private one: log in with hf auth login)"
+        )
+    if isinstance(cause, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)) or "connect" in str(exc):
+        where = "offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        return ModelLoadError(
+            f"hf:{repo_id}: its config.json is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"{where}; make it available with `huggingface-cli download {repo_id} config.json` (or `hf download`), "
+            "or pass a local path: hf:path/to/config.json (HF_HUB_OFFLINE=1 skips the hub)"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelLoadError(f"hf:{repo_id}: transformers cannot load its config: {first}")
+
+
+def _values_hint(arch: str, config) -> str:
+    if getattr(config, "_experts_implementation", None) == "eager":
+        return (
+            'its config asks for experts_implementation "eager", which loops over the experts the router picked '
+            "(buffer sizes depend on the routing); drop that key: transformers' default, grouped_mm, has buffers "
+            "whose sizes do not depend on the routing"
+        )
+    return (
+        f"transformers' {arch} reads them here (for example an MoE layer that loops over the experts its router "
+        "picked, whose buffers depend on the routing), so memest cannot trace this model yet"
+    )
+
+
+def _auto_class(transformers, config):
+    try:
+        return transformers.AutoModel._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return None
+
+
+def _layerdrop_off(config) -> list[str]:
+    """LayerDrop skips each layer of a training step at random (wav2vec2: 0.1): memest traces the step in
+    which every layer runs, the most memory a step takes, and says so."""
+    notes = []
+    for attr in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
         value = getattr(config, attr, None)
-        if isinstance(value, int):
-            return value
-    return None
+        if isinstance(value, float) and value > 0:
+            setattr(config, attr, 0.0)
+            notes.append(
+                f"{attr} {value}: traced with every layer running, the most memory a step takes (a real training "
+                f"step skips each layer with probability {value})"
+            )
+    return notes
 
 
-def _position_limit(config) -> tuple[int | None, str]:
-    """The longest sequence the model takes, and what sets it (for the error message).
+def _weak_ranges():
+    from torch.utils.weak import WeakTensorKeyDictionary
 
-    - Learned (absolute) position embeddings (GPT-2's n_positions, BERT's max_position_embeddings): a
-      table with one row per position; a longer sequence indexes past it and the real step crashes.
-    - Rotary embeddings (Llama, Mistral): RoPE computes any position, so a longer sequence runs, but the
-      model was configured (and trained) for max_position_embeddings; memest refuses it as well and says
-      that it is the configured maximum (extend it in the config, e.g. with rope scaling, to go further).
-    - Relative position buckets (T5): no maximum.
-    """
-    if getattr(config, "relative_attention_num_buckets", None) is not None:
-        return None, ""
-    rope = any(getattr(config, attr, None) for attr in ("rope_parameters", "rope_scaling", "rope_theta"))
-    for attr in ("n_positions", "max_position_embeddings"):  # GPT-2's own name first (the other aliases it)
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            if rope:
-                return value, (
-                    f"{attr}, its configured maximum: RoPE computes positions beyond it, but the model was not "
-                    "trained for them"
-                )
-            return value, attr
-    return None, ""
-
-
-def _inputs(config, head: str, batch: int, seq: int) -> dict:
-    import torch
-
-    if head == "image-classification" or getattr(config, "model_type", "") in ("vit",):
-        size = getattr(config, "image_size", 224)
-        channels = getattr(config, "num_channels", 3)
-        inputs = {"pixel_values": torch.randn(batch, channels, size, size)}
-        if head == "image-classification":
-            inputs["labels"] = torch.randint(0, config.num_labels, (batch,))
-        return inputs
-    ids = torch.randint(0, config.vocab_size, (batch, seq))
-    inputs = {"input_ids": ids}
-    if head in ("causal-lm", "masked-lm", "seq2seq"):
-        inputs["labels"] = ids.clone()
-    elif head == "sequence-classification":
-        inputs["labels"] = torch.randint(0, config.num_labels, (batch,))
-    return inputs
+    return WeakTensorKeyDictionary()

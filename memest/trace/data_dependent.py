@@ -50,9 +50,11 @@ def op_base_name(op: str) -> str:
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
 
 
-def explain(where: str, op: str) -> str:
-    """The one-line error for a data-dependent op ``op`` (e.g. 'aten.nonzero.default') met at ``where``."""
+def explain(where: str, op: str, hint: str = VALUE_FREE) -> str:
+    """The one-line error for a data-dependent op ``op`` (e.g. 'aten.nonzero.default') met at ``where``;
+    ``hint``: what to change when the op is not a known size-bounded one (the source's: a model file's
+    forward can be rewritten, an hf: model's cannot)."""
     known = SIZE_BOUNDED.get(op_base_name(op))
-    if known is None:
-        return f"{where} uses a data-dependent op ({op}) whose result depends on tensor values, which fake tensors do not have; {VALUE_FREE}"
+    if known is None or hint != VALUE_FREE:  # a source's own hint (hf: models) says what applies to it
+        return f"{where} uses a data-dependent op ({op}) whose result depends on tensor values, which fake tensors do not have; {hint}"
     return f"{where} uses a data-dependent op ({op}): its output size depends on tensor values, which fake tensors do not have; {known}"

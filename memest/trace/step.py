@@ -56,6 +56,7 @@ with imports_without_gc():
     from .devices import DeviceRequests, traced_device
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
+    from .fake_kernels import real_fake_kernels
     from .inference import check_generate, run_generate, run_inference
     from .modules import ModuleStack, describe_modules
     from .optim import make_optimizer
@@ -428,7 +429,8 @@ def _step_errors(step: _Step):
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        raise TraceError(f"{step.where}: {explain(_where(step.stack, step.tracker), _op_name(exc))}") from exc
+        where = _where(step.stack, step.tracker)
+        raise TraceError(f"{step.where}: {explain(where, _op_name(exc), step.source.values_hint)}") from exc
     except UnsupportedOperatorException as exc:
         raise TraceError(
             f"{step.where}: op {_op_name(exc)} has no fake-tensor implementation, so memest "
@@ -437,7 +439,7 @@ def _step_errors(step: _Step):
     except MemestError:
         raise
     except Exception as exc:
-        fix = _cuda_hint(exc) or "; check that example_inputs() matches the model's forward"
+        fix = _cuda_hint(exc) or f"; {step.source.inputs_hint}"
         raise TraceError(
             f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
             f"{_first_line(exc)}{fix}"
@@ -461,8 +463,9 @@ def _instrumented(step: _Step):
 
     with contextlib.ExitStack() as hooks:
         hooks.enter_context(_quiet_fake_tensor_log())
+        hooks.enter_context(real_fake_kernels())
         if step.source.trace_context:
-            hooks.enter_context(step.source.trace_context())
+            hooks.enter_context(step.source.trace_context(spec))
         elif holds_transformers_model(step.model):  # a transformers model built by a model file
             hooks.enter_context(real_mask_branches())
         if step.cuda:

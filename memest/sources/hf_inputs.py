@@ -1,0 +1,327 @@
+"""The inputs memest builds for an ``hf:`` model, by its head (what its forward takes and returns).
+
+Each head says what ``--seq`` counts for it, the longest sequence the model takes (and what sets it)
+and the inputs of one training step: the tensors a data loader would hand the model, labels included
+so that the model computes its own loss. A head memest does not know is refused when the config is
+loaded, naming what the model's forward asks for.
+
+| head | model (forward) | inputs | --seq counts |
+|---|---|---|---|
+| causal-lm, masked-lm, seq2seq | ...ForCausalLM, ...LMHeadModel, ...ForMaskedLM, T5/BART-style ...ForConditionalGeneration | input_ids, labels | tokens |
+| sequence-classification | ...ForSequenceClassification | input_ids, labels (one per example) | tokens |
+| image-classification, vision | ...ForImageClassification, ViTModel | pixel_values (+ labels) | (no sequence) |
+| speech-seq2seq | Whisper | input_features (batch, mel bins, 2 x max_source_positions), labels | decoder tokens |
+| ctc | ...ForCTC on raw audio (Wav2Vec2, HuBERT, WavLM, ...) | input_values, labels (frames // 2 per example) | audio samples |
+| vision-text | CLIP-style models with ``return_loss`` | input_ids, pixel_values, return_loss=True | text tokens |
+| vision-language | LLaVA | input_ids with one image token per image feature, pixel_values, labels | image + text tokens |
+
+Every example is full length (no padding), as in ``hf_masks.py``: the step a packed or bucketed
+loader runs at this length.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ModelLoadError
+
+DEFAULT_SEQ = 512  # tokens when --seq is not given (capped by the model's maximum positions)
+DEFAULT_AUDIO_SAMPLES = 160_000  # CTC without --seq: 10 s at 16 kHz, the rate wav2vec2-style models are trained on
+IGNORE_INDEX = -100  # transformers' label value that the loss skips (loss_utils.py)
+
+CAUSAL_LM, MASKED_LM, SEQ2SEQ = "causal-lm", "masked-lm", "seq2seq"
+SEQUENCE_CLASSIFICATION, IMAGE_CLASSIFICATION, VISION, BASE = (
+    "sequence-classification", "image-classification", "vision", "base",
+)
+SPEECH_SEQ2SEQ, CTC, VISION_TEXT, VISION_LANGUAGE = "speech-seq2seq", "ctc", "vision-text", "vision-language"
+
+SUPPORTED = (
+    "text (causal LM, masked LM, seq2seq, sequence classification), image classification, speech seq2seq "
+    "(Whisper: input_features), CTC on raw audio (input_values), vision-text with return_loss (CLIP) and "
+    "vision-language with image tokens (LLaVA)"
+)
+
+
+@dataclass
+class Head:
+    """What memest feeds one model and what ``--seq`` means for it."""
+
+    name: str
+    default_seq: int | None  # None: the model takes no sequence (images)
+    max_seq: int | None = None
+    max_seq_why: str = ""
+    seq_means: str = "tokens"
+    notes: list[str] = field(default_factory=list)  # what memest built, for the report
+    image_tokens: int = 0  # vision-language: image features per image (each one token in input_ids)
+    reads_values: bool = False  # transformers checks these inputs' values (hf_values.py answers the checks)
+
+
+def forward_params(cls) -> set[str]:
+    if cls is None:
+        return set()
+    try:
+        return set(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def head_of(arch: str, config, params: set[str]) -> Head:
+    """The head of ``arch`` (its class's forward takes ``params``), or ModelLoadError if memest does
+    not know what to feed it."""
+    model_type = getattr(config, "model_type", "")
+    if "input_features" in params:
+        if model_type == "whisper":
+            return _whisper(arch, config)
+        raise _unsupported(arch, "input_features (spectrogram features)", params)
+    if "input_values" in params:
+        if arch.endswith("ForCTC") or arch == "AutoModel":
+            return _ctc(arch, config)
+        raise _unsupported(arch, "input_values (raw audio)", params)
+    if "pixel_values" in params and "input_ids" in params:
+        if "return_loss" in params:
+            return _vision_text(config)
+        if model_type == "llava":
+            return _llava(config)
+        raise _unsupported(arch, "input_ids and pixel_values", params)
+    if "pixel_values" in params or arch.endswith("ForImageClassification") or model_type == "vit":
+        return Head(IMAGE_CLASSIFICATION if arch.endswith("ForImageClassification") else VISION, None)
+    if "input_ids" not in params and params:
+        raise _unsupported(arch, "no input_ids", params)
+    return _text(arch, config)
+
+
+def _unsupported(arch: str, takes: str, params: set[str]) -> ModelLoadError:
+    wanted = ", ".join(sorted(p for p in params - {"self", "kwargs", "args"} if not p.startswith("output_"))[:8])
+    return ModelLoadError(
+        f"memest does not build inputs for {arch} (its forward takes {takes}: {wanted}); it builds them for "
+        f"{SUPPORTED}. Estimate it from a model file with your own example_inputs() (memest estimate model.py)"
+    )
+
+
+# -- text ------------------------------------------------------------------------------------------
+def _text(arch: str, config) -> Head:
+    name = BASE
+    for suffix, head in (
+        ("ForCausalLM", CAUSAL_LM),
+        ("LMHeadModel", CAUSAL_LM),
+        ("ForMaskedLM", MASKED_LM),
+        ("ForConditionalGeneration", SEQ2SEQ),
+        ("ForSequenceClassification", SEQUENCE_CLASSIFICATION),
+    ):
+        if arch.endswith(suffix):
+            name = head
+            break
+    max_pos = max_positions(config)
+    max_seq, why = position_limit(config)
+    return Head(name, min(DEFAULT_SEQ, max_pos or DEFAULT_SEQ), max_seq, why)
+
+
+def max_positions(config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def position_limit(config) -> tuple[int | None, str]:
+    """The longest sequence the model takes, and what sets it (for the error message).
+
+    - Learned (absolute) position embeddings (GPT-2's n_positions, BERT's max_position_embeddings): a
+      table with one row per position; a longer sequence indexes past it and the real step crashes.
+    - Rotary embeddings (Llama, Mistral): RoPE computes any position, so a longer sequence runs, but the
+      model was configured (and trained) for max_position_embeddings; memest refuses it as well and says
+      that it is the configured maximum (extend it in the config, e.g. with rope scaling, to go further).
+    - Relative position buckets (T5): no maximum.
+    """
+    if getattr(config, "relative_attention_num_buckets", None) is not None:
+        return None, ""
+    rope = any(getattr(config, attr, None) for attr in ("rope_parameters", "rope_scaling", "rope_theta"))
+    for attr in ("n_positions", "max_position_embeddings"):  # GPT-2's own name first (the other aliases it)
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            if rope:
+                return value, (
+                    f"{attr}, its configured maximum: RoPE computes positions beyond it, but the model was not "
+                    "trained for them"
+                )
+            return value, attr
+    return None, ""
+
+
+# -- speech ----------------------------------------------------------------------------------------
+def whisper_frames(config) -> int:
+    """The mel frames Whisper's encoder takes: exactly max_source_positions x conv1 stride (1) x conv2
+    stride (2) (WhisperEncoder.forward refuses any other length; 3000 frames = 30 s for the released models)."""
+    return 2 * config.max_source_positions
+
+
+def _whisper(arch: str, config) -> Head:
+    frames, limit = whisper_frames(config), config.max_target_positions
+    head = Head(SPEECH_SEQ2SEQ if arch.endswith("ForConditionalGeneration") else BASE, min(DEFAULT_SEQ, limit), limit,
+                "max_target_positions, the decoder's learned positions", seq_means="decoder tokens")
+    head.notes.append(
+        f"inputs: input_features (batch, {config.num_mel_bins} mel bins, {frames} frames: the fixed window Whisper's "
+        f"encoder takes, 2 x max_source_positions) and {'labels' if head.name == SPEECH_SEQ2SEQ else 'decoder_input_ids'} "
+        f"of --seq decoder tokens (at most max_target_positions {limit})"
+    )
+    return head
+
+
+def ctc_frames(config, samples: int) -> int:
+    """Output frames of the convolutional feature encoder for ``samples`` audio samples
+    (Wav2Vec2PreTrainedModel._get_feat_extract_output_lengths: floor((n - kernel) / stride) + 1 per layer)."""
+    n = samples
+    for kernel, stride in zip(config.conv_kernel, config.conv_stride, strict=True):
+        n = (n - kernel) // stride + 1
+    if getattr(config, "add_adapter", False):
+        for _ in range(config.num_adapter_layers):
+            n = (n - 1) // config.adapter_stride + 1
+    return n
+
+
+def ctc_label_length(config, samples: int) -> int:
+    """Labels per example: one per two output frames. CTC needs at most one label per frame (plus one
+    for each repeated label); speech runs ~15 characters/s against wav2vec2's 50 frames/s, so this is
+    on the generous side. CTC's own buffers grow with it (log_alpha: batch x frames x (2 x labels + 1))."""
+    return max(1, ctc_frames(config, samples) // 2)
+
+
+def _ctc(arch: str, config) -> Head:
+    ctc = arch.endswith("ForCTC")
+    head = Head(CTC if ctc else BASE, DEFAULT_AUDIO_SAMPLES, seq_means="audio samples", reads_values=ctc)
+    head.notes.append(
+        "inputs: input_values (batch, --seq audio samples) and labels of frames // 2 tokens per example (the "
+        "feature encoder makes about 1 frame per 320 samples); --seq counts audio samples, 16000 = 1 s at 16 kHz"
+        if head.name == CTC
+        else "inputs: input_values (batch, --seq audio samples)"
+    )
+    return head
+
+
+# -- vision + text ---------------------------------------------------------------------------------
+def _vision_text(config) -> Head:
+    text, vision = getattr(config, "text_config", config), getattr(config, "vision_config", config)
+    limit = getattr(text, "max_position_embeddings", None)
+    head = Head(VISION_TEXT, min(DEFAULT_SEQ, limit or DEFAULT_SEQ), limit, "text_config.max_position_embeddings")
+    head.notes.append(
+        f"inputs: input_ids (batch, --seq text tokens), pixel_values (batch, {_image_shape(vision)}) and "
+        "return_loss=True: the model's contrastive loss over the batch"
+    )
+    return head
+
+
+def _image_shape(vision) -> str:
+    size = getattr(vision, "image_size", 224)
+    return f"{getattr(vision, 'num_channels', 3)}, {size}, {size}"
+
+
+def llava_image_tokens(config) -> int:
+    """Image features LLaVA puts in place of the image tokens, one per vision-tower position after
+    LlavaModel.get_image_features: the patches, plus the CLS position for CLIP towers, less the first
+    position with vision_feature_select_strategy "default" (modeling_llava.py)."""
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    tokens = patches + (1 if vision.model_type == "clip_vision_model" else 0)
+    if config.vision_feature_select_strategy == "default":
+        tokens -= 1
+    return tokens
+
+
+def _llava(config) -> Head:
+    vision = config.vision_config
+    if vision.model_type not in ("clip_vision_model", "siglip_vision_model"):
+        raise ModelLoadError(
+            f"memest counts LLaVA's image tokens for CLIP and SigLIP vision towers; this config's is {vision.model_type}"
+        )
+    n = llava_image_tokens(config)
+    limit = getattr(config.text_config, "max_position_embeddings", None)
+    default = min(n + DEFAULT_SEQ, limit) if limit else n + DEFAULT_SEQ
+    head = Head(VISION_LANGUAGE, default, limit, "text_config.max_position_embeddings", seq_means="image + text tokens",
+                image_tokens=n, reads_values=True)
+    head.notes.append(
+        f"inputs: pixel_values (batch, {_image_shape(vision)}: one image per example) and input_ids of --seq tokens: "
+        f"{n} image tokens (one per image feature) then text; labels skip the image tokens"
+    )
+    return head
+
+
+def check_seq(head: Head, seq: int, name: str) -> None:
+    if head.name == VISION_LANGUAGE and seq <= head.image_tokens:
+        raise ModelLoadError(
+            f"{name} puts {head.image_tokens} image tokens in every sequence; --seq counts image + text tokens, so use "
+            f"--seq {head.image_tokens + 1} or more"
+        )
+
+
+# -- the tensors -----------------------------------------------------------------------------------
+def make_inputs(config, head: Head, batch: int, seq: int | None) -> dict[str, Any]:
+    import torch
+
+    if head.name in (IMAGE_CLASSIFICATION, VISION):
+        inputs = {"pixel_values": _pixels(config, batch)}
+        if head.name == IMAGE_CLASSIFICATION:
+            inputs["labels"] = torch.randint(0, config.num_labels, (batch,))
+        return inputs
+    if config.model_type == "whisper":
+        features = torch.randn(batch, config.num_mel_bins, whisper_frames(config))
+        tokens = torch.randint(0, config.vocab_size, (batch, seq))
+        key = "labels" if head.name == SPEECH_SEQ2SEQ else "decoder_input_ids"
+        return {"input_features": features, key: tokens}
+    if head.seq_means == "audio samples":
+        inputs = {"input_values": torch.randn(batch, seq)}
+        if head.name == CTC:
+            inputs["labels"] = _ctc_labels(config, batch, ctc_label_length(config, seq))
+        return inputs
+    if head.name == VISION_TEXT:
+        text = config.text_config
+        return {
+            "input_ids": torch.randint(0, text.vocab_size, (batch, seq)),
+            "pixel_values": _pixels(config.vision_config, batch),
+            "return_loss": True,
+        }
+    if head.name == VISION_LANGUAGE:
+        return _llava_inputs(config, head, batch, seq)
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    inputs = {"input_ids": ids}
+    if head.name in (CAUSAL_LM, MASKED_LM, SEQ2SEQ):
+        inputs["labels"] = ids.clone()
+    elif head.name == SEQUENCE_CLASSIFICATION:
+        inputs["labels"] = torch.randint(0, config.num_labels, (batch,))
+    return inputs
+
+
+def value_ranges(config, head: Head, inputs: dict) -> list[tuple[Any, int, int]]:
+    """(tensor, lowest, highest) of the inputs whose values transformers checks (hf_values.py)."""
+    if head.name == CTC:
+        return [(inputs["labels"], 0, config.vocab_size - 1)]
+    return []
+
+
+def _pixels(vision, batch: int):
+    import torch
+
+    size = getattr(vision, "image_size", 224)
+    return torch.randn(batch, getattr(vision, "num_channels", 3), size, size)
+
+
+def _ctc_labels(config, batch: int, length: int):
+    """Label ids in [0, vocab) without the blank (pad_token_id): ForCTCLoss drops blanks from the targets."""
+    import torch
+
+    blank = config.pad_token_id if config.pad_token_id is not None else 0
+    return (torch.randint(0, config.vocab_size - 1, (batch, length)) + blank + 1) % config.vocab_size
+
+
+def _llava_inputs(config, head: Head, batch: int, seq: int) -> dict[str, Any]:
+    import torch
+
+    text, image_id, n = config.text_config, config.image_token_id, head.image_tokens  # alias of image_token_index
+    ids = torch.randint(0, text.vocab_size - 1, (batch, seq))
+    ids = ids + (ids >= image_id).long()  # text tokens are never the image token
+    ids[:, :n] = image_id
+    labels = ids.clone()
+    labels[:, :n] = IGNORE_INDEX
+    return {"input_ids": ids, "pixel_values": _pixels(config.vision_config, batch), "labels": labels}

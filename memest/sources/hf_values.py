@@ -1,0 +1,149 @@
+"""Answer transformers' value checks on the inputs memest built, as the real run does.
+
+Some transformers models validate their inputs by reading tensor values: LLaVA asserts (with
+``torch._check_tensor_all``) that there are as many image tokens as image features; Wav2Vec2ForCTC
+raises ``if labels.max() >= vocab_size``; its CTC loss drops padding labels with ``masked_select`` and
+hands the kernel lengths it reads from tensors. Fake tensors have no values, so the fake step fails
+where the real one, on the same inputs, passes. memest built those inputs and knows what the reads
+find (as hf_masks.py knows there is no padding); the contexts here answer them:
+
+- ``KnownValues``: a dispatch mode over the fake one. An input memest built with a known value range
+  (label ids) keeps it through max/min; a comparison of such a value with a number that the range
+  decides is a known boolean; reading it returns that boolean. ``torch._check_tensor_all`` (the op
+  ``_is_all_true``) is an assertion that the real run passes on memest's inputs (built to match), so
+  it reads True. Every other read still fails, as it should.
+  A boolean mask the model makes from host data (SpecAugment's ``torch.tensor(numpy mask)`` in
+  wav2vec2-style models) keeps its count of True values (through views and expand), so indexing
+  with it (``grad[mask]`` in the backward of ``hidden[mask] = embed``) has its real size: the count
+  of the fake run's own random draw (a real run draws another, of about the same count).
+- ``known_length_ctc``: transformers' ForCTCLoss with its lengths as the numbers they hold on
+  memest's inputs (every example has all its frames and all its labels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+aten = torch.ops.aten
+# scalar reads: the op, and item(), which reaches a dispatch mode undecomposed under inference_mode
+READS = {aten._local_scalar_dense.default, aten.item.default}
+IS_ALL_TRUE = aten._is_all_true.default
+_KEEP_RANGE = {aten.max.default, aten.min.default, aten.amax.default, aten.amin.default}
+_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# ops whose output holds the same values (same count of True) as their input
+_SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                aten.alias.default, aten.detach.default, aten._to_copy.default, aten.clone.default}
+_COMPARE = {
+    aten.ge.Scalar: lambda lo, hi, x: (lo >= x, hi >= x),
+    aten.gt.Scalar: lambda lo, hi, x: (lo > x, hi > x),
+    aten.le.Scalar: lambda lo, hi, x: (hi <= x, lo <= x),
+    aten.lt.Scalar: lambda lo, hi, x: (hi < x, lo < x),
+}
+
+
+class KnownValues(TorchDispatchMode):
+    """While entered, reads decided by the known value ranges of ``ranges`` (tensor -> (lo, hi),
+    inclusive) are answered; see the module docstring."""
+
+    def __init__(self, ranges: WeakTensorKeyDictionary) -> None:
+        super().__init__()
+        self.ranges = ranges
+        self.known = WeakTensorKeyDictionary()  # 0-d boolean tensor -> its value
+        self.true_count = WeakTensorKeyDictionary()  # boolean mask -> how many of its values are True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in READS and args[0] in self.known:
+            return self.known[args[0]]
+        if func is aten.index.Tensor:
+            counted = self._index_by_mask(*args, **kwargs)
+            if counted is not None:
+                return counted
+        out = func(*args, **kwargs)
+        if func in _LIFTS and args[0].dtype == torch.bool:  # torch.tensor(host data): its values are here
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                self.true_count[out] = int(args[0].sum())
+        elif func in _SAME_VALUES and args[0] in self.true_count and out.dtype == torch.bool:
+            self.true_count[out] = self.true_count[args[0]]
+        elif func is aten.expand.default and args[0] in self.true_count:
+            self.true_count[out] = self.true_count[args[0]] * out.numel() // max(1, args[0].numel())
+        elif func is IS_ALL_TRUE:
+            self.known[out] = True
+        elif func in _KEEP_RANGE and args[0] in self.ranges and not kwargs:
+            self.ranges[out] = self.ranges[args[0]]
+        elif func in _COMPARE and args[0] in self.ranges and isinstance(args[1], (int, float)):
+            always, sometimes = _COMPARE[func](*self.ranges[args[0]], args[1])
+            if always or not sometimes:  # the range decides it
+                self.known[out] = always
+        return out
+
+    def _index_by_mask(self, tensor, indices):
+        """``tensor[mask]`` for a mask of known count: (count, *the dimensions the mask does not cover)."""
+        if len(indices) != 1 or indices[0] is None or indices[0] not in self.true_count:
+            return None
+        mask = indices[0]
+        return tensor.new_empty((self.true_count[mask], *tensor.shape[mask.dim():]))
+
+
+def known_length_ctc(original):
+    """transformers' ForCTCLoss (transformers/loss/loss_ctc.py) where every example has all its frames
+    (memest passes no attention mask) and all its labels (none is padding or blank): the same ops, with
+    the lengths as Python numbers instead of tensors the kernel reads, and the targets that
+    ``masked_select`` keeps (all of them) as a copy of the labels (same bytes)."""
+
+    def loss(logits, labels, logit_lengths, blank_token_id, reduction="mean", zero_infinity=False,
+             ignore_index=-100, **kwargs):
+        labels = labels.to(logits.device)
+        labels_mask = (labels != ignore_index) & (labels != blank_token_id)
+        labels_mask.sum(-1)  # target_lengths: each row holds labels.shape[1]
+        flattened_targets = labels.reshape(-1).clone()  # masked_select keeps every label
+        log_probs = torch.nn.functional.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+        frames, batch, count = logits.shape[1], logits.shape[0], labels.shape[1]
+        with torch.backends.cudnn.flags(enabled=False):
+            per_example = torch.nn.functional.ctc_loss(
+                log_probs, flattened_targets, (frames,) * batch, (count,) * batch,
+                blank=blank_token_id, reduction="none", zero_infinity=zero_infinity,
+            )
+        # the reduction of ctc_loss_impl (LossCTC.cpp), whose at::tensor(target_lengths) cannot be made fake
+        if reduction == "mean":
+            lengths = torch.full((batch,), count, dtype=per_example.dtype, device=per_example.device).clamp_min(1)
+            return (per_example / lengths).mean()
+        return per_example.sum() if reduction == "sum" else per_example
+
+    loss.__wrapped__ = original
+    return loss
+
+
+@contextlib.contextmanager
+def known_values(ranges: WeakTensorKeyDictionary, ctc: bool) -> Iterator[None]:
+    """The mode, and for a CTC head transformers' CTC loss with known lengths."""
+    with contextlib.ExitStack() as stack:
+        if ctc:
+            stack.enter_context(_ctc_loss_patched())
+        stack.enter_context(KnownValues(ranges))
+        yield
+
+
+@contextlib.contextmanager
+def _ctc_loss_patched() -> Iterator[None]:
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        yield
+        return
+    original = LOSS_MAPPING.get("ForCTC")
+    if original is None:
+        yield
+        return
+    LOSS_MAPPING["ForCTC"] = known_length_ctc(original)
+    try:
+        yield
+    finally:
+        LOSS_MAPPING["ForCTC"] = original
