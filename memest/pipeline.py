@@ -61,7 +61,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
         )
     if spec.target == "cuda":
         report.notes.append(
-            "device = caching-allocator reserved + CUDA context (+ NCCL, cuDNN allowance); "
+            "device = caching-allocator reserved + CUDA context (+ NCCL); "
             + ("calibrated values used" if report.device.calibrated else "defaults, not calibrated for this GPU (memest calibrate)")
         )
     else:

@@ -69,8 +69,8 @@ CASES = [
     ("scripts/models/lstm_lm.py", 64, 128, "adam", "fp32"),
 ]
 
-# case options that are not RunSpec fields (they change the real run only; memest has no flag yet)
-RUN_ONLY = ("cudnn_benchmark",)
+# case options that are not RunSpec fields (they change the real run only)
+RUN_ONLY = ()
 
 
 def _options(case) -> dict:

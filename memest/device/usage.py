@@ -2,11 +2,15 @@
 
     allocated (torch.cuda.max_memory_allocated) = the trace's blocks, 512 B-rounded, + cuBLAS workspaces
     reserved  (torch.cuda.max_memory_reserved)  = the caching-allocator replay of those blocks
-    device    (nvidia-smi for the process)      = reserved + CUDA context (+ NCCL buffers, + cuDNN allowance)
+    device    (nvidia-smi for the process)      = reserved + CUDA context (+ NCCL buffers)
     min budget (what the step needs)            = the smallest device budget under which the replay, with
                                                   the allocator's OOM recovery, completes + the same costs
 Reserved and device are unconstrained: what a GPU with room to spare shows. On a smaller one the allocator
 frees its cache and retries before raising OOM, so a step can run in less: the min budget.
+
+Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
+trace/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
+low and at its high bound (high None: cuDNN's benchmark search may take all free device memory).
 """
 
 from __future__ import annotations
@@ -23,6 +27,24 @@ _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (fo
 
 
 @dataclass
+class WorkspaceRange:
+    """The unconstrained allocated / reserved peaks with every run-time-sized workspace at its low and at
+    its high bound (the expected ones are DeviceUsage's own numbers). High None: unbounded, a cuDNN
+    benchmark search takes up to the free device memory."""
+
+    calls: int  # kernel calls with a run-time-sized workspace
+    low_allocated_bytes: int
+    low_reserved_bytes: int
+    high_allocated_bytes: int | None
+    high_reserved_bytes: int | None
+    unbounded: list[str] = field(default_factory=list)  # what makes high unbounded (one line each)
+    source: str = (
+        "cuDNN picks convolution and RNN algorithms, and their workspace, at run time: expected sizes and bounds "
+        "measured on an H100 (docs/cuda-kernels.md, benchmarks/gpu-kernels.json)"
+    )
+
+
+@dataclass
 class DeviceUsage:
     tensor_peak_bytes: int
     allocated_peak_bytes: int  # unconstrained max_memory_allocated
@@ -35,6 +57,7 @@ class DeviceUsage:
     fixed_costs: list[FixedCost] = field(default_factory=list)
     allocator_config: str = ""
     calibrated: bool = False
+    workspaces: WorkspaceRange | None = None  # cuDNN workspaces at their low / high bounds (None: none in the step)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,18 +83,35 @@ def allocator_events(trace: Trace, costs: list[FixedCost]) -> list[tuple[int, in
     return events
 
 
-def cudnn_allowance(trace: Trace) -> FixedCost | None:
-    """cuDNN convolution algorithms allocate a workspace per call through the caching allocator; its
-    size depends on the algorithm cuDNN picks. Allowance (an assumption until validated on a GPU):
-    the largest convolution output of the step."""
-    conv = [r.nbytes for r in trace.storages if "convolution" in r.op and "scratch" not in r.op]
-    if not conv:
+def at_bound(events: list[tuple[int, int]], trace: Trace, which: str) -> list[tuple[int, int]] | None:
+    """``events`` with every run-time-sized workspace at its ``which`` ('low' | 'high') bound; None when
+    a high bound is unbounded."""
+    ranges = trace.workspace_ranges
+    out = []
+    for sid, delta in events:
+        if sid in ranges:
+            size = ranges[sid][0 if which == "low" else 1]
+            if size is None:
+                return None
+            delta = size if delta > 0 else -size if delta < 0 else 0
+        out.append((sid, delta))
+    return out
+
+
+def workspace_range(trace: Trace, events: list[tuple[int, int]], conf) -> WorkspaceRange | None:
+    if not trace.workspace_ranges:
         return None
-    return FixedCost(
-        "cudnn_workspace_allowance",
-        max(conv),
-        "assumption: one workspace as large as the largest convolution output (cuDNN picks the "
-        "algorithm and its workspace at run time); replace with a measurement via scripts/validate_gpu.py",
+    low = replay(at_bound(events, trace, "low"), conf)
+    high_events = at_bound(events, trace, "high")
+    high = replay(high_events, conf) if high_events is not None else None
+    unbounded = sorted({why for _, h, why in trace.workspace_ranges.values() if h is None})
+    return WorkspaceRange(
+        calls=len(trace.workspace_ranges),
+        low_allocated_bytes=low.peak_allocated,
+        low_reserved_bytes=low.peak_reserved,
+        high_allocated_bytes=high.peak_allocated if high else None,
+        high_reserved_bytes=high.peak_reserved if high else None,
+        unbounded=[f"{why}: up to the free device memory" for why in unbounded],
     )
 
 
@@ -85,9 +125,6 @@ def device_usage(
 ) -> DeviceUsage:
     env = os.environ if env is None else env
     costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env)
-    allowance = cudnn_allowance(trace)
-    if allowance:
-        costs.append(allowance)
     conf_text = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
     try:
         conf = parse_alloc_conf(conf_text)
@@ -109,6 +146,7 @@ def device_usage(
         calibrated=any(c.calibrated for c in costs),
         min_budget_bytes=limit + outside,
         min_allocator_limit_bytes=limit,
+        workspaces=workspace_range(trace, events, conf),
     )
 
 
