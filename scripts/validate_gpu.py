@@ -185,6 +185,9 @@ def run_memest(case, compute_capability) -> dict:
         "reserved": report.device.reserved_peak_bytes,
         "device": report.device.device_bytes,
         "attention_backends": report.attention_backends,
+        # cuDNN workspaces (convolutions, RNNs) at their low / high bounds (None: unbounded benchmark search)
+        "allocated_workspace_low": report.device.workspaces.low_allocated_bytes if report.device.workspaces else None,
+        "allocated_workspace_high": report.device.workspaces.high_allocated_bytes if report.device.workspaces else None,
         "seconds": time.perf_counter() - start,
     }
 

@@ -81,9 +81,12 @@ def test_dropout_saves_a_one_byte_mask_on_cuda():
     assert PROBE["dropout_fp32"]["cpu"]["saved_bytes"] == 4 * n
 
 
-def test_dropout_off_or_in_eval_saves_nothing():
-    assert not saved(trace_op(lambda _, x: F.dropout(x, 0.0, True), [(8, 64)]))
-    assert not saved(trace_op(lambda _, x: F.dropout(x, 0.1, False), [(8, 64)]))
+def test_dropout_off_or_in_eval_allocates_nothing():
+    """_dropout_impl returns its input when p == 0 or not training (torch's Python decomposition of
+    dropout would clone it: 67 MB too many on examples/transformer.py)."""
+    for p, train in ((0.0, True), (0.1, False)):
+        trace = trace_op(lambda _, x, p=p, train=train: F.dropout(x, p, train), [(8, 64)])
+        assert not [r for r in trace.storages if r.op.split(".")[0] in ("clone", "dropout", "native_dropout")]
 
 
 # -- normalisation statistics ------------------------------------------------------------------------

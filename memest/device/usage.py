@@ -98,19 +98,23 @@ def at_bound(events: list[tuple[int, int]], trace: Trace, which: str) -> list[tu
     return out
 
 
-def workspace_range(trace: Trace, events: list[tuple[int, int]], conf) -> WorkspaceRange | None:
+def workspace_range(trace: Trace, events: list[tuple[int, int]], conf, expected) -> WorkspaceRange | None:
+    """Replays at the low and the high bounds. The allocator's peaks are not monotonic in one block's size
+    (a different size is placed in another cached block), so each end of the range is the lowest / highest
+    of the three replays."""
     if not trace.workspace_ranges:
         return None
     low = replay(at_bound(events, trace, "low"), conf)
     high_events = at_bound(events, trace, "high")
     high = replay(high_events, conf) if high_events is not None else None
+    runs = [r for r in (low, expected, high) if r is not None]
     unbounded = sorted({why for _, h, why in trace.workspace_ranges.values() if h is None})
     return WorkspaceRange(
         calls=len(trace.workspace_ranges),
-        low_allocated_bytes=low.peak_allocated,
-        low_reserved_bytes=low.peak_reserved,
-        high_allocated_bytes=high.peak_allocated if high else None,
-        high_reserved_bytes=high.peak_reserved if high else None,
+        low_allocated_bytes=min(r.peak_allocated for r in runs),
+        low_reserved_bytes=min(r.peak_reserved for r in runs),
+        high_allocated_bytes=max(r.peak_allocated for r in runs) if high else None,
+        high_reserved_bytes=max(r.peak_reserved for r in runs) if high else None,
         unbounded=[f"{why}: up to the free device memory" for why in unbounded],
     )
 
@@ -146,7 +150,7 @@ def device_usage(
         calibrated=any(c.calibrated for c in costs),
         min_budget_bytes=limit + outside,
         min_allocator_limit_bytes=limit,
-        workspaces=workspace_range(trace, events, conf),
+        workspaces=workspace_range(trace, events, conf, result),
     )
 
 

@@ -225,7 +225,9 @@ class StorageTracker:
         if func is ITEM and self.phase is Phase.OPTIMIZER:
             # Adafactor reads param.norm().item() to scale its update: values cannot change memory
             return placeholder_scalar(args[0])
-        scratch = self._scratch_alloc(func, args, kwargs) if func in self.scratch else ()
+        sizes = list(self.scratch[func](args, kwargs or {})) if func in self.scratch else []
+        late = [n for n in sizes if getattr(n, "after_outputs", False)]  # allocated by the kernel once its outputs exist
+        scratch = self._scratch_alloc(func, [n for n in sizes if not getattr(n, "after_outputs", False)])
         out = run(func, types, args, kwargs)
         if out is NotImplemented:  # a wrapper subclass (DTensor) runs it as ops on its local tensors
             return out
@@ -238,6 +240,7 @@ class StorageTracker:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.register(t, Category.TEMPORARIES, name)
+        scratch += self._scratch_alloc(func, late)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
         flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
@@ -251,9 +254,9 @@ class StorageTracker:
             self.trace.flops[key] = self.trace.flops.get(key, 0) + flops
         return out
 
-    def _scratch_alloc(self, func, args, kwargs) -> list[tuple[int, int]]:
+    def _scratch_alloc(self, func, sizes) -> list[tuple[int, int]]:
         allocated = []
-        for nbytes in self.scratch[func](args, kwargs or {}):
+        for nbytes in sizes:
             ranged = getattr(nbytes, "has_range", False)  # a Workspace: kept even at 0 expected bytes
             if nbytes <= 0 and not ranged:
                 continue

@@ -39,9 +39,11 @@ HALF = (torch.float16, torch.bfloat16)
 # input's dtype, which autograd saves: 4x the bytes in fp32. Feature/alpha dropout and dropout_ are not
 # fused on CUDA either.
 def _dropout(x, p, train):
-    if train and 0 < p < 1 and x.numel() > 0:
+    if not train or p == 0 or x.numel() == 0:
+        return x  # _dropout_impl returns its input (torch's Python decomposition would clone it)
+    if p < 1:
         return aten.native_dropout(x, p, train)[0]
-    return aten.dropout.default.decompose(x, p, train)
+    return x * x.new_zeros(())  # _dropout_impl for p == 1
 
 
 # -- normalisation statistics ----------------------------------------------------------------------
