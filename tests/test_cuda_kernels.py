@@ -288,3 +288,19 @@ def test_mse_loss_output_is_backed_by_an_input_sized_storage():
     assert scratch(trace, "mse_loss.default") == [n]
     real = measured("misc", "mse_mean_32M", "aten.mse_loss.default")
     assert real["outputs"][0][0] == n and n in real["transient"]
+
+
+def test_cudnn_benchmark_from_the_cli_and_a_config(tmp_path):
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+    from memest.config import load_config
+
+    result = CliRunner().invoke(app, ["estimate", model_ref("cnn"), "--batch", "4", "--optim", "sgd",
+                                      "--cudnn-benchmark", "--json"])
+    assert result.exit_code == 0, result.output
+    workspaces = json.loads(result.stdout)["device"]["workspaces"]
+    assert workspaces["high_allocated_bytes"] is None and workspaces["unbounded"]
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {model_ref('cnn')}\ncudnn_benchmark: true\n")
+    assert load_config(config).spec().cudnn_benchmark is True
