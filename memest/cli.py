@@ -28,6 +28,8 @@ Gpu = Annotated[Optional[str], typer.Option(
     "--gpu", help="Budget (11GB = 10^9 B, 11GiB = 2^30 B), card (rtx2080ti, a100) or device index (0).")]
 Attn = Annotated[Attention, typer.Option("--attention", help="--target cuda SDPA kernel (auto: PyTorch's rules).")]
 Fused = Annotated[bool, typer.Option("--fused", help="--target cuda: fused optimizer kernels instead of foreach.")]
+Bench = Annotated[bool, typer.Option("--cudnn-benchmark", help="--target cuda: the run sets torch.backends.cudnn."
+                                     "benchmark = True (cuDNN's algorithm search: see docs/cuda-kernels.md).")]
 Accum = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step (--batch is the micro-batch).")]
 Ckpt = Annotated[str, typer.Option("--checkpointing", help="none | blocks | every:N | module.name,other.name")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
@@ -51,7 +53,7 @@ def _progress(on: bool = True):
 def estimate(
     model: Model, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
-    checkpointing: Ckpt = "none",
+    checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False,
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -75,7 +77,8 @@ def estimate(
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
-                new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload)
+                new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
+                cudnn_benchmark=cudnn_benchmark)
 
     def work():
         from .app import run_estimate
@@ -105,12 +108,14 @@ def check(
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Override accumulation steps.")] = None,
     checkpointing: Annotated[Optional[str], typer.Option("--checkpointing", help="Override checkpointing.")] = None,
     strict: Strict = False, calibration: Calibration = None,
+    cudnn_benchmark: Annotated[Optional[bool], typer.Option(
+        "--cudnn-benchmark/--no-cudnn-benchmark", help="Override cuDNN's benchmark mode.")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
     1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
-                     checkpointing=checkpointing)
+                     checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark)
 
     def work():
         from .app import run_check

@@ -29,7 +29,7 @@ class Estimate(EstimateViews):
         return device.min_budget_bytes if device else self.report.peak_allocated_bytes
 
     @property
-    def needed_range(self) -> tuple[int, int, int]:
+    def needed_range(self) -> tuple[int, int, int | None]:
         """(low, expected, high) of the needed budget: the evidence spread of the fixed costs plus the
         allocator replay's measured band (device/usage.py); expected == needed_bytes. cpu: no spread."""
         device = self.report.device
@@ -80,7 +80,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
         )
     if spec.target == "cuda":
         report.notes.append(
-            "device = caching-allocator reserved + CUDA context + libraries (+ NCCL, cuDNN allowance); "
+            "device = caching-allocator reserved + CUDA context + libraries (+ NCCL); cuDNN workspaces are in the trace; "
             + ("calibrated values used" if report.device.calibrated else "defaults from evidence, not calibrated for "
                "this GPU (memest calibrate)")
         )

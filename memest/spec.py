@@ -39,6 +39,7 @@ class RunSpec:
     iterations: int = 2
     attention: Attention = Attention.AUTO  # --target cuda: SDPA backend (auto follows PyTorch's selection rules)
     fused: bool = False  # --target cuda: fused optimizer kernels instead of foreach
+    cudnn_benchmark: bool = False  # --target cuda: torch.backends.cudnn.benchmark (cuDNN searches its algorithms)
     compute_capability: tuple[int, int] = (9, 0)  # of the target GPU; decides e.g. flash availability
     grad_accum: int = 1  # micro-steps per optimizer step; batch is the micro-batch
     checkpointing: str = "none"  # none | blocks | every:N | module.name,other.name
@@ -59,8 +60,10 @@ class RunSpec:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:
             raise MemestError(f"--seq must be at least 1, got {self.seq}")
-        if self.target == "cpu" and (self.fused or self.attention != "auto"):
-            raise MemestError("--fused and --attention describe CUDA kernels; use them with --target cuda")
+        if self.target == "cpu" and (self.fused or self.attention != "auto" or self.cudnn_benchmark):
+            raise MemestError(
+                "--fused, --attention and --cudnn-benchmark describe CUDA kernels; use them with --target cuda"
+            )
         if self.grad_accum < 1:
             raise MemestError(
                 f"--grad-accum must be at least 1 (micro-steps per optimizer step), got {self.grad_accum}; "

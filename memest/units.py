@@ -76,3 +76,8 @@ def format_in(n: int | float, unit: tuple[str, int], precision: int = 2) -> str:
     """``n`` bytes in a given unit from ``table_unit``: (GiB, 2**30) -> '0.45 GiB'."""
     name, size = unit
     return f"{int(n)} B" if size == 1 else f"{n / size:.{precision}f} {name}"
+
+
+def format_bound(n: int | None, precision: int = 2) -> str:
+    """An upper bound that may be unbounded (None)."""
+    return "unbounded" if n is None else format_bytes(n, precision)

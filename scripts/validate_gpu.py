@@ -80,8 +80,8 @@ CASES = [
     ("hf:llama-3.2-1b", 4, 1024, "adamw", "bf16-mixed", {"compile": True}),
 ]
 
-# case options that are not RunSpec fields (they change the real run only; memest has no flag yet)
-RUN_ONLY = ("cudnn_benchmark",)
+# case options that are not RunSpec fields (they change the real run only)
+RUN_ONLY = ()
 # options the real run applies itself (peft, torch.compile); passed to memest as RunSpec fields of the
 # same name, so its side fails (real numbers kept) until memest supports them
 REAL_APPLIES = ("lora", "compile")
@@ -209,6 +209,9 @@ def run_memest(case, compute_capability) -> dict:
         "reserved": report.device.reserved_peak_bytes,
         "device": report.device.device_bytes,
         "attention_backends": report.attention_backends,
+        # cuDNN workspaces (convolutions, RNNs) at their low / high bounds (None: unbounded benchmark search)
+        "allocated_workspace_low": report.device.workspaces.low_allocated_bytes if report.device.workspaces else None,
+        "allocated_workspace_high": report.device.workspaces.high_allocated_bytes if report.device.workspaces else None,
         "seconds": time.perf_counter() - start,
     }
 

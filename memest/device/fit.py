@@ -23,8 +23,9 @@ FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does-not-fit"
 VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)  # best to worst
 
 
-def verdict(needed_expected: int, needed_high: int, capacity: int) -> str:
-    if needed_high <= capacity:
+def verdict(needed_expected: int, needed_high: int | None, capacity: int) -> str:
+    """``needed_high`` None: unbounded (cuDNN's benchmark search may take all free memory): never "fits"."""
+    if needed_high is not None and needed_high <= capacity:
         return FITS
     return TIGHT if needed_expected <= capacity else DOES_NOT_FIT
 

@@ -3,7 +3,7 @@
     allocated (torch.cuda.max_memory_allocated) = the trace's blocks, 512 B-rounded, + cuBLAS workspaces
     reserved  (torch.cuda.max_memory_reserved)  = the caching-allocator replay of those blocks
     device    (nvidia-smi for the process)      = reserved + CUDA context + libraries (cuBLAS, cuDNN)
-                                                  (+ NCCL, + cuDNN allowance)
+                                                  (+ NCCL)
     min budget (what the step needs)            = the smallest device budget under which the replay, with
                                                   the allocator's OOM recovery, completes + the same costs
 Reserved and device are unconstrained: what a GPU with room to spare shows. On a smaller one the allocator
@@ -12,6 +12,10 @@ frees its cache and retries before raising OOM, so a step can run in less: the m
 Both come as low / expected / high: the fixed costs' evidence spread (overheads.py) plus the replay's
 measured error band on reserved memory (slack.py). ``device_bytes`` and ``min_budget_bytes`` are the
 expected values; the verdict against a budget (device/fit.py) uses the needed range.
+
+Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
+trace/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
+low and at its high bound (high None: cuDNN's benchmark search may take all free device memory).
 """
 
 from __future__ import annotations
@@ -26,6 +30,24 @@ from .overheads import FixedCost, fixed_costs, outside_allocator
 from .slack import slack_band
 
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
+
+
+@dataclass
+class WorkspaceRange:
+    """The unconstrained allocated / reserved peaks with every run-time-sized workspace at its low and at
+    its high bound (the expected ones are DeviceUsage's own numbers). High None: unbounded, a cuDNN
+    benchmark search takes up to the free device memory."""
+
+    calls: int  # kernel calls with a run-time-sized workspace
+    low_allocated_bytes: int
+    low_reserved_bytes: int
+    high_allocated_bytes: int | None
+    high_reserved_bytes: int | None
+    unbounded: list[str] = field(default_factory=list)  # what makes high unbounded (one line each)
+    source: str = (
+        "cuDNN picks convolution and RNN algorithms, and their workspace, at run time: expected sizes and bounds "
+        "measured on an H100 (docs/cuda-kernels.md, benchmarks/gpu-kernels.json)"
+    )
 
 
 @dataclass
@@ -45,14 +67,15 @@ class DeviceUsage:
     # outside the allocator plus the allocator replay's measured band on reserved memory.
     bytes_low: int = 0  # unconstrained device use (nvidia-smi with room to spare), low / expected / high
     bytes_expected: int = 0
-    bytes_high: int = 0
+    bytes_high: int | None = 0  # None: unbounded (cuDNN benchmark search may take all free memory)
     needed_bytes_low: int = 0  # the smallest budget the step runs in, low / expected / high
     needed_bytes_expected: int = 0
-    needed_bytes_high: int = 0
+    needed_bytes_high: int | None = 0
     reserved_bytes_low: int = 0
-    reserved_bytes_high: int = 0
+    reserved_bytes_high: int | None = 0
     cudnn_kernels: bool = False  # the step runs cuDNN kernels (convolution, batch norm, RNN)
     range_basis: list[str] = field(default_factory=list)  # what the range rests on, one line per part
+    workspaces: WorkspaceRange | None = None  # cuDNN workspaces at their low / high bounds (None: none in the step)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,18 +110,39 @@ def uses_cudnn(trace: Trace) -> bool:
     return any(any(name in r.op for name in CUDNN_OPS) for r in trace.storages)
 
 
-def cudnn_allowance(trace: Trace) -> FixedCost | None:
-    """cuDNN convolution algorithms allocate a workspace per call through the caching allocator; its
-    size depends on the algorithm cuDNN picks. Allowance (an assumption until validated on a GPU):
-    the largest convolution output of the step."""
-    conv = [r.nbytes for r in trace.storages if "convolution" in r.op and "scratch" not in r.op]
-    if not conv:
+def at_bound(events: list[tuple[int, int]], trace: Trace, which: str) -> list[tuple[int, int]] | None:
+    """``events`` with every run-time-sized workspace at its ``which`` ('low' | 'high') bound; None when
+    a high bound is unbounded."""
+    ranges = trace.workspace_ranges
+    out = []
+    for sid, delta in events:
+        if sid in ranges:
+            size = ranges[sid][0 if which == "low" else 1]
+            if size is None:
+                return None
+            delta = size if delta > 0 else -size if delta < 0 else 0
+        out.append((sid, delta))
+    return out
+
+
+def workspace_range(trace: Trace, events: list[tuple[int, int]], conf, expected) -> WorkspaceRange | None:
+    """Replays at the low and the high bounds. The allocator's peaks are not monotonic in one block's size
+    (a different size is placed in another cached block), so each end of the range is the lowest / highest
+    of the three replays."""
+    if not trace.workspace_ranges:
         return None
-    return FixedCost(
-        "cudnn_workspace_allowance",
-        max(conv),
-        "assumption: one workspace as large as the largest convolution output (cuDNN picks the "
-        "algorithm and its workspace at run time); replace with a measurement via scripts/validate_gpu.py",
+    low = replay(at_bound(events, trace, "low"), conf)
+    high_events = at_bound(events, trace, "high")
+    high = replay(high_events, conf) if high_events is not None else None
+    runs = [r for r in (low, expected, high) if r is not None]
+    unbounded = sorted({why for _, h, why in trace.workspace_ranges.values() if h is None})
+    return WorkspaceRange(
+        calls=len(trace.workspace_ranges),
+        low_allocated_bytes=min(r.peak_allocated for r in runs),
+        low_reserved_bytes=min(r.peak_reserved for r in runs),
+        high_allocated_bytes=max(r.peak_allocated for r in runs) if high else None,
+        high_reserved_bytes=max(r.peak_reserved for r in runs) if high else None,
+        unbounded=[f"{why}: up to the free device memory" for why in unbounded],
     )
 
 
@@ -116,9 +160,6 @@ def device_usage(
     cudnn = uses_cudnn(trace)
     costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env, cudnn=cudnn,
                         evidence_runs=evidence_runs)
-    allowance = cudnn_allowance(trace)
-    if allowance:
-        costs.append(allowance)
     conf_text = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
     try:
         conf = parse_alloc_conf(conf_text)
@@ -134,6 +175,15 @@ def device_usage(
     allocated = result.peak_allocated
     reserved_low, reserved_high = band.bounds(allocated, result.peak_reserved, floor=allocated)
     limit_low, limit_high = band.bounds(allocated, limit, floor=min(limit, allocated))
+    workspaces = workspace_range(trace, events, conf, result)
+    if workspaces is not None:  # cuDNN's run-time workspace choices widen the range (None: unbounded)
+        reserved_low = min(reserved_low, workspaces.low_reserved_bytes)
+        limit_low = min(limit_low, workspaces.low_reserved_bytes)
+        if workspaces.high_reserved_bytes is None:
+            reserved_high = limit_high = None
+        else:
+            reserved_high = max(reserved_high, workspaces.high_reserved_bytes)
+            limit_high = max(limit_high, workspaces.high_reserved_bytes)
     return DeviceUsage(
         tensor_peak_bytes=trace.peak()[0],
         allocated_peak_bytes=allocated,
@@ -146,14 +196,16 @@ def device_usage(
         min_allocator_limit_bytes=limit,
         bytes_low=reserved_low + outside.low,
         bytes_expected=result.peak_reserved + outside.expected,
-        bytes_high=reserved_high + outside.high,
+        bytes_high=None if reserved_high is None else reserved_high + outside.high,
         needed_bytes_low=limit_low + outside.low,
         needed_bytes_expected=limit + outside.expected,
-        needed_bytes_high=limit_high + outside.high,
+        needed_bytes_high=None if limit_high is None else limit_high + outside.high,
         reserved_bytes_low=reserved_low,
         reserved_bytes_high=reserved_high,
         cudnn_kernels=cudnn,
-        range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis],
+        range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis]
+        + (workspaces.unbounded if workspaces is not None else []),
+        workspaces=workspaces,
     )
 
 

@@ -182,6 +182,8 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
             parts += [flag, str(value)]
     if spec.fused:
         parts.append("--fused")
+    if spec.cudnn_benchmark:
+        parts.append("--cudnn-benchmark")
     if gpu:
         parts += ["--gpu", gpu]
     return " ".join(shlex.quote(p) for p in parts)

@@ -45,7 +45,7 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     result = estimate(spec, gpu.calibration if spec.target == "cuda" else None, source=source)
     low, needed, high = result.needed_range
     required = math.ceil(needed * (1 + margin))
-    required_high = math.ceil(high * (1 + margin))
+    required_high = None if high is None else math.ceil(high * (1 + margin))  # None: unbounded
     budget = gpu.capacity_bytes
     outcome = verdict(required, required_high, budget) if result.fits(budget) else "does-not-fit"
     return CheckRow(

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from ..device.fit import FitRow
 from ..device.nvml import GpuQuery
-from ..units import format_bytes, format_count
+from ..units import format_bound, format_bytes, format_count
 from .analysis import BREAKDOWN_KEYS, Report
 
 # per-layer columns: (header, justify, drop order: higher goes first when the terminal is too narrow;
@@ -147,9 +147,9 @@ def summary_table(report: Report) -> Table:
                 spread = f", {format_bytes(cost.low)}-{format_bytes(cost.high)}" if cost.low != cost.high else ""
                 table.add_row("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)} ({tag}{spread})")
         table.add_row("predicted device use", f"{format_bytes(dev.device_bytes)} (range {format_bytes(dev.bytes_low)} - "
-                      f"{format_bytes(dev.bytes_high)}; what nvidia-smi would show on a GPU with room to spare)")
+                      f"{format_bound(dev.bytes_high)}; what nvidia-smi would show on a GPU with room to spare)")
         table.add_row("needed", f"[bold]{format_bytes(dev.min_budget_bytes)}[/bold] (range "
-                      f"{format_bytes(dev.needed_bytes_low)} - {format_bytes(dev.needed_bytes_high)}; the smallest device "
+                      f"{format_bytes(dev.needed_bytes_low)} - {format_bound(dev.needed_bytes_high)}; the smallest device "
                       "budget the step runs in: the allocator frees its cache before running out)")
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 
 from ..device.fit import FitRow
-from ..units import format_bytes, format_count
+from ..units import format_bound, format_bytes, format_count
 from .analysis import BREAKDOWN_KEYS, Report
 
 _NUMERIC = re.compile(r"^[-+]?[0-9][0-9.,]*(\s|%|[A-Za-z]|$)")
@@ -74,10 +74,10 @@ def summary_items(report: Report) -> list[tuple[str, str]]:
         items.append(("torch would report", f"max_memory_allocated {format_bytes(dev.allocated_peak_bytes)}, "
                                             f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)}"))
         items.append(("predicted device use", f"{format_bytes(dev.device_bytes)} (range {format_bytes(dev.bytes_low)}"
-                                              f" - {format_bytes(dev.bytes_high)}; what nvidia-smi would show on a GPU "
+                                              f" - {format_bound(dev.bytes_high)}; what nvidia-smi would show on a GPU "
                                               "with room to spare)"))
         items.append(("needed", f"**{format_bytes(dev.min_budget_bytes)}** (range {format_bytes(dev.needed_bytes_low)}"
-                                f" - {format_bytes(dev.needed_bytes_high)}; the smallest device budget the step runs in)"))
+                                f" - {format_bound(dev.needed_bytes_high)}; the smallest device budget the step runs in)"))
     diff = report.folklore_bytes - report.peak_allocated_bytes
     rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
     items.append(("folklore formula", f"{format_bytes(report.folklore_bytes)} ({report.folklore_formula}): "

@@ -79,7 +79,8 @@ def check_view(result) -> View:
             r.model if r.model.startswith("hf:") else r.model.rsplit("/", 1)[-1],
             str(r.seq) if r.seq is not None else "-",
             format_in(r.needed_bytes, unit),
-            f"{format_in(r.needed_bytes_low, unit)}-{format_in(r.needed_bytes_high, unit)}",
+            f"{format_in(r.needed_bytes_low, unit)}-"
+            + ("unbounded" if r.needed_bytes_high is None else format_in(r.needed_bytes_high, unit)),
             f"{format_in(r.required_bytes, unit)} (+{100 * r.margin:g}%)",
             f"{format_in(r.budget_bytes, unit)} ({r.budget_label})",
             format_in(r.headroom_bytes, unit),

@@ -51,7 +51,8 @@ with imports_without_gc():
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
     from .cuda.autocast import cuda_autocast_scope
-    from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
+    from .cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
+    from .cuda.sdpa import CudaSdpa
     from .data_dependent import explain
     from .devices import DeviceRequests, traced_device
     from .dtype import cast_floating
@@ -327,6 +328,7 @@ class _Step:
     tracker: StorageTracker | None = None
     sdpa: Any = None
     devices: DeviceRequests | None = None  # the model code's CUDA requests, placed on the traced device
+    kernels: Any = None  # --target cuda: CudaKernels (dropout, cuDNN RNNs)
 
     @property
     def where(self) -> str:
@@ -400,8 +402,10 @@ def _track_storages(step: _Step) -> None:
     DTensor shards, DDP's gradient buckets)."""
     parallel = step.parallel
     step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
+    cuda = step.cuda
     step.tracker = StorageTracker(
-        step.trace, step.stack.current, step.fake_mode, scratch=CUDA_SCRATCH if step.cuda else None
+        step.trace, step.stack.current, step.fake_mode,
+        scratch=cuda_scratch(step.spec.cudnn_benchmark) if cuda else None, outputs=CUDA_OUTPUTS if cuda else None,
     )
     if parallel is not None:
         from . import distributed
@@ -454,6 +458,7 @@ def _instrumented(step: _Step):
     tracker, the data-parallel instrumentation, and the saved-tensor hook that marks activations."""
     spec, tracker = step.spec, step.tracker
     step.sdpa = CudaSdpa(spec.attention, spec.compute_capability) if step.cuda else None
+    step.kernels = CudaKernels() if step.cuda else None
 
     def mark_saved(t: torch.Tensor):
         sid = tracker.storage_id(t)
@@ -470,6 +475,7 @@ def _instrumented(step: _Step):
             hooks.enter_context(real_mask_branches())
         if step.cuda:
             hooks.enter_context(step.sdpa)
+            hooks.enter_context(step.kernels)
             if spec.mixed:
                 hooks.enter_context(cuda_autocast_scope())
         hooks.enter_context(step.stack)
@@ -524,6 +530,9 @@ def _classify(step: _Step) -> None:
         trace.notes.append(devices)
     if step.cuda:
         trace.attention_backends = dict(step.sdpa.choices)
+        if step.kernels.rnn.calls:
+            calls = ", ".join(f"{name} x{n}" for name, n in sorted(step.kernels.rnn.calls.items()))
+            trace.notes.append(f"RNNs run as cuDNN's _cudnn_rnn ({calls}): reserve and workspace per docs/cuda-kernels.md")
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS

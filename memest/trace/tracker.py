@@ -51,12 +51,18 @@ class StorageTracker:
     """Context manager: while entered, every op called into ``fake_mode`` is recorded."""
 
     def __init__(
-        self, trace: Trace, module_of: Callable[[], str], fake_mode: TrackingFakeMode, scratch: dict | None = None
+        self, trace: Trace, module_of: Callable[[], str], fake_mode: TrackingFakeMode, scratch: dict | None = None,
+        outputs: dict | None = None,
     ) -> None:
         self._fake_mode = fake_mode
         # aten op -> fn(args, kwargs) -> byte sizes of kernel-internal buffers (allocated before the
-        # op's outputs, freed after them) that the fake kernel does not show
+        # op's outputs, freed after them) that the fake kernel does not show; a size may be a
+        # trace/cuda/workspace.Workspace (expected bytes with a low/high range)
         self.scratch = scratch or {}
+        # aten op -> fn(args, kwargs, out, call) -> out: the target device's kernel returns outputs of
+        # another dtype or storage size than the fake kernel; call(op, *args, **kwargs) runs an op in the
+        # fake mode without recording it (only the returned outputs are recorded)
+        self.outputs = outputs or {}
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
         self.phase = Phase.SETUP
@@ -219,10 +225,14 @@ class StorageTracker:
         if func is ITEM and self.phase is Phase.OPTIMIZER:
             # Adafactor reads param.norm().item() to scale its update: values cannot change memory
             return placeholder_scalar(args[0])
-        scratch = self._scratch_alloc(func, args, kwargs) if func in self.scratch else ()
+        sizes = list(self.scratch[func](args, kwargs or {})) if func in self.scratch else []
+        late = [n for n in sizes if getattr(n, "after_outputs", False)]  # allocated by the kernel once its outputs exist
+        scratch = self._scratch_alloc(func, [n for n in sizes if not getattr(n, "after_outputs", False)])
         out = run(func, types, args, kwargs)
         if out is NotImplemented:  # a wrapper subclass (DTensor) runs it as ops on its local tensors
             return out
+        if func in self.outputs:
+            out = self.outputs[func](args, kwargs or {}, out, lambda op, *a, **k: run(op, types, a, k))
         name = func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
         if isinstance(out, torch.Tensor):  # most ops
             self.register(out, Category.TEMPORARIES, name)
@@ -230,6 +240,7 @@ class StorageTracker:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.register(t, Category.TEMPORARIES, name)
+        scratch += self._scratch_alloc(func, late)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
         flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
@@ -243,15 +254,19 @@ class StorageTracker:
             self.trace.flops[key] = self.trace.flops.get(key, 0) + flops
         return out
 
-    def _scratch_alloc(self, func, args, kwargs) -> list[tuple[int, int]]:
+    def _scratch_alloc(self, func, sizes) -> list[tuple[int, int]]:
         allocated = []
-        for nbytes in self.scratch[func](args, kwargs or {}):
-            if nbytes <= 0:
+        for nbytes in sizes:
+            ranged = getattr(nbytes, "has_range", False)  # a Workspace: kept even at 0 expected bytes
+            if nbytes <= 0 and not ranged:
                 continue
+            nbytes = int(nbytes) if not ranged else nbytes
             sid = len(self.trace.storages)
+            if ranged:
+                self.trace.workspace_ranges[sid] = (nbytes.low, nbytes.high, nbytes.why)
             self.trace.storages.append(
-                StorageRecord(nbytes, Category.TEMPORARIES, self.module_of(), self.phase, f"{func.__name__} (kernel scratch)", self.iteration)
+                StorageRecord(int(nbytes), Category.TEMPORARIES, self.module_of(), self.phase, f"{func.__name__} (kernel scratch)", self.iteration)
             )
-            self.trace.events.append((sid, nbytes))
-            allocated.append((sid, nbytes))
+            self.trace.events.append((sid, int(nbytes)))
+            allocated.append((sid, int(nbytes)))
         return allocated
