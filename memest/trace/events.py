@@ -91,6 +91,16 @@ class Trace:
     host_events: list[tuple[int, int, int]] = field(default_factory=list)
     host_marks: list[int] = field(default_factory=list)  # per phase mark: host events before it
     notes: list[str] = field(default_factory=list)  # facts of the trace for the report (one line each)
+    # --outputs kept: per micro-step, (index of the first event after the loss, where a loop that frees
+    # outputs drops them; storage ids of the output the loop keeps from there on)
+    held_outputs: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def held_output_bytes(self, event_index: int) -> int:
+        """Bytes of model outputs alive just after ``event_index`` only because the loop keeps them
+        (--outputs kept): outputs past the point where a loop that frees them would have."""
+        alive = self.live_at(event_index) if self.held_outputs else set()
+        sids = {sid for since, held in self.held_outputs if event_index >= since for sid in held if sid in alive}
+        return sum(self.storages[sid].nbytes for sid in sids)
 
     def phase_at(self, event_index: int) -> tuple[int, Phase]:
         starts = [mark[0] for mark in self.phase_marks]
