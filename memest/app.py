@@ -422,6 +422,7 @@ class WhatifResult:
     gpu: GpuContext
     model: str
     target: str
+    outputs: str = ""  # the training loop the traces assume (--outputs); '' outside training
 
 
 def run_whatif(spec_args: dict, batches: list[int] | None, seqs: list[int] | None, gpu: str | None,
@@ -436,7 +437,7 @@ def run_whatif(spec_args: dict, batches: list[int] | None, seqs: list[int] | Non
     check_seq_limit(ctx.runner.source, seqs or [])
     with user_code(args["model"]):
         result = sweep(ctx.runner, batches, seqs, ctx.gpu.capacity_bytes)
-    return WhatifResult(result, ctx.gpu, args["model"], str(ctx.runner.base.target))
+    return WhatifResult(result, ctx.gpu, args["model"], str(ctx.runner.base.target), _loop(ctx.runner.base))
 
 
 @dataclass
@@ -445,6 +446,11 @@ class SearchRun:
     gpu: GpuContext
     model: str
     traces: int
+    outputs: str = ""  # the training loop the traces assume (--outputs); '' outside training
+
+
+def _loop(spec: RunSpec) -> str:
+    return str(spec.outputs) if spec.training else ""
 
 
 def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
@@ -463,7 +469,7 @@ def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
     start = (runner.base.seq or 512) if seq_search else 1
     with user_code(spec_args["model"]):
         result = largest_fitting(runner, key, ctx.gpu.capacity_bytes, start=min(start, limit), limit=limit)
-    return SearchRun(result, ctx.gpu, spec_args["model"], runner.traces)
+    return SearchRun(result, ctx.gpu, spec_args["model"], runner.traces, _loop(runner.base))
 
 
 @dataclass

@@ -104,6 +104,33 @@ class Offload(Choice):
     PARAMS = "params"
 
 
+class Outputs(Choice):
+    """--outputs: what the training loop does with the model's output (design.md §7)."""
+
+    KEPT = "kept"  # out = model(x); loss = f(out); loss.backward(): out referenced until the next forward returns
+    FREED = "freed"  # dropped before backward, as HF Trainer, Lightning and torchtune do
+
+
+class LossHead(Choice):
+    """--loss-head: standard | chunked[:N] | fused (the kind of a value; trace/loss_head.py)."""
+
+    STANDARD = "standard"  # the model's own LM head and loss: whole logits
+    CHUNKED = "chunked"  # torchtune's LinearCrossEntropyLoss: head + cross-entropy per chunk, autograd as usual
+    FUSED = "fused"  # Liger-Kernel's fused linear cross entropy: gradients computed in forward, chunk by chunk
+
+    @classmethod
+    def of(cls, text: str) -> tuple[LossHead, int | None]:
+        """The kind and the chunk count (chunked:N; None: the kind's default)."""
+        text = str(text).strip().lower()
+        if text in ("standard", "chunked", "fused"):
+            return cls(text), None
+        if re.fullmatch(r"chunked:[1-9][0-9]*", text):
+            return cls.CHUNKED, int(text.partition(":")[2])
+        raise MemestError(
+            f"--loss-head {text!r}: choose standard, chunked, chunked:N (N chunks, a whole number >= 1) or fused"
+        )
+
+
 class OutputFormat(Choice):
     TABLE = "table"
     MARKDOWN = "markdown"

@@ -7,7 +7,19 @@ from typing import Annotated, Optional
 
 import typer
 
-from .choices import Attention, Cache, Mode, Offload, Optimizer, OutputFormat, Precision, Shard, Target, ZeroGrad
+from .choices import (
+    Attention,
+    Cache,
+    Mode,
+    Offload,
+    Optimizer,
+    OutputFormat,
+    Outputs,
+    Precision,
+    Shard,
+    Target,
+    ZeroGrad,
+)
 from .errors import EXIT_DOES_NOT_FIT, EXIT_OK
 from .exits import OneLineErrors, output_format, run_command
 
@@ -32,6 +44,11 @@ Bench = Annotated[bool, typer.Option("--cudnn-benchmark", help="--target cuda: t
                                      "benchmark = True (cuDNN's algorithm search: see docs/cuda-kernels.md).")]
 Accum = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step (--batch is the micro-batch).")]
 Ckpt = Annotated[str, typer.Option("--checkpointing", help="none | blocks | every:N | module.name,other.name")]
+Outs = Annotated[Outputs, typer.Option(
+    "--outputs", help="Your loop: kept (out = model(x) held through backward, the plain loop) | freed (dropped "
+    "before backward: HF Trainer, Lightning).")]
+LossHd = Annotated[str, typer.Option(
+    "--loss-head", help="hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused (Liger-Kernel).")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
 Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
@@ -53,7 +70,8 @@ def _progress(on: bool = True):
 def estimate(
     model: Model, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
-    checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False,
+    checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False, outputs: Outs = Outputs.KEPT,
+    loss_head: LossHd = "standard",
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -78,7 +96,7 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark)
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head)
 
     def work():
         from .app import run_estimate
@@ -110,12 +128,15 @@ def check(
     strict: Strict = False, calibration: Calibration = None,
     cudnn_benchmark: Annotated[Optional[bool], typer.Option(
         "--cudnn-benchmark/--no-cudnn-benchmark", help="Override cuDNN's benchmark mode.")] = None,
+    outputs: Annotated[Optional[Outputs], typer.Option("--outputs", help="Override the loop: kept | freed.")] = None,
+    loss_head: Annotated[Optional[str], typer.Option("--loss-head", help="Override the loss head.")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
     1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
-                     checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark)
+                     checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark, outputs=outputs,
+                     loss_head=loss_head)
 
     def work():
         from .app import run_check
@@ -142,7 +163,7 @@ def whatif(
     seq: Annotated[Optional[str], typer.Option("--seq", "-s", help="Sequence lengths, e.g. 256,512,1024.")] = None,
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
-    checkpointing: Ckpt = "none", gpu: Gpu = None,
+    checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
@@ -152,7 +173,7 @@ def whatif(
         from .report.views import whatif_view
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
-                    checkpointing=checkpointing)
+                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
         return whatif_view(run), EXIT_OK
 
@@ -165,7 +186,7 @@ def max_batch(
     batch: Annotated[int, typer.Option("--batch", "-b", help="Batch when searching the sequence length.")] = 1,
     seq_search: Annotated[bool, typer.Option("--seq-search", help="Search the longest sequence instead.")] = False,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
-    checkpointing: Ckpt = "none",
+    checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
@@ -176,7 +197,7 @@ def max_batch(
         from .report.views import max_batch_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
         return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -186,6 +207,7 @@ def max_batch(
 def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
+    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -195,7 +217,7 @@ def advise(
         from .report.views import advise_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
         return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)

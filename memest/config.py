@@ -8,6 +8,7 @@
     precision: bf16-mixed
     grad_accum: 8
     checkpointing: blocks
+    outputs: freed            # the loop drops the output before backward (HF Trainer); default kept (plain loop)
     gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
     margin: 10%               # required headroom: needed x (1 + margin) must fit
     calibration: profiles/rtx2080ti.json  # a `memest calibrate --out` profile (relative to this file)

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .choices import Attention, Cache, CheckpointPolicy, Mode, Offload, Optimizer, Precision, Shard, Target, ZeroGrad
+from .choices import (
+    Attention,
+    Cache,
+    CheckpointPolicy,
+    LossHead,
+    Mode,
+    Offload,
+    Optimizer,
+    Outputs,
+    Precision,
+    Shard,
+    Target,
+    ZeroGrad,
+)
 from .errors import MemestError
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
@@ -18,6 +31,7 @@ _CHOICE_FIELDS = {
     "cache": (Cache, "--cache"),
     "shard": (Shard, "--shard"),
     "offload": (Offload, "--offload"),
+    "outputs": (Outputs, "--outputs"),
 }
 
 
@@ -50,12 +64,19 @@ class RunSpec:
     world_size: int = 1  # data-parallel ranks; estimates are per rank
     shard: Shard = Shard.NONE  # zero1: optimizer state, zero2: + gradients, zero3 (FSDP full shard): + parameters
     offload: Offload = Offload.NONE  # optimizer: state (and step) on the CPU; params: params+grads+optimizer on the CPU
+    # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
+    # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
+    outputs: Outputs = Outputs.KEPT
+    loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
             object.__setattr__(self, name, enum.parse(getattr(self, name), flag))
         object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
         CheckpointPolicy.of(self.checkpointing)
+        object.__setattr__(self, "loss_head", str(self.loss_head).strip().lower())
+        if LossHead.of(self.loss_head)[0] != LossHead.STANDARD and not self.training:
+            raise MemestError(f"--loss-head {self.loss_head} replaces a training loss; drop it with --mode {self.mode}")
         if self.batch < 1:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:

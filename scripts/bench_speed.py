@@ -202,7 +202,7 @@ def memtracker_trace(source, spec) -> tuple[int, float]:
     from torch.utils._pytree import tree_flatten
 
     from memest.trace.optim import make_optimizer
-    from memest.trace.step import build, run_iteration
+    from memest.trace.step import LoopState, build, run_iteration
     from memest.trace.values import PlaceholderScalars
 
     start = time.perf_counter()
@@ -219,8 +219,9 @@ def memtracker_trace(source, spec) -> tuple[int, float]:
             for context in step_contexts(source, spec):
                 stack.enter_context(context)
             stack.enter_context(tracker)
+            loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
             for _ in range(spec.iterations):
-                run_iteration(model, inputs, optimizer, source.compute_loss, spec)
+                run_iteration(model, inputs, optimizer, source.compute_loss, spec, loop=loop)
                 tracker.reset_mod_stats()  # MemTracker keeps per-module stats across iterations otherwise
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
         del model, inputs, optimizer

@@ -24,7 +24,10 @@ from memest.trace import trace_step  # noqa: E402
 from memest.validate.cpu_truth import measure_cpu_peak  # noqa: E402
 from tests.conftest import model_ref  # noqa: E402
 from tests.test_accuracy_cpu import CASES  # noqa: E402
+from tests.test_loop import HEAD_CASES  # noqa: E402
 from tests.test_savers import CASES as SAVER_CASES  # noqa: E402
+
+LOOPS = ("kept", "freed")  # --outputs: the plain loop (default) and the loop that drops the output before backward
 
 
 def main() -> None:
@@ -37,25 +40,33 @@ def main() -> None:
         name, batch, seq, optim, precision = case.values[0] if hasattr(case, "values") else case
         cases.append((name, batch, seq, {"optim": optim, "precision": precision}))
     cases += SAVER_CASES
+    cases += [("nanogpt", 4, 64, {"optim": "adamw"})]  # forward returns (logits, loss), as nanoGPT's does
+    cases += [("forward_peak", 64, None, {"optim": "sgd"})]  # peaks in forward, the previous output still held
+    cases += [(name, batch, seq, {"optim": "adamw", "precision": precision, "loss_head": head})
+              for name, batch, seq, precision, head in HEAD_CASES]
     for name, batch, seq, extra in cases:
         extra = {"optim": "adam", "precision": "fp32", **extra}
         optim, precision = extra["optim"], extra["precision"]
-        if extra.get("mode", "train") != "train":
+        training = extra.get("mode", "train") == "train"
+        if not training:
             optim = "-"  # no optimizer without training
         technique = ", ".join(f"{k}={v}" for k, v in extra.items() if k not in ("optim", "precision")) or "-"
         ref = model_ref(name)
-        spec = RunSpec(model=ref, batch=batch, seq=seq, target="cpu", **{**extra, "optim": extra["optim"]})
         source = load_source(ref)
-        start = time.perf_counter()
-        estimated, _ = trace_step(source, spec).peak()
-        seconds = time.perf_counter() - start
-        real = measure_cpu_peak(source, spec)["peak_bytes"]
-        rows.append(
-            {"model": name, "batch": batch, "seq": seq, "optim": optim, "precision": precision, "technique": technique,
-             "estimated_bytes": estimated, "measured_bytes": real,
-             "error_pct": 100 * (estimated - real) / real, "trace_seconds": seconds}
-        )
-        print(f"{name:16} {optim:12} {precision:10} {technique:40} {rows[-1]['error_pct']:+8.3f}%", file=sys.stderr)
+        for loop in LOOPS if training else ("-",):
+            fields = {**extra, "outputs": loop} if training else extra
+            spec = RunSpec(model=ref, batch=batch, seq=seq, target="cpu", **fields)
+            start = time.perf_counter()
+            estimated, _ = trace_step(source, spec).peak()
+            seconds = time.perf_counter() - start
+            real = measure_cpu_peak(source, spec)["peak_bytes"]
+            rows.append(
+                {"model": name, "batch": batch, "seq": seq, "optim": optim, "precision": precision,
+                 "technique": technique, "loop": loop, "estimated_bytes": estimated, "measured_bytes": real,
+                 "error_pct": 100 * (estimated - real) / real, "trace_seconds": seconds}
+            )
+            print(f"{name:16} {optim:12} {precision:10} {technique:40} {loop:5} {rows[-1]['error_pct']:+8.3f}%",
+                  file=sys.stderr)
     errors = [abs(r["error_pct"]) for r in rows]
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -73,17 +84,27 @@ def main() -> None:
         f"transformers {meta['transformers']}.",
         "Ground truth: the same two-step training loop run for real under torch.profiler memory events "
         "(design.md §3). Reproduce: `python scripts/cpu_accuracy.py`.",
+        "Each training case runs in both loops (`--outputs`): **kept**, the plain loop and memest's default "
+        "(`out = model(x); loss = f(out); loss.backward()`: the output held through backward and until the next "
+        "forward returns), and **freed** (the output dropped before backward, as HF Trainer and Lightning do).",
         "",
-        f"**Median |error| {statistics.median(errors):.3f}%, max {max(errors):.2f}%** over {len(rows)} cases "
+        f"**Median |error| {statistics.median(errors):.3f}%, max {max(errors):.2f}%** over {len(rows)} runs "
         f"(LSTM included; see the note); without LSTM: max {max(e for e, r in zip(errors, rows, strict=True) if r['model'] != 'lstm'):.2f}%.",
         "",
-        "| model | batch | seq | optimizer | precision | technique | estimated | measured | error |",
-        "|---|---:|---:|---|---|---|---:|---:|---:|",
+    ]
+    for loop in LOOPS:
+        picked = [abs(r["error_pct"]) for r in rows if r["loop"] == loop and r["model"] != "lstm"]
+        lines.append(f"- loop {loop}: median |error| {statistics.median(picked):.3f}%, max {max(picked):.2f}% "
+                     f"over {len(picked)} runs (LSTM left out)")
+    lines += [
+        "",
+        "| model | batch | seq | optimizer | precision | technique | loop | estimated | measured | error |",
+        "|---|---:|---:|---|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['seq'] or '-'} | {r['optim']} | {r['precision']} | {r['technique']} | "
-            f"{r['estimated_bytes']:,} | {r['measured_bytes']:,} | {r['error_pct']:+.3f}% |"
+            f"{r['loop']} | {r['estimated_bytes']:,} | {r['measured_bytes']:,} | {r['error_pct']:+.3f}% |"
         )
     lines += [
         "",

@@ -1,11 +1,13 @@
 """GPU validation: run training steps for real on a CUDA GPU, measure them, and compare with memest.
 
 For each case, in a fresh process (so context and allocator start clean):
-  real      the same two-step loop memest traces (memest.trace.step.run_iteration) on CUDA tensors:
-            torch.cuda.max_memory_allocated, max_memory_reserved, memory_stats active peak, and the
-            process's NVML used memory (peak, polled every 2 ms, via nvidia-ml-py)
-  memest    the estimate for the same config, in a process where CUDA is hidden (it never touches
-            the GPU), with the GPU's compute capability and no calibration (defaults)
+  real      the same two-step loop memest traces (memest.trace.step.run_step, --outputs freed: the
+            output dropped before backward) on CUDA tensors: torch.cuda.max_memory_allocated,
+            max_memory_reserved, memory_stats active peak, and the process's NVML used memory (peak,
+            polled every 2 ms, via nvidia-ml-py); then the plain loop written out (the output kept
+            through backward, --outputs kept): its max_memory_allocated
+  memest    the estimates for the same config, both loops, in a process where CUDA is hidden (it
+            never touches the GPU), with the GPU's compute capability and no calibration (defaults)
 Writes benchmarks/gpu-validation.md and benchmarks/gpu-validation.json with the GPU name, driver,
 CUDA and torch versions. Needs only torch (+ transformers for hf: cases) and nvidia-ml-py.
 
@@ -91,7 +93,9 @@ def _options(case) -> dict:
     return dict(case[5]) if len(case) > 5 and case[5] else {}
 
 
-def _spec(case, compute_capability=(9, 0), real: bool = False):
+def _spec(case, compute_capability=(9, 0), real: bool = False, outputs="freed"):
+    """The case's RunSpec; ``real``: for the real run (options it applies itself left out); ``outputs``: the
+    loop (the main numbers are the freed loop's, as measured)."""
     from memest.spec import RunSpec
 
     model, batch, seq, optim, precision = case[:5]
@@ -99,7 +103,7 @@ def _spec(case, compute_capability=(9, 0), real: bool = False):
     skip = RUN_ONLY + (REAL_APPLIES if real else ())
     fields = {k: v for k, v in _options(case).items() if k not in skip}
     return RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision,
-                   compute_capability=tuple(compute_capability), **fields)
+                   compute_capability=tuple(compute_capability), outputs=outputs, **fields)
 
 
 class NvmlPeak:
@@ -197,13 +201,15 @@ def run_real(case) -> dict:
 
 
 def run_memest(case, compute_capability) -> dict:
+    """memest's side: the freed loop (as the main real numbers were measured) and the kept loop (the
+    plain loop, real.kept_outputs_max_memory_allocated)."""
     from memest.pipeline import estimate
 
     spec = _spec(case, compute_capability)
     start = time.perf_counter()
     result = estimate(spec, calibration=None)
     report = result.report
-    return {
+    out = {
         "tensor_peak": report.peak_allocated_bytes,
         "allocated": report.device.allocated_peak_bytes,
         "reserved": report.device.reserved_peak_bytes,
@@ -214,6 +220,13 @@ def run_memest(case, compute_capability) -> dict:
         "allocated_workspace_high": report.device.workspaces.high_allocated_bytes if report.device.workspaces else None,
         "seconds": time.perf_counter() - start,
     }
+    kept = estimate(_spec(case, compute_capability, outputs="kept"), calibration=None).report
+    out.update({
+        "kept_tensor_peak": kept.peak_allocated_bytes,
+        "kept_allocated": kept.device.allocated_peak_bytes,
+        "kept_outputs_held": kept.outputs_held_bytes,
+    })
+    return out
 
 
 def _child(args) -> None:
@@ -348,10 +361,13 @@ def _indices(text: str) -> list[int]:
 
 
 def _row(case, real: dict, est: dict) -> dict:
-    return {"case": list(case), "real": real, "memest": est,
-            "error_allocated_pct": _err(est["allocated"], real["max_memory_allocated"]),
-            "error_reserved_pct": _err(est["reserved"], real["max_memory_reserved"]),
-            "error_nvml_pct": _err(est["device"], real["nvml_peak_used"])}
+    row = {"case": list(case), "real": real, "memest": est,
+           "error_allocated_pct": _err(est["allocated"], real["max_memory_allocated"]),
+           "error_reserved_pct": _err(est["reserved"], real["max_memory_reserved"]),
+           "error_nvml_pct": _err(est["device"], real["nvml_peak_used"])}
+    if real.get("kept_outputs_max_memory_allocated") and "kept_allocated" in est:
+        row["error_kept_allocated_pct"] = _err(est["kept_allocated"], real["kept_outputs_max_memory_allocated"])
+    return row
 
 
 def _rescore(source: Path, out: Path, hidden: dict) -> None:
@@ -377,8 +393,8 @@ def _rescore(source: Path, out: Path, hidden: dict) -> None:
 
 def _markdown(env: dict, rows: list[dict], failures: list[dict] = ()) -> str:
     def stat(key):
-        values = [abs(r[key]) for r in rows]
-        return f"median {statistics.median(values):.2f}%, max {max(values):.2f}%"
+        values = [abs(r[key]) for r in rows if key in r]
+        return f"median {statistics.median(values):.2f}%, max {max(values):.2f}%" if values else "not measured"
 
     lines = [
         "# GPU validation: memest vs real CUDA runs",
@@ -392,6 +408,10 @@ def _markdown(env: dict, rows: list[dict], failures: list[dict] = ()) -> str:
         f"- allocated (max_memory_allocated): {stat('error_allocated_pct')} — goal 3% median, 8% max",
         f"- reserved (max_memory_reserved): {stat('error_reserved_pct')} — goal 5% median",
         f"- device (NVML used by the process): {stat('error_nvml_pct')} — goal 7% median",
+        f"- allocated, the plain loop (output kept through backward, `--outputs kept`): "
+        f"{stat('error_kept_allocated_pct')} (table below the first)",
+        "",
+        "The first table is the loop that drops the output before backward (`--outputs freed`).",
         "",
         "| model | batch | seq | optim | precision | real alloc | memest alloc | err | real reserved | memest reserved | err | real NVML | memest device | err |",
         "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -408,6 +428,29 @@ def _markdown(env: dict, rows: list[dict], failures: list[dict] = ()) -> str:
             f"{est['reserved'] / mib:.1f} MiB | {r['error_reserved_pct']:+.2f}% | {real['nvml_peak_used'] / mib:.1f} MiB | "
             f"{est['device'] / mib:.1f} MiB | {r['error_nvml_pct']:+.2f}% |"
         )
+    kept_rows = [r for r in rows if "error_kept_allocated_pct" in r]
+    if kept_rows:
+        lines += [
+            "",
+            "The plain loop (`out = model(x); loss = f(out); loss.backward(); opt.step(); opt.zero_grad()`: the "
+            "output is held through backward and until the next forward returns), `--outputs kept`, the default. "
+            "Real: max_memory_allocated of two such steps after the freed loop's (warm optimizer state).",
+            "",
+            "| model | batch | seq | optim | precision | real alloc (kept) | memest alloc (kept) | err | real kept - freed | "
+            "memest outputs held at peak |",
+            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in kept_rows:
+            m, b, s, o, p = r["case"][:5]
+            if len(r["case"]) > 5 and r["case"][5]:
+                p += " " + " ".join(f"{k}={v}" for k, v in r["case"][5].items())
+            real, est = r["real"], r["memest"]
+            kept = real["kept_outputs_max_memory_allocated"]
+            lines.append(
+                f"| {m} | {b} | {s or '-'} | {o} | {p} | {kept / mib:.1f} MiB | {est['kept_allocated'] / mib:.1f} MiB | "
+                f"{r['error_kept_allocated_pct']:+.2f}% | {(kept - real['max_memory_allocated']) / mib:+.1f} MiB | "
+                f"{est['kept_outputs_held'] / mib:.1f} MiB |"
+            )
     if failures:
         lines += ["", "Cases that did not run (error, last line):", ""]
         lines += [f"- {f['case']}: {f['error'].strip().splitlines()[-1] if f['error'].strip() else '?'}" for f in failures]

@@ -3,8 +3,10 @@ cost in time, and the cheapest combination that fits with the command line that 
 
 Time costs are what the trace can price: recomputed FLOPs for checkpointing (flop counter formulas),
 communication volume per step for sharding, PCIe volume for offload; "0% FLOPs" for the optimizer
-and precision swaps (they change numerics or dynamics, not work) and for accumulation (same work in
-smaller kernels).
+and precision swaps (they change numerics or dynamics, not work), for accumulation (same work in
+smaller kernels), for freeing the outputs before backward (a loop change) and for the chunked and
+fused loss heads of causal LMs (the same matmuls in chunks; Liger computes the head's gradients in
+forward instead of recomputing, trace/loss_head.py).
 """
 
 from __future__ import annotations
@@ -49,14 +51,24 @@ class Advice:
         return asdict(self)
 
 
-def _has_blocks(runner: Runner) -> bool:
+def _model_traits(runner: Runner) -> tuple[bool, bool]:
+    """(has repeated blocks or transformers' checkpointing switch, is a causal LM whose head
+    --loss-head can replace), from one build of the model on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..errors import MemestError
+    from ..trace.loss_head import causal_lm_head
     from ..trace.values import PlaceholderScalars
 
     with FakeTensorMode(), PlaceholderScalars():
         model = runner.source.build_model()
-    return bool(repeated_blocks(model)) or getattr(model, "supports_gradient_checkpointing", False)
+    blocks = bool(repeated_blocks(model)) or getattr(model, "supports_gradient_checkpointing", False)
+    try:
+        causal_lm_head(model)
+        causal_lm = True
+    except MemestError:
+        causal_lm = False
+    return blocks, causal_lm
 
 
 def _recompute_pct(result) -> float:
@@ -69,12 +81,18 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     """(name, changes, rank) of the remedies that apply to the base spec."""
     base = runner.base
     out: list[tuple[str, dict, float]] = []
+    blocks, causal_lm = _model_traits(runner) if base.training else (False, False)
+    if base.training and base.outputs == "kept":
+        out.append(("free outputs before backward", {"outputs": "freed"}, 0.0))
+    if base.training and base.loss_head == "standard" and causal_lm:
+        out.append(("chunked LM head + cross-entropy (torchtune)", {"loss_head": "chunked"}, 0.03))
+        out.append(("fused linear cross-entropy (Liger-Kernel)", {"loss_head": "fused"}, 0.04))
     if base.precision == "fp32" and base.target == "cuda":
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, -0.1))
     if base.optim in ("adam", "adamw"):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
         out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
-    if base.checkpointing == "none" and base.training and _has_blocks(runner):
+    if base.checkpointing == "none" and base.training and blocks:
         out.append(("activation checkpointing", {"checkpointing": "blocks"}, 0.2))
     k = 2
     while base.batch // k >= 1 and base.batch % k == 0 and k <= 64:
@@ -91,6 +109,13 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
 
 
 def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
+    if "outputs" in changes:
+        return "0% FLOPs; a loop change: del the output (logits) before loss.backward()"
+    if changes.get("loss_head") == "chunked":
+        return "0% FLOPs (the head's matmuls in 8 chunks); torchtune LinearCrossEntropyLoss"
+    if changes.get("loss_head") == "fused":
+        return ("0% FLOPs (head gradients computed in forward, no recompute); needs liger-kernel "
+                "(Triton, CUDA): apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True)")
     if "checkpointing" in changes:
         return f"+{_recompute_pct(result):.0f}% FLOPs (recompute)"
     if "shard" in changes:
@@ -174,7 +199,8 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         "batch": "--batch", "seq": "--seq", "optim": "--optim", "precision": "--precision", "target": "--target",
         "grad_accum": "--grad-accum", "checkpointing": "--checkpointing", "zero_grad": "--zero-grad",
         "world_size": "--world-size", "shard": "--shard", "offload": "--offload", "attention": "--attention",
-        "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache",
+        "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache", "outputs": "--outputs",
+        "loss_head": "--loss-head",
     }
     for field_name, flag in flags.items():
         value = getattr(spec, field_name)

@@ -68,6 +68,9 @@ class Report:
     checkpointed: list[str] = field(default_factory=list)
     sharding: dict | None = None  # --world-size/--shard/--offload: trace.distributed.sharding_summary
     notes: list[str] = field(default_factory=list)
+    # --outputs kept: bytes of model outputs alive at the peak only because the loop still references them
+    # (past the point where a loop that frees outputs drops them); 0 with --outputs freed
+    outputs_held_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,8 +162,32 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         step_flops=step_flops,
         recompute_flops=recompute,
         checkpointed=list(trace.checkpointed),
-        notes=list(trace.notes),
+        notes=list(trace.notes) + _loop_notes(trace, spec, peak_i),
+        outputs_held_bytes=trace.held_output_bytes(peak_i) if trace.events else 0,
     )
+
+
+def _loop_notes(trace: Trace, spec: RunSpec, peak_i: int) -> list[str]:
+    """Which training loop was traced (--outputs), what its outputs hold at the peak, and the loss head."""
+    from ..trace.loss_head import describe
+    from ..units import format_bytes
+
+    if not spec.training:
+        return []
+    if spec.outputs == "kept":
+        held = trace.held_output_bytes(peak_i) if trace.events else 0
+        note = (
+            "loop: outputs kept (out = model(x); loss.backward(): out referenced until the next forward returns); "
+            f"outputs held at the peak: {format_bytes(held)}"
+        )
+        if held > trace.peak()[0] // 200:  # half a percent of the peak or more
+            note += " — --outputs freed if your loop drops them before backward, as HF Trainer and Lightning do"
+    else:
+        note = (
+            "loop: outputs freed before backward (HF Trainer, Lightning, torchtune); a loop that keeps out = model(x) "
+            "through backward needs more: --outputs kept"
+        )
+    return [note] + ([describe(spec)] if describe(spec) else [])
 
 
 def _peak_by(trace: Trace, key) -> dict:

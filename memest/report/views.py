@@ -134,8 +134,17 @@ def whatif_view(run) -> View:
     blocks.append("needed: the smallest device budget the step runs in (allocator replay); "
                   + ("peak allocated: tensors only" if run.target == "cuda" else "--target cpu: the peak allocated"))
     blocks.append(f"{s.traces} traces for {len(s.points)} points")
-    doc = {"budget": run.gpu.budget_label, "capacity_bytes": budget, **s.to_dict()}
+    if run.outputs:
+        blocks.append(loop_line(run.outputs))
+    doc = {"budget": run.gpu.budget_label, "capacity_bytes": budget, **s.to_dict(), "outputs": run.outputs or None}
     return View(doc, blocks)
+
+
+def loop_line(outputs: str) -> str:
+    """What a planner's traces assume about the user's loop (--outputs)."""
+    if outputs == "kept":
+        return "loop: outputs kept through backward (the plain loop); --outputs freed if yours drops them first"
+    return "loop: outputs freed before backward (HF Trainer, Lightning); --outputs kept for the plain loop"
 
 
 def largest_lines(s) -> list[str]:
@@ -167,7 +176,9 @@ def max_batch_view(run) -> View:
     else:
         blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}); "
                       f"{r.value + 1} needs {format_in(r.next_needed_bytes, unit)}")
-    doc = {"budget": run.gpu.budget_label, "traces": run.traces, **r.to_dict()}
+    if run.outputs:
+        blocks.append(loop_line(run.outputs))
+    doc = {"budget": run.gpu.budget_label, "traces": run.traces, **r.to_dict(), "outputs": run.outputs or None}
     return View(doc, blocks)
 
 

@@ -95,6 +95,17 @@ class Trace:
     # (low bytes, high bytes or None = up to the free device memory, what it is); events hold the expected
     workspace_ranges: dict[int, tuple[int, int | None, str]] = field(default_factory=dict)
 
+    # --outputs kept: per micro-step, (index of the first event after the loss, where a loop that frees
+    # outputs drops them; storage ids of the output the loop keeps from there on)
+    held_outputs: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def held_output_bytes(self, event_index: int) -> int:
+        """Bytes of model outputs alive just after ``event_index`` only because the loop keeps them
+        (--outputs kept): outputs past the point where a loop that frees them would have."""
+        alive = self.live_at(event_index) if self.held_outputs else set()
+        sids = {sid for since, held in self.held_outputs if event_index >= since for sid in held if sid in alive}
+        return sum(self.storages[sid].nbytes for sid in sids)
+
     def phase_at(self, event_index: int) -> tuple[int, Phase]:
         starts = [mark[0] for mark in self.phase_marks]
         i = bisect.bisect_right(starts, event_index) - 1

@@ -1,8 +1,13 @@
 """Run the training step on fake tensors under the storage tracker.
 
-The step, as most training loops write it (outputs are dropped once the loss is computed):
-    out = model(*inputs); loss = compute_loss(out, inputs); del out
-    loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
+The step, as the user's loop writes it (``--outputs``, design.md §7):
+    kept (the plain loop: PyTorch tutorial, nanoGPT, minGPT, accelerate's examples):
+        out = model(*inputs); loss = compute_loss(out, inputs)
+        loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        -- ``out`` and ``loss`` stay referenced until the next forward / loss reassign them
+    freed (HF Trainer's compute_loss, Lightning's training_step, torchtune's ``del logits``):
+        out = model(*inputs); loss = compute_loss(out, inputs); del out
+        loss.backward(); del loss; optimizer.step(); optimizer.zero_grad(set_to_none=True)
 run ``spec.iterations`` times (2 by default: optimizer state exists from the first step on).
 """
 
@@ -45,6 +50,7 @@ with imports_without_gc():
     )
     from torch.utils._pytree import tree_flatten
 
+    from ..choices import Outputs
     from ..errors import MemestError, TraceError
     from ..sources.base import ModelSource, default_loss
     from ..sources.hf_masks import holds_transformers_model, real_mask_branches
@@ -59,6 +65,7 @@ with imports_without_gc():
     from .events import Category, Phase, Trace
     from .fake_kernels import real_fake_kernels
     from .inference import check_generate, run_generate, run_inference
+    from .loss_head import loss_head_scope
     from .modules import ModuleStack, describe_modules
     from .optim import make_optimizer
     from .tracker import StorageTracker, TrackingFakeMode
@@ -229,52 +236,77 @@ def step_optimizer(spec: RunSpec, params: list) -> torch.optim.Optimizer | None:
 TRACED_MICRO_STEPS = 2
 
 
+@dataclass
+class LoopState:
+    """What the user's loop still references between steps. With --outputs kept (the plain loop) the
+    model's output and the loss stay referenced after backward, through the optimizer step and
+    zero_grad, until the next forward (and loss) reassign them: the old output is released when the new
+    forward has returned, as ``out = model(x)`` releases it. Callers that run several steps pass one
+    LoopState to every call; the last step's output is released when the caller drops it."""
+
+    output: Any = None
+    loss: Any = None
+
+
 def run_iteration(
     model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
-    max_micro_steps: int | None = None,
+    max_micro_steps: int | None = None, loop: LoopState | None = None,
 ) -> None:
     """One training step: ``spec.grad_accum`` micro-steps (loss / K each; at most ``max_micro_steps``
     run) then one optimizer step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after
-    backward and the optimizer step (the tracer classifies gradients and state there).
+    the loss (where a loop that frees outputs drops them), backward and the optimizer step (the tracer
+    notes the held output and classifies gradients and state there). ``loop``: the references the
+    loop keeps between steps (--outputs kept); a new one when not given.
 
     ``optimizer`` None: no parameter requires grad (a frozen model). Then there is no optimizer step,
     and backward runs only if the loss requires grad (inputs that do): a real ``loss.backward()``
     raises otherwise, so the step a real loop can run is forward + loss."""
     mark = on_phase or (lambda phase: None)
     done = after or (lambda phase: None)
+    kept = spec.outputs == Outputs.KEPT
+    loop = loop if loop is not None else LoopState()
     micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
-    for _ in range(micro_steps):
-        mark(Phase.FORWARD)
-        with autocast_context(spec, device_type):
-            out = call_model(model, inputs)
-            mark(Phase.LOSS)
-            loss = compute_loss(out, inputs) if compute_loss else default_loss(out)
-            if spec.grad_accum > 1:
-                loss = loss / spec.grad_accum
-        del out
-        backward = optimizer is not None or loss.requires_grad
-        if backward:
-            mark(Phase.BACKWARD)
-            loss.backward()
-        del loss
-        if backward:
-            done(Phase.BACKWARD)
-    if optimizer is None:
-        return
-    mark(Phase.OPTIMIZER)
-    optimizer.step()
-    done(Phase.OPTIMIZER)
-    mark(Phase.ZERO_GRAD)
-    optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
+    with loss_head_scope(model, spec):
+        for _ in range(micro_steps):
+            mark(Phase.FORWARD)
+            with autocast_context(spec, device_type):
+                out = call_model(model, inputs)
+                if kept:
+                    loop.output = out  # `out = model(x)`: the previous output is released only now
+                mark(Phase.LOSS)
+                loss = compute_loss(out, inputs) if compute_loss else default_loss(out)
+                if spec.grad_accum > 1:
+                    loss = loss / spec.grad_accum
+                if kept:
+                    loop.loss = loss
+            del out  # --outputs freed: the output goes here, before backward
+            done(Phase.LOSS)
+            backward = optimizer is not None or loss.requires_grad
+            if backward:
+                mark(Phase.BACKWARD)
+                loss.backward()
+            del loss
+            if backward:
+                done(Phase.BACKWARD)
+        if optimizer is None:
+            return
+        mark(Phase.OPTIMIZER)
+        optimizer.step()
+        done(Phase.OPTIMIZER)
+        mark(Phase.ZERO_GRAD)
+        optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
 
 
 def run_step(
     model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
-    max_micro_steps: int | None = None,
+    max_micro_steps: int | None = None, loop: LoopState | None = None,
 ) -> None:
-    """One step of ``spec.mode``: a training step, an inference forward, or a generation."""
+    """One step of ``spec.mode``: a training step, an inference forward, or a generation. ``loop``: see
+    LoopState (pass the same one to every step of a run)."""
     if spec.training:
-        run_iteration(model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps)
+        run_iteration(
+            model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps, loop
+        )
         return
     mark = on_phase or (lambda phase: None)
     with autocast_context(spec, device_type):
@@ -286,6 +318,10 @@ def run_step(
 
 def _storage_tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage_ids(tracker: StorageTracker, obj) -> set[int]:
+    return {tracker.storage_id(t) for t in _storage_tensors(obj)} - {None}
 
 
 def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
@@ -329,6 +365,8 @@ class _Step:
     sdpa: Any = None
     devices: DeviceRequests | None = None  # the model code's CUDA requests, placed on the traced device
     kernels: Any = None  # --target cuda: CudaKernels (dropout, cuDNN RNNs)
+    loop: LoopState = field(default_factory=LoopState)  # what the user's loop keeps between steps
+    held_loss: set = field(default_factory=set)  # storage ids of the kept loss, until its backward ends
 
     @property
     def where(self) -> str:
@@ -395,6 +433,7 @@ def _built(step: _Step):
     finally:
         step.model = step.inputs = step.optimizer = step.parallel = None
         step.params = []
+        step.loop = LoopState()  # the last step's output, held by the loop, goes with the model
 
 
 def _track_storages(step: _Step) -> None:
@@ -503,13 +542,25 @@ def _run_iterations(step: _Step) -> None:
             on_phase=lambda phase, it=it: tracker.set_phase(it, phase),
             after=lambda phase: _classify_after(step, phase),
             max_micro_steps=TRACED_MICRO_STEPS,
+            loop=step.loop,
         )
 
 
 def _classify_after(step: _Step, phase: Phase) -> None:
-    """After backward: the gradients; after the optimizer step: its state (owned by the parameter's module)."""
+    """After the loss: the output the loop keeps (--outputs kept), from the point where a loop that
+    frees it would have; after backward: the gradients; after the optimizer step: its state (owned by
+    the parameter's module)."""
     tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
-    if phase is Phase.BACKWARD:
+    if phase is Phase.LOSS:
+        if step.loop.output is not None:
+            # the loss (HF outputs carry it) is held through backward by either loop: it counts from there on
+            step.held_loss = _storage_ids(tracker, step.loop.loss)
+            held = _storage_ids(tracker, step.loop.output) - step.held_loss
+            trace.held_outputs.append((len(trace.events), sorted(held)))
+    elif phase is Phase.BACKWARD:
+        if step.held_loss:
+            trace.held_outputs.append((len(trace.events), sorted(step.held_loss)))
+            step.held_loss = set()
         for p in step.params:
             if p.grad is not None:
                 _own(tracker, trace, p.grad, Category.GRADIENTS, owner[id(p)])

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from ..sources.base import ModelSource
 from ..spec import RunSpec
 from ..trace.devices import traced_device
-from ..trace.step import build, run_step, step_optimizer
+from ..trace.step import LoopState, build, run_step, step_optimizer
 
 
 def _allocation_events(prof) -> list:
@@ -59,8 +59,9 @@ def _measure(source: ModelSource, spec: RunSpec) -> dict:
         list(model.parameters()) + list(model.buffers()) + tree_flatten(inputs)[0]
     )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
         for _ in range(spec.iterations):
-            run_step(model, inputs, optimizer, source.compute_loss, spec)
+            run_step(model, inputs, optimizer, source.compute_loss, spec, loop=loop)
     events = _allocation_events(prof)
     if not events:
         return {"peak_bytes": baseline, "op_at_peak": None}

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from ..sources import load_source
 from ..spec import RunSpec
 from ..trace.distributed import wrap
-from ..trace.step import build, run_step
+from ..trace.step import LoopState, build, run_step
 from .cpu_truth import _allocation_events, _distinct_storage_bytes
 
 PRELOAD = ["memest.validate.distributed_truth"]
@@ -130,8 +130,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
         module, optimizer = (model, None) if parallel is None else (parallel.module, parallel.optimizer)
         marker = torch.empty(SENTINEL_BYTES, dtype=torch.uint8)
         del marker
+        loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
         for _ in range(spec.iterations):
-            run_step(module, inputs, optimizer, source.compute_loss, spec)
+            run_step(module, inputs, optimizer, source.compute_loss, spec, loop=loop)
     dist.barrier()
     return _peak(_allocation_events(prof), baseline, rank)
 
