@@ -12,13 +12,6 @@ from .conftest import model_ref
 
 REL_TOL = 0.02
 
-# Known miss, kept visible: on CPU, nn.LSTM runs oneDNN's mkldnn_rnn_layer, whose training workspace
-# (gates and states of every time step, ~0.9 MB per layer here) and backward scratch (~6 MB of
-# aten::empty inside mkldnn_rnn_layer_backward) are invisible to the fake kernel, which returns an
-# empty workspace. Measured: adam -47.9%, sgd -67.8% (batch 8, seq 32, hidden 128, 2 layers).
-# CUDA runs use cuDNN instead, so this concerns --target cpu only.
-LSTM_CPU = "oneDNN LSTM workspace and backward scratch are not visible on fake tensors (about -50%)"
-
 CASES = [
     # (model, batch, seq, optimizer, precision)
     ("mlp", 8, None, "sgd", "fp32"),
@@ -27,8 +20,10 @@ CASES = [
     ("cnn", 8, None, "sgd-momentum", "fp32"),  # Conv2d + BatchNorm + in-place ReLU
     ("cnn", 8, None, "adamw", "fp32"),
     ("inplace_relu", 16, None, "adam", "fp32"),
-    pytest.param(("lstm", 8, 32, "adam", "fp32"), marks=pytest.mark.xfail(strict=True, reason=LSTM_CPU)),
-    pytest.param(("lstm", 8, 32, "sgd", "fp32"), marks=pytest.mark.xfail(strict=True, reason=LSTM_CPU)),
+    # nn.LSTM runs oneDNN's mkldnn_rnn_layer: its training workspace and backward scratch are not
+    # visible on fake tensors and are modelled by trace/cpu/onednn_rnn.py (-47.9% / -67.8% without)
+    ("lstm", 8, 32, "adam", "fp32"),
+    ("lstm", 8, 32, "sgd", "fp32"),
     ("transformer", 2, 64, "adamw", "fp32"),  # nn.TransformerEncoder
     ("transformer", 2, 64, "sgd", "fp32"),
     ("transformer_ckpt", 2, 64, "adamw", "fp32"),  # torch.utils.checkpoint per block: recomputation traced

@@ -49,6 +49,7 @@ with imports_without_gc():
     from ..sources.base import ModelSource, default_loss
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
+    from .cpu import cpu_kernels
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
     from .dtype import cast_floating
@@ -305,6 +306,7 @@ class _Step:
     stack: ModuleStack | None = None
     tracker: StorageTracker | None = None
     sdpa: Any = None
+    cpu_conv: Any = None  # --target cpu: the convolution scratch model (trace/cpu/onednn_conv.py)
 
     @property
     def where(self) -> str:
@@ -376,9 +378,12 @@ def _track_storages(step: _Step) -> None:
     DTensor shards, DDP's gradient buckets)."""
     parallel = step.parallel
     step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
-    step.tracker = StorageTracker(
-        step.trace, step.stack.current, step.fake_mode, scratch=CUDA_SCRATCH if step.cuda else None
-    )
+    if step.cuda:
+        kernels = {"scratch": CUDA_SCRATCH}
+    else:  # --target cpu: oneDNN's workspaces and scratch (trace/cpu/)
+        scratch, outputs, step.cpu_conv = cpu_kernels()
+        kernels = {"scratch": scratch, "outputs": outputs}
+    step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, **kernels)
     if parallel is not None:
         from . import distributed
 

@@ -51,12 +51,21 @@ class StorageTracker:
     """Context manager: while entered, every op called into ``fake_mode`` is recorded."""
 
     def __init__(
-        self, trace: Trace, module_of: Callable[[], str], fake_mode: TrackingFakeMode, scratch: dict | None = None
+        self,
+        trace: Trace,
+        module_of: Callable[[], str],
+        fake_mode: TrackingFakeMode,
+        scratch: dict | None = None,
+        outputs: dict | None = None,
     ) -> None:
         self._fake_mode = fake_mode
         # aten op -> fn(args, kwargs) -> byte sizes of kernel-internal buffers (allocated before the
         # op's outputs, freed after them) that the fake kernel does not show
         self.scratch = scratch or {}
+        # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes differently
+        # from the fake one (a workspace the meta kernel leaves empty); run after the scratch is
+        # freed, ``empty(shape, dtype)`` makes a fake tensor, recorded as the op's output
+        self.outputs = outputs or {}
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
         self.phase = Phase.SETUP
@@ -224,14 +233,12 @@ class StorageTracker:
         if out is NotImplemented:  # a wrapper subclass (DTensor) runs it as ops on its local tensors
             return out
         name = func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
-        if isinstance(out, torch.Tensor):  # most ops
-            self.register(out, Category.TEMPORARIES, name)
-        elif isinstance(out, (tuple, list)):  # multi-output and foreach ops
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.register(t, Category.TEMPORARIES, name)
+        self._register_outputs(out, name)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
+        if func in self.outputs:
+            out = self.outputs[func](args, kwargs or {}, out, self._empty(run))
+            self._register_outputs(out, name)
         flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
         if flop_fn is not None:
             key = (self.iteration, self.phase, self.module_of())
@@ -242,6 +249,22 @@ class StorageTracker:
                 self.trace.uncounted_flop_ops.add(str(func))
             self.trace.flops[key] = self.trace.flops.get(key, 0) + flops
         return out
+
+    def _register_outputs(self, out, name: str) -> None:
+        if isinstance(out, torch.Tensor):  # most ops
+            self.register(out, Category.TEMPORARIES, name)
+        elif isinstance(out, (tuple, list)):  # multi-output and foreach ops
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.register(t, Category.TEMPORARIES, name)
+
+    @staticmethod
+    def _empty(run) -> Callable:
+        def empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+            kwargs = {"dtype": dtype, "device": torch.device("cpu")}
+            return run(torch.ops.aten.empty.memory_format, (), (shape,), kwargs)
+
+        return empty
 
     def _scratch_alloc(self, func, args, kwargs) -> list[tuple[int, int]]:
         allocated = []
