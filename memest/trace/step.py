@@ -49,7 +49,7 @@ with imports_without_gc():
     from ..sources.base import ModelSource, default_loss
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
-    from .cpu import cpu_kernels
+    from .cpu import cpu_kernels, cpu_notes
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.sdpa import CUDA_SCRATCH, CudaSdpa
     from .dtype import cast_floating
@@ -504,6 +504,8 @@ def _classify(step: _Step) -> None:
         trace.notes.append(_frozen_note(trace, step.trainable_count))
     if step.cuda:
         trace.attention_backends = dict(step.sdpa.choices)
+    elif step.cpu_conv is not None:
+        trace.notes.extend(cpu_notes(trace, step.cpu_conv, spec.mode))
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS

@@ -64,7 +64,8 @@ class StorageTracker:
         self.scratch = scratch or {}
         # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes differently
         # from the fake one (a workspace the meta kernel leaves empty); run after the scratch is
-        # freed, ``empty(shape, dtype)`` makes a fake tensor, recorded as the op's output
+        # freed, ``empty(shape, dtype)`` makes a fake tensor, recorded as the op's output. The
+        # output positions in ``fn.late`` are the ones it makes: they are recorded then, not before
         self.outputs = outputs or {}
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
@@ -233,12 +234,14 @@ class StorageTracker:
         if out is NotImplemented:  # a wrapper subclass (DTensor) runs it as ops on its local tensors
             return out
         name = func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
-        self._register_outputs(out, name)
+        fix = self.outputs.get(func)
+        late = getattr(fix, "late", ())
+        self._register_outputs([t for i, t in enumerate(out) if i not in late] if late else out, name)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
-        if func in self.outputs:
-            out = self.outputs[func](args, kwargs or {}, out, self._empty(run))
-            self._register_outputs(out, name)
+        if fix is not None:
+            out = fix(args, kwargs or {}, out, self._empty(run))
+            self._register_outputs(out, f"{name} (kernel output)")
         flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
         if flop_fn is not None:
             key = (self.iteration, self.phase, self.module_of())

@@ -1,12 +1,12 @@
-"""ViT-style patch embedding: a 16x16 stride-16 Conv2d from 3 channels, then a small transformer
-encoder over the patches (the input layer of torchvision's ViT-B/16, at a smaller width)."""
+"""ViT-style patch embedding: a 16x16 stride-16 Conv2d from 3 channels to 768 (torchvision ViT-B/16's
+conv_proj), then one transformer encoder layer over the patches of a 64x64 image."""
 
 import torch
 from torch import nn
 
 
 class PatchViT(nn.Module):
-    def __init__(self, dim=192, depth=2, heads=3, classes=10, image=128, patch=16):
+    def __init__(self, dim=768, depth=1, heads=12, classes=10, image=64, patch=16):
         super().__init__()
         self.patch = nn.Conv2d(3, dim, patch, stride=patch)
         self.pos = nn.Parameter(torch.zeros(1, (image // patch) ** 2, dim))
@@ -24,7 +24,7 @@ def build_model():
 
 
 def example_inputs(batch_size, seq_len=None):
-    return (torch.randn(batch_size, 3, 128, 128),)
+    return (torch.randn(batch_size, 3, 64, 64),)
 
 
 def compute_loss(output, inputs):

@@ -462,8 +462,10 @@ class ConvScratch:
         self.calls: dict[str, int] = {}  # implementation -> calls modelled
         self.unknown: dict[str, int] = {}  # implementation -> calls whose scratchpad is not modelled
         self.skipped = 0  # calls on a backend or dtype memest does not model
+        self.history: list[list[Primitive]] = []  # per call, the primitives assumed (probe script)
 
     def _count(self, *prims: Primitive | None) -> None:
+        self.history.append([prim for prim in prims if prim is not None])
         for prim in prims:
             if prim is not None:
                 self.calls[prim.name] = self.calls.get(prim.name, 0) + 1
@@ -475,6 +477,7 @@ class ConvScratch:
         p = problem(input, weight, bias is not None, stride, padding, dilation, transposed, output_padding, groups)
         if p is None:
             self.skipped += 1
+            self.history.append([])
             return []
         out = p.src() if transposed else p.dst()  # the output, dense
         # a deconvolution's forward is oneDNN's backward_data of the convolution it transposes
@@ -494,6 +497,7 @@ class ConvScratch:
         )
         if p is None:
             self.skipped += 1
+            self.history.append([])
             return []
         grad_input = _nbytes(input) if mask[0] else 0
         grad_weight = _nbytes(weight) if mask[1] else 0

@@ -165,10 +165,13 @@ def forward_workspace(args, kwargs, out, empty):
     """mkldnn_rnn_layer's 4th output is oneDNN's training workspace (kept for backward); the meta
     kernel returns it empty."""
     input, mode, hidden_size = args[0], args[9], args[10]
-    if mode != LSTM_MODE or not torch.is_grad_enabled() or out[3].numel():
+    if mode != LSTM_MODE or not torch.is_grad_enabled():
         return out
     workspace = empty([_layer(input, hidden_size, args[6]).workspace_bytes()], torch.uint8)
     return (out[0], out[1], out[2], workspace)
+
+
+forward_workspace.late = (3,)
 
 
 def backward_scratch(args, kwargs) -> list[int]:
@@ -207,9 +210,10 @@ def backward_scratch(args, kwargs) -> list[int]:
 def backward_outputs(args, kwargs, out, empty):
     """diff_b2 is ``at::clone(diff_b_)`` in the real kernel, its own storage made after the scratch
     is freed; the meta kernel returns diff_b twice."""
-    if out[4] is out[3] or out[4].untyped_storage() is out[3].untyped_storage():
-        out = (*out[:4], empty(list(out[3].shape), out[3].dtype), *out[5:])
-    return out
+    return (*out[:4], empty(list(out[3].shape), out[3].dtype), *out[5:])
+
+
+backward_outputs.late = (4,)  # the meta kernel returns diff_b twice; with FakeTensorMode's cache, two storages
 
 
 def brgemm_possible(dtype: torch.dtype) -> bool:
