@@ -126,3 +126,17 @@ def test_conv_rules_off_other_cpus(monkeypatch):
     scratch, _, _ = cpu_kernels()
     assert torch.ops.aten.convolution.default not in scratch
     assert torch.ops.aten.mkldnn_rnn_layer.default in scratch  # fp32 LSTM training rules hold on any x86 CPU
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mse_loss_result_storage(reduction):
+    """Real CPU mse_loss returns a reduced loss backed by input-sized storage (the meta kernel: 4 bytes)."""
+    x = torch.randn(4, 1, 32, 32, requires_grad=True)
+    target = torch.zeros(4, 1, 32, 32)
+
+    def step():
+        loss = nn.functional.mse_loss(x, target, reduction=reduction)
+        loss.sum().backward()
+
+    (call,), _ = _ops(step)
+    assert call.exact, f"real peak {call.real_peak} kept {call.real_kept}, model {call.model_peak} / {call.model_kept}"

@@ -64,7 +64,7 @@ class StorageTracker:
         self.scratch = scratch or {}
         # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes differently
         # from the fake one (a workspace the meta kernel leaves empty); run after the scratch is
-        # freed, ``empty(shape, dtype)`` makes a fake tensor, recorded as the op's output. The
+        # freed, ``empty(shape, dtype[, numel])`` makes a fake tensor, recorded as the op's output. The
         # output positions in ``fn.late`` are the ones it makes: they are recorded then, not before
         self.outputs = outputs or {}
         self.trace = trace
@@ -236,7 +236,8 @@ class StorageTracker:
         name = func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
         fix = self.outputs.get(func)
         late = getattr(fix, "late", ())
-        self._register_outputs([t for i, t in enumerate(out) if i not in late] if late else out, name)
+        outs = (out,) if isinstance(out, torch.Tensor) else out
+        self._register_outputs([t for i, t in enumerate(outs) if i not in late] if late else out, name)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
         if fix is not None:
@@ -263,9 +264,13 @@ class StorageTracker:
 
     @staticmethod
     def _empty(run) -> Callable:
-        def empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        def empty(shape: list[int], dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+            """A fake tensor of ``shape``; with ``numel``, a view of a storage of that many elements."""
             kwargs = {"dtype": dtype, "device": torch.device("cpu")}
-            return run(torch.ops.aten.empty.memory_format, (), (shape,), kwargs)
+            if numel is None:
+                return run(torch.ops.aten.empty.memory_format, (), (shape,), kwargs)
+            storage = run(torch.ops.aten.empty.memory_format, (), ([numel],), kwargs)
+            return run(torch.ops.aten.as_strided.default, (), (storage, shape, [0] * len(shape)), {})
 
         return empty
 

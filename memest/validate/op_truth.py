@@ -65,15 +65,18 @@ class _Model(TorchDispatchMode):
         meta_out = func(*meta_args, **kwargs)
         fix = self.outputs.get(func)
         late = getattr(fix, "late", ())
-        fake_bytes = _storage_bytes([t for i, t in enumerate(meta_out) if i not in late] if late else meta_out)
+        outs = (meta_out,) if isinstance(meta_out, torch.Tensor) else meta_out
+        fake_bytes = _storage_bytes([t for i, t in enumerate(outs) if i not in late])
         if fix is not None:
             meta_out = fix(meta_args, kwargs, meta_out, _meta_empty)
         self.calls.append((func.__name__, scratch, fake_bytes, _storage_bytes(meta_out)))
         return func(*args, **kwargs)
 
 
-def _meta_empty(shape, dtype):
-    return torch.empty(shape, dtype=dtype, device="meta")
+def _meta_empty(shape, dtype, numel=None):
+    if numel is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.empty(numel, dtype=dtype, device="meta").as_strided(shape, [0] * len(shape))
 
 
 def _real_calls(prof, names: set[str]) -> list[tuple[str, int, int, list[int]]]:

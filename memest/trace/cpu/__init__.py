@@ -1,6 +1,7 @@
 """CPU kernel semantics applied while tracing --target cpu: what the real CPU kernels allocate through
 the CPU allocator that their fake (meta) kernels do not show: oneDNN's LSTM workspace and scratch
-(onednn_rnn.py), and the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py).
+(onednn_rnn.py), the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py), and
+mse_loss's input-sized result storage (aten_losses.py).
 Rules come from ATen's, ideep's and oneDNN's sources and are checked against torch.profiler on real
 runs, kernel by kernel (validate/op_truth.py, scripts/probe_onednn.py, benchmarks/onednn-scratch.md)."""
 
@@ -11,7 +12,7 @@ import os
 import torch
 
 from ...units import format_bytes
-from . import onednn_rnn
+from . import aten_losses, onednn_rnn
 from .onednn_conv import ConvScratch
 
 aten = torch.ops.aten
@@ -20,12 +21,14 @@ aten = torch.ops.aten
 CPU_SCRATCH = {
     aten.mkldnn_rnn_layer.default: onednn_rnn.forward_scratch,
     aten.mkldnn_rnn_layer_backward.default: onednn_rnn.backward_scratch,
+    aten.mse_loss.default: aten_losses.mse_loss_scratch,
 }
 
 # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes that the fake one does not
 CPU_OUTPUTS = {
     aten.mkldnn_rnn_layer.default: onednn_rnn.forward_workspace,
     aten.mkldnn_rnn_layer_backward.default: onednn_rnn.backward_outputs,
+    aten.mse_loss.default: aten_losses.mse_loss_output,
 }
 
 CONV_ISA = "AVX512"  # the ATen CPU capability whose oneDNN convolution choices onednn_conv.py encodes

@@ -156,6 +156,158 @@ def gemm_fwd_or_bwd_data(p: ConvProblem, nthr: int, name: str) -> Primitive:
     )
 
 
+BARRIER = 4096  # simple_barrier::ctx_t: STRUCT_ALIGN(CTX_ALIGNMENT = 4096) (x64/cpu_barrier.hpp)
+PAGE = 4096  # PAGE_4K: the bias reducer's space alignment (x64/cpu_reducer.cpp)
+MIN_OH_REDUCE = 9  # jit_avx512_common_conv_bwd_weights_kernel_f32_t::min_oh_reduce
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _jit_bwd_weights_threads(p: ConvProblem, nthr: int, ic_block: int) -> tuple[int, int]:
+    """(nthr_mb, threads used): jit_avx512_common_conv_bwd_weights_kernel_f32_t::balance, the search
+    for the split over minibatch / groups / channel blocks with the least memory, then compute, cost."""
+    if nthr < p.groups:  # "simplification... fortunately it doesn't hurt much"
+        return 1, nthr
+    nthr_g = p.groups
+    per_g = nthr // nthr_g
+    nb_ic, nb_oc = _div_up(p.icg, ic_block), _div_up(p.ocg, SIMD)
+    reduce_2d = not p.dilated and p.oh > MIN_OH_REDUCE and not p.nxc  # harness_2d_reduction
+    ih_reduce, oh_reduce = (p.ih, p.oh) if reduce_2d else (1, 1)
+    ih_keep, oh_keep = (1, 1) if reduce_2d else (p.ih, p.oh)
+    nthr_oh_reduce = max(1, oh_reduce // MIN_OH_REDUCE)
+
+    def mem_cost(mb: int, ocb: int, icb: int) -> int:
+        src = _div_up(p.mb * ih_reduce, mb) * _div_up(p.groups, nthr_g) * _div_up(nb_ic, icb) * ic_block
+        src = src * ih_keep * p.iw // p.sh // p.sw  # id = stride_d = 1
+        dst = _div_up(p.mb * oh_reduce, mb) * _div_up(p.groups, nthr_g) * _div_up(nb_oc, ocb) * SIMD * oh_keep * p.ow
+        wei = 8 * _div_up(p.groups, nthr_g) * _div_up(nb_oc, ocb) * _div_up(nb_ic, icb) * p.ks * ic_block * SIMD
+        return src + dst + wei
+
+    def comp_cost(mb: int, ocb: int, icb: int) -> int:
+        return _div_up(p.mb * oh_reduce, mb) * _div_up(p.groups, nthr_g) * _div_up(nb_oc, ocb) * _div_up(nb_ic, icb)
+
+    best = (1, 1, 1)
+    best_mem = mem_cost(*best)
+    nthr_mb_max = min(per_g, p.mb * nthr_oh_reduce)
+    splits = []
+    for mb in range(1, nthr_mb_max + 1):
+        par = per_g // mb
+        for ocb in range(1, min(par, nb_oc) + 1):
+            splits.append((mb, ocb, min(par // ocb, nb_ic)))
+    for split in splits:  # step 1: least memory
+        cost = mem_cost(*split)
+        if cost <= best_mem:
+            best_mem, best = cost, split
+    best_comp = comp_cost(*best)
+    for split in splits:  # step 2: less compute within 110% of that memory, or 25% less compute
+        cost, comp = mem_cost(*split), comp_cost(*split)
+        if (comp <= best_comp and cost < 1.1 * best_mem) or 4 * comp <= 3 * best_comp:
+            best_comp, best = comp, split
+    nthr_mb, ocb, icb = best
+    if nthr // 2 < nthr_mb < nthr:
+        nthr_mb = min(p.mb * nthr_oh_reduce, nthr)
+    return nthr_mb, nthr_mb * nthr_g * ocb * icb
+
+
+def _bias_reducer(p: ConvProblem, nthr: int) -> int:
+    """cpu_reducer_t (x64/cpu_reducer.cpp) for diff_bias: reduce_balancer_t(nthr, oc_block,
+    groups * nb_oc, mb, nthr * 3 * 5 * 5 * 16 * 16, lock_free) and the space it books."""
+    job, njobs, reduction = SIMD, p.groups * _div_up(p.ocg, SIMD), p.mb
+    max_buffer = nthr * 3 * 5 * 5 * 16 * 16
+    min_per_group = max(1, njobs // nthr)
+    max_per_group = max(1, max_buffer // (nthr * job))
+    ngroups = min(njobs // min_per_group, nthr)
+    per_group = min(nthr // ngroups, reduction)
+    ub = _div_up(njobs, ngroups)
+    complexity = njobs * job * reduction
+    for c in range(min_per_group, njobs):
+        c_groups = min(njobs // c, nthr)
+        c_per_group = min(nthr // c_groups, reduction)
+        c_ub = _div_up(njobs, c_groups)
+        if c_per_group > 1 and c_ub > max_per_group:
+            continue
+        c_complexity = job * c_ub * (_div_up(reduction, c_per_group) + (c_per_group != 1))
+        if c_complexity < complexity:
+            ngroups, per_group, ub, complexity = c_groups, c_per_group, c_ub, c_complexity
+    if per_group == 1:
+        return 0
+    space = ngroups * (per_group - 1) * ub * job * F32
+    return space + PAGE + ngroups * BARRIER + BARRIER  # key_reducer_space (PAGE_4K), one barrier per group
+
+
+def jit_bwd_weights(p: ConvProblem, nthr: int, name: str, ic_block: int, src: int, src2: int) -> Primitive:
+    """jit_avx512_common_convolution_bwd_weights: diff weights blocked 16x16 (or Ohwi16o); scratchpad
+    (kernel init_scratchpad + the pd's bias reducer): with nthr_mb > 1 threads splitting the
+    minibatch, (nthr_mb - 1) private copies of the weights + bias and a barrier; the bias padded to
+    16 channels; the bias reducer."""
+    nthr_mb, used = _jit_bwd_weights_threads(p, nthr, ic_block)
+    wei = p.groups * _rnd(p.ocg, SIMD) * _rnd(p.icg, ic_block) * p.ks
+    bia = p.groups * _rnd(p.ocg, SIMD)
+    scratch = _book((wei + bia) * (nthr_mb - 1) * F32) + (2 * BARRIER if nthr_mb > 1 else 0)
+    if p.bias:
+        if p.ocg % SIMD:
+            scratch += _book(bia * F32)  # key_conv_padded_bias
+        scratch += _bias_reducer(p, used)
+    return Primitive(name, src=src, src2=src2, out=wei * p.esize, scratchpad=scratch)
+
+
+def _best_divider(value: int, lo: int, hi: int, find_max: bool) -> int:
+    """jit_uni_1x1_conv_utils.hpp best_divider: the chunk in [lo, hi] that pads ``value`` least."""
+    hi = max(1, min(hi, value))
+    lo = max(1, min(lo, hi))
+    best, best_loss = hi, float("inf")
+    for divider in range(hi, lo - 1, -1):
+        padded = _rnd(value, divider)
+        loss = (padded - value) / padded
+        if (find_max and loss < best_loss) or (not find_max and loss <= best_loss):
+            best, best_loss = divider, loss
+    return best
+
+
+def jit_1x1_bwd_weights(p: ConvProblem, nthr: int) -> Primitive:
+    """jit_avx512_common_1x1_convolution_bwd_weights (unit stride): its balance() over minibatch x
+    spatial chunks and channel blocks, then init_scratchpad: the bias padded to 16 channels,
+    (nthr_mb - 1) private weight copies and a barrier, and the pd's bias reducer."""
+    oc, ic = _rnd(p.ocg, SIMD), _rnd(p.icg, SIMD)
+    wei = p.groups * oc * ic
+    nthr_mb, used = 1, 1
+    if nthr >= p.groups:
+        reduce_dim = p.ih * p.iw  # jcp.is
+        reduce_block = _best_divider(reduce_dim, 7, 16, True)
+        if reduce_dim % reduce_block:
+            reduce_block = _best_divider(p.iw, 4, p.iw, False)
+        if reduce_block > 256:
+            reduce_block = 1
+        nb_reduce, nb_load, nb_bcast = _div_up(reduce_dim, reduce_block), oc // SIMD, ic // SIMD
+        per_g = nthr // p.groups
+
+        def mem_cost(mb: int, ocb: int, icb: int) -> int:
+            bcast = _div_up(p.mb * nb_reduce, mb) * _div_up(nb_bcast, icb) * SIMD * reduce_block // p.sh // p.sw
+            load = _div_up(p.mb * nb_reduce, mb) * _div_up(nb_load, ocb) * SIMD * reduce_block
+            return bcast + load + 12 * _div_up(nb_load, ocb) * _div_up(nb_bcast, icb) * SIMD * SIMD
+
+        best, best_cost = (1, 1, 1), mem_cost(1, 1, 1)
+        for mb in range(1, min(per_g, p.mb * nb_reduce) + 1):
+            par = per_g // mb
+            for ocb in range(1, min(par, nb_load) + 1):
+                icb = min(par // ocb, nb_bcast)
+                cost = mem_cost(mb, ocb, icb)
+                if cost <= best_cost:
+                    best, best_cost = (mb, ocb, icb), cost
+        nthr_mb, ocb, icb = best
+        if nthr // 2 < nthr_mb < nthr:
+            nthr_mb = min(p.mb, nthr)
+        used = nthr_mb * p.groups * ocb * icb
+    scratch = _book(wei * (nthr_mb - 1) * F32) + (2 * BARRIER if nthr_mb > 1 else 0)
+    if p.bias:
+        if p.ocg % SIMD:
+            scratch += _book(p.groups * oc * F32)  # key_conv_padded_bias
+        scratch += _bias_reducer(p, used)
+    return Primitive("jit_1x1 bwd_weights", src=p.src(SIMD), src2=p.dst(SIMD), out=wei * p.esize, scratchpad=scratch)
+
+
 # -- which implementation runs (AVX-512, fp32) ----------------------------------------------------
 def forward(p: ConvProblem, nthr: int) -> Primitive:
     if p.nxc:  # src/dst are the user's NHWC tensors; weights in a brgemm layout
@@ -226,25 +378,28 @@ def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
     """diff_weights in the implementation's layout (``out``); the per-thread reduction buffers of
     the jit kernels depend on their thread balance (not modelled: ``known`` False)."""
     if p.nxc:  # jit_avx512_common bwd_weights on NHWC: weights blocked 16x16 per group (depthwise too)
-        return Primitive(
-            "jit bwd_weights (nhwc)",
-            out=_blocked_weights(p, SIMD, 1 if p.icg < SIMD and p.groups == 1 else SIMD),
-            known=False,
-        )
+        if p.groups == 1 and p.icg < SIMD:  # 1st-convolution weights (Ohwi16o); its scratch not modelled
+            return Primitive("jit bwd_weights (nhwc)", out=_blocked_weights(p, SIMD, 1), known=False)
+        if p.ks == 1:  # jit_1x1 (NHWC): scratchpad not modelled
+            return Primitive("jit_1x1 bwd_weights (nhwc)", out=_blocked_weights(p, SIMD, SIMD), known=False)
+        return jit_bwd_weights(p, nthr, "jit bwd_weights (nhwc)", SIMD, 0, 0)
     dw_jit_ok = p.kw <= 3 and not p.dilated and p.sw <= p.kw and p.ph <= p.kh // 2 and p.pw <= p.kw // 2
     if p.depthwise:
         if dw_jit_ok:  # jit_uni_dw bwd_weights: kw <= 3, no dilation
+            # balance (harness_mb_reduction): threads over 16-channel blocks, the rest over the
+            # minibatch, whose (nthr_mb - 1) private weights (+ bias) the scratchpad holds
+            groups = _rnd(p.groups, SIMD)
+            nthr_g = min(groups // SIMD, nthr)
+            nthr_mb = min(max(1, nthr // nthr_g), p.mb)
+            copies = nthr_mb - 1
+            scratch = _book(groups * p.ks * copies * F32, groups * copies * F32 if p.bias else 0)
             return Primitive(
-                "jit_dw bwd_weights",
-                src=p.src(SIMD),
-                src2=p.dst(SIMD),
-                out=_rnd(p.groups, SIMD) * p.ks * p.esize,
-                known=False,
+                "jit_dw bwd_weights", src=p.src(SIMD), src2=p.dst(SIMD), out=groups * p.ks * p.esize, scratchpad=scratch
             )
         return gemm_bwd_weights(p, nthr)
     if p.groups == 1 and p.icg < SIMD:
-        if p.icg <= 3 and p.kw <= 14:  # is_1stconv: src stays plain, weights Ohwi16o
-            return Primitive("jit 1st bwd_weights", src2=p.dst(SIMD), out=_blocked_weights(p, SIMD, 1), known=False)
+        if p.icg <= 3 and p.kw <= 14:  # is_1stconv: src stays plain, weights Ohwi16o (ic_block = ic)
+            return jit_bwd_weights(p, nthr, "jit 1st bwd_weights", p.icg, 0, p.dst(SIMD))
         if p.icg > 3:  # jit_avx2 bwd_weights: 8-channel blocks
             return Primitive(
                 "jit avx2 bwd_weights", src=p.src(8), src2=p.dst(8), out=_blocked_weights(p, 8, 8), known=False
@@ -253,10 +408,19 @@ def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
     if p.groups == 1:
         if p.kw > 14:
             return gemm_bwd_weights(p, nthr)
-        name = "jit_1x1 bwd_weights" if p.ks == 1 else "jit bwd_weights"
-        return Primitive(name, src=p.src(SIMD), src2=p.dst(SIMD), out=_blocked_weights(p, SIMD, SIMD), known=False)
+        if p.ks == 1:
+            if p.sh > 1 or p.sw > 1:  # strided: reduce-to-unit-stride (rtus) buffers not modelled
+                return Primitive(
+                    "jit_1x1 bwd_weights",
+                    src=p.src(SIMD),
+                    src2=p.dst(SIMD),
+                    out=_blocked_weights(p, SIMD, SIMD),
+                    known=False,
+                )
+            return jit_1x1_bwd_weights(p, nthr)
+        return jit_bwd_weights(p, nthr, "jit bwd_weights", SIMD, p.src(SIMD), p.dst(SIMD))
     if p.icg % SIMD == 0 and p.ocg % SIMD == 0:
-        return Primitive("jit grouped bwd_weights", src=p.src(SIMD), src2=p.dst(SIMD), out=p.weights(), known=False)
+        return jit_bwd_weights(p, nthr, "jit grouped bwd_weights", SIMD, p.src(SIMD), p.dst(SIMD))
     if p.icg % 8 == 0 and p.ocg % 8 == 0:  # jit_avx2 bwd_weights, 8-channel blocks
         return Primitive("jit avx2 grouped bwd_weights", src=p.src(8), src2=p.dst(8), out=p.weights(), known=False)
     return gemm_bwd_weights(p, nthr)
@@ -492,9 +656,8 @@ class ConvScratch:
         grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = (
             args[:11]
         )
-        p = problem(
-            input, weight, bias_sizes is not None, stride, padding, dilation, transposed, output_padding, groups
-        )
+        # mkldnn_convolution_backward_weights(..., bias_defined = output_mask[2])
+        p = problem(input, weight, bool(mask[2]), stride, padding, dilation, transposed, output_padding, groups)
         if p is None:
             self.skipped += 1
             self.history.append([])
