@@ -20,9 +20,9 @@ backward (RNN.cpp mkldnn_rnn_layer_backward + ideep lstm_backward):
 
 fp32 training always uses oneDNN's reference RNN (ref_rnn.cpp init_brgemm rejects "f32 datatype in
 brgemm-based implementation" for forward_training and backward), so these rules hold on any x86 CPU.
-bf16/fp16 training may take the brgemm implementation (ISA dependent, not modelled: see
-``brgemm_possible``). Measured against torch.profiler on real runs: scripts/probe_onednn.py,
-benchmarks/onednn-scratch.md.
+bf16 training takes the brgemm implementation on CPUs with AVX512-BF16 or AMX: other weight layouts,
+per-step gates not merged (``brgemm_n_block``). Measured against torch.profiler on real runs:
+scripts/probe_onednn.py, benchmarks/onednn-scratch.md.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class LstmLayer:
     esize: int  # bytes of the data type (src_layer_t = gates_t = ht_t)
     c_esize: int = F32  # bytes of the c state's data type (src_iter_c_dt)
     gates: int = 4
+    n_block: int = 0  # > 0: oneDNN's brgemm RNN runs (bf16 training on CPUs with AVX512-BF16 or AMX)
 
     # -- oneDNN rnn_utils.hpp set_workspace_sizes / init_conf ---------------------------------
     def workspace_bytes(self) -> int:
@@ -97,7 +98,7 @@ class LstmLayer:
         # forward: scratch_t = acc (f32); backward: scratch_t = src type (ref_rnn.hpp scratch_type)
         scratch_e = self.esize if backward else F32
         # merge_gemm_layer (forward with mb < 128; backward always) keeps every step's gates
-        merged = backward or n < 128
+        merged = (backward or n < 128) and not self.n_block  # merge_gemm_*: never with brgemm
         space = _regions(
             [
                 (t if merged else 1) * n * good_ld(self.gates * h, scratch_e) * scratch_e,  # scratch_gates
@@ -116,6 +117,20 @@ class LstmLayer:
         """Weights (rows x gates*hidden) in ldigo with the padded leading dimension (set_good_strides)."""
         return rows * good_ld(self.gates * self.hidden, esize) * esize
 
+    def forward_weights_bytes(self, rows: int, esize: int) -> int:
+        """The forward's weights layout: ldigo with the padded leading dimension, or for brgemm
+        ldgOI{n_block}o2i (rnn_utils set_expected_desc: output channels in n_block blocks, input pairs)."""
+        if self.n_block:
+            return self.gates * _round_up(self.hidden, self.n_block) * _round_up(rows, 2) * esize
+        return self.ldigo_bytes(rows, esize)
+
+    def backward_weights_reorder_bytes(self, rows: int) -> int:
+        """The backward's weights layout: ldgoi with the padded leading dimension (a reorder only when
+        the padding changes it), or for brgemm ldgIO32i2o (always reordered)."""
+        if self.n_block:
+            return self.gates * _round_up(rows, 32) * _round_up(self.hidden, 2) * self.esize
+        return self.ldgoi_reorder_bytes(rows)
+
     def ldgoi_reorder_bytes(self, rows: int) -> int:
         """Backward wants ldgoi with the leading dimension padded; PyTorch's (4H, rows) weight is ldgoi
         unpadded, so it is reordered only when the padding changes it."""
@@ -133,6 +148,7 @@ def _layer(input: torch.Tensor, hidden_size: int, cx: torch.Tensor | None) -> Ls
         hidden=hidden_size,
         esize=input.element_size(),
         c_esize=cx.element_size() if cx is not None else F32,
+        n_block=brgemm_n_block(input.dtype, hidden_size),
     )
 
 
@@ -155,8 +171,8 @@ def forward_scratch(args, kwargs) -> list[int]:
     return [
         bias,
         layer.workspace_bytes(),
-        layer.ldigo_bytes(layer.input_size, wsize),  # weights_layer reordered to ldigo
-        layer.ldigo_bytes(hidden_size, wsize),  # weights_iter reordered to ldigo
+        layer.forward_weights_bytes(layer.input_size, wsize),  # weights_layer reordered
+        layer.forward_weights_bytes(hidden_size, wsize),  # weights_iter reordered
         layer.scratchpad_bytes(backward=False),
     ]
 
@@ -197,8 +213,8 @@ def backward_scratch(args, kwargs) -> list[int]:
     if input.dtype != torch.float32:  # grad_y_, grad_hy_, grad_cy_ converted to f32
         sizes += [_nbytes(output) // output.element_size() * F32, 2 * _nbytes(hx) // hx.element_size() * F32]
     sizes += [
-        layer.ldgoi_reorder_bytes(layer.input_size),  # weights_layer to the backward's ldgoi
-        layer.ldgoi_reorder_bytes(hidden_size),  # weights_iter
+        layer.backward_weights_reorder_bytes(layer.input_size),  # weights_layer to the backward's layout
+        layer.backward_weights_reorder_bytes(hidden_size),  # weights_iter
         layer.ldigo_bytes(layer.input_size, F32),  # expected_diff_weights_layer.zero_init (ldigo, f32)
         layer.ldigo_bytes(hidden_size, F32),  # expected_diff_weights_iter
         layer.gates * hidden_size * F32,  # expected_diff_bias
@@ -216,7 +232,15 @@ def backward_outputs(args, kwargs, out, empty):
 backward_outputs.late = (4,)  # the meta kernel returns diff_b twice; with FakeTensorMode's cache, two storages
 
 
-def brgemm_possible(dtype: torch.dtype) -> bool:
-    """bf16/fp16 LSTM training can run oneDNN's brgemm RNN (blocked weights, other scratch) on CPUs
-    with the ISA for it; these rules model the reference implementation, exact for fp32."""
-    return dtype in (torch.bfloat16, torch.float16)
+def brgemm_n_block(dtype: torch.dtype, hidden: int) -> int:
+    """0 when oneDNN trains the LSTM with its reference RNN; else the brgemm RNN's output-channel block.
+    ref_rnn.cpp init_brgemm: training takes brgemm only for bf16 (f32 is rejected) and needs
+    avx512_core_bf16 (or AMX); rnn_brgemm_utils.cpp brgemm_calc_n_block: 64 on AMX when the hidden size
+    divides by 64, else 2 * 16 fp32 lanes. The brgemm kernels' own small buffers (batch elements,
+    blocked gates for the backward: a few KB per call) are not modelled."""
+    if dtype != torch.bfloat16:
+        return 0
+    amx = torch.cpu._is_amx_tile_supported()
+    if not (amx or torch.cpu._is_avx512_bf16_supported()):
+        return 0
+    return 64 if amx and hidden % 64 == 0 else 32
