@@ -75,6 +75,8 @@ CONVS_EXACT = [
     (80, 96, 7, 1, 3, 1, 1, False, False),  # Conv1d
     (64, 32, 2, 2, 0, 1, 2, False, True),  # ConvTranspose2d
     (40, 40, 7, 1, 3, 40, 2, True, False),  # channels-last depthwise (ConvNeXt): 16x16-padded diff weights
+    (40, 40, 3, 1, 1, 40, 2, True, False),  # channels-last depthwise 3x3: jit_dw on NHWC
+    (48, 48, 3, 1, 1, 8, 2, True, False),  # channels-last grouped, 6 per group: weights padded per group
 ]
 
 

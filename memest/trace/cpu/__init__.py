@@ -81,7 +81,7 @@ def cpu_notes(trace, conv: ConvScratch, mode: str) -> list[str]:
             names = ", ".join(sorted({name.split()[0] for name in conv.unknown}))
             line += (
                 f"; {unknown} passes ({names}) also use a scratchpad memest leaves out "
-                "(0.2 to 220 KiB per call measured: benchmarks/onednn-scratch.md)"
+                "(0.2 to 540 KiB per call on the measured grid: benchmarks/onednn-scratch.md)"
             )
         notes.append(line)
     if conv.skipped:

@@ -309,10 +309,21 @@ def jit_1x1_bwd_weights(p: ConvProblem, nthr: int) -> Primitive:
 
 
 # -- which implementation runs (AVX-512, fp32) ----------------------------------------------------
+def _nxc_grouped_weights(p: ConvProblem) -> int:
+    """gOIhw{16,8,4}i{..}o on NHWC data: the block (ok_to_try_lower_zmm: 8 or 4 when both channel
+    counts per group are below 16 and divide by it), channels per group padded to it."""
+    simd = SIMD
+    if p.icg < SIMD and p.ocg < SIMD:
+        simd = next((b for b in (8, 4) if p.icg % b == 0 and p.ocg % b == 0), SIMD)
+    return _blocked_weights(p, simd, simd)
+
+
 def forward(p: ConvProblem, nthr: int) -> Primitive:
     if p.nxc:  # src/dst are the user's NHWC tensors; weights in a brgemm layout
         if p.depthwise:  # brdgmm_dw_convolution_fwd: weights debcA16a
             return Primitive("brdgmm_dw fwd", weights=_rnd(p.groups, SIMD) * p.ks * p.esize)
+        if p.groups > 1:  # jit_avx512_common on NHWC: per-group channels padded in the weights only
+            return Primitive("jit grouped fwd (nhwc)", weights=_nxc_grouped_weights(p))
         # brgemm_convolution_fwd: weights Acdb{16,32,48,64}a, the block from its cost model: at least
         # 16-channel padding; its batch-element scratchpad is not modelled
         return Primitive("brgconv fwd", weights=_blocked_weights(p, SIMD, 1), known=False)
@@ -347,6 +358,8 @@ def forward(p: ConvProblem, nthr: int) -> Primitive:
 
 def backward_data(p: ConvProblem, nthr: int) -> Primitive:
     strided = p.sh > 1 or p.sw > 1
+    if p.depthwise and p.dilated:  # jit_uni_dw bwd_data takes no dilation: gemm
+        return gemm_fwd_or_bwd_data(p, nthr, "gemm bwd_data")
     if p.depthwise:  # jit_uni_dw bwd_data (nChw16c, or NHWC in place)
         if p.nxc:
             return Primitive("jit_dw bwd_data", weights=_rnd(p.groups, SIMD) * p.ks * p.esize)
@@ -368,35 +381,58 @@ def backward_data(p: ConvProblem, nthr: int) -> Primitive:
     if p.groups == 1:
         name = "jit_1x1 bwd_data" if p.ks == 1 else "jit bwd_data"
         return Primitive(name, src=p.dst(SIMD), weights=_blocked_weights(p, SIMD, SIMD), out=p.src(SIMD))
+    if p.nxc:  # jit_avx512_common on NHWC, like the forward
+        return Primitive("jit grouped bwd_data (nhwc)", weights=_nxc_grouped_weights(p))
     simd = _lower_simd(p)
-    if simd is None or p.nxc:
+    if simd is None:
         return gemm_fwd_or_bwd_data(p, nthr, "gemm bwd_data")
     return Primitive("jit grouped bwd_data", src=p.dst(simd), weights=p.weights(), out=p.src(simd))
 
 
-def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
-    """diff_weights in the implementation's layout (``out``); the per-thread reduction buffers of
-    the jit kernels depend on their thread balance (not modelled: ``known`` False)."""
-    if p.nxc:  # jit_avx512_common bwd_weights on NHWC: weights blocked 16x16 per group (depthwise too)
-        if p.groups == 1 and p.icg < SIMD:  # 1st-convolution weights (Ohwi16o); its scratch not modelled
-            return Primitive("jit bwd_weights (nhwc)", out=_blocked_weights(p, SIMD, 1), known=False)
-        if p.ks == 1:  # jit_1x1 (NHWC): scratchpad not modelled
-            return Primitive("jit_1x1 bwd_weights (nhwc)", out=_blocked_weights(p, SIMD, SIMD), known=False)
-        return jit_bwd_weights(p, nthr, "jit bwd_weights (nhwc)", SIMD, 0, 0)
-    dw_jit_ok = p.kw <= 3 and not p.dilated and p.sw <= p.kw and p.ph <= p.kh // 2 and p.pw <= p.kw // 2
-    if p.depthwise:
-        if dw_jit_ok:  # jit_uni_dw bwd_weights: kw <= 3, no dilation
-            # balance (harness_mb_reduction): threads over 16-channel blocks, the rest over the
-            # minibatch, whose (nthr_mb - 1) private weights (+ bias) the scratchpad holds
-            groups = _rnd(p.groups, SIMD)
-            nthr_g = min(groups // SIMD, nthr)
-            nthr_mb = min(max(1, nthr // nthr_g), p.mb)
-            copies = nthr_mb - 1
-            scratch = _book(groups * p.ks * copies * F32, groups * copies * F32 if p.bias else 0)
-            return Primitive(
-                "jit_dw bwd_weights", src=p.src(SIMD), src2=p.dst(SIMD), out=groups * p.ks * p.esize, scratchpad=scratch
-            )
+def _dw_jit_ok(p: ConvProblem) -> bool:
+    """jit_uni_dw bwd_weights init_conf: kw <= 3, no dilation, stride_w <= kw, pads <= k / 2."""
+    return p.kw <= 3 and not p.dilated and p.sw <= p.kw and p.ph <= p.kh // 2 and p.pw <= p.kw // 2
+
+
+def _backward_weights_nxc(p: ConvProblem, nthr: int) -> Primitive:
+    """Channels-last (NHWC) data: no reorders of src / diff_dst."""
+    if p.depthwise and _dw_jit_ok(p):
+        # jit_uni_dw bwd_weights, harness_nxc: nthr - 1 private weight (16-channel padded) and bias
+        # buffers (init_scratchpad), assuming partition_nthr_nxc keeps every thread busy
+        groups = _rnd(p.groups, SIMD)
+        copies = max(nthr - 1, 0)
+        scratch = _book(groups * p.ks * copies * F32, p.groups * copies * F32 if p.bias else 0)
+        return Primitive("jit_dw bwd_weights (nhwc)", out=groups * p.ks * p.esize, scratchpad=scratch)
+    # jit_avx512_common bwd_weights on NHWC: weights blocked 16x16 per group (depthwise 5x5+ too)
+    if p.groups == 1 and p.icg < SIMD:  # 1st-convolution weights (Ohwi16o); its scratch not modelled
+        return Primitive("jit bwd_weights (nhwc)", out=_blocked_weights(p, SIMD, 1), known=False)
+    if p.ks == 1:  # jit_1x1 (NHWC): scratchpad not modelled
+        return Primitive("jit_1x1 bwd_weights (nhwc)", out=_blocked_weights(p, SIMD, SIMD), known=False)
+    return jit_bwd_weights(p, nthr, "jit bwd_weights (nhwc)", SIMD, 0, 0)
+
+
+def _backward_weights_depthwise(p: ConvProblem, nthr: int) -> Primitive:
+    if not _dw_jit_ok(p):
         return gemm_bwd_weights(p, nthr)
+    # jit_uni_dw balance (harness_mb_reduction): threads over 16-channel blocks, the rest over the
+    # minibatch, whose (nthr_mb - 1) private weights (+ bias) the scratchpad holds
+    groups = _rnd(p.groups, SIMD)
+    nthr_g = min(groups // SIMD, nthr)
+    nthr_mb = min(max(1, nthr // nthr_g), p.mb)
+    copies = nthr_mb - 1
+    scratch = _book(groups * p.ks * copies * F32, groups * copies * F32 if p.bias else 0)
+    return Primitive(
+        "jit_dw bwd_weights", src=p.src(SIMD), src2=p.dst(SIMD), out=groups * p.ks * p.esize, scratchpad=scratch
+    )
+
+
+def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
+    """diff_weights in the implementation's layout (``out``), the reorders of src / diff_dst, and
+    the scratchpad (``known`` False where memest leaves it out)."""
+    if p.nxc:
+        return _backward_weights_nxc(p, nthr)
+    if p.depthwise:
+        return _backward_weights_depthwise(p, nthr)
     if p.groups == 1 and p.icg < SIMD:
         if p.icg <= 3 and p.kw <= 14:  # is_1stconv: src stays plain, weights Ohwi16o (ic_block = ic)
             return jit_bwd_weights(p, nthr, "jit 1st bwd_weights", p.icg, 0, p.dst(SIMD))
@@ -408,15 +444,15 @@ def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
     if p.groups == 1:
         if p.kw > 14:
             return gemm_bwd_weights(p, nthr)
+        if p.ks == 1 and (p.sh > 1 or p.sw > 1):  # strided: reduce-to-unit-stride (rtus) buffers not modelled
+            return Primitive(
+                "jit_1x1 bwd_weights",
+                src=p.src(SIMD),
+                src2=p.dst(SIMD),
+                out=_blocked_weights(p, SIMD, SIMD),
+                known=False,
+            )
         if p.ks == 1:
-            if p.sh > 1 or p.sw > 1:  # strided: reduce-to-unit-stride (rtus) buffers not modelled
-                return Primitive(
-                    "jit_1x1 bwd_weights",
-                    src=p.src(SIMD),
-                    src2=p.dst(SIMD),
-                    out=_blocked_weights(p, SIMD, SIMD),
-                    known=False,
-                )
             return jit_1x1_bwd_weights(p, nthr)
         return jit_bwd_weights(p, nthr, "jit bwd_weights", SIMD, p.src(SIMD), p.dst(SIMD))
     if p.icg % SIMD == 0 and p.ocg % SIMD == 0:
