@@ -429,15 +429,15 @@ def markdown(meta: dict, summary: dict, rows: list[dict]) -> str:
         "",
         "## Notes",
         "",
-        "- LSTM: on CPU nn.LSTM runs oneDNN's `mkldnn_rnn_layer`, whose training workspace and backward scratch "
-        "are invisible to fake kernels; memest underestimates it (a known miss, an xfail in the tests). MemTracker "
-        "runs on the same fake kernels and misses it the same way. CUDA runs use cuDNN instead.",
-        "- U-Net and CNN (memest −3% and −0.5%): the measured peak falls inside `aten::convolution_backward` "
-        "(`measured_op_at_peak` in the JSON), memest's at the ReLU backward just before it. The difference "
-        "(≈0.65 MiB on U-Net batch 4) is memory the CPU convolution backward allocates internally, which fake "
-        "kernels do not produce; MemTracker, on the same fake kernels, shows the same gap.",
-        "- MemTracker agrees with memest to the byte wherever it runs: this harness (bench_speed.py's) runs it on "
-        "memest's own step (same build, fake kernels, placeholder scalars), so both see the same storages. Its "
+        "- CPU kernel scratch: on CPU nn.LSTM runs oneDNN's `mkldnn_rnn_layer` (a training workspace kept for "
+        "backward, kernel scratch), convolutions run oneDNN primitives that reorder tensors into blocked layouts "
+        "and use scratchpads, and `mse_loss` backs its reduced loss with input-sized storage; fake kernels show "
+        "none of it. memest models these from ATen's, ideep's and oneDNN's sources (memest/trace/cpu/, per-kernel "
+        "evidence in benchmarks/onednn-scratch.md); MemTracker, on the fake kernels, misses them (its LSTM, U-Net "
+        "and CNN rows). CUDA runs use cuDNN instead.",
+        "- MemTracker agrees with memest to the byte where no such kernel is at the peak: this harness "
+        "(bench_speed.py's) runs it on memest's own step (same build, fake kernels, placeholder scalars), so "
+        "both see the same storages. Its "
         "n/a cases: gradient accumulation (MemTracker refuses a module run twice within one iteration: "
         "`does not support memory tracking for multiple iterative calls`), Adafactor (a data-dependent scalar read "
         "under FakeTensorMode outside memest's placeholder scalars), and examples/transformer.py "

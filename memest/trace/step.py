@@ -56,6 +56,7 @@ with imports_without_gc():
     from ..sources.hf_masks import holds_transformers_model, real_mask_branches
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
+    from .cpu import cpu_kernels, cpu_notes
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
     from .cuda.sdpa import CudaSdpa
@@ -367,6 +368,7 @@ class _Step:
     kernels: Any = None  # --target cuda: CudaKernels (dropout, cuDNN RNNs)
     loop: LoopState = field(default_factory=LoopState)  # what the user's loop keeps between steps
     held_loss: set = field(default_factory=set)  # storage ids of the kept loss, until its backward ends
+    cpu_conv: Any = None  # --target cpu: the convolution scratch model (trace/cpu/onednn_conv.py)
 
     @property
     def where(self) -> str:
@@ -441,11 +443,12 @@ def _track_storages(step: _Step) -> None:
     DTensor shards, DDP's gradient buckets)."""
     parallel = step.parallel
     step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
-    cuda = step.cuda
-    step.tracker = StorageTracker(
-        step.trace, step.stack.current, step.fake_mode,
-        scratch=cuda_scratch(step.spec.cudnn_benchmark) if cuda else None, outputs=CUDA_OUTPUTS if cuda else None,
-    )
+    if step.cuda:
+        kernels = {"scratch": cuda_scratch(step.spec.cudnn_benchmark), "outputs": CUDA_OUTPUTS}
+    else:  # --target cpu: oneDNN's workspaces and scratch (trace/cpu/)
+        scratch, outputs, step.cpu_conv = cpu_kernels()
+        kernels = {"scratch": scratch, "outputs": outputs}
+    step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, **kernels)
     if parallel is not None:
         from . import distributed
 
@@ -584,6 +587,8 @@ def _classify(step: _Step) -> None:
         if step.kernels.rnn.calls:
             calls = ", ".join(f"{name} x{n}" for name, n in sorted(step.kernels.rnn.calls.items()))
             trace.notes.append(f"RNNs run as cuDNN's _cudnn_rnn ({calls}): reserve and workspace per docs/cuda-kernels.md")
+    elif step.cpu_conv is not None:
+        trace.notes.extend(cpu_notes(trace, step.cpu_conv, spec.mode))
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS

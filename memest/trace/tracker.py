@@ -59,9 +59,12 @@ class StorageTracker:
         # op's outputs, freed after them) that the fake kernel does not show; a size may be a
         # trace/cuda/workspace.Workspace (expected bytes with a low/high range)
         self.scratch = scratch or {}
-        # aten op -> fn(args, kwargs, out, call) -> out: the target device's kernel returns outputs of
-        # another dtype or storage size than the fake kernel; call(op, *args, **kwargs) runs an op in the
-        # fake mode without recording it (only the returned outputs are recorded)
+        # aten op -> fn(args, kwargs, out, make) -> out: the real kernel makes outputs differently from the
+        # fake one. Two kinds: (a) without ``fn.late`` (CUDA kernels: another dtype or storage size), fn runs
+        # before the outputs are recorded and make(op, *args, **kwargs) runs an op in the fake mode unrecorded;
+        # (b) with ``fn.late`` (oneDNN: a workspace the meta kernel leaves empty), fn runs after the scratch is
+        # freed and make = ``empty(shape, dtype[, numel])``; the output positions in ``fn.late`` are the ones
+        # it makes, recorded then as "(kernel output)", the others before
         self.outputs = outputs or {}
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
@@ -231,18 +234,19 @@ class StorageTracker:
         out = run(func, types, args, kwargs)
         if out is NotImplemented:  # a wrapper subclass (DTensor) runs it as ops on its local tensors
             return out
-        if func in self.outputs:
-            out = self.outputs[func](args, kwargs or {}, out, lambda op, *a, **k: run(op, types, a, k))
         name = func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
-        if isinstance(out, torch.Tensor):  # most ops
-            self.register(out, Category.TEMPORARIES, name)
-        elif isinstance(out, (tuple, list)):  # multi-output and foreach ops
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.register(t, Category.TEMPORARIES, name)
+        fix = self.outputs.get(func)
+        late_positions = getattr(fix, "late", None)
+        if fix is not None and late_positions is None:  # (a) replaced before they are recorded
+            out = fix(args, kwargs or {}, out, lambda op, *a, **k: run(op, types, a, k))
+        outs = (out,) if isinstance(out, torch.Tensor) else out
+        self._register_outputs([t for i, t in enumerate(outs) if i not in late_positions] if late_positions else out, name)
         scratch += self._scratch_alloc(func, late)
         for sid, nbytes in scratch:
             self.trace.events.append((sid, -nbytes))
+        if late_positions is not None:  # (b) made by the kernel after its scratch is freed
+            out = fix(args, kwargs or {}, out, self._empty(run))
+            self._register_outputs(out, f"{name} (kernel output)")
         flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
         if flop_fn is not None:
             key = (self.iteration, self.phase, self.module_of())
@@ -253,6 +257,26 @@ class StorageTracker:
                 self.trace.uncounted_flop_ops.add(str(func))
             self.trace.flops[key] = self.trace.flops.get(key, 0) + flops
         return out
+
+    def _register_outputs(self, out, name: str) -> None:
+        if isinstance(out, torch.Tensor):  # most ops
+            self.register(out, Category.TEMPORARIES, name)
+        elif isinstance(out, (tuple, list)):  # multi-output and foreach ops
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.register(t, Category.TEMPORARIES, name)
+
+    @staticmethod
+    def _empty(run) -> Callable:
+        def empty(shape: list[int], dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+            """A fake tensor of ``shape``; with ``numel``, a view of a storage of that many elements."""
+            kwargs = {"dtype": dtype, "device": torch.device("cpu")}
+            if numel is None:
+                return run(torch.ops.aten.empty.memory_format, (), (shape,), kwargs)
+            storage = run(torch.ops.aten.empty.memory_format, (), ([numel],), kwargs)
+            return run(torch.ops.aten.as_strided.default, (), (storage, shape, [0] * len(shape)), {})
+
+        return empty
 
     def _scratch_alloc(self, func, sizes) -> list[tuple[int, int]]:
         allocated = []

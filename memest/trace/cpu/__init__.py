@@ -1,0 +1,91 @@
+"""CPU kernel semantics applied while tracing --target cpu: what the real CPU kernels allocate through
+the CPU allocator that their fake (meta) kernels do not show: oneDNN's LSTM workspace and scratch
+(onednn_rnn.py), the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py), and
+mse_loss's input-sized result storage (aten_losses.py).
+Rules come from ATen's, ideep's and oneDNN's sources and are checked against torch.profiler on real
+runs, kernel by kernel (validate/op_truth.py, scripts/probe_onednn.py, benchmarks/onednn-scratch.md)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...units import format_bytes
+from . import aten_losses, onednn_rnn
+from .onednn_conv import ConvScratch
+
+aten = torch.ops.aten
+
+# aten op -> fn(args, kwargs) -> bytes of kernel-internal buffers held while the kernel runs
+CPU_SCRATCH = {
+    aten.mkldnn_rnn_layer.default: onednn_rnn.forward_scratch,
+    aten.mkldnn_rnn_layer_backward.default: onednn_rnn.backward_scratch,
+    aten.mse_loss.default: aten_losses.mse_loss_scratch,
+}
+
+# aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes that the fake one does not
+CPU_OUTPUTS = {
+    aten.mkldnn_rnn_layer.default: onednn_rnn.forward_workspace,
+    aten.mkldnn_rnn_layer_backward.default: onednn_rnn.backward_outputs,
+    aten.mse_loss.default: aten_losses.mse_loss_output,
+}
+
+CONV_ISA = "AVX512"  # the ATen CPU capability whose oneDNN convolution choices onednn_conv.py encodes
+
+
+def conv_modelled() -> bool:
+    """oneDNN picks convolution implementations (and so layouts) by ISA; memest's rules are for
+    AVX-512 (oneDNN's avx512_core), unless oneDNN is capped below it (ONEDNN_MAX_CPU_ISA)."""
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    return torch.backends.cpu.get_cpu_capability() == CONV_ISA and (
+        capped == "ALL" or "AVX512" in capped or "AVX10" in capped or "AMX" in capped
+    )
+
+
+def cpu_kernels(nthreads: int | None = None) -> tuple[dict, dict, ConvScratch]:
+    """(scratch, outputs, conv) hooks for one trace; ``conv`` counts the convolutions it modelled.
+    ``nthreads``: oneDNN's thread count (some scratchpads are per thread), this process's by default."""
+    conv = ConvScratch(torch.get_num_threads() if nthreads is None else nthreads)
+    scratch = dict(CPU_SCRATCH)
+    if conv_modelled():
+        scratch[aten.convolution.default] = conv.forward
+        scratch[aten.convolution_backward.default] = conv.backward
+    return scratch, dict(CPU_OUTPUTS), conv
+
+
+def cpu_notes(trace, conv: ConvScratch, mode: str) -> list[str]:
+    """One line per kind of kernel scratch memest added to (or could not add to) this trace."""
+    notes = []
+    workspaces = [r.nbytes for r in trace.storages if r.op == "mkldnn_rnn_layer.default (kernel output)"]
+    lstm_calls = sum(1 for r in trace.storages if r.op in ("mkldnn_rnn_layer.default", "lstm.input"))
+    if workspaces:
+        notes.append(
+            f"nn.LSTM (oneDNN, CPU): training workspace kept for backward ({len(workspaces)} layer calls, up to "
+            f"{format_bytes(max(workspaces))} each) and kernel scratch modelled from ATen RNN.cpp, ideep lstm.hpp and "
+            "oneDNN rnn_utils (fp32 rules; bf16/fp16 LSTMs may run oneDNN's brgemm RNN, whose scratch differs)"
+        )
+    elif lstm_calls and mode != "train":
+        notes.append(
+            "nn.LSTM inference (oneDNN, CPU): the kernel's scratchpad (every time step's states) is not modelled; "
+            "the estimate is low for LSTMs"
+        )
+    modelled = sum(conv.calls.values())
+    if modelled:
+        unknown = sum(conv.unknown.values())
+        line = (
+            f"convolutions (oneDNN, CPU): layout reorders, blocked outputs, dense copies and scratchpads modelled "
+            f"for {modelled} kernel passes (AVX-512 fp32 rules, {conv.nthreads} threads)"
+        )
+        if unknown:
+            names = ", ".join(sorted({name.split()[0] for name in conv.unknown}))
+            line += (
+                f"; {unknown} passes ({names}) also use a scratchpad memest leaves out "
+                "(0.2 to 540 KiB per call on the measured grid: benchmarks/onednn-scratch.md)"
+            )
+        notes.append(line)
+    if conv.skipped:
+        notes.append(
+            f"{conv.skipped} convolution calls on a non-oneDNN backend, 3d, or not fp32: kernel scratch not modelled"
+        )
+    return notes

@@ -1,0 +1,163 @@
+"""--target cpu kernel scratch (trace/cpu/), kernel by kernel: every call of a modelled aten op run for
+real under torch.profiler (memest.validate.op_truth) against the rule for the same call."""
+
+import pytest
+import torch
+from torch import nn
+
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import trace_step
+from memest.trace.cpu import conv_modelled, cpu_kernels
+from memest.trace.events import Category
+from memest.validate.op_truth import measure_ops
+
+from .conftest import model_ref
+
+avx512 = pytest.mark.skipif(not conv_modelled(), reason="convolution rules are for AVX-512 CPUs")
+
+
+def _ops(fn):
+    scratch, outputs, conv = cpu_kernels()
+    return measure_ops(fn, scratch, outputs), conv
+
+
+def _step(module: nn.Module, x: torch.Tensor):
+    def run():
+        out = module(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+
+    return run
+
+
+# (input, hidden, layers, bidirectional, batch_first, seq, batch, bias)
+LSTMS = [
+    (64, 128, 1, False, True, 32, 8, True),
+    (32, 96, 2, True, False, 24, 6, True),
+    (7, 33, 3, True, True, 5, 2, False),  # odd sizes, no bias
+    (256, 256, 1, False, False, 6, 4, True),  # 4H = 1024 and I = 256: padded leading dimensions
+    (16, 32, 1, False, True, 3, 130, True),  # batch >= 128: forward gates not kept for every step
+]
+
+
+@pytest.mark.parametrize("case", LSTMS, ids=[f"i{c[0]}-h{c[1]}-l{c[2]}-bi{int(c[3])}-bf{int(c[4])}-n{c[6]}" for c in LSTMS])
+def test_lstm_kernels_match_real_allocations(case):
+    inp, hidden, layers, bidir, batch_first, seq, batch, bias = case
+    torch.manual_seed(0)
+    lstm = nn.LSTM(inp, hidden, num_layers=layers, bidirectional=bidir, batch_first=batch_first, bias=bias)
+    x = torch.randn(batch, seq, inp) if batch_first else torch.randn(seq, batch, inp)
+    calls, _ = _ops(_step(lstm, x))
+    assert len(calls) == 2 * layers * (2 if bidir else 1)  # one forward and one backward per layer and direction
+    for call in calls:
+        assert call.exact, f"{call.op}: real peak {call.real_peak} kept {call.real_kept}, model {call.model_peak} / {call.model_kept}"
+
+
+def test_lstm_workspace_is_saved_for_backward():
+    trace = trace_step(load_source(model_ref("lstm")), RunSpec(model="lstm", batch=4, seq=8, target="cpu"))
+    workspaces = [r for r in trace.storages if r.op == "mkldnn_rnn_layer.default (kernel output)"]
+    assert len(workspaces) == 4  # 2 layers x 2 iterations
+    assert all(r.category is Category.ACTIVATIONS and r.nbytes > 0 for r in workspaces)
+    assert any("training workspace" in note for note in trace.notes)
+
+
+# conv configs: (in, out, kernel, stride, padding, groups, dims, channels_last, transposed)
+CONVS_EXACT = [
+    (32, 64, 3, 1, 1, 1, 2, False, False),  # jit, 16-channel blocks
+    (40, 80, 3, 1, 1, 1, 2, False, False),  # channels padded 40 -> 48
+    (3, 16, 3, 1, 1, 1, 2, False, False),  # first convolution: plain input
+    (40, 80, 3, 2, 1, 1, 2, False, False),  # strided: NHWC backward-data reorders, dense copy twice
+    (40, 40, 3, 1, 1, 40, 2, False, False),  # depthwise 3x3 (jit_dw)
+    (40, 40, 7, 1, 3, 40, 2, False, False),  # depthwise 7x7: gemm backward-weights scratch
+    (48, 48, 3, 1, 1, 8, 2, False, False),  # 6 channels per group: gemm
+    (64, 64, 3, 1, 1, 4, 2, False, False),  # grouped, 16 per group
+    (3, 192, 16, 16, 0, 1, 2, False, False),  # ViT patch embedding: gemm backward-weights
+    (80, 96, 7, 1, 3, 1, 1, False, False),  # Conv1d
+    (64, 32, 2, 2, 0, 1, 2, False, True),  # ConvTranspose2d
+    (40, 40, 7, 1, 3, 40, 2, True, False),  # channels-last depthwise (ConvNeXt): 16x16-padded diff weights
+    (40, 40, 3, 1, 1, 40, 2, True, False),  # channels-last depthwise 3x3: jit_dw on NHWC
+    (48, 48, 3, 1, 1, 8, 2, True, False),  # channels-last grouped, 6 per group: weights padded per group
+]
+
+
+def _conv(case):
+    cin, cout, k, stride, pad, groups, dims, channels_last, transposed = case
+    torch.manual_seed(0)
+    cls = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (2, True): nn.ConvTranspose2d}[dims, transposed]
+    conv = cls(cin, cout, k, stride=stride, padding=pad, groups=groups)
+    hw = 64 if k == 16 else (128 if dims == 1 else 16)
+    x = torch.randn(4, cin, *(hw,) * dims)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    return conv, x.requires_grad_()
+
+
+@avx512
+@pytest.mark.parametrize("case", CONVS_EXACT, ids=[str(c) for c in CONVS_EXACT])
+def test_conv_kernels_match_real_allocations(case):
+    """Passes whose implementation memest models completely: exact; those with a scratchpad memest
+    leaves out (brgemm, jit backward-weights reductions): exact kept bytes, and a peak low by at most
+    that scratchpad, never high."""
+    conv, x = _conv(case)
+    calls, model = _ops(_step(conv, x))
+    assert len(calls) == 2 and not model.skipped
+    for call, prims in zip(calls, model.history, strict=True):
+        assert call.real_kept == call.model_kept
+        if all(p.known for p in prims):
+            assert call.exact, f"{call.op} {[p.name for p in prims]}: real {call.real_peak}, model {call.model_peak}"
+        else:
+            assert 0 <= call.real_peak - call.model_peak <= 256 * 1024, f"{call.op} {[p.name for p in prims]}"
+
+
+@avx512
+def test_conv_gemm_scratch_scales_with_threads():
+    """gemm backward-weights books one im2col buffer and one (over-sized) weight buffer per thread."""
+    conv, x = _conv((3, 192, 16, 16, 0, 1, 2, False, False))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        calls, _ = _ops(_step(conv, x))
+    finally:
+        torch.set_num_threads(threads)
+    backward = calls[1]
+    assert backward.op.startswith("convolution_backward") and backward.real_peak == backward.model_peak
+
+
+def test_conv_rules_off_other_cpus(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    scratch, _, _ = cpu_kernels()
+    assert torch.ops.aten.convolution.default not in scratch
+    assert torch.ops.aten.mkldnn_rnn_layer.default in scratch  # fp32 LSTM training rules hold on any x86 CPU
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mse_loss_result_storage(reduction):
+    """Real CPU mse_loss returns a reduced loss backed by input-sized storage (the meta kernel: 4 bytes)."""
+    x = torch.randn(4, 1, 32, 32, requires_grad=True)
+    target = torch.zeros(4, 1, 32, 32)
+
+    def step():
+        loss = nn.functional.mse_loss(x, target, reduction=reduction)
+        loss.sum().backward()
+
+    (call,), _ = _ops(step)
+    assert call.exact, f"real peak {call.real_peak} kept {call.real_kept}, model {call.model_peak} / {call.model_kept}"
+
+
+def test_bf16_lstm_kernels_are_close():
+    """bf16 LSTM training: oneDNN's reference RNN, or its brgemm RNN on CPUs with AVX512-BF16 / AMX,
+    whose small buffers memest leaves out: the bytes kept are exact, peaks never high and at most
+    a few KB low."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(32, 96, num_layers=2, bidirectional=True).to(torch.bfloat16)
+    x = torch.randn(24, 6, 32, dtype=torch.bfloat16)
+
+    def step():
+        out, _ = lstm(x)
+        out.float().mean().backward()
+
+    calls, _ = _ops(step)
+    assert len(calls) == 8
+    for call in calls:
+        assert call.real_kept == call.model_kept
+        assert 0 <= call.real_peak - call.model_peak <= 16 * 1024, f"{call.op}: {call.real_peak} vs {call.model_peak}"
