@@ -397,10 +397,12 @@ class PlannerContext:
     gpu: GpuContext
 
 
-def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progress | None) -> PlannerContext:
+def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progress | None,
+            calibration: str | Path | None = None) -> PlannerContext:
     from .plan.runner import Runner
 
-    ctx = resolve_gpu(gpu, need_budget=need_budget, target=spec_args.get("target", Target.CUDA))
+    ctx = resolve_gpu(gpu, need_budget=need_budget, target=spec_args.get("target", Target.CUDA),
+                      calibration=calibration)
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
     with user_code(spec.model):
         runner = Runner(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
@@ -426,14 +428,14 @@ class WhatifResult:
 
 
 def run_whatif(spec_args: dict, batches: list[int] | None, seqs: list[int] | None, gpu: str | None,
-               progress: Progress | None = None) -> WhatifResult:
+               progress: Progress | None = None, calibration: str | Path | None = None) -> WhatifResult:
     from .plan.whatif import sweep
 
     if seqs is None and batches is None:
         raise MemestError("whatif needs sizes to sweep: --seq 256,512,1024 and/or --batch 1,2,4,8")
     args = {**spec_args, "batch": (batches or [spec_args.get("batch") or 1])[0],
             "seq": (seqs or [spec_args.get("seq")])[0]}
-    ctx = planner(args, gpu, need_budget=False, progress=progress)
+    ctx = planner(args, gpu, need_budget=False, progress=progress, calibration=calibration)
     check_seq_limit(ctx.runner.source, seqs or [])
     with user_code(args["model"]):
         result = sweep(ctx.runner, batches, seqs, ctx.gpu.capacity_bytes)
@@ -454,12 +456,12 @@ def _loop(spec: RunSpec) -> str:
 
 
 def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
-                  progress: Progress | None = None) -> SearchRun:
+                  progress: Progress | None = None, calibration: str | Path | None = None) -> SearchRun:
     from .plan.search import largest_fitting
 
     if limit < 1:
         raise MemestError(f"--limit must be at least 1, got {limit}")
-    ctx = planner(spec_args, gpu, need_budget=True, progress=progress)
+    ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     runner = ctx.runner
     key = "seq" if seq_search else "batch"
     if seq_search and runner.source.max_seq:
@@ -479,15 +481,16 @@ class AdviseRun:
     model: str
 
 
-def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None) -> AdviseRun:
+def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
+               calibration: str | Path | None = None) -> AdviseRun:
     from .plan.advise import advise
 
-    ctx = planner(spec_args, gpu, need_budget=True, progress=progress)
+    ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     check_seq_limit(ctx.runner.source, [ctx.runner.base.seq])
     with user_code(spec_args["model"]):
         advice = advise(ctx.runner, ctx.gpu.capacity_bytes)
     if advice.command:
-        advice.command += f" --gpu {gpu}"
+        advice.command += f" --gpu {gpu}" + (f" --calibration {calibration}" if calibration else "")
     return AdviseRun(advice, ctx.gpu, spec_args["model"])
 
 

@@ -164,7 +164,7 @@ def whatif(
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
-    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
+    calibration: Calibration = None, format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
     the largest seq and batch that fit."""
@@ -174,7 +174,8 @@ def whatif(
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
                     checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
-        run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
+        run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress(),
+                         calibration=calibration)
         return whatif_view(run), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -187,7 +188,7 @@ def max_batch(
     seq_search: Annotated[bool, typer.Option("--seq-search", help="Search the longest sequence instead.")] = False,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
-    limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
+    limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536, calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -198,7 +199,8 @@ def max_batch(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
-        return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
+        run = run_max_batch(spec, gpu, seq_search, limit, progress=_progress(), calibration=calibration)
+        return max_batch_view(run), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 
@@ -207,7 +209,7 @@ def max_batch(
 def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
-    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
+    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -218,7 +220,7 @@ def advise(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
-        return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
+        return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 

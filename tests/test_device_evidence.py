@@ -254,6 +254,29 @@ def test_profile_round_trip_applied_in_estimate_check_and_api(tmp_path):
     assert api.needed_bytes == doc["needed_bytes"] and api.report.device.calibrated
 
 
+def test_planners_take_the_same_calibration_as_estimate(tmp_path):
+    """whatif, max-batch and advise resolve --calibration through the same app layer as estimate and check."""
+    path = write_profile(profile_entry(), tmp_path / "rtx2080ti.json")
+    est = json.loads(runner.invoke(app, ["estimate", model_ref("mlp"), "--batch", 4, "--json", "--gpu", "11GB",
+                                         "--calibration", str(path)]).stdout)
+    plain = json.loads(runner.invoke(app, ["estimate", model_ref("mlp"), "--batch", 4, "--json",
+                                           "--gpu", "11GB"]).stdout)
+    assert est["needed_bytes"] != plain["needed_bytes"]  # the profile changes the answer
+    what = runner.invoke(app, ["whatif", model_ref("mlp"), "--batch", "4", "--json", "--gpu", "11GB",
+                               "--calibration", str(path)])
+    assert what.exit_code == 0, what.output
+    points = json.loads(what.stdout)["points"]
+    assert [p["needed_bytes"] for p in points if p["batch"] == 4] == [est["needed_bytes"]]
+    adv = runner.invoke(app, ["advise", model_ref("mlp"), "--batch", 4, "--json", "--gpu", "11GB",
+                              "--calibration", str(path)])
+    assert adv.exit_code == 0, adv.output
+    mb = runner.invoke(app, ["max-batch", model_ref("mlp"), "--json", "--gpu", "11GB", "--calibration", str(path),
+                             "--limit", "8"])
+    assert mb.exit_code == 0, mb.output
+    bad = runner.invoke(app, ["whatif", model_ref("mlp"), "--batch", "4", "--calibration", str(tmp_path / "no.json")])
+    assert bad.exit_code == 2
+
+
 def test_bad_profiles_and_mismatched_cards_are_one_line_errors(tmp_path):
     (tmp_path / "x.json").write_text('{"gpu_name": "x"}')
     (tmp_path / "y.json").write_text("not json")
