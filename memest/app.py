@@ -531,3 +531,44 @@ def _check_writable(path: Path, what: str, fix: str) -> None:
     except OSError as exc:
         raise MemestError(f"cannot write {what} {str(path)!r}: {exc.strerror or exc}; {fix}") from None
 
+
+
+# ------------------------------------------------------------------------------------------ serve
+
+
+@dataclass
+class ServeRun:
+    plan: object  # serve.plan.ServePlan
+    gpu: GpuContext
+    total_source: str
+    colocate: object = None  # serve.colocate.Colocate, when a training step shares the GPU
+
+
+def serve_total(ctx: GpuContext) -> tuple[int, str]:
+    """The GPU's total memory as the engine sees it (cudaMemGetInfo): a logged figure for known cards,
+    else the nominal size, a budget as given, or NVML's total for a local GPU."""
+    from .device.catalogue import normalise
+    from .serve.evidence import TOTALS
+
+    flag = ctx.flag or ""
+    known = TOTALS.get(normalise(flag))
+    if known is not None:
+        return known
+    target = ctx.targets[0]
+    if target.total_bytes is not None and target.label.startswith("GPU "):
+        return target.total_bytes, f"{target.label.replace(' (free)', '')}: NVML total (cudaMemGetInfo's is a little lower)"
+    return target.capacity_bytes, (f"--gpu {flag}: nominal size (the driver keeps a little; the engine sees somewhat "
+                                   "less)" if not flag[:1].isdigit() else f"--gpu {flag} taken as the GPU's total")
+
+
+def run_serve(args: dict, gpu: str, progress: Progress | None = None) -> ServeRun:
+    """``args``: serve.plan.ServeSpec fields but model's total and generation, which come from ``gpu``."""
+    from .serve.plan import ServeSpec, plan_serve
+
+    ctx = resolve_gpu(gpu, need_budget=True)
+    total, source = serve_total(ctx)
+    spec = ServeSpec(**{k: v for k, v in args.items() if v is not None}, total_bytes=total,
+                     card=ctx.flag, compute_capability=ctx.compute_capability)
+    with user_code(spec.model), ticker(f"serve {spec.model}", progress):
+        plan = plan_serve(spec)
+    return ServeRun(plan, ctx, source)
