@@ -22,15 +22,17 @@ TOTALS: dict[str, tuple[int, str]] = {
 # vLLM's "non-torch forward increase": memory outside torch's allocator that appears between the start-up
 # snapshot (taken after the CUDA context and NCCL exist) and the end of the profile run (cuBLAS/cuBLASLt
 # handles and kernels loaded by the first matmuls, attention backend buffers; with TP, NCCL's and the custom
-# all-reduce's buffers created during the forward). Published values (TP 1): 0.16 GiB (Llama-3.2-11B-Vision,
-# H100, github.com/vllm-project/vllm/pull/12126), 0.35 GiB (Llama-3.1-8B, RTX 3090, issues/10517).
-NON_TORCH_TP1 = (int(0.05 * GiB), int(0.25 * GiB), int(0.5 * GiB))
+# all-reduce's buffers created during the forward). Published values (TP 1): 0.03 GiB (a 7B AWQ model, RTX 4060,
+# github.com/vllm-project/vllm/issues/13882), 0.16 GiB (Llama-3.2-11B-Vision, H100, pull/12126), 0.35 GiB
+# (Llama-3.1-8B, RTX 3090, issues/10517). Expected: their median; range: their span, widened to 0.5 GiB.
+NON_TORCH_TP1 = (int(0.03 * GiB), int(0.16 * GiB), int(0.5 * GiB))
 NON_TORCH_TP = (int(0.2 * GiB), int(0.6 * GiB), int(2.0 * GiB))  # TP > 1: NCCL and custom all-reduce buffers
 
 
 def non_torch(tp: int) -> Part:
     low, mid, high = NON_TORCH_TP1 if tp == 1 else NON_TORCH_TP
-    where = ("published TP-1 values 0.16 GiB (vllm PR #12126) and 0.35 GiB (vllm issue #10517); range 0.05-0.5 GiB"
+    where = ("median of published TP-1 values 0.03, 0.16, 0.35 GiB (vllm issue #13882, PR #12126, issue #10517); "
+             "range 0.03-0.5 GiB"
              if tp == 1 else "TP > 1 adds NCCL and custom all-reduce buffers; few published values: range 0.2-2 GiB")
     return Part("non-torch increase", mid, low, high, f"evidence, not traced: {where} (mem_utils.py memory_profiling "
                 "non_torch_increase)")

@@ -110,12 +110,12 @@ def plan_serve(spec: ServeSpec, config=None) -> ServePlan:
     tokens, seqs, batching = evidence.default_batching(spec.total_bytes, spec.card)
     batched = spec.max_num_batched_tokens or tokens
     num_seqs = min(spec.max_num_seqs or seqs, batched)
-    weights = weights_per_rank(_build_meta(config), config, spec.tp, dtype)
     notes = list(kv.notes)
     if spec.engine == "sglang":
+        weights = weights_per_rank(_build_meta(config), config, spec.tp, dtype)
         plan = _sglang(spec, config, kv, weights, max_len, positions, dtype, notes)
     else:
-        plan = _vllm(spec, config, kv, weights, max_len, positions, batched, num_seqs, batching, dtype, notes)
+        plan = _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dtype, notes)
     plan.seconds = time.perf_counter() - start
     return plan
 
@@ -131,10 +131,15 @@ def _check(spec: ServeSpec) -> None:
             raise MemestError(f"{name} must be at least 1, got {value}")
 
 
-def _vllm(spec, config, kv, weights, max_len, positions, batched, num_seqs, batching, dtype, notes) -> ServePlan:
+def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dtype, notes) -> ServePlan:
     util = spec.utilization if spec.utilization is not None else evidence.DEFAULT_UTILIZATION
     util_src = "--gpu-memory-utilization" if spec.utilization is not None else "vLLM default 0.9 (config/cache.py)"
     profile = trace_profile_run(config, spec.tp, batched, num_seqs, dtype, spec.compute_capability)
+    if profile.model is not None:
+        weights = weights_per_rank(profile.model, config, spec.tp, dtype, split=profile.split)
+    else:
+        weights = weights_per_rank(_build_meta(config), config, spec.tp, dtype)
+    profile.model = None  # the fake model is not needed past here
     parts = [Part.exact("weights", weights.bytes, f"{weights.parameters:,} parameters as {dtype} on one of {spec.tp} "
                         "rank(s), + rotary cache (serve/weights.py)"), profile.activation, evidence.non_torch(spec.tp)]
     graphs = evidence.cuda_graphs(spec.cuda_graphs)

@@ -15,6 +15,7 @@ forward plus the sampler's own tensors, from vllm/v1/sample/ (below).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 from .budget import Part
@@ -40,6 +41,8 @@ class ProfileRun:
     logit_rows: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    model: object = field(default=None, repr=False)  # the rank's model as traced (fake tensors)
+    split: bool = True  # the model is one rank's (heads and MLP divided); False: traced unsplit
 
     def to_dict(self) -> dict:
         return {"activation": self.activation.to_dict(), "forward_peak_bytes": self.forward_peak_bytes,
@@ -83,9 +86,11 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     from ..spec import RunSpec
 
     rank, notes = rank_config(config, tp)
+    split = tp == 1 or rank is not config
     rank = copy.deepcopy(rank)
     rank.use_cache = False
-    if getattr(rank, "max_position_embeddings", 0) and rank.max_position_embeddings < tokens:
+    extended = bool(getattr(rank, "max_position_embeddings", 0)) and rank.max_position_embeddings < tokens
+    if extended:  # vLLM's profile forward is max_num_batched_tokens long whatever the model's positions
         rank.max_position_embeddings = tokens
     arch = (getattr(rank, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
@@ -96,7 +101,13 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     def inputs(batch_size: int, seq_len: int | None = None):
         return {"input_ids": torch.zeros((1, tokens), dtype=torch.long), "logits_to_keep": rows}
 
-    source = ModelSource(name=f"vLLM profile run ({tokens} tokens)", build_model=lambda: cls(rank),
+    built = []
+
+    def build():
+        built.append(cls(rank))
+        return built[-1]
+
+    source = ModelSource(name=f"vLLM profile run ({tokens} tokens)", build_model=build,
                          example_inputs=inputs, trace_context=lambda spec: real_mask_branches())
     precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     spec = RunSpec(model="serve-profile", batch=1, seq=tokens, mode="inference", precision=precision,
@@ -108,9 +119,17 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     resident = report.param_bytes + report.other_at_peak.get("buffers", 0)
     allocated = report.device.allocated_peak_bytes if report.device is not None else report.peak_allocated_bytes
     forward = max(allocated - resident, 0)
-    vocab = int(config.vocab_size)
-    size = DTYPE_BYTES[dtype]
     hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
+    size = DTYPE_BYTES[dtype]
+    if re.search(r"layers\.([1-9]|\d\d+)\b", report.module_at_peak or ""):
+        # transformers' LlamaModel.forward (and its kin) keeps `inputs_embeds` referenced through the layer
+        # loop; vLLM's model forward (vllm/model_executor/models/llama.py LlamaModel.forward) does not, and
+        # updates the residual in place (fused_add_rms_norm): one tokens x hidden tensor less at a later
+        # layer's peak
+        forward = max(forward - tokens * hidden * size, 0)
+        notes.append("profile forward: the embedding output transformers keeps referenced through the layers is "
+                     "not held by vLLM's forward (one tokens x hidden tensor subtracted)")
+    vocab = int(config.vocab_size)
     held = tokens * hidden * size + 2 * rows * hidden * size  # hidden states of the forward, last rows, rand_like
     logits = rows * vocab * (size + 4)  # model-dtype logits + the sampler's fp32 copy
     sampler = held + logits + rows * vocab * SAMPLER_SORT_EXTRA
@@ -123,4 +142,5 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     part = Part("activation peak (profile run)", expected, low, expected,
                 "traced forward of max_num_batched_tokens tokens (transformers' code, --target cuda) and the sampler "
                 "phase (vllm/v1/sample); gpu_model_runner.py profile_run")
-    return ProfileRun(part, forward, sampler, tokens, rows, seconds, notes)
+    # the traced model stands for one rank's weights unless its positions were extended for the forward
+    return ProfileRun(part, forward, sampler, tokens, rows, seconds, notes, None if extended else built[-1], split)

@@ -34,7 +34,7 @@ class Weights:
     bytes: int  # on one rank, parameters + rotary cache
     parameter_bytes: int
     rope_cache_bytes: int
-    parameters: int  # whole-model parameter count (before splitting)
+    parameters: int  # parameters of the model counted (one rank's when it was built split), tied ones once
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -51,8 +51,10 @@ def _kind(name: str) -> str:
     return "whole"
 
 
-def weights_per_rank(model, config, tp: int, dtype: str) -> Weights:
-    """``model``: the model built on fake tensors; bytes as ``dtype`` on one of ``tp`` ranks."""
+def weights_per_rank(model, config, tp: int, dtype: str, split: bool = False) -> Weights:
+    """``model``: the model built on fake tensors (or the meta device); bytes as ``dtype`` on one of ``tp``
+    ranks. ``split``: the model is already one rank's (its heads and MLP divided: serve/profile.py
+    rank_config), so only the vocabulary split and padding remain to apply."""
     size = DTYPE_BYTES[dtype]
     heads = int(getattr(config, "num_attention_heads", None) or config.n_head)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -71,6 +73,8 @@ def weights_per_rank(model, config, tp: int, dtype: str) -> Weights:
         if kind == "vocab" and p.dim() == 2:
             rows = cdiv(p.shape[0], VOCAB_PADDING) * VOCAB_PADDING
             elements += cdiv(rows, tp) * p.shape[1]
+        elif split:
+            elements += n
         elif kind == "kv":
             elements += int(n * per_rank_kv) if tp > 1 else n
         elif kind in ("split", "vocab") and tp > 1:
