@@ -93,6 +93,9 @@ def estimate(
     fail_if_not_fits: Annotated[bool, typer.Option("--fail-if-not-fits", help="Exit 1 when it does not fit (CI).")]
     = False,
     strict: Strict = False, calibration: Calibration = None,
+    colocate_serve: Annotated[Optional[float], typer.Option(
+        "--colocate-serve", help="A vLLM rollout engine with this gpu_memory_utilization shares the GPU (trl GRPO "
+        "colocate; default trl 0.3 when given as 0.3).")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
@@ -107,7 +110,8 @@ def estimate(
 
         fmt = output_format(format, json, markdown)
         result = run_estimate(spec, gpu, fail_if_not_fits=fail_if_not_fits, plot=plot,
-                              timeline=fmt == OutputFormat.TABLE, progress=_progress(), calibration=calibration)
+                              timeline=fmt == OutputFormat.TABLE, progress=_progress(), calibration=calibration,
+                              colocate=None if colocate_serve is None else {"utilization": colocate_serve})
         if result.plot_path is not None:
             typer.echo(f"memest: wrote {result.plot_path}", err=True)
         code = EXIT_DOES_NOT_FIT if fail_if_not_fits and result.passes(strict) is False else EXIT_OK

@@ -209,3 +209,59 @@ def test_cli_serve_exit_codes():
     usage = runner.invoke(app, ["serve", "hf:gpt2", "--gpu", "h100", "--gpu-memory-utilization", "1.5"])
     assert usage.exit_code == 2
     assert runner.invoke(app, ["serve", "examples/mlp.py", "--gpu", "h100"]).exit_code == 2
+
+
+# ------------------------------------------------------------------------------ check gate, colocate
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_check_gates_serving_configs():
+    runner = CliRunner()
+    ok = runner.invoke(app, ["check", str(CONFIGS / "llama-3-8b-serve-h100.yaml"), "--json"])
+    assert ok.exit_code == 0, ok.output
+    row = json.loads(ok.stdout)["configs"][0]
+    assert row["verdict"] == "fits" and row["seq"] == 8192
+    bad = runner.invoke(app, ["check", str(CONFIGS / "llama-3.1-8b-serve-rtx3090-too-long.yaml"), "--json"])
+    assert bad.exit_code == 1, bad.output  # vLLM refused this start-up (vllm#10517)
+    assert json.loads(bad.stdout)["configs"][0]["verdict"] == "does-not-fit"
+
+
+def test_serve_config_keys_are_checked(tmp_path):
+    from memest.config import load_config as load_run_config
+    from memest.errors import MemestError
+
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("model: hf:gpt2\ngpu: h100\nserve: {max_model_len: 1024, min_concurency: 4}\n")
+    with pytest.raises(MemestError, match="did you mean 'min_concurrency'"):
+        load_run_config(cfg)
+    cfg.write_text("model: hf:gpt2\ngpu: h100\nserve: {engine: vlm}\n")
+    with pytest.raises(MemestError, match="did you mean 'vllm'"):
+        load_run_config(cfg)
+    cfg.write_text("model: hf:gpt2\ngpu: h100\nserve: {tp: two}\n")
+    with pytest.raises(MemestError, match="whole number"):
+        load_run_config(cfg)
+
+
+def test_colocate_arithmetic():
+    from memest.serve.colocate import colocate
+
+    plan = plan_serve(ServeSpec("hf:llama-3.2-1b", 80 * GiB, "h100", max_model_len=768, utilization=0.3,
+                                max_num_seqs=8, max_num_batched_tokens=4096))
+    c = colocate((20 * GiB, 21 * GiB, 22 * GiB), 80 * GiB, 0.3, plan)
+    assert c.engine_bytes == int(80 * GiB * 0.3)
+    assert c.headroom_bytes == 80 * GiB - 21 * GiB - c.engine_bytes
+    assert c.verdict == "fits" and c.engine_starts
+    assert c.largest_utilization == math.floor((80 - 22) / 80 * 100) / 100
+    too_big = colocate((60 * GiB, 62 * GiB, 64 * GiB), 80 * GiB, 0.3, plan)
+    assert too_big.verdict == "does-not-fit"
+
+
+def test_estimate_colocate_serve_flag():
+    result = CliRunner().invoke(app, ["estimate", "hf:llama-3.2-1b", "--batch", "1", "--seq", "128", "--precision",
+                                      "bf16-mixed", "--gpu", "h100", "--colocate-serve", "0.95", "--json",
+                                      "--fail-if-not-fits"])
+    assert result.exit_code == 1, result.output  # 95% for the engine leaves no room for the step
+    doc = json.loads(result.stdout)
+    assert doc["colocate"]["verdict"] == "does-not-fit" and doc["verdict"] == "does-not-fit"

@@ -33,6 +33,7 @@ def estimate_doc(result) -> dict:
     doc["verdict"] = result.verdict  # worst over the budgets compared; None without one
     doc["gpu_arch"] = {"arch": result.gpu.arch, "why": result.gpu.arch_reason}
     doc["calibration"] = result.gpu.calibration_note
+    doc["colocate"] = result.colocate.to_dict() if result.colocate is not None else None
     return doc
 
 
@@ -42,6 +43,8 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
 
     report, fits, reason = result.report, result.fits, result.gpu.no_gpu_reason
 
+    extra = colocate_lines(result.colocate, ("GiB", 2**30)) if result.colocate is not None else []
+
     def rich(console) -> None:
         print_estimate(console, report, fits, reason, depth, **_expand_kw(print_estimate, expand))
         if result.timeline is not None:
@@ -49,9 +52,12 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
 
             for line in terminal_timeline(result.timeline):
                 console.print(line, markup=False, highlight=False)
+        for line in extra:
+            console.print(line, markup=False, highlight=False)
 
     def markdown() -> str:
-        return estimate_markdown(report, fits, depth=depth, gpu_reason=reason, **_expand_kw(estimate_markdown, expand))
+        text = estimate_markdown(report, fits, depth=depth, gpu_reason=reason, **_expand_kw(estimate_markdown, expand))
+        return "\n\n".join([text, *extra])
 
     return View(estimate_doc(result), rich=rich, markdown=markdown)
 
@@ -336,12 +342,14 @@ def serve_lines(p, unit) -> list[str]:
 
 
 def colocate_lines(c, unit) -> list[str]:
-    lines = [f"colocate (trl GRPO vllm_mode='colocate'): training step needs {format_in(c.training_bytes, unit)} GiB "
-             f"(expected; {format_in(c.training_bytes_high, unit)} high) + rollout engine {c.utilization:g} x total = "
-             f"{format_in(c.engine_bytes, unit)} GiB -> {c.verdict.upper()} ({format_in(c.headroom_bytes, unit)} GiB "
-             "headroom)"]
-    lines.append(f"largest utilization that still fits: {c.largest_utilization:.2f}" if c.largest_utilization > 0 else
-                 "no utilization leaves room for the training step")
+    high = "unbounded" if c.training_bytes_high is None else format_in(c.training_bytes_high, unit)
+    lines = [f"colocate (trl GRPO vllm_mode='colocate') on {format_in(c.total_bytes, unit)}: training step needs "
+             f"{format_in(c.training_bytes, unit)} (high {high}) + rollout engine {c.utilization:g} x total = "
+             f"{format_in(c.engine_bytes, unit)} -> {VERDICT_TEXT.get(c.verdict, c.verdict)} "
+             f"(headroom {format_in(c.headroom_bytes, unit)})"]
+    lines.append((f"largest utilization that still fits: {c.largest_utilization:.2f}" if c.largest_utilization > 0 else
+                  "no utilization leaves room for the training step")
+                 + f"; the engine starts from {c.smallest_utilization:.2f} (one {c.max_model_len}-token sequence)")
     lines += [f"note: {n}" for n in c.notes]
     return lines
 
