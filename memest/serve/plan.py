@@ -3,6 +3,7 @@ and what to change when it will not start. Library code: returns a ServePlan, pr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -72,17 +73,23 @@ class ServePlan:
 
 
 def load_config(model: str):
-    """The transformers config of an hf: reference, without building the model."""
-    import transformers
+    """The transformers config of an hf: reference, without building the model (imports with the garbage
+    collector paused, as load_hf_source does)."""
+    import sys
 
-    from ..sources.hf import _config_path, _from_file, _from_hub
+    from ..trace.step import imports_without_gc
 
     if not model.startswith("hf:"):
         raise MemestError(f"memest serve takes an hf: model (hf:NAME, hf:path/config.json, hf:org/name), not {model!r}")
     name = model[3:]
-    transformers.logging.set_verbosity_error()
-    path = _config_path(name)
-    return _from_file(transformers, path) if path is not None else _from_hub(transformers, name)
+    with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():
+        import transformers
+
+        from ..sources.hf import _config_path, _from_file, _from_hub
+
+        transformers.logging.set_verbosity_error()
+        path = _config_path(name)
+        return _from_file(transformers, path) if path is not None else _from_hub(transformers, name)
 
 
 def _build_meta(config):
