@@ -158,8 +158,11 @@ def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dty
     context = _context(spec)
     plan = ServePlan(spec, spec.model[3:], max_len, positions, util, util_src, num_seqs, batched, batching, kv, weights,
                      profile, vllm=budget, context=context, notes=notes + profile.notes, config=config)
-    plan.longest_context = longest_context(kv, budget.available.bytes, spec.block_size, batched,
-                                           max(positions or 0, max_len, 1 << 24))
+    limit = max(positions or 0, max_len)
+    plan.longest_context = longest_context(kv, budget.available.bytes, spec.block_size, batched, limit)
+    if plan.longest_context == limit:
+        plan.notes.append(f"one sequence fits at every length up to {limit:,} tokens (the model's positions or "
+                          "--max-model-len, whichever is larger); memest searches no further")
     _verdict_vllm(plan)
     return plan
 
