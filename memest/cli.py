@@ -94,8 +94,8 @@ def estimate(
     = False,
     strict: Strict = False, calibration: Calibration = None,
     colocate_serve: Annotated[Optional[float], typer.Option(
-        "--colocate-serve", help="A vLLM rollout engine with this gpu_memory_utilization shares the GPU (trl GRPO "
-        "colocate; default trl 0.3 when given as 0.3).")] = None,
+        "--colocate-serve", help="A vLLM rollout engine at this gpu_memory_utilization shares the GPU, as in trl's "
+        "GRPO colocate mode (trl's default: 0.3); needs --gpu.")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""

@@ -265,3 +265,14 @@ def test_estimate_colocate_serve_flag():
     assert result.exit_code == 1, result.output  # 95% for the engine leaves no room for the step
     doc = json.loads(result.stdout)
     assert doc["colocate"]["verdict"] == "does-not-fit" and doc["verdict"] == "does-not-fit"
+
+
+def test_python_api_serve():
+    import memest
+
+    doc = memest.serve_capacity("hf:tinyllama-1.1b", gpu="h100", max_model_len=2048, max_num_seqs=16,
+                       max_num_batched_tokens=512)
+    assert doc["verdict"] == "starts" and doc["kv_tokens"] == doc["blocks"] * 16
+    assert doc["kv_bytes_per_token"] == 2 * 22 * 4 * 64 * 2
+    with pytest.raises(memest.MemestError, match="unknown option"):
+        memest.serve_capacity("hf:gpt2", gpu="h100", max_len=5)
