@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -71,6 +72,34 @@ ROWS = [
                "'GPU KV cache size: 178,880 tokens'; arithmetic only (FP8 weights)",
          total=None, util=None, available=8.11, kv=(94, 1, 128, 2), logged_tokens=178880, logged_starts=True),
 ]
+
+
+# SGLang: "Load weight end. ... avail mem=A GB, mem usage=W GB" (GiB despite the label), then the pool.
+SGLANG_ROWS = [
+    dict(id="sglang PR #18263", url="https://github.com/sgl-project/sglang/pull/18263",
+         setup="AMD GPU, Qwen3-30B-A3B, mem_fraction_static 0.911: 'avail mem=230.20 GB, mem usage=56.98 GB', "
+               "'initial available_bytes 219721119039 / 204.63 GB' (the KV budget before that PR's own change)",
+         avail=230.20, usage=56.98, fraction=0.911, logged_rest_bytes=219721119039, logged_starts=True),
+    dict(id="InferenceX #2128 (refused)", url="https://github.com/SemiAnalysisAI/InferenceX/issues/2128",
+         setup="8x H200, DeepSeek-V4-Pro FP8, TP 8, --mem-fraction-static 0.88: 'avail mem=12.25 GB, mem usage=125.65 "
+               "GB', 'Loaded weights leave no GPU memory for the KV cache'; SGLang's own minimum: 0.9113",
+         avail=12.25, usage=125.65, fraction=0.88, logged_rest_bytes=None, logged_starts=False, logged_minimum=0.9113),
+]
+
+
+def sglang_arithmetic(row: dict) -> dict:
+    """rest = free after load - free before load x (1 - fraction), with free before = avail + usage; the
+    smallest fraction with rest >= 0 is usage / free before (memest/serve/plan.py's fix)."""
+    from memest.serve.budget import Part, sglang_budget
+
+    before = int((row["avail"] + row["usage"]) * GiB)
+    g = sglang_budget(before, row["fraction"], "log", Part.exact("context", 0, "log"), int(row["usage"] * GiB),
+                      _kv(1, 1, 128, 2), 1)
+    smallest = math.ceil(row["usage"] / (row["avail"] + row["usage"]) * 10000) / 10000
+    out = {"rest_bytes": g.rest.bytes, "starts": g.rest.bytes > 0, "smallest_fraction": smallest}
+    if row["logged_rest_bytes"]:
+        out["error"] = (g.rest.bytes - row["logged_rest_bytes"]) / row["logged_rest_bytes"]
+    return out
 
 
 def _kv(layers: int, kv_heads: int, head_dim: int, nbytes: int):
@@ -178,14 +207,17 @@ def main() -> None:
         r["logged_starts"] = row["logged_starts"]
         results.append(r)
         print(row["id"], json.dumps(r["arithmetic"]), file=sys.stderr)
+    sglang = [{**{k: row[k] for k in ("id", "url", "setup", "logged_starts")}, "logged": row,
+               "arithmetic": sglang_arithmetic(row)} for row in SGLANG_ROWS]
     times = timing(args.runs)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"rows": results, "timing": times}, indent=2) + "\n")
-    out.write_text(render(results, times))
+    out.with_suffix(".json").write_text(json.dumps({"rows": results, "sglang": sglang, "timing": times}, indent=2)
+                                        + "\n")
+    out.write_text(render(results, times, sglang))
     print(f"wrote {out}", file=sys.stderr)
 
 
-def render(results: list[dict], times: list[dict]) -> str:
+def render(results: list[dict], times: list[dict], sglang: list[dict]) -> str:
     import torch
     import transformers
 
@@ -207,6 +239,21 @@ def render(results: list[dict], times: list[dict]) -> str:
         theirs = (f"{a['logged_tokens']:,} tokens" if a["what"] == "tokens" else f"{a['logged_kv_gib']:.2f} GiB")
         lines.append(f"| [{r['id']}]({r['url']}) | {r['setup']} | {mine} | {theirs} | {pct(a['error'])} | "
                      f"{_yn(a['starts'])} / {_yn(r['logged_starts'])} |")
+    lines += ["", "The TP-4 row: vLLM makes every rank use the smallest rank's block count (vllm/v1/core/kv_cache_utils.py "
+              "`get_kv_cache_configs`: `min_num_blocks = min(...)` over the workers); the log shows rank 0's available "
+              "memory, and its token count corresponds to about 8.02 GiB on the smallest rank. The other rows differ "
+              "by the logs' two-decimal GiB rounding only."]
+    lines += ["", "SGLang (`--engine sglang`): the KV pool from the log's free memory after loading and the weights' "
+              "usage, through memest/serve/budget.py `sglang_budget`.", "",
+              "| log | setup | memest | SGLang's log | error | starts (memest / log) |", "|---|---|---:|---:|---:|---|"]
+    for r in sglang:
+        a, logged = r["arithmetic"], r["logged"]
+        if logged["logged_rest_bytes"]:
+            theirs, err = f"{logged['logged_rest_bytes']:,} B", pct(a["error"])
+        else:
+            theirs, err = f"refused; minimum fraction {logged['logged_minimum']}", f"minimum {a['smallest_fraction']}"
+        lines.append(f"| [{r['id']}]({r['url']}) | {r['setup']} | {a['rest_bytes']:,} B | {theirs} | {err} | "
+                     f"{_yn(a['starts'])} / {_yn(r['logged_starts'])} |")
     lines += ["", "## 2. memest's own prediction", "",
               "memest's figures only (weights from the config, the profile run traced on fake tensors, the "
               "non-torch and CUDA-graph evidence constants), with the run's settings; then the same with the "
@@ -223,6 +270,14 @@ def render(results: list[dict], times: list[dict]) -> str:
         lines.append(f"| [{r['id']}]({r['url']}) | {mine} | {theirs} | {pct(p['error'])} | {pct(q['error'])} | "
                      f"{p['activation_gib']:.2f} / {r['logged_activation_gib']:.2f} GiB | {p['weights_gib']:.4f} GiB | "
                      f"{p['verdict']} / {'starts' if r['logged_starts'] else 'refused'} |")
+    lines += ["", "The goal (KV tokens within 1% of vLLM's report) is met by the arithmetic and by what memest computes "
+              "and traces (weights to the byte of vLLM's logged 14.9888 GiB; the traced activation against the logged "
+              "peaks in the table; tokens with the log's non-torch value put in), not by the uncalibrated non-torch "
+              "constant: its expected 0.16 GiB (the median of the published TP-1 values) against these logs' 0.35 GiB "
+              "and 1.79 GiB (the latter from a build that counted the CUDA context there) moves 0.2-1.6 GiB into the "
+              "KV cache. The logged tokens fall inside memest's range on both #10517 rows. The #10511 row's activation "
+              "reads low: that V0 build profiled 256 sequences of 32 tokens each, with per-sequence sampling tensors "
+              "memest's single-sequence forward does not reproduce."]
     lines += ["", "## 3. Speed", "",
               "Wall time of the whole command (a fresh process: imports, config, trace, arithmetic, JSON) and its CPU "
               "time (user + sys), medians; the last row is the README's speed yardstick (5.79 s on an idle machine) "

@@ -245,7 +245,9 @@ def _sglang(spec, config, kv, weights, max_len, positions, dtype, notes) -> Serv
         plan.reasons.append(f"no room for the KV pool: the weights ({_gib(weights.bytes)} GiB) exceed "
                             f"mem_fraction_static x free memory ({_gib(budget.free_before_load * fraction)} GiB); "
                             "SGLang raises 'Not enough memory. Please try to increase --mem-fraction-static'")
-        plan.fixes += [f"--tp {spec.tp * 2}", "a higher --gpu-memory-utilization (mem_fraction_static)"]
+        smallest = math.ceil(weights.bytes / budget.free_before_load * 10000) / 10000  # rest >= 0: f >= w / free
+        plan.fixes += [f"--gpu-memory-utilization {smallest:.4f} or higher (mem_fraction_static: the KV pool is empty "
+                       "below it)", f"--tp {spec.tp * 2}"]
     elif budget.tokens < max_len:
         plan.notes.append(f"the token pool ({budget.tokens}) is shorter than max_model_len {max_len}: SGLang starts, "
                           "and caps requests at the pool")
