@@ -276,3 +276,14 @@ def test_python_api_serve():
     assert doc["kv_bytes_per_token"] == 2 * 22 * 4 * 64 * 2
     with pytest.raises(memest.MemestError, match="unknown option"):
         memest.serve_capacity("hf:gpt2", gpu="h100", max_len=5)
+
+
+def test_sglang_refuses_when_the_weights_exceed_the_static_share():
+    plan = plan_serve(ServeSpec("hf:llama-2-70b", int(79.22 * GiB), "h100", engine="sglang", tp=2, utilization=0.8))
+    g = plan.sglang
+    assert plan.verdict == "will-not-start" and g.tokens == 0
+    smallest = math.ceil(g.weights_bytes / g.free_before_load * 10000) / 10000
+    assert plan.fixes[0].startswith(f"--gpu-memory-utilization {smallest:.4f}")
+    ok = plan_serve(ServeSpec("hf:llama-2-70b", int(79.22 * GiB), "h100", engine="sglang", tp=2,
+                              utilization=min(smallest + 0.02, 1.0)))
+    assert ok.sglang.tokens > 0
