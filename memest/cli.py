@@ -81,6 +81,8 @@ def estimate(
     shard: Annotated[Shard, typer.Option("--shard", help="none | zero1 | zero2 | zero3 (FSDP full shard).")] = Shard.NONE,
     offload: Annotated[Offload, typer.Option("--offload", help="none | optimizer | params (params: --shard zero3).")]
     = Offload.NONE,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (--world-size = dp x tp).")] = 1,
+    sp: Annotated[bool, typer.Option("--sp", help="Sequence parallel with --tp (torchtitan's plan).")] = False,
     gpu: Gpu = None,
     depth: Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")] = 3,
     expand: Annotated[bool, typer.Option("--expand", help="Show every repeated block instead of one row per run.")]
@@ -96,7 +98,7 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head)
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp)
 
     def work():
         from .app import run_estimate

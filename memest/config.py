@@ -34,8 +34,8 @@ SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
 EXTRA_KEYS = ("gpu", "margin", "name", "calibration")
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
-_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size"}
-_BOOL_KEYS = {"fused", "cudnn_benchmark"}
+_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp"}
+_BOOL_KEYS = {"fused", "cudnn_benchmark", "sp"}
 
 
 @dataclass

@@ -102,7 +102,7 @@ def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
     from .units import format_bytes
 
     report.sharding = sharding_summary(trace)
-    report.effective_batch *= spec.world_size
+    report.effective_batch *= spec.dp  # tensor-parallel ranks share one batch
     if spec.world_size > 1 and trace.parallel:
         report.notes.append(f"per-rank estimate: rank 0 of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
     elif spec.world_size > 1:

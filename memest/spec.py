@@ -68,6 +68,8 @@ class RunSpec:
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
+    tp: int = 1  # tensor-parallel ranks (trace/tensor_parallel.py); --world-size = dp x tp
+    sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -109,8 +111,41 @@ class RunSpec:
             raise MemestError(f"--shard applies to training; drop it with --mode {self.mode}")
         if self.offload == "params" and self.shard != "zero3":
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
+        self._check_model_parallel()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
+
+    def _check_model_parallel(self) -> None:
+        if self.tp < 1:
+            raise MemestError(f"--tp must be at least 1, got {self.tp}")
+        if self.sp and self.tp < 2:
+            raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
+        if self.tp == 1:
+            return
+        if self.world_size % self.tp:
+            raise MemestError(
+                f"--world-size {self.world_size} is not a multiple of --tp {self.tp}: the world is dp x tp ranks "
+                f"(e.g. --world-size {self.tp} for tensor parallel alone, {2 * self.tp} for 2-way FSDP x TP {self.tp})"
+            )
+        if not self.training:
+            raise MemestError(f"--tp is traced for training steps; drop it with --mode {self.mode}")
+        if self.offload != "none":
+            raise MemestError("--offload with --tp is not traced (not validated against a real run)")
+        if self.dp > 1 and self.shard not in ("zero2", "zero3"):
+            raise MemestError(
+                f"--world-size {self.world_size} with --tp {self.tp} is {self.dp}-way data parallel x TP {self.tp}: torch's "
+                "2-D recipe shards that dimension with FSDP2; add --shard zero3 (or zero2)"
+            )
+        if self.dp == 1 and self.shard != "none":
+            raise MemestError(
+                f"--shard {self.shard} needs data-parallel ranks: --world-size {self.world_size} is all tensor parallel "
+                f"(--tp {self.tp}); use --world-size {2 * self.tp} for 2-way FSDP x TP"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: --world-size / --tp."""
+        return self.world_size // self.tp
 
     @property
     def training(self) -> bool:

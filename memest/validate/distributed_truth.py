@@ -112,7 +112,7 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     del built
-    fsdp = spec.shard in ("zero2", "zero3")
+    fsdp = spec.shard in ("zero2", "zero3") or spec.tp > 1  # wrapped before: both replace the parameters
     # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
     replicas = not any(p.requires_grad for p in model.parameters())
     parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None
