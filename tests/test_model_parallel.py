@@ -1,0 +1,117 @@
+"""--tp / --sp (and FSDP x TP): the traced per-rank peak (--target cpu) against the same step run for real
+as N gloo processes on this CPU, each rank measured with torch.profiler memory events
+(memest/validate/distributed_truth.py), both parallelised by the same plan (trace/tensor_parallel.py).
+Tolerance: 0.5% of rank 0's measured peak (issue 13).
+
+Other ranks are not asserted: in theory they hold the same bytes (every dimension divides evenly), and
+they measure the same except when gloo's worker thread frees a collective's buffer late on this shared
+2-core machine (seen on one rank of four, now and then: +6 to +14%; docs/sharding.md describes the race).
+"""
+
+import pytest
+
+from memest.errors import MemestError
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import Category, Phase, trace_step
+from memest.validate.distributed_truth import measure_distributed_peaks
+
+from .conftest import model_ref
+
+REL_TOL = 0.005
+
+# (model, world size, tp, sp, shard, precision)
+CASES = {
+    2: [
+        ("hf:llama-tiny", 2, 2, False, "none", "fp32"),  # transformers' base_model_tp_plan
+        ("hf:llama-tiny", 2, 2, True, "none", "bf16-mixed"),  # torchtitan's plan with sequence parallel
+    ],
+    4: [
+        ("hf:llama-tiny-tp", 4, 4, False, "none", "fp32"),  # TP 4 (4 key/value heads)
+        ("hf:llama-tiny-tp", 4, 2, False, "zero3", "fp32"),  # FSDP x TP, 2 x 2 on a 2-D mesh
+        ("hf:llama-tiny-tp", 4, 2, True, "zero2", "bf16-mixed"),  # FSDP x TP + SP, mixed precision
+    ],
+}
+PARAMS = [case for cases in CASES.values() for case in cases]
+
+
+def _spec(case) -> RunSpec:
+    name, world_size, tp, sp, shard, precision = case
+    return RunSpec(
+        model=model_ref(name), batch=2, seq=32, optim="adamw", precision=precision, target="cpu",
+        world_size=world_size, tp=tp, sp=sp, shard=shard,
+    )
+
+
+def _id(case) -> str:
+    name, world_size, tp, sp, shard, precision = case
+    return f"{name.removeprefix('hf:')}-ws{world_size}-tp{tp}" + ("-sp" if sp else "") + f"-{shard}-{precision}"
+
+
+@pytest.fixture(scope="module")
+def measured():
+    cache: dict[int, dict] = {}
+
+    def get(case) -> list[dict]:
+        world_size = case[1]
+        if world_size not in cache:
+            cases = CASES[world_size]
+            cache[world_size] = dict(zip(cases, measure_distributed_peaks([_spec(c) for c in cases]), strict=True))
+        return cache[world_size][case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", PARAMS, ids=[_id(c) for c in PARAMS])
+def test_traced_rank_peak_matches_real_tensor_parallel_run(case, measured):
+    spec = _spec(case)
+    trace = trace_step(load_source(spec.model), spec)
+    estimated = trace.peak()[0]
+    ranks = measured(case)
+    real = ranks[0]["peak_bytes"]
+    error = (estimated - real) / real
+    assert abs(error) <= REL_TOL, (
+        f"{_id(case)}: traced {estimated} B, rank 0 measured {real} B ({100 * error:+.3f}%); "
+        f"all ranks: {[r['peak_bytes'] for r in ranks]}"
+    )
+    assert f"TP {spec.tp}" in trace.parallel
+
+
+# -- no real run ---------------------------------------------------------------------------------
+def test_tensor_parallel_divides_the_weights_as_the_plan_says():
+    """TP 4 on llama-tiny-tp (hidden 64, MLP 128, vocab 512, 2 layers): rank 0 holds a quarter of every
+    projection and of the untied head (colwise_gather_output), the whole embedding and the norms."""
+    hidden, mlp, vocab, layers = 64, 128, 512, 2
+    projections = layers * (4 * hidden * hidden + 3 * hidden * mlp)
+    norms = (2 * layers + 1) * hidden
+    expected = 4 * (projections // 4 + vocab * hidden + vocab * hidden // 4 + norms)  # fp32
+    trace = trace_step(load_source(model_ref("hf:llama-tiny-tp")), _spec(CASES[4][0]))
+    held = sum(rec.nbytes for rec in trace.storages if rec.category is Category.PARAMETERS and rec.phase is Phase.SETUP)
+    assert held == expected
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"world_size": 3, "tp": 2}, "not a multiple"),
+        ({"world_size": 4, "tp": 2}, "add --shard zero3"),
+        ({"world_size": 2, "tp": 2, "shard": "zero3"}, "needs data-parallel ranks"),
+        ({"sp": True}, "needs --tp 2"),
+        ({"world_size": 2, "tp": 2, "mode": "inference"}, "training"),
+    ],
+)
+def test_layouts_that_do_not_exist_are_refused(changes, match):
+    with pytest.raises(MemestError, match=match):
+        RunSpec(model="hf:llama-2-7b", **changes)
+
+
+def test_a_model_without_a_plan_is_refused():
+    spec = RunSpec(model=model_ref("hf:gpt2-tiny"), batch=2, seq=32, target="cpu", world_size=2, tp=2)
+    with pytest.raises(MemestError, match="no tensor-parallel plan"):
+        trace_step(load_source(spec.model), spec)
+
+
+def test_heads_must_divide():
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", world_size=4, tp=4)
+    with pytest.raises(MemestError, match="key/value heads"):
+        trace_step(load_source(spec.model), spec)
