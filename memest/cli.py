@@ -15,6 +15,7 @@ from .choices import (
     Optimizer,
     OutputFormat,
     Outputs,
+    PipelineSchedule,
     Precision,
     Shard,
     Target,
@@ -83,6 +84,13 @@ def estimate(
     = Offload.NONE,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (--world-size = dp x tp).")] = 1,
     sp: Annotated[bool, typer.Option("--sp", help="Sequence parallel with --tp (torchtitan's plan).")] = False,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (--world-size = pp); every stage is reported.")] = 1,
+    pp_schedule: Annotated[PipelineSchedule, typer.Option("--pp-schedule", help="1f1b | gpipe | interleaved.")]
+    = PipelineSchedule.ONE_F_ONE_B,
+    microbatches: Annotated[int, typer.Option("--microbatches", help="--pp: micro-batches of --batch per step "
+                                              "(default: --pp).")] = 0,
+    pp_split: Annotated[str, typer.Option("--pp-split", help="--pp: layers per stage, e.g. 3,3,2 (default even).")]
+    = "",
     gpu: Gpu = None,
     depth: Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")] = 3,
     expand: Annotated[bool, typer.Option("--expand", help="Show every repeated block instead of one row per run.")]
@@ -98,7 +106,8 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp)
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp,
+                pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split)
 
     def work():
         from .app import run_estimate

@@ -29,12 +29,12 @@ from .errors import MemestError
 from .spec import RunSpec
 
 _SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
-_INTERNAL = {"iterations", "lr", "compute_capability"}  # not run-config keys
+_INTERNAL = {"iterations", "lr", "compute_capability", "pp_stage"}  # not run-config keys
 SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
 EXTRA_KEYS = ("gpu", "margin", "name", "calibration")
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
-_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp"}
+_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches"}
 _BOOL_KEYS = {"fused", "cudnn_benchmark", "sp"}
 
 

@@ -58,9 +58,12 @@ class Parallel:
     description: str
     units: list[str] = field(default_factory=list)  # fully_shard units ('' = the root)
     ddp_buckets: list = field(default_factory=list)  # storages of DDP's gradient buckets (traces only)
+    stage: nn.Module | None = None  # --pp: the module the pipeline stage calls (its .module is ``model``)
 
     @property
     def wrapper(self) -> nn.Module | None:
+        if self.stage is not None:
+            return self.stage
         return self.module if self.module is not self.model else None
 
     def optimizer_state(self) -> dict:
@@ -110,11 +113,22 @@ def _real_values():
 def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """Wrap ``model`` as ``spec.shard`` (and ``spec.tp``) say; ``fake``: under a fake process group on
     fake tensors."""
+    if spec.pp > 1:
+        return _pipeline(model, spec)
     if spec.tp > 1:
         return _tensor_parallel(model, spec)
     if spec.shard in ("zero2", "zero3"):
         return _fsdp(model, spec)
     return _ddp(model, spec, fake)
+
+
+def _pipeline(model: nn.Module, spec: RunSpec) -> Parallel:
+    """--pp: this rank's stage (trace/pipeline_parallel.py); the optimizer covers the stage's parameters."""
+    from .pipeline_parallel import PipelineStep, describe
+
+    step = PipelineStep(model, spec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Parallel(step, model, make_optimizer(spec, params), describe(step, spec), stage=step.module)
 
 
 def _tensor_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
@@ -467,7 +481,7 @@ def sharding_summary(trace: Trace) -> dict:
     device_peak, _ = trace.peak()
     return {
         "world_size": trace.world_size,
-        "rank": 0,
+        "rank": trace.rank,
         "parallel": trace.parallel,
         "shard_units": list(trace.shard_units),
         "device_peak_bytes": device_peak,
