@@ -234,6 +234,26 @@ def advise(
     run_command(work, lambda: output_format(format, json, markdown), debug)
 
 
+@app.command("plan-parallel")
+def plan_parallel(
+    model: Model, gpu: Budget,
+    gpus: Annotated[int, typer.Option("--gpus", help="How many GPUs to lay the model out on.")] = 8,
+    batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
+    target: Tgt = Target.CUDA, checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
+) -> None:
+    """dp x tp (x pp) layouts of --gpus GPUs: each rank's need, those that fit ranked by communication per step."""
+    def work():
+        from .app import run_plan_parallel
+        from .report.views import plan_parallel_view
+
+        spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+                    checkpointing=checkpointing, outputs=outputs)
+        return plan_parallel_view(run_plan_parallel(spec, gpus, gpu, progress=_progress())), EXIT_OK
+
+    run_command(work, lambda: output_format(format, json, markdown), debug)
+
+
 @app.command()
 def gpus(format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False) -> None:
     """Live table of NVIDIA GPUs and their processes (NVML)."""
