@@ -192,3 +192,15 @@ def test_pipeline_layouts_that_are_not_traced_are_refused(changes, match):
         return
     with pytest.raises(MemestError, match=match):
         RunSpec(model="hf:llama-2-7b", **changes)
+
+
+def test_run_configs_take_the_model_parallel_keys(tmp_path):
+    from memest.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: hf:llama-2-7b\nworld_size: 2\npp: 2\nmicrobatches: 4\npp_schedule: gpipe\npp_split: '16,16'\n")
+    spec = load_config(path).spec()
+    assert (spec.pp, spec.microbatches, spec.pp_schedule, spec.pp_split) == (2, 4, "gpipe", "16,16")
+    path.write_text("model: hf:llama-2-7b\nworld_size: 4\ntp: 2\nsp: true\nshard: zero3\n")
+    spec = load_config(path).spec()
+    assert (spec.tp, spec.sp, spec.dp) == (2, True, 2)
