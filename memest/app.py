@@ -523,6 +523,26 @@ def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
     return AdviseRun(advice, ctx.gpu, spec_args["model"])
 
 
+@dataclass
+class ParallelPlanRun:
+    plan: object  # plan.parallel.ParallelPlan
+    gpu: GpuContext
+
+
+def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress | None = None) -> ParallelPlanRun:
+    """`memest plan-parallel`: layouts of ``gpus`` GPUs for one model, each rank's need against ``gpu``."""
+    from .plan.parallel import plan_parallel
+
+    if gpus < 1:
+        raise MemestError(f"--gpus must be at least 1, got {gpus}")
+    ctx = resolve_gpu(gpu, need_budget=True, target=spec_args.get("target", Target.CUDA))
+    spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
+    with user_code(spec.model), ticker("plan-parallel", progress):
+        plan = plan_parallel(spec.model, gpus, ctx.capacity_bytes, ctx.budget_label, spec,
+                             calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
+    return ParallelPlanRun(plan, ctx)
+
+
 # ------------------------------------------------------------------------------- gpus, calibrate
 
 

@@ -98,6 +98,14 @@ class Shard(Choice):
     ZERO3 = "zero3"  # + parameters (FSDP full shard)
 
 
+class PipelineSchedule(Choice):
+    """--pp-schedule: torch.distributed.pipelining's schedules (trace/pipeline_parallel.py)."""
+
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: stage i holds at most min(M, N - i) micro-batches' activations
+    GPIPE = "gpipe"  # ScheduleGPipe: every forward, then every backward: all M held
+    INTERLEAVED = "interleaved"  # ScheduleInterleaved1F1B: virtual stages (not traced yet)
+
+
 class Offload(Choice):
     NONE = "none"
     OPTIMIZER = "optimizer"

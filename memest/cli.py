@@ -18,6 +18,7 @@ from .choices import (
     Optimizer,
     OutputFormat,
     Outputs,
+    PipelineSchedule,
     Precision,
     Shard,
     Target,
@@ -84,6 +85,15 @@ def estimate(
     shard: Annotated[Shard, typer.Option("--shard", help="none | zero1 | zero2 | zero3 (FSDP full shard).")] = Shard.NONE,
     offload: Annotated[Offload, typer.Option("--offload", help="none | optimizer | params (params: --shard zero3).")]
     = Offload.NONE,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (--world-size = dp x tp).")] = 1,
+    sp: Annotated[bool, typer.Option("--sp", help="Sequence parallel with --tp (torchtitan's plan).")] = False,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (--world-size = pp); every stage is reported.")] = 1,
+    pp_schedule: Annotated[PipelineSchedule, typer.Option("--pp-schedule", help="1f1b | gpipe | interleaved.")]
+    = PipelineSchedule.ONE_F_ONE_B,
+    microbatches: Annotated[int, typer.Option("--microbatches", help="--pp: micro-batches of --batch per step "
+                                              "(default: --pp).")] = 0,
+    pp_split: Annotated[str, typer.Option("--pp-split", help="--pp: layers per stage, e.g. 3,3,2 (default even).")]
+    = "",
     gpu: Gpu = None,
     depth: Annotated[int, typer.Option("--depth", help="Module-tree depth shown in the table.")] = 3,
     expand: Annotated[bool, typer.Option("--expand", help="Show every repeated block instead of one row per run.")]
@@ -102,7 +112,8 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head)
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp,
+                pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split)
 
     def work():
         from .app import run_estimate
@@ -267,6 +278,26 @@ def serve(
         run = run_serve(args, gpu, progress=_progress())
         code = EXIT_DOES_NOT_FIT if fail_if_not_starts and not run.plan.starts else EXIT_OK
         return serve_view(run), code
+
+    run_command(work, lambda: output_format(format, json, markdown), debug)
+
+
+@app.command("plan-parallel")
+def plan_parallel(
+    model: Model, gpu: Budget,
+    gpus: Annotated[int, typer.Option("--gpus", help="How many GPUs to lay the model out on.")] = 8,
+    batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
+    target: Tgt = Target.CUDA, checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
+) -> None:
+    """dp x tp (x pp) layouts of --gpus GPUs: each rank's need, those that fit ranked by communication per step."""
+    def work():
+        from .app import run_plan_parallel
+        from .report.views import plan_parallel_view
+
+        spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
+                    checkpointing=checkpointing, outputs=outputs)
+        return plan_parallel_view(run_plan_parallel(spec, gpus, gpu, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 

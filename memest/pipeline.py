@@ -57,11 +57,36 @@ class Estimate(EstimateViews):
 
 
 def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Estimate:
-    """``source``: an already loaded ModelSource for ``spec.model`` (planners reuse one)."""
+    """``source``: an already loaded ModelSource for ``spec.model`` (planners reuse one). With --pp every
+    stage is traced; the estimate returned is the stage that needs the most, with every stage listed
+    (``report.pipeline_stages``): the step fits only if its worst stage does."""
     source = source or load_source(spec.model)
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
+    if spec.pp == 1:
+        return _estimate_one(spec, calibration, source)
+    stages = [_estimate_one(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
+    worst = max(stages, key=lambda e: e.needed_bytes)
+    worst.report.pipeline_stages = [
+        {"stage": i, "traced": e.trace.parallel, "peak_allocated_bytes": e.report.peak_allocated_bytes,
+         "needed_bytes": e.needed_bytes, "trace_seconds": e.report.trace_seconds}
+        for i, e in enumerate(stages)
+    ]
+    worst.report.trace_seconds = sum(e.report.trace_seconds for e in stages)
+    worst.report.notes.insert(0, _stages_note(stages, worst))
+    return worst
+
+
+def _stages_note(stages: list[Estimate], worst: Estimate) -> str:
+    from .units import format_bytes
+
+    rows = ", ".join(f"stage {i} {format_bytes(e.needed_bytes)}" for i, e in enumerate(stages))
+    k = stages.index(worst)
+    return f"pipeline: every stage traced ({rows}); the report shows stage {k}, the one that needs the most (the verdict is its)"
+
+
+def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
     start = time.perf_counter()
     trace = trace_step(source, spec)
     report = analyse(trace, spec, source.name)
@@ -102,9 +127,11 @@ def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
     from .units import format_bytes
 
     report.sharding = sharding_summary(trace)
-    report.effective_batch *= spec.world_size
+    report.effective_batch *= spec.dp  # tensor-parallel ranks share one batch, pipeline stages too
+    if spec.pp > 1:
+        report.effective_batch *= spec.microbatches_per_step
     if spec.world_size > 1 and trace.parallel:
-        report.notes.append(f"per-rank estimate: rank 0 of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
+        report.notes.append(f"per-rank estimate: rank {spec.pp_stage} of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
     elif spec.world_size > 1:
         report.notes.append(f"per-rank estimate: each of the {spec.world_size} ranks runs this {spec.mode} step on its own batch")
     if spec.offload != "none":

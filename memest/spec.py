@@ -13,6 +13,7 @@ from .choices import (
     Offload,
     Optimizer,
     Outputs,
+    PipelineSchedule,
     Precision,
     Shard,
     Target,
@@ -32,6 +33,7 @@ _CHOICE_FIELDS = {
     "shard": (Shard, "--shard"),
     "offload": (Offload, "--offload"),
     "outputs": (Outputs, "--outputs"),
+    "pp_schedule": (PipelineSchedule, "--pp-schedule"),
 }
 
 
@@ -68,6 +70,13 @@ class RunSpec:
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
+    tp: int = 1  # tensor-parallel ranks (trace/tensor_parallel.py); --world-size = dp x tp
+    sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
+    pp: int = 1  # pipeline stages (trace/pipeline_parallel.py), one rank each
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    microbatches: int = 0  # --pp: micro-batches (of --batch) per step; 0 = --pp
+    pp_split: str = ""  # --pp: layers per stage, e.g. "3,3,2" ("" = even)
+    pp_stage: int = 0  # the stage traced (every stage is traced for a report; not a user option)
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -109,8 +118,74 @@ class RunSpec:
             raise MemestError(f"--shard applies to training; drop it with --mode {self.mode}")
         if self.offload == "params" and self.shard != "zero3":
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
+        self._check_model_parallel()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
+
+    def _check_model_parallel(self) -> None:
+        self._check_pipeline()
+        if self.tp < 1:
+            raise MemestError(f"--tp must be at least 1, got {self.tp}")
+        if self.sp and self.tp < 2:
+            raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
+        if self.tp == 1:
+            return
+        if self.world_size % self.tp:
+            raise MemestError(
+                f"--world-size {self.world_size} is not a multiple of --tp {self.tp}: the world is dp x tp ranks "
+                f"(e.g. --world-size {self.tp} for tensor parallel alone, {2 * self.tp} for 2-way FSDP x TP {self.tp})"
+            )
+        if not self.training:
+            raise MemestError(f"--tp is traced for training steps; drop it with --mode {self.mode}")
+        if self.offload != "none":
+            raise MemestError("--offload with --tp is not traced (not validated against a real run)")
+        if self.dp > 1 and self.shard not in ("zero2", "zero3"):
+            raise MemestError(
+                f"--world-size {self.world_size} with --tp {self.tp} is {self.dp}-way data parallel x TP {self.tp}: torch's "
+                "2-D recipe shards that dimension with FSDP2; add --shard zero3 (or zero2)"
+            )
+        if self.dp == 1 and self.shard != "none":
+            raise MemestError(
+                f"--shard {self.shard} needs data-parallel ranks: --world-size {self.world_size} is all tensor parallel "
+                f"(--tp {self.tp}); use --world-size {2 * self.tp} for 2-way FSDP x TP"
+            )
+
+    def _check_pipeline(self) -> None:
+        if self.pp < 1:
+            raise MemestError(f"--pp must be at least 1, got {self.pp}")
+        if self.microbatches < 0:
+            raise MemestError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.pp == 1:
+            if self.microbatches or self.pp_split or self.pp_schedule != "1f1b":
+                raise MemestError("--microbatches, --pp-split and --pp-schedule describe a pipeline; add --pp N (N >= 2)")
+            return
+        if self.pp_schedule == "interleaved":
+            raise MemestError(
+                "--pp-schedule interleaved is not traced yet (its virtual stages need two stage modules per rank); "
+                "use 1f1b or gpipe"
+            )
+        if self.world_size != self.pp or self.tp > 1 or self.shard != "none" or self.offload != "none":
+            raise MemestError(
+                f"--pp {self.pp} is traced on its own: --world-size {self.pp} (one rank per stage), without --tp, "
+                "--shard or --offload (pipeline x data/tensor parallel is not traced yet)"
+            )
+        if not self.training or self.grad_accum > 1 or LossHead.of(self.loss_head)[0] != LossHead.STANDARD:
+            raise MemestError("--pp traces a training step of --microbatches micro-batches (drop --grad-accum, --loss-head, --mode)")
+        if not 0 <= self.pp_stage < self.pp:
+            raise MemestError(f"pipeline stage {self.pp_stage} is not one of the {self.pp} stages")
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.microbatches or self.pp
+
+    @property
+    def pp_virtual(self) -> int:
+        return 2 if self.pp_schedule == "interleaved" else 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: --world-size / (--tp x --pp)."""
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def training(self) -> bool:

@@ -118,8 +118,8 @@ def summary_table(report: Report) -> Table:
     if report.sharding:
         sh = report.sharding
         table.add_row(
-            "data parallel",
-            f"rank 0 of {sh['world_size']}" + (f", {sh['parallel']}" if sh.get("parallel") else "")
+            "parallel" if report.spec.get("tp", 1) > 1 or report.spec.get("pp", 1) > 1 else "data parallel",
+            f"rank {sh.get('rank', 0)} of {sh['world_size']}" + (f", {sh['parallel']}" if sh.get("parallel") else "")
             + f"; effective batch {report.effective_batch}",
         )
         if sh.get("host_peak_bytes"):

@@ -228,6 +228,36 @@ def advise_view(run) -> View:
     return View(doc, blocks)
 
 
+def plan_parallel_view(run) -> View:
+    p = run.plan
+    unit = table_unit([p.budget_bytes] + [lay.needed_bytes for lay in p.layouts if not lay.error])
+    rows = []
+    for lay in p.layouts:
+        if lay.error:
+            rows.append([lay.name, "-", "-", "not traced", lay.error])
+            continue
+        rows.append([lay.name, format_in(lay.needed_bytes, unit), format_bytes(lay.comm_bytes), lay.verdict,
+                     ("worst pipeline stage; " if lay.pp > 1 else "") + lay.derived_from])
+    blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
+                          "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
+                                                          "how"], rows, left=("layout", "verdict", "how"))]
+    best = next((lay for lay in p.layouts if lay.fits and not lay.error), None)
+    if best is None:
+        blocks.append("no layout searched fits")
+    else:
+        from ..spec import RunSpec
+
+        blocks.append(f"best: {best.name}\n  {best.command(p.model, RunSpec(**p.base))} --gpu {run.gpu.budget_label}")
+    if p.check:
+        c = p.check
+        blocks.append(f"extrapolation checked on {c['layout']} at {c['depth_per_stage']} layers per stage: predicted "
+                      f"{format_bytes(c['predicted_peak_bytes'])}, traced {format_bytes(c['traced_peak_bytes'])} "
+                      f"({100 * c['error']:+.2f}%)")
+    blocks += [f"note: {n}" for n in p.notes]
+    blocks.append(f"planned in {p.seconds:.1f} s")
+    return View({"budget": run.gpu.budget_label, **p.to_dict()}, blocks)
+
+
 # ---------------------------------------------------------------------------------- gpus, calibrate
 
 

@@ -58,9 +58,12 @@ class Parallel:
     description: str
     units: list[str] = field(default_factory=list)  # fully_shard units ('' = the root)
     ddp_buckets: list = field(default_factory=list)  # storages of DDP's gradient buckets (traces only)
+    stage: nn.Module | None = None  # --pp: the module the pipeline stage calls (its .module is ``model``)
 
     @property
     def wrapper(self) -> nn.Module | None:
+        if self.stage is not None:
+            return self.stage
         return self.module if self.module is not self.model else None
 
     def optimizer_state(self) -> dict:
@@ -86,23 +89,86 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _mesh(world_size: int):
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+def _mesh(world_size: int, tp: int = 1):
+    """A 1-D mesh of the data-parallel ranks, or with --tp a 2-D ("dp", "tp") mesh (tp innermost, as
+    torchtitan lays it out: a rank's tensor-parallel peers are its neighbours)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with unset_fake_temporarily():  # the mesh reads its rank table as real values
-        return init_device_mesh("cpu", (world_size,))
+    with _real_values():  # the mesh reads its rank table as real values
+        if tp == 1:
+            return init_device_mesh("cpu", (world_size,))
+        return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _real_values():
+    """No dispatch mode while a mesh computes from its rank table: neither the fake mode nor the
+    placeholder answers to value reads that the build runs under (trace/values.py), which would pick
+    another rank's group."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 # -- wrapping (shared by the trace and the real ground truth) ------------------------------------
 def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
-    """Wrap ``model`` as ``spec.shard`` says; ``fake``: under a fake process group on fake tensors."""
+    """Wrap ``model`` as ``spec.shard`` (and ``spec.tp``) say; ``fake``: under a fake process group on
+    fake tensors."""
+    if spec.pp > 1:
+        return _pipeline(model, spec)
+    if spec.tp > 1:
+        return _tensor_parallel(model, spec)
     if spec.shard in ("zero2", "zero3"):
         return _fsdp(model, spec)
     return _ddp(model, spec, fake)
 
 
-def _fsdp(model: nn.Module, spec: RunSpec) -> Parallel:
+def _pipeline(model: nn.Module, spec: RunSpec) -> Parallel:
+    """--pp: this rank's stage (trace/pipeline_parallel.py); the optimizer covers the stage's parameters."""
+    from .pipeline_parallel import PipelineStep, describe
+
+    step = PipelineStep(model, spec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Parallel(step, model, make_optimizer(spec, params), describe(step, spec), stage=step.module)
+
+
+def _tensor_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
+    """--tp: torch's parallelize_module on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension
+    when there is one (torch's 2-D FSDP x TP recipe; trace/tensor_parallel.py)."""
+    from . import tensor_parallel
+
+    mesh = _mesh(spec.world_size, spec.tp)
+    with _real_values():  # slicing reads the rank table
+        tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    what = tensor_parallel.apply(model, spec, tp_mesh)
+    if spec.dp > 1:
+        with _real_mesh_concatenation():
+            fsdp = _fsdp(model, spec, dp_mesh)
+        fsdp.description = f"{what} x {fsdp.description} over DP {spec.dp}"
+        return fsdp
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Parallel(model, model, make_optimizer(spec, params), what)
+
+
+@contextlib.contextmanager
+def _real_mesh_concatenation() -> Iterator[None]:
+    """FSDP over TP joins the dp and tp meshes (``DeviceMesh._concatenate``), which indexes the rank table
+    (a real tensor); under the trace's fake mode it runs with fake tensors unset, as the mesh's own setup does."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_concatenate"]
+
+    def concatenate(meshes):
+        with _real_values():
+            return original.__func__(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
+
+
+def _fsdp(model: nn.Module, spec: RunSpec, mesh=None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if spec.optim == "adafactor":  # the real run fails the same way
@@ -112,7 +178,7 @@ def _fsdp(model: nn.Module, spec: RunSpec) -> Parallel:
             f"optimizer with --shard {spec.shard}"
         )
     reshard = spec.shard == "zero3"
-    kwargs: dict = {"mesh": _mesh(spec.world_size), "reshard_after_forward": reshard}
+    kwargs: dict = {"mesh": mesh if mesh is not None else _mesh(spec.world_size), "reshard_after_forward": reshard}
     if spec.offload == "params":
         # pinned host memory needs CUDA; pinning changes transfer speed, not the bytes held
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -229,12 +295,22 @@ def _nbytes(t: torch.Tensor) -> int:
 # reduce_scatter_tensor_coalesced clones the whole input, all-reduces the clone and copies this
 # rank's chunk out; allgather gathers into a flat output of its own and copies it out. Measured on
 # real gloo runs (validate/distributed_truth.py). NCCL (--target cuda) works in the given buffers.
+# The functional collectives DTensor redistributes with (--tp) call the same gloo ops: all_gather_into_tensor
+# gathers into gloo's own flat buffer of the output's size (measured: aten::empty of the output size
+# freed inside gloo:all_gather); all_reduce works in its output (a clone of the input) without a temporary.
 def _gloo_buffers() -> dict:
-    c10d = torch.ops.c10d
+    c10d, functional = torch.ops.c10d, torch.ops._c10d_functional
     return {
         c10d._reduce_scatter_base_.default: lambda args, kwargs: [_nbytes(args[1])],
         c10d._allgather_base_.default: lambda args, kwargs: [_nbytes(args[0])],
+        functional.all_gather_into_tensor.default: lambda args, kwargs: [_nbytes(args[0]) * args[1]],
+        functional.reduce_scatter_tensor.default: lambda args, kwargs: [_nbytes(args[0])],
     }
+
+
+def _wait_returns_input(args, kwargs, out, run):
+    """``_c10d_functional.wait_tensor`` returns the tensor it waited on (its fake kernel makes a new one)."""
+    return args[0]
 
 
 def attach(tracker, parallel: Parallel, spec: RunSpec) -> None:
@@ -244,6 +320,7 @@ def attach(tracker, parallel: Parallel, spec: RunSpec) -> None:
     from torch.distributed.tensor import DTensor
 
     tracker.subclass_types = (DTensor,)
+    tracker.outputs = {**tracker.outputs, torch.ops._c10d_functional.wait_tensor.default: _wait_returns_input}
     if spec.target == "cpu":
         tracker.scratch = {**tracker.scratch, **_gloo_buffers()}
     for storage in parallel.ddp_buckets:
@@ -404,7 +481,7 @@ def sharding_summary(trace: Trace) -> dict:
     device_peak, _ = trace.peak()
     return {
         "world_size": trace.world_size,
-        "rank": 0,
+        "rank": trace.rank,
         "parallel": trace.parallel,
         "shard_units": list(trace.shard_units),
         "device_peak_bytes": device_peak,

@@ -74,6 +74,7 @@ class Trace:
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     # storage id -> module that owns it (parameters, their gradients and optimizer state)
     owner_module: dict[int, str] = field(default_factory=dict)
+    rank: int = 0  # the rank traced (--pp: the pipeline stage)
     model_type: str = ""
     attention_backends: dict[str, int] = field(default_factory=dict)  # SDPA backend -> calls (cuda)
     # FLOPs (torch.utils.flop_counter formulas) by (iteration, phase, module)

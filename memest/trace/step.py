@@ -267,6 +267,16 @@ def run_iteration(
     kept = spec.outputs == Outputs.KEPT
     loop = loop if loop is not None else LoopState()
     micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
+    if spec.pp > 1:  # a pipeline stage: the schedule runs forward, loss and backward of its micro-batches
+        with autocast_context(spec, device_type):
+            model(inputs, mark)  # marks each micro-batch's forward and backward
+        done(Phase.BACKWARD)
+        mark(Phase.OPTIMIZER)
+        optimizer.step()
+        done(Phase.OPTIMIZER)
+        mark(Phase.ZERO_GRAD)
+        optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
+        return
     with loss_head_scope(model, spec):
         for _ in range(micro_steps):
             mark(Phase.FORWARD)
@@ -393,7 +403,7 @@ def _fake_world(step: _Step):
             return
         from . import distributed
 
-        with distributed.fake_process_group(step.spec.world_size):
+        with distributed.fake_process_group(step.spec.world_size, rank=step.spec.pp_stage):
             yield
 
 
@@ -598,7 +608,7 @@ def _classify(step: _Step) -> None:
     if spec.world_size > 1 or spec.offload != "none":
         from . import distributed
 
-        trace.world_size = spec.world_size
+        trace.world_size, trace.rank = spec.world_size, spec.pp_stage
         distributed.mark_host(trace, spec)
 
 

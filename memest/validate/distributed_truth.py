@@ -58,6 +58,22 @@ def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int 
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(specs))]
 
 
+def measure_pipeline_stage_peaks(spec: RunSpec, seed: int = 0) -> list[dict]:
+    """--pp: each stage's step run for real, in this process, one stage after another, on a fake process
+    group whose rank is the stage: real tensors and the real CPU allocator, measured as ``_measure`` does,
+    but the point-to-point transfers move no data (received activations and gradients are left as
+    allocated). torch.distributed.pipelining hangs on gloo (pytorch/pytorch#132644: batch_isend_irecv
+    is not stable on gloo; reproduced with torch 2.13 on a 2-layer Sequential, Schedule1F1B and
+    ScheduleGPipe), so no multi-process run exists; the allocations do not depend on the values sent."""
+    from ..trace.distributed import fake_process_group
+
+    out = []
+    for stage in range(spec.pp):
+        with fake_process_group(spec.world_size, rank=stage):
+            out.append(_measure(RunSpec(**{**spec.to_dict(), "pp_stage": stage}), stage, seed))
+    return out
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -107,12 +123,15 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     them in the order gradients arrived), so DDP is wrapped inside the profile; FSDP frees the
     unsharded parameters when it shards them, so it is wrapped before. A marker allocation
     separates the wrapping from the step; the peak is taken after it."""
+    if spec.pp > 1:  # each rank runs its own pipeline stage
+        spec = RunSpec(**{**spec.to_dict(), "pp_stage": rank}) if spec.pp_stage != rank else spec
     source = load_source(spec.model)
     torch.manual_seed(seed)
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     del built
-    fsdp = spec.shard in ("zero2", "zero3")
+    # wrapped before: FSDP and TP replace the parameters, a pipeline stage drops the other stages' layers
+    fsdp = spec.shard in ("zero2", "zero3") or spec.tp > 1 or spec.pp > 1
     # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
     replicas = not any(p.requires_grad for p in model.parameters())
     parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None

@@ -1,0 +1,155 @@
+"""Issue 13's benchmark -> benchmarks/parallel.md.
+
+1. Tiny layouts measured for real on this CPU (TP 2, TP 2 + SP, TP 4, FSDP x TP 2 x 2, a 2-stage 1F1B
+   pipeline): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
+   Megatron-LM's published per-rank formula on the same configuration, as a peer.
+2. llama-2-70b and mixtral-8x7b planned on 8 and 64 GPUs (`memest plan-parallel`, H100 80 GB,
+   bf16-mixed AdamW, batch 1, seq 4096), with the wall time of each plan, and Megatron's formula for the
+   same layouts beside memest's per-rank need.
+
+Megatron's formula: megatron/training/theoretical_memory_usage.py (NVIDIA/Megatron-LM, read at commit
+00caa53a), re-implemented here for dense GQA/SwiGLU decoders and Mixtral's MoE:
+  weights + optimizer = params on the most loaded shard x (18 B, or 6 + 12 / dp with the distributed
+    optimizer), the most loaded shard = (transformer block / pp + embedding) / tp (+ the untied output
+    layer when pp = 1);
+  activations (``compute_activation_memory_without_sp``) = s b h (10 + 24 / tp) per layer x layers, + 8 s b pp
+    + s b h pp (embedding), x min(1, M / pp) with a pipeline, + 2 (s b V / tp + s b h) when pp = 1, x 1.05.
+It describes Megatron's own training (bf16 weights with fp32 main grads, its kernels), not torch AMP +
+FSDP2 as memest traces; it is a peer, not a ground truth.
+
+Usage: python scripts/bench_parallel.py [--skip-real] [--skip-plans]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TINY = [  # (label, config, RunSpec changes)
+    ("TP 2", "llama-tiny", dict(world_size=2, tp=2)),
+    ("TP 2 + SP", "llama-tiny", dict(world_size=2, tp=2, sp=True)),
+    ("TP 4", "llama-tiny-tp", dict(world_size=4, tp=4)),
+    ("FSDP x TP 2 x 2", "llama-tiny-tp", dict(world_size=4, tp=2, shard="zero3")),
+    ("PP 2, 1F1B, M 4", "llama-tiny", dict(world_size=2, pp=2, microbatches=4)),
+]
+PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
+
+
+def megatron_bytes(cfg: dict, tp: int, pp: int, dp: int, batch: int, seq: int, microbatches: int | None,
+                   distributed_optimizer: bool) -> tuple[float, float]:
+    """(weights + optimizer, activations) per rank, bytes (module docstring)."""
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    groups = cfg.get("num_key_value_heads") or heads
+    ffn = cfg["intermediate_size"]
+    experts = cfg.get("num_local_experts") or 1
+    attn = 2 * h * h * (1 + groups / heads)
+    layer = 2 * h * (ffn * experts * 3 / 2 + 1) + attn  # SwiGLU x 3/2, RMSNorm (1)
+    block = layer * layers + h
+    emb = h * vocab
+    untied = not cfg.get("tie_word_embeddings", False)
+    shard = (block / pp + emb) / tp
+    if untied and pp == 1:
+        shard += emb / tp
+    per_param = 6 + 12 / dp if distributed_optimizer else 18
+    weights = shard * per_param
+    act = seq * batch * h * (10 + 24 / tp) * layers
+    act += 8 * seq * batch * pp + seq * batch * h * pp
+    if pp > 1:
+        act *= min(1, (microbatches or pp) / pp)
+    else:
+        act += 2 * (seq * batch * vocab / tp + seq * batch * h)
+    return weights, act * 1.05
+
+
+def _config(name: str) -> dict:
+    tests = ROOT / "tests" / "configs" / f"{name}.json"
+    path = tests if tests.exists() else ROOT / "memest" / "data" / "models" / f"{name}.json"
+    return json.loads(path.read_text())
+
+
+def tiny_rows() -> list[str]:
+    from memest.sources import load_source
+    from memest.spec import RunSpec
+    from memest.trace import trace_step
+    from memest.validate.distributed_truth import measure_distributed_peaks, measure_pipeline_stage_peaks
+
+    rows = []
+    for label, name, changes in TINY:
+        spec = RunSpec(model=f"hf:{ROOT / 'tests' / 'configs' / (name + '.json')}", batch=2, seq=32, optim="adamw",
+                       target="cpu", **changes)
+        if spec.pp > 1:
+            real = measure_pipeline_stage_peaks(spec)
+            ranks = range(spec.pp)
+        else:
+            real = measure_distributed_peaks([spec])[0]
+            ranks = [0]
+        cfg = _config(name)
+        weights, act = megatron_bytes(cfg, spec.tp, spec.pp, spec.dp, spec.batch, spec.seq, spec.microbatches or None,
+                                      distributed_optimizer=spec.dp > 1)
+        for r in ranks:
+            traced = trace_step(load_source(spec.model), RunSpec(**{**spec.to_dict(), "pp_stage": r})).peak()[0]
+            measured = real[r]["peak_bytes"]
+            others = "" if spec.pp > 1 else ", ".join(str(x["peak_bytes"]) for x in real[1:])
+            rows.append(
+                f"| {label} | {r} | {measured:,} | {traced:,} | {100 * (traced - measured) / measured:+.3f}% | "
+                f"{weights + act:,.0f} ({100 * (weights + act - measured) / measured:+.0f}%) | {others} |"
+            )
+    return rows
+
+
+def plan_rows() -> list[str]:
+    from memest.app import run_plan_parallel
+
+    rows = []
+    for name, gpus in PLANS:
+        spec = dict(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda")
+        start = time.perf_counter()
+        run = run_plan_parallel(spec, gpus, "h100")
+        seconds = time.perf_counter() - start
+        cfg = _config(name)
+        check = run.plan.check
+        check_text = f"{100 * check['error']:+.2f}% at {check['depth_per_stage']} layers ({check['layout']})" if check else "-"
+        for lay in run.plan.layouts:
+            if lay.error:
+                rows.append(f"| {name} | {gpus} | {lay.name} | not traced: {lay.error} | | | | |")
+                continue
+            weights, act = megatron_bytes(cfg, lay.tp, lay.pp, lay.dp, 1, 4096, lay.pp if lay.pp > 1 else None,
+                                          distributed_optimizer=lay.dp > 1)
+            rows.append(
+                f"| {name} | {gpus} | {lay.name} | {lay.needed_bytes / 2**30:.1f} | {lay.verdict} | "
+                f"{lay.comm_bytes / 2**30:.1f} | {(weights + act) / 2**30:.1f} | {seconds:.0f} s; check {check_text} |"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--skip-plans", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "parallel-results.md"))
+    args = parser.parse_args()
+    import torch
+
+    lines = [f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+    if not args.skip_real:
+        lines += ["| layout | rank | measured peak (B) | memest traced (B) | error | Megatron formula (B) | other ranks measured (B) |",
+                  "|---|---|---|---|---|---|---|", *tiny_rows(), ""]
+    if not args.skip_plans:
+        lines += ["| model | GPUs | layout | memest need per rank (GiB) | verdict (H100 80 GB) | sent per rank per step (GiB) | "
+                  "Megatron formula (GiB) | plan time; extrapolation check |",
+                  "|---|---|---|---|---|---|---|---|", *plan_rows(), ""]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

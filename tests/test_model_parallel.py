@@ -1,0 +1,206 @@
+"""--tp / --sp (and FSDP x TP): the traced per-rank peak (--target cpu) against the same step run for real
+as N gloo processes on this CPU, each rank measured with torch.profiler memory events
+(memest/validate/distributed_truth.py), both parallelised by the same plan (trace/tensor_parallel.py).
+Tolerance: 0.5% of rank 0's measured peak (issue 13).
+
+Other ranks are not asserted: in theory they hold the same bytes (every dimension divides evenly), and
+they measure the same except when gloo's worker thread frees a collective's buffer late on this shared
+2-core machine (seen on one rank of four, now and then: +6 to +14%; docs/sharding.md describes the race).
+"""
+
+import pytest
+
+from memest.errors import MemestError
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import Category, Phase, trace_step
+from memest.validate.distributed_truth import measure_distributed_peaks, measure_pipeline_stage_peaks
+
+from .conftest import model_ref
+
+REL_TOL = 0.005
+
+# (model, world size, tp, sp, shard, precision)
+CASES = {
+    2: [
+        # transformers' base_model_tp_plan at TP 2 is measured the same way (benchmarks/parallel.md); here
+        # TP 2 runs with sequence parallel, and without it inside FSDP x TP 2 x 2 below
+        ("hf:llama-tiny", 2, 2, True, "none", "bf16-mixed"),  # torchtitan's plan with sequence parallel
+    ],
+    4: [
+        ("hf:llama-tiny-tp", 4, 4, False, "none", "fp32"),  # TP 4 (4 key/value heads)
+        ("hf:llama-tiny-tp", 4, 2, False, "zero3", "fp32"),  # FSDP x TP, 2 x 2 on a 2-D mesh
+        ("hf:llama-tiny-tp", 4, 2, True, "zero2", "bf16-mixed"),  # FSDP x TP + SP, mixed precision
+    ],
+}
+PARAMS = [case for cases in CASES.values() for case in cases]
+
+
+def _spec(case) -> RunSpec:
+    name, world_size, tp, sp, shard, precision = case
+    return RunSpec(
+        model=model_ref(name), batch=2, seq=32, optim="adamw", precision=precision, target="cpu",
+        world_size=world_size, tp=tp, sp=sp, shard=shard,
+    )
+
+
+def _id(case) -> str:
+    name, world_size, tp, sp, shard, precision = case
+    return f"{name.removeprefix('hf:')}-ws{world_size}-tp{tp}" + ("-sp" if sp else "") + f"-{shard}-{precision}"
+
+
+@pytest.fixture(scope="module")
+def measured():
+    cache: dict[int, dict] = {}
+
+    def get(case) -> list[dict]:
+        world_size = case[1]
+        if world_size not in cache:
+            cases = CASES[world_size]
+            cache[world_size] = dict(zip(cases, measure_distributed_peaks([_spec(c) for c in cases]), strict=True))
+        return cache[world_size][case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", PARAMS, ids=[_id(c) for c in PARAMS])
+def test_traced_rank_peak_matches_real_tensor_parallel_run(case, measured):
+    spec = _spec(case)
+    trace = trace_step(load_source(spec.model), spec)
+    estimated = trace.peak()[0]
+    ranks = measured(case)
+    real = ranks[0]["peak_bytes"]
+    error = (estimated - real) / real
+    assert abs(error) <= REL_TOL, (
+        f"{_id(case)}: traced {estimated} B, rank 0 measured {real} B ({100 * error:+.3f}%); "
+        f"all ranks: {[r['peak_bytes'] for r in ranks]}"
+    )
+    assert f"TP {spec.tp}" in trace.parallel
+
+
+# -- no real run ---------------------------------------------------------------------------------
+def test_tensor_parallel_divides_the_weights_as_the_plan_says():
+    """TP 4 on llama-tiny-tp (hidden 64, MLP 128, vocab 512, 2 layers): rank 0 holds a quarter of every
+    projection and of the untied head (colwise_gather_output), the whole embedding and the norms."""
+    hidden, mlp, vocab, layers = 64, 128, 512, 2
+    projections = layers * (4 * hidden * hidden + 3 * hidden * mlp)
+    norms = (2 * layers + 1) * hidden
+    expected = 4 * (projections // 4 + vocab * hidden + vocab * hidden // 4 + norms)  # fp32
+    trace = trace_step(load_source(model_ref("hf:llama-tiny-tp")), _spec(CASES[4][0]))
+    held = sum(rec.nbytes for rec in trace.storages if rec.category is Category.PARAMETERS and rec.phase is Phase.SETUP)
+    assert held == expected
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"world_size": 3, "tp": 2}, "not a multiple"),
+        ({"world_size": 4, "tp": 2}, "add --shard zero3"),
+        ({"world_size": 2, "tp": 2, "shard": "zero3"}, "needs data-parallel ranks"),
+        ({"sp": True}, "needs --tp 2"),
+        ({"world_size": 2, "tp": 2, "mode": "inference"}, "training"),
+    ],
+)
+def test_layouts_that_do_not_exist_are_refused(changes, match):
+    with pytest.raises(MemestError, match=match):
+        RunSpec(model="hf:llama-2-7b", **changes)
+
+
+def test_a_model_without_a_plan_is_refused():
+    spec = RunSpec(model=model_ref("hf:gpt2-tiny"), batch=2, seq=32, target="cpu", world_size=2, tp=2)
+    with pytest.raises(MemestError, match="no tensor-parallel plan"):
+        trace_step(load_source(spec.model), spec)
+
+
+def test_heads_must_divide():
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", world_size=4, tp=4)
+    with pytest.raises(MemestError, match="key/value heads"):
+        trace_step(load_source(spec.model), spec)
+
+
+# -- pipeline parallel ---------------------------------------------------------------------------
+PP_CASES = [("1f1b", 4)]  # gpipe measured the same way: every stage to the byte (README)
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), PP_CASES)
+def test_every_pipeline_stage_matches_its_real_run(schedule, microbatches):
+    """Each stage's traced peak against the same stage run for real (real tensors, the CPU allocator),
+    on a fake process group: torch.distributed.pipelining hangs on gloo (pytorch/pytorch#132644), so
+    the transfers move no data; every other allocation is real."""
+    spec = RunSpec(
+        model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", target="cpu", world_size=2, pp=2,
+        microbatches=microbatches, pp_schedule=schedule,
+    )
+    real = measure_pipeline_stage_peaks(spec)
+    for stage in range(spec.pp):
+        trace = trace_step(load_source(spec.model), RunSpec(**{**spec.to_dict(), "pp_stage": stage}))
+        estimated, measured_peak = trace.peak()[0], real[stage]["peak_bytes"]
+        assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (schedule, stage, estimated, measured_peak)
+
+
+def _activation_peak(trace) -> int:
+    live = best = 0
+    for sid, delta in trace.events:
+        rec = trace.storages[sid]
+        if rec.category is Category.ACTIVATIONS and rec.iteration == 2:
+            live += delta
+            best = max(best, live)
+    return best
+
+
+def test_1f1b_stage_i_holds_min_m_n_minus_i_microbatches():
+    """4 stages of one identical layer each (the middle ones: stages 1 and 2), M = 8: 1F1B holds
+    min(8, 4 - i) micro-batches' activations on stage i (3 and 2), GPipe all 8."""
+    ref = model_ref("hf:llama-tiny-4l")
+
+    def trace(stage, schedule):
+        spec = RunSpec(model=ref, batch=1, seq=32, target="cpu", world_size=4, pp=4, pp_stage=stage, microbatches=8,
+                       pp_schedule=schedule)
+        return _activation_peak(trace_step(load_source(ref), spec))
+
+    one = trace(1, "gpipe") / 8  # one micro-batch of one layer
+    assert one > 0
+    assert trace(1, "1f1b") == 3 * one
+    assert trace(2, "1f1b") == 2 * one
+
+
+def test_pipeline_report_lists_every_stage_and_judges_the_worst():
+    from memest.pipeline import estimate
+
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", world_size=2, pp=2)
+    est = estimate(spec)
+    stages = est.report.pipeline_stages
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert est.needed_bytes == max(s["needed_bytes"] for s in stages)
+    assert est.report.effective_batch == 2 * 2  # --microbatches defaults to --pp
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"world_size": 4, "pp": 2}, "traced on its own"),
+        ({"world_size": 2, "pp": 2, "pp_schedule": "interleaved"}, "not traced yet"),
+        ({"microbatches": 4}, "add --pp"),
+        ({"world_size": 2, "pp": 2, "pp_split": "1,1,1"}, None),  # checked against the model's layers at trace time
+    ],
+)
+def test_pipeline_layouts_that_are_not_traced_are_refused(changes, match):
+    if match is None:
+        spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", **changes)
+        with pytest.raises(MemestError, match="give 2 layer counts"):
+            trace_step(load_source(spec.model), spec)
+        return
+    with pytest.raises(MemestError, match=match):
+        RunSpec(model="hf:llama-2-7b", **changes)
+
+
+def test_run_configs_take_the_model_parallel_keys(tmp_path):
+    from memest.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: hf:llama-2-7b\nworld_size: 2\npp: 2\nmicrobatches: 4\npp_schedule: gpipe\npp_split: '16,16'\n")
+    spec = load_config(path).spec()
+    assert (spec.pp, spec.microbatches, spec.pp_schedule, spec.pp_split) == (2, 4, "gpipe", "16,16")
+    path.write_text("model: hf:llama-2-7b\nworld_size: 4\ntp: 2\nsp: true\nshard: zero3\n")
+    spec = load_config(path).spec()
+    assert (spec.tp, spec.sp, spec.dp) == (2, True, 2)
