@@ -1,11 +1,13 @@
 """--tp / --sp (and FSDP x TP): the traced per-rank peak (--target cpu) against the same step run for real
 as N gloo processes on this CPU, each rank measured with torch.profiler memory events
 (memest/validate/distributed_truth.py), both parallelised by the same plan (trace/tensor_parallel.py).
-Tolerance: 0.5% of rank 0's measured peak (issue 13).
+Tolerance: 0.5% of the measured per-rank peak (issue 13).
 
-Other ranks are not asserted: in theory they hold the same bytes (every dimension divides evenly), and
+The ranks hold the same bytes (every dimension divides evenly, so the traced rank stands for each), and
 they measure the same except when gloo's worker thread frees a collective's buffer late on this shared
-2-core machine (seen on one rank of four, now and then: +6 to +14%; docs/sharding.md describes the race).
+2-core machine (seen on one rank of four, now and then, rank 0 included: +6 to +14%; docs/sharding.md
+describes the race). So the traced peak is compared with the lower median of the ranks' measured peaks:
+one late-freeing rank of four cannot fail the test, and an estimate low or high on every rank still does.
 """
 
 import pytest
@@ -69,10 +71,11 @@ def test_traced_rank_peak_matches_real_tensor_parallel_run(case, measured):
     trace = trace_step(load_source(spec.model), spec)
     estimated = trace.peak()[0]
     ranks = measured(case)
-    real = ranks[0]["peak_bytes"]
+    peaks = sorted(r["peak_bytes"] for r in ranks)
+    real = peaks[(len(peaks) - 1) // 2]  # the lower median (see the module's docstring)
     error = (estimated - real) / real
     assert abs(error) <= REL_TOL, (
-        f"{_id(case)}: traced {estimated} B, rank 0 measured {real} B ({100 * error:+.3f}%); "
+        f"{_id(case)}: traced {estimated} B, ranks' lower median {real} B ({100 * error:+.3f}%); "
         f"all ranks: {[r['peak_bytes'] for r in ranks]}"
     )
     assert f"TP {spec.tp}" in trace.parallel
