@@ -14,6 +14,7 @@ from .choices import (
     Optimizer,
     Outputs,
     Precision,
+    Quant,
     Shard,
     Target,
     ZeroGrad,
@@ -32,6 +33,7 @@ _CHOICE_FIELDS = {
     "shard": (Shard, "--shard"),
     "offload": (Offload, "--offload"),
     "outputs": (Outputs, "--outputs"),
+    "quant": (Quant, "--quant"),
 }
 
 
@@ -68,6 +70,12 @@ class RunSpec:
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
+    # fine-tuning (trace/finetune.py): peft LoRA ('' off; canonical r=..,alpha=..,dropout=..,targets=a,b),
+    # parameters frozen by name pattern, the base's linear weights quantized as bitsandbytes stores them
+    lora: str = ""
+    freeze: str = ""
+    quant: Quant = Quant.NONE
+    double_quant: bool = True  # --quant: bitsandbytes' compress_statistics (bnb_4bit_use_double_quant)
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -77,6 +85,7 @@ class RunSpec:
         object.__setattr__(self, "loss_head", str(self.loss_head).strip().lower())
         if LossHead.of(self.loss_head)[0] != LossHead.STANDARD and not self.training:
             raise MemestError(f"--loss-head {self.loss_head} replaces a training loss; drop it with --mode {self.mode}")
+        self._check_finetune()
         if self.batch < 1:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:
@@ -111,6 +120,17 @@ class RunSpec:
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
+
+    def _check_finetune(self) -> None:
+        from .lora import freeze_patterns, parse_lora
+
+        object.__setattr__(self, "lora", parse_lora(self.lora))
+        object.__setattr__(self, "freeze", ",".join(freeze_patterns(self.freeze)))
+        if self.quant != "none" and not self.lora:
+            raise MemestError(f"--quant {self.quant} quantizes the frozen base of a QLoRA run; add --lora (e.g. "
+                              "--lora r=16,alpha=32,targets=all-linear)")
+        if (self.lora or self.freeze) and not self.training:
+            raise MemestError(f"--lora and --freeze describe fine-tuning; drop them with --mode {self.mode}")
 
     @property
     def training(self) -> bool:

@@ -65,6 +65,7 @@ with imports_without_gc():
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
     from .fake_kernels import real_fake_kernels
+    from .finetune import apply_finetune
     from .inference import check_generate, run_generate, run_inference
     from .loss_head import loss_head_scope
     from .modules import ModuleStack, describe_modules
@@ -137,6 +138,9 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
     notes = [note] if (note := _own_cast_note(model, dtype)) else []
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
+    if spec.lora or spec.freeze or spec.quant != "none":
+        model, finetune_notes = apply_finetune(model, spec, dtype, source.origin or source.name)
+        notes += finetune_notes
     model.train(spec.training)
     checkpointed = apply_checkpointing(model, spec.checkpointing, source.origin or source.name)
     try:
@@ -421,7 +425,7 @@ def _built(step: _Step):
     model = step.model
     step.owner_of_param = describe_modules(model, trace)
     step.params = [p for p in model.parameters() if p.requires_grad]
-    trace.param_count = sum(p.numel() for p in model.parameters())
+    trace.param_count = sum(logical_numel(p) for p in model.parameters())
     trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     step.trainable_count = sum(p.numel() for p in step.params)
     if step.parallel is not None:
@@ -597,6 +601,11 @@ def _classify(step: _Step) -> None:
 
         trace.world_size = spec.world_size
         distributed.mark_host(trace, spec)
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Elements of the weight a parameter stores (a 4-bit packed weight holds two per byte: trace/quant.py)."""
+    return getattr(p, "logical_numel", None) or p.numel()
 
 
 def _trainable(model: torch.nn.Module) -> bool:
