@@ -16,6 +16,7 @@ from .choices import (
     OutputFormat,
     Outputs,
     Precision,
+    Quant,
     Shard,
     Target,
     ZeroGrad,
@@ -49,6 +50,15 @@ Outs = Annotated[Outputs, typer.Option(
     "before backward: HF Trainer, Lightning).")]
 LossHd = Annotated[str, typer.Option(
     "--loss-head", help="hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused (Liger-Kernel).")]
+Lora = Annotated[str, typer.Option(
+    "--lora", help="peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; needs "
+    "memest[peft]).")]
+Freeze = Annotated[str, typer.Option("--freeze", help="Freeze parameters by name: glob patterns, comma-separated "
+                                     "(model.embed_tokens,model.layers.[0-9].*).")]
+QuantOpt = Annotated[Quant, typer.Option("--quant", help="With --lora (QLoRA): base linear weights as bitsandbytes "
+                                         "stores them: nf4 | fp4 (none: as built).")]
+DoubleQuant = Annotated[bool, typer.Option("--double-quant/--no-double-quant",
+                                           help="--quant: bitsandbytes' double quantization of the absmax.")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
 Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
@@ -71,7 +81,8 @@ def estimate(
     model: Model, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False, outputs: Outs = Outputs.KEPT,
-    loss_head: LossHd = "standard",
+    loss_head: LossHd = "standard", lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE,
+    double_quant: DoubleQuant = True,
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -96,7 +107,8 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head)
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
+                quant=quant, double_quant=double_quant)
 
     def work():
         from .app import run_estimate
@@ -130,13 +142,15 @@ def check(
         "--cudnn-benchmark/--no-cudnn-benchmark", help="Override cuDNN's benchmark mode.")] = None,
     outputs: Annotated[Optional[Outputs], typer.Option("--outputs", help="Override the loop: kept | freed.")] = None,
     loss_head: Annotated[Optional[str], typer.Option("--loss-head", help="Override the loss head.")] = None,
+    lora: Annotated[Optional[str], typer.Option("--lora", help="Override LoRA (none: off).")] = None,
+    quant: Annotated[Optional[Quant], typer.Option("--quant", help="Override the base quantization.")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
     1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
                      checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark, outputs=outputs,
-                     loss_head=loss_head)
+                     loss_head=loss_head, lora=lora, quant=quant)
 
     def work():
         from .app import run_check
@@ -164,6 +178,7 @@ def whatif(
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
@@ -173,7 +188,8 @@ def whatif(
         from .report.views import whatif_view
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
-                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
+                    quant=quant, double_quant=double_quant)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
         return whatif_view(run), EXIT_OK
 
@@ -188,6 +204,7 @@ def max_batch(
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -197,7 +214,8 @@ def max_batch(
         from .report.views import max_batch_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant)
         return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -208,6 +226,7 @@ def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
     outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -217,7 +236,8 @@ def advise(
         from .report.views import advise_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant)
         return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)

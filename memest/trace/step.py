@@ -427,7 +427,7 @@ def _built(step: _Step):
     step.params = [p for p in model.parameters() if p.requires_grad]
     trace.param_count = sum(logical_numel(p) for p in model.parameters())
     trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    step.trainable_count = sum(p.numel() for p in step.params)
+    step.trainable_count = trace.trainable_count = sum(p.numel() for p in step.params)
     if step.parallel is not None:
         step.optimizer = step.parallel.optimizer
     else:
@@ -576,6 +576,9 @@ def _classify_after(step: _Step, phase: Phase) -> None:
         for p, state in state_of.items():
             for t in _storage_tensors(state):
                 _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner.get(id(p), ""))
+        for t in getattr(step.optimizer, "paged", ()):  # bitsandbytes' paged state: unified memory
+            if (sid := tracker.storage_id(t)) is not None:
+                trace.storages[sid].host = True
 
 
 def _classify(step: _Step) -> None:
@@ -601,6 +604,16 @@ def _classify(step: _Step) -> None:
 
         trace.world_size = spec.world_size
         distributed.mark_host(trace, spec)
+    if any(rec.host for rec in trace.storages) and not trace.host_events:  # paged optimizer state
+        paged = sum(rec.nbytes for rec in trace.storages if rec.host)
+        trace.split_host()
+        from ..units import format_bytes
+
+        trace.notes.append(
+            f"--optim {spec.optim}: {format_bytes(paged)} of optimizer state in CUDA unified memory (bitsandbytes "
+            "paged buffers, cudaMallocManaged): host-pageable, not counted as device memory; the driver pages it "
+            "in during the optimizer step"
+        )
 
 
 def logical_numel(p: torch.Tensor) -> int:
