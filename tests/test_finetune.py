@@ -258,3 +258,40 @@ def test_advise_offers_lora_and_qlora_for_a_causal_lm():
     names = {name: changes for name, changes, _ in candidates(runner)}
     lora = [c for c in names.values() if "lora" in c]
     assert len(lora) == 2 and any(c.get("quant") == "nf4" for c in lora)
+
+
+def test_memest_s_4bit_lora_layer_allocates_as_peft_s_own(monkeypatch):
+    """memest carries peft's LoRA forward for bitsandbytes' Linear4bit (peft defines the class only where it
+    imports bitsandbytes); with bitsandbytes installed, peft's own class on the stand-in traces the same step."""
+    pytest.importorskip("bitsandbytes")
+    from peft.tuners.lora import bnb as peft_bnb
+
+    from memest.trace import quant
+
+    ref = model_ref("hf:llama-tiny")
+    spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", precision="bf16", lora="r=8,targets=all-linear",
+                   quant="nf4")
+    ours = trace_step(load_source(ref), spec)
+    monkeypatch.setattr(quant, "lora_layer_class", lambda: peft_bnb.Linear4bit)
+    peft_s = trace_step(load_source(ref), spec)
+    assert ours.peak() == peft_s.peak() and len(ours.storages) == len(peft_s.storages)
+
+
+def test_whatif_and_max_batch_plan_a_qlora_step():
+    """The planners take the fine-tuning fields like any other: whatif's fitted points equal direct traces,
+    max-batch is exact at its boundary."""
+    from memest.plan.runner import Runner
+    from memest.plan.search import largest_fitting
+    from memest.plan.whatif import sweep
+
+    run = Runner(RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, precision="bf16",
+                         lora="r=8,targets=all-linear", quant="nf4", optim="paged-adamw-8bit"))
+    capacity = 2 * 2**30
+    result = sweep(run, [1, 2], [32, 64], capacity=capacity)
+    for p in result.points:
+        direct = run.run(batch=p.batch, seq=p.seq)
+        assert abs(p.needed_bytes - direct.needed_bytes) <= 0.01 * direct.needed_bytes
+    cpu = Runner(RunSpec(model=model_ref("hf:llama-tiny"), seq=32, target="cpu", lora=QV))
+    budget = cpu.run(batch=3).needed_bytes
+    found = largest_fitting(cpu, "batch", budget)
+    assert found.value >= 3 and not cpu.run(batch=found.value + 1).fits(budget)
