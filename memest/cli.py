@@ -59,6 +59,9 @@ QuantOpt = Annotated[Quant, typer.Option("--quant", help="With --lora (QLoRA): b
                                          "stores them: nf4 | fp4 (none: as built).")]
 DoubleQuant = Annotated[bool, typer.Option("--double-quant/--no-double-quant",
                                            help="--quant: bitsandbytes' double quantization of the absmax.")]
+PrepKbit = Annotated[bool, typer.Option(
+    "--prepare-kbit", help="--quant: peft's prepare_model_for_kbit_training (trl's SFTTrainer calls it): the "
+    "non-quantized 16-bit weights cast to fp32.")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
 Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
@@ -82,7 +85,7 @@ def estimate(
     target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False, outputs: Outs = Outputs.KEPT,
     loss_head: LossHd = "standard", lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE,
-    double_quant: DoubleQuant = True,
+    double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -108,7 +111,7 @@ def estimate(
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
                 cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
-                quant=quant, double_quant=double_quant)
+                quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
 
     def work():
         from .app import run_estimate
@@ -178,7 +181,7 @@ def whatif(
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
-    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
@@ -189,7 +192,7 @@ def whatif(
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
                     checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
-                    quant=quant, double_quant=double_quant)
+                    quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
         return whatif_view(run), EXIT_OK
 
@@ -204,7 +207,7 @@ def max_batch(
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
-    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -215,7 +218,7 @@ def max_batch(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
-                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant)
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
         return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -226,7 +229,7 @@ def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
     outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
-    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -237,7 +240,7 @@ def advise(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
-                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant)
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
         return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)

@@ -38,7 +38,7 @@ EXTRA_KEYS = ("gpu", "margin", "name", "calibration")
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size"}
-_BOOL_KEYS = {"fused", "cudnn_benchmark", "double_quant"}
+_BOOL_KEYS = {"fused", "cudnn_benchmark", "double_quant", "prepare_kbit"}
 
 
 @dataclass

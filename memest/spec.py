@@ -76,6 +76,7 @@ class RunSpec:
     freeze: str = ""
     quant: Quant = Quant.NONE
     double_quant: bool = True  # --quant: bitsandbytes' compress_statistics (bnb_4bit_use_double_quant)
+    prepare_kbit: bool = False  # --quant: peft's prepare_model_for_kbit_training (non-quantized weights to fp32)
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -129,6 +130,9 @@ class RunSpec:
         if self.quant != "none" and not self.lora:
             raise MemestError(f"--quant {self.quant} quantizes the frozen base of a QLoRA run; add --lora (e.g. "
                               "--lora r=16,alpha=32,targets=all-linear)")
+        if self.prepare_kbit and self.quant == "none":
+            raise MemestError("--prepare-kbit prepares a quantized base (peft's prepare_model_for_kbit_training); "
+                              "add --quant nf4")
         if (self.lora or self.freeze) and not self.training:
             raise MemestError(f"--lora and --freeze describe fine-tuning; drop them with --mode {self.mode}")
 

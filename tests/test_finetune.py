@@ -38,6 +38,7 @@ CASES = [
     ("hf:llama-tiny", {"freeze": "model.embed_tokens,model.layers.0.*", "optim": "sgd-momentum"}),
     ("hf:llama-tiny", {"lora": QV, "freeze": "model.norm"}),
     ("hf:llama-tiny", {"lora": "r=8,targets=all-linear", "quant": "nf4", "precision": "bf16"}),  # the stand-in
+    ("hf:llama-tiny", {"lora": QV, "quant": "fp4", "precision": "bf16", "prepare_kbit": True}),  # + peft's fp32 cast
 ]
 
 
@@ -168,6 +169,16 @@ def test_quantized_parameter_count_is_the_model_s():
     assert any("--quant nf4" in n for n in quant.notes)
 
 
+def test_prepare_kbit_casts_the_non_quantized_weights_to_fp32():
+    ref = model_ref("hf:llama-tiny")
+    fields = dict(model=ref, batch=1, seq=16, target="cpu", precision="bf16", lora=QV, quant="nf4")
+    plain = trace_step(load_source(ref), RunSpec(**fields))
+    prepared = trace_step(load_source(ref), RunSpec(**fields, prepare_kbit=True))
+    sixteen_bit = 2 * 1000 * 64 + 5 * 64  # embedding, head, 5 RMSNorm weights of llama-tiny
+    assert prepared.param_bytes - plain.param_bytes == 2 * sixteen_bit
+    assert any("prepare_model_for_kbit_training cast" in n for n in prepared.notes)
+
+
 # -- paged optimizers ---------------------------------------------------------------------------------
 
 def test_paged_optimizer_state_is_host_pageable_on_cuda():
@@ -211,6 +222,7 @@ def test_lora_text_mapping_and_bool_canonicalise_alike():
     ({"lora": "q_proj"}, "key=value"),
     ({"quant": "nf4"}, "add --lora"),
     ({"lora": "r=8", "mode": "inference"}, "fine-tuning"),
+    ({"lora": "r=8", "prepare_kbit": True}, "add --quant"),
     ({"quant": "int4", "lora": "r=8"}, "choose one of"),
 ])
 def test_bad_fine_tuning_options_are_one_line_errors(fields, match):

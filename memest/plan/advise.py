@@ -236,6 +236,8 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         parts.append("--cudnn-benchmark")
     if not spec.double_quant and spec.quant != "none":
         parts.append("--no-double-quant")
+    if spec.prepare_kbit:
+        parts.append("--prepare-kbit")
     if gpu:
         parts += ["--gpu", gpu]
     return " ".join(shlex.quote(p) for p in parts)

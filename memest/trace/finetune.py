@@ -57,6 +57,25 @@ def apply_lora(model, settings: LoraSettings, where: str, quantized: bool):
         raise MemestError(f"{where}: peft's get_peft_model: {str(exc).strip().splitlines()[0]}") from exc
 
 
+def _prepare_kbit(model, where: str) -> str:
+    """peft's own prepare_model_for_kbit_training (trl's SFTTrainer calls it for a 4-bit model): every fp16 /
+    bf16 parameter that is not a packed 4-bit weight cast to fp32; memest's --checkpointing stays in charge of
+    checkpointing, and no CUDA cache is emptied (none exists)."""
+    import torch
+
+    try:
+        from peft import prepare_model_for_kbit_training
+    except ImportError:
+        raise MemestError("--prepare-kbit runs peft's prepare_model_for_kbit_training: pip install 'memest[peft]'") from None
+    before = sum(p.numel() for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16))
+    try:
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)
+    except Exception as exc:
+        raise MemestError(f"{where}: peft's prepare_model_for_kbit_training raised {type(exc).__name__}: {exc}") from exc
+    return (f"--prepare-kbit: peft's prepare_model_for_kbit_training cast {before:,} non-quantized 16-bit parameters "
+            "(embeddings, norms, head) to fp32")
+
+
 def apply_finetune(model, spec, dtype, where: str):
     """The model as the fine-tuning run trains it, and notes for the report."""
     import torch
@@ -76,6 +95,8 @@ def apply_finetune(model, spec, dtype, where: str):
             "and backward (bitsandbytes' dequant + F.linear path; at <= 1536 tokens per step bitsandbytes may pick a "
             "fused kernel on some GPUs that skips the forward copy)"
         )
+    if spec.prepare_kbit:
+        notes.append(_prepare_kbit(model, where))
     patterns = freeze_patterns(spec.freeze)
     if patterns:
         n = apply_freeze(model, patterns, where)
