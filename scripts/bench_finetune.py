@@ -9,11 +9,15 @@
    bitsandbytes with flash attention 2) against the longest sequence memest says fits each card. What that
    run used beyond the table (optimizer, checkpointing, loop, compute dtype, "GB" as 10^9 or 2^30 bytes) is
    not published: memest assumes unsloth's notebooks' settings (adamw_8bit, gradient checkpointing, HF
-   Trainer, bf16) and both readings of GB, and the table shows the range.
+   Trainer, bf16) and trl's SFTTrainer's preparation of a 4-bit model (peft's prepare_model_for_kbit_training:
+   the non-quantized weights in fp32), and both readings of GB; the table shows the range.
 3. memest's CPU-truth accuracy for the LoRA cases (tests/test_finetune.py's, run for real with peft on CPU).
 
-    python scripts/bench_finetune.py            # -> benchmarks/finetune.md and .json (about 20 min on 2 cores)
+    python scripts/bench_finetune.py            # -> benchmarks/finetune.md and .json (30-60 min on 2 cores)
     python scripts/bench_finetune.py --quick    # 8B rows only, fewer grid points
+
+Each estimate is cached in benchmarks/finetune-cache.jsonl (keyed by its options and memest's version) so an
+interrupted run resumes; delete it to re-trace.
 """
 
 from __future__ import annotations
@@ -39,12 +43,29 @@ UNSLOTH_HF_FA2 = {12: 932, 16: 2551, 24: 5789, 40: 12264, 48: 15502, 80: 28454} 
 COMMON = dict(batch=1, precision="bf16", checkpointing="blocks", outputs="freed", target="cuda")
 
 
-def _estimate(model: str, **fields):
+CACHE = ROOT / "benchmarks" / "finetune-cache.jsonl"
+
+
+def _estimate(model: str, **fields) -> dict:
+    """One estimate as a row (needed range, peak, trainable count, breakdown), from the cache when there."""
     import memest
 
+    key = json.dumps({"model": model, "version": memest.__version__, **COMMON, **fields}, sort_keys=True)
+    if CACHE.exists():
+        for line in CACHE.read_text().splitlines():
+            row = json.loads(line)
+            if row["key"] == key:
+                return row
     start = time.perf_counter()
     est = memest.estimate(model, **{**COMMON, **fields})
-    return est, time.perf_counter() - start
+    low, expected, high = est.needed_range
+    row = {"key": key, "needed_low": low, "needed": expected, "needed_high": high,
+           "peak_allocated": est.peak_allocated_bytes, "trainable": est.report.trainable_param_count,
+           "params": est.report.param_count, "breakdown": est.breakdown,
+           "seconds": round(time.perf_counter() - start, 1)}
+    with CACHE.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
 
 
 def estimates(models: list[str], seqs: list[int]) -> list[dict]:
@@ -52,13 +73,11 @@ def estimates(models: list[str], seqs: list[int]) -> list[dict]:
     for model in models:
         for method, fields in (("LoRA bf16", {"lora": LORA16}), ("QLoRA nf4", {"lora": LORA16, "quant": "nf4"})):
             for seq in seqs:
-                est, secs = _estimate(model, seq=seq, optim="adamw", **fields)
-                low, expected, high = est.needed_range
-                rows.append({"model": model, "method": method, "seq": seq, "needed_low": low, "needed": expected,
-                             "needed_high": high, "peak_allocated": est.peak_allocated_bytes,
-                             "trainable": est.report.trainable_param_count, "params": est.report.param_count,
-                             "breakdown": est.breakdown, "seconds": round(secs, 1)})
-                print(f"{model} {method} seq {seq}: {expected / GiB:.2f} GiB ({secs:.0f} s)", file=sys.stderr)
+                row = _estimate(model, seq=seq, optim="adamw", **fields)
+                rows.append({"model": model, "method": method, "seq": seq,
+                             **{k: v for k, v in row.items() if k != "key"}})
+                print(f"{model} {method} seq {seq}: {row['needed'] / GiB:.2f} GiB ({row['seconds']:.0f} s)",
+                      file=sys.stderr)
     return rows
 
 
@@ -75,10 +94,10 @@ def unsloth_rows(grid: list[int]) -> dict:
     model = "hf:llama-3.1-8b"
     points = []
     for seq in grid:
-        est, secs = _estimate(model, seq=seq, optim="adam8bit", lora=LORA32, quant="nf4")
-        points.append({"seq": seq, "needed": est.needed_bytes, "needed_low": est.needed_range[0],
-                       "needed_high": est.needed_range[2], "seconds": round(secs, 1)})
-        print(f"unsloth grid seq {seq}: {est.needed_bytes / GiB:.2f} GiB ({secs:.0f} s)", file=sys.stderr)
+        row = _estimate(model, seq=seq, optim="adam8bit", lora=LORA32, quant="nf4", prepare_kbit=True)
+        points.append({"seq": seq, "needed": row["needed"], "needed_low": row["needed_low"],
+                       "needed_high": row["needed_high"], "seconds": row["seconds"]})
+        print(f"unsloth grid seq {seq}: {row['needed'] / GiB:.2f} GiB ({row['seconds']:.0f} s)", file=sys.stderr)
     curve = [(p["seq"], p["needed"]) for p in points]
     rows = []
     for gb, published in UNSLOTH_HF_FA2.items():
@@ -129,9 +148,9 @@ def write_markdown(doc: dict, path: Path) -> None:
                      f"{r['needed_low'] / GiB:.2f}-{r['needed_high'] / GiB:.2f} GiB | {r['peak_allocated'] / GiB:.2f} GiB |")
     u = doc["unsloth"]
     lines += ["", "## Against published runs", "", f"Source: {UNSLOTH}.", "",
-              "memest: `hf:llama-3.1-8b --lora " + LORA32 + " --quant nf4 --precision bf16 --optim adam8bit "
-              "--checkpointing blocks --outputs freed --batch 1` (assumed from unsloth's notebooks: the table does "
-              "not publish optimizer, checkpointing or loop); the longest sequence whose expected need fits the card, "
+              "memest: `hf:llama-3.1-8b --lora " + LORA32 + " --quant nf4 --prepare-kbit --precision bf16 --optim "
+              "adam8bit --checkpointing blocks --outputs freed --batch 1` (assumed from unsloth's notebooks and trl's "
+              "SFTTrainer: the table does not publish optimizer, checkpointing, loop or preparation); the longest sequence whose expected need fits the card, "
               "interpolated between traced points, for a card of N·10⁹ B and of N·2³⁰ B.", "",
               "| card | published (Hugging Face + FA2) | memest, N GB = N·10⁹ B | memest, N GB = N GiB | published within memest's span |",
               "|---|---:|---:|---:|---|"]
@@ -174,7 +193,7 @@ def main() -> None:
 
     start = time.perf_counter()
     models = ["hf:llama-3.1-8b"] if args.quick else ["hf:llama-3.1-8b", "hf:qwen2.5-7b", "hf:mistral-7b"]
-    grid = [1024, 8192, 32768] if args.quick else [512, 2048, 4096, 8192, 16384, 32768]
+    grid = [1024, 8192, 32768] if args.quick else [1024, 4096, 16384, 32768]
     doc = {"memest_version": memest.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
            "peft": peft.__version__, "cpu_truth": cpu_truth(), "estimates": estimates(models, [512, 2048, 4096]),
            "unsloth": unsloth_rows(grid)}

@@ -519,6 +519,10 @@ def _instrumented(step: _Step):
             hooks.enter_context(step.source.trace_context(spec))
         elif holds_transformers_model(step.model):  # a transformers model built by a model file
             hooks.enter_context(real_mask_branches())
+        if not step.cuda and step.spec.checkpointing != "none":
+            from .cpu.rng_state import tracked_cpu_rng_state
+
+            hooks.enter_context(tracked_cpu_rng_state())
         if step.cuda:
             hooks.enter_context(step.sdpa)
             hooks.enter_context(step.kernels)
