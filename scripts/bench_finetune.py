@@ -156,13 +156,26 @@ def write_markdown(doc: dict, path: Path) -> None:
               "publish optimizer, checkpointing, loop or preparation; without trl's prepare_model_for_kbit_training, "
               "whose fp32 embeddings and head add ~2.1 GB, see the script's docstring, so memest should read long); the longest sequence whose expected need fits the card, "
               "interpolated between traced points, for a card of N·10⁹ B and of N·2³⁰ B.", "",
-              "| card | published (Hugging Face + FA2) | memest, N GB = N·10⁹ B | memest, N GB = N GiB | published within memest's span |",
+              "| card | published (Hugging Face + FA2) | memest, N GB = N·10⁹ B | memest, N GB = N GiB | memest vs published |",
               "|---|---:|---:|---:|---|"]
     for r in u["rows"]:
         lo, hi = r["memest_gb_decimal"], r["memest_gb_binary"]
-        inside = lo is not None and hi is not None and lo * 0.9 <= r["published"] <= hi * 1.1
-        lines.append(f"| {r['card_gb']} GB | {r['published']:,} | {_fmt_seq(lo)} | {_fmt_seq(hi)} | "
-                     f"{'yes (±10%)' if inside else 'no'} |")
+        vs = "-" if lo is None else f"{100 * (lo - r['published']) / r['published']:+.0f}% to " + (
+            "?" if hi is None else f"{100 * (hi - r['published']) / r['published']:+.0f}%")
+        lines.append(f"| {r['card_gb']} GB | {r['published']:,} | {_fmt_seq(lo)} | {_fmt_seq(hi)} | {vs} |")
+    pub = sorted(UNSLOTH_HF_FA2.items())
+    pub_slope = (pub[-1][0] - pub[1][0]) * 10**9 / (pub[-1][1] - pub[1][1])
+    grid = u["grid"]
+    our_slope = (grid[-1]["needed"] - grid[1]["needed"]) / (grid[-1]["seq"] - grid[1]["seq"])
+    lines += ["", f"Reading: memest says longer sequences fit than the published run reached — a miss, in both the "
+              f"fixed part and the slope: the published rows grow by about {pub_slope / 2**20:.2f} MiB per token "
+              f"(16 GB to 80 GB), memest's estimate by {our_slope / 2**20:.2f} MiB per token, and at the shortest rows "
+              "the published run needed ~3 GB more. Without the run's own setup this is not resolved; candidate "
+              "causes, none measured: trl's prepare_model_for_kbit_training (fp32 embeddings and head: +2.1 GB, and "
+              "fp32 logits), the padding the run used (transformers' FA2 unpads and re-pads q/k/v around a padding "
+              "mask; memest's inputs are unpadded), an older transformers/peft/bitsandbytes (2024) and its loop. "
+              "memest's 4-bit layout itself is checked against bitsandbytes (tests/test_finetune.py); no GPU run of a "
+              "QLoRA step was measured by this project."]
     lines += ["", "Traced points (needed, expected and range):", "", "| seq | needed | range |", "|---:|---:|---|"]
     for p in u["grid"]:
         lines.append(f"| {p['seq']:,} | {p['needed'] / GiB:.2f} GiB | {p['needed_low'] / GiB:.2f}-{p['needed_high'] / GiB:.2f} GiB |")
@@ -197,7 +210,7 @@ def main() -> None:
 
     start = time.perf_counter()
     models = ["hf:llama-3.1-8b"] if args.quick else ["hf:llama-3.1-8b", "hf:qwen2.5-7b", "hf:mistral-7b"]
-    grid = [1024, 8192, 32768] if args.quick else [1024, 4096, 16384, 32768]
+    grid = [1024, 8192, 32768] if args.quick else [1024, 4096, 16384, 32768, 65536]
     doc = {"memest_version": memest.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
            "peft": peft.__version__, "cpu_truth": cpu_truth(), "estimates": estimates(models, [512, 2048, 4096]),
            "unsloth": unsloth_rows(grid)}
