@@ -137,8 +137,9 @@ def _fmt_seq(x: float | None) -> str:
 def write_markdown(doc: dict, path: Path) -> None:
     lines = ["# Fine-tuning: LoRA and QLoRA of 7-8B models", "",
              f"memest {doc['memest_version']}, torch {doc['torch']}, transformers {doc['transformers']}, "
-             f"peft {doc['peft']}; `python scripts/bench_finetune.py` ({doc['seconds']:.0f} s on this machine's "
-             "2 cores). No GPU was used: every figure below is memest's, from traces on fake tensors, except the "
+             f"peft {doc['peft']}; `python scripts/bench_finetune.py` (this run {doc['seconds']:.0f} s on this "
+             "machine's 2 cores, estimates already in benchmarks/finetune-cache.jsonl reused; each trace's own time "
+             "is in finetune.json). No GPU was used: every figure below is memest's, from traces on fake tensors, except the "
              "published columns.", "",
              "## memest's estimates", "",
              f"Batch 1, `--precision bf16 --checkpointing blocks --outputs freed --optim adamw --target cuda` "
