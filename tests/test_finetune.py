@@ -34,6 +34,7 @@ CASES = [
     ("hf:llama-tiny", {"lora": QV, "precision": "bf16-mixed"}),
     ("hf:llama-tiny", {"lora": "r=32,dropout=0.1,targets=gate_proj,up_proj,down_proj", "outputs": "freed"}),
     ("hf:gpt2-tiny", {"lora": "r=8,dropout=0.05,targets=c_attn"}),  # GPT-2's Conv1D (peft's fan_in_fan_out)
+    ("hf:gpt2-tiny", {"lora": "r=8,targets=c_attn,c_proj", "quant": "nf4"}),  # Conv1D quantized as transformers does
     ("hf:llama-tiny", {"freeze": "model.embed_tokens"}),  # full fine-tuning, frozen embedding
     ("hf:llama-tiny", {"freeze": "model.embed_tokens,model.layers.0.*", "optim": "sgd-momentum"}),
     ("hf:llama-tiny", {"lora": QV, "freeze": "model.norm"}),

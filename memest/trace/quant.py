@@ -64,9 +64,12 @@ class Linear4bitModel(nn.Linear):
     target matching and ``all-linear`` see the layers they see on a bitsandbytes model; its own
     ``__init__`` holds only what bitsandbytes stores."""
 
-    def __init__(self, linear: nn.Linear, quant_type: str, double_quant: bool, compute_dtype: torch.dtype):
+    def __init__(self, linear: nn.Module, quant_type: str, double_quant: bool, compute_dtype: torch.dtype):
         nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if isinstance(linear, nn.Linear):
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+        else:  # transformers' Conv1D (GPT-2): weight [in, out], replaced alike (replace_with_bnb_linear)
+            self.in_features, self.out_features = linear.weight.shape
         self.quant_type, self.double_quant, self.compute_dtype = quant_type, double_quant, compute_dtype
         self.quant_dtype = linear.weight.dtype  # quant_state.dtype: the dtype the weight was quantized from
         device = linear.weight.device
@@ -147,16 +150,20 @@ def output_linear(model: nn.Module) -> set[str]:
     return keep
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
 def quantize_linears(model: nn.Module, quant_type: str, double_quant: bool, compute_dtype: torch.dtype) -> int:
-    """Replace every nn.Linear but the output head with the stand-in, as transformers' bitsandbytes
-    integration replaces them with Linear4bit (embeddings and norms are not linear and stay as they are).
+    """Replace every nn.Linear (and transformers' Conv1D) but the output head with the stand-in, as
+    transformers' bitsandbytes integration (``replace_with_bnb_linear``) replaces them with Linear4bit (embeddings and norms are not linear and stay as they are).
     Returns the number of layers replaced."""
     keep = output_linear(model)
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if type(child) is nn.Linear and full not in keep:
+            if (type(child) is nn.Linear or _is_conv1d(child)) and full not in keep:
                 setattr(module, child_name, Linear4bitModel(child, quant_type, double_quant, compute_dtype))
                 replaced += 1
     return replaced
