@@ -6,6 +6,8 @@
     est.peak_allocated_bytes, est.device_bytes, est.needed_bytes, est.breakdown, est.layers
     est.fits("11GB"), est.verdict("11GB"), est.needed_range, est.to_json()
     est = memest.estimate("hf:gpt2", batch=8, calibration="profiles/h100-cuda13.0-torch2.11.json")
+    est = memest.estimate("hf:llama-3.1-8b", seq=2048, precision="bf16", quant="nf4",
+                          lora={"r": 16, "alpha": 32, "targets": "all-linear"})   # QLoRA (needs peft)
 
 The same pipeline as the CLI (app layer, pipeline.estimate). It runs in the caller's process and
 does not hide CUDA devices from torch (the CLI does); it allocates nothing on a GPU either way.

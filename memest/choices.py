@@ -34,6 +34,8 @@ class Choice(str, Enum):
         if isinstance(value, cls):
             return value
         text = str(value).strip().lower()
+        if text not in cls.values():
+            text = text.replace("_", "-")  # paged_adamw_8bit, as transformers' TrainingArguments writes it
         for member in cls:
             if member.value == text:
                 return member
@@ -49,6 +51,8 @@ class Optimizer(Choice):
     ADAMW = "adamw"
     ADAFACTOR = "adafactor"
     ADAM8BIT = "adam8bit"
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"  # bitsandbytes PagedAdamW8bit: large states in CUDA unified memory
+    PAGED_ADAMW_32BIT = "paged-adamw-32bit"  # bitsandbytes PagedAdamW32bit
 
 
 class Precision(Choice):
@@ -61,6 +65,14 @@ class Precision(Choice):
     @property
     def mixed(self) -> bool:
         return self.value.endswith("-mixed")
+
+
+class Quant(Choice):
+    """--quant: the base model's linear weights as bitsandbytes stores them (QLoRA; trace/quant.py)."""
+
+    NONE = "none"
+    NF4 = "nf4"  # 4-bit NormalFloat (QLoRA's default)
+    FP4 = "fp4"  # 4-bit float
 
 
 class Target(Choice):

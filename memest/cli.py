@@ -20,6 +20,7 @@ from .choices import (
     Outputs,
     PipelineSchedule,
     Precision,
+    Quant,
     Shard,
     Target,
     ZeroGrad,
@@ -53,6 +54,18 @@ Outs = Annotated[Outputs, typer.Option(
     "before backward: HF Trainer, Lightning).")]
 LossHd = Annotated[str, typer.Option(
     "--loss-head", help="hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused (Liger-Kernel).")]
+Lora = Annotated[str, typer.Option(
+    "--lora", help="peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; needs "
+    "memest[peft]).")]
+Freeze = Annotated[str, typer.Option("--freeze", help="Freeze parameters by name: glob patterns, comma-separated "
+                                     "(model.embed_tokens,model.layers.[0-9].*).")]
+QuantOpt = Annotated[Quant, typer.Option("--quant", help="With --lora (QLoRA): base linear weights as bitsandbytes "
+                                         "stores them: nf4 | fp4 (none: as built).")]
+DoubleQuant = Annotated[bool, typer.Option("--double-quant/--no-double-quant",
+                                           help="--quant: bitsandbytes' double quantization of the absmax.")]
+PrepKbit = Annotated[bool, typer.Option(
+    "--prepare-kbit", help="--quant: peft's prepare_model_for_kbit_training (trl's SFTTrainer calls it): the "
+    "non-quantized 16-bit weights cast to fp32.")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
 Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
@@ -75,7 +88,8 @@ def estimate(
     model: Model, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False, outputs: Outs = Outputs.KEPT,
-    loss_head: LossHd = "standard",
+    loss_head: LossHd = "standard", lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE,
+    double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -113,7 +127,8 @@ def estimate(
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
                 cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp,
-                pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split)
+                pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split, lora=lora,
+                freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
 
     def work():
         from .app import run_estimate
@@ -148,13 +163,15 @@ def check(
         "--cudnn-benchmark/--no-cudnn-benchmark", help="Override cuDNN's benchmark mode.")] = None,
     outputs: Annotated[Optional[Outputs], typer.Option("--outputs", help="Override the loop: kept | freed.")] = None,
     loss_head: Annotated[Optional[str], typer.Option("--loss-head", help="Override the loss head.")] = None,
+    lora: Annotated[Optional[str], typer.Option("--lora", help="Override LoRA (none: off).")] = None,
+    quant: Annotated[Optional[Quant], typer.Option("--quant", help="Override the base quantization.")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
     1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
                      checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark, outputs=outputs,
-                     loss_head=loss_head)
+                     loss_head=loss_head, lora=lora, quant=quant)
 
     def work():
         from .app import run_check
@@ -182,7 +199,9 @@ def whatif(
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
-    calibration: Calibration = None, format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
+    calibration: Calibration = None,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
     the largest seq and batch that fit."""
@@ -191,7 +210,8 @@ def whatif(
         from .report.views import whatif_view
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
-                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
+                    quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress(),
                          calibration=calibration)
         return whatif_view(run), EXIT_OK
@@ -207,6 +227,7 @@ def max_batch(
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536, calibration: Calibration = None,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -216,7 +237,8 @@ def max_batch(
         from .report.views import max_batch_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
         run = run_max_batch(spec, gpu, seq_search, limit, progress=_progress(), calibration=calibration)
         return max_batch_view(run), EXIT_OK
 
@@ -228,6 +250,7 @@ def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
     outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", calibration: Calibration = None,
+    lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -237,7 +260,8 @@ def advise(
         from .report.views import advise_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit)
         return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)

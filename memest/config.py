@@ -9,6 +9,9 @@
     grad_accum: 8
     checkpointing: blocks
     outputs: freed            # the loop drops the output before backward (HF Trainer); default kept (plain loop)
+    lora: {r: 16, alpha: 32, dropout: 0.05, targets: [q_proj, k_proj, v_proj, o_proj]}  # peft LoRA (or all-linear)
+    quant: nf4                # QLoRA: the base's linear weights as bitsandbytes stores them (with lora:)
+    freeze: model.embed_tokens  # parameters frozen by name (glob patterns, comma-separated)
     gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
     margin: 10%               # required headroom: needed x (1 + margin) must fit
     calibration: profiles/rtx2080ti.json  # a `memest calibrate --out` profile (relative to this file)
@@ -49,7 +52,7 @@ COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches"}
-_BOOL_KEYS = {"fused", "cudnn_benchmark", "sp"}
+_BOOL_KEYS = {"fused", "cudnn_benchmark", "sp", "double_quant", "prepare_kbit"}
 
 
 @dataclass
@@ -193,6 +196,8 @@ def _relative_to(model: str, config_path: str | Path) -> str:
 
 
 def _typed(key: str, value: Any, where: str) -> Any:
+    if key == "lora" and isinstance(value, (dict, bool)):
+        return value  # a mapping (r:, alpha:, dropout:, targets:) or true (peft's defaults); RunSpec parses it
     if key in _INT_KEYS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise MemestError(f"{where}{key}: expected a whole number, got {value!r}")

@@ -15,6 +15,7 @@ from .choices import (
     Outputs,
     PipelineSchedule,
     Precision,
+    Quant,
     Shard,
     Target,
     ZeroGrad,
@@ -34,6 +35,7 @@ _CHOICE_FIELDS = {
     "offload": (Offload, "--offload"),
     "outputs": (Outputs, "--outputs"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
+    "quant": (Quant, "--quant"),
 }
 
 
@@ -77,6 +79,13 @@ class RunSpec:
     microbatches: int = 0  # --pp: micro-batches (of --batch) per step; 0 = --pp
     pp_split: str = ""  # --pp: layers per stage, e.g. "3,3,2" ("" = even)
     pp_stage: int = 0  # the stage traced (every stage is traced for a report; not a user option)
+    # fine-tuning (trace/finetune.py): peft LoRA ('' off; canonical r=..,alpha=..,dropout=..,targets=a,b),
+    # parameters frozen by name pattern, the base's linear weights quantized as bitsandbytes stores them
+    lora: str = ""
+    freeze: str = ""
+    quant: Quant = Quant.NONE
+    double_quant: bool = True  # --quant: bitsandbytes' compress_statistics (bnb_4bit_use_double_quant)
+    prepare_kbit: bool = False  # --quant: peft's prepare_model_for_kbit_training (non-quantized weights to fp32)
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -86,6 +95,7 @@ class RunSpec:
         object.__setattr__(self, "loss_head", str(self.loss_head).strip().lower())
         if LossHead.of(self.loss_head)[0] != LossHead.STANDARD and not self.training:
             raise MemestError(f"--loss-head {self.loss_head} replaces a training loss; drop it with --mode {self.mode}")
+        self._check_finetune()
         if self.batch < 1:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:
@@ -186,6 +196,20 @@ class RunSpec:
     def dp(self) -> int:
         """Data-parallel ranks: --world-size / (--tp x --pp)."""
         return self.world_size // (self.tp * self.pp)
+
+    def _check_finetune(self) -> None:
+        from .lora import freeze_patterns, parse_lora
+
+        object.__setattr__(self, "lora", parse_lora(self.lora))
+        object.__setattr__(self, "freeze", ",".join(freeze_patterns(self.freeze)))
+        if self.quant != "none" and not self.lora:
+            raise MemestError(f"--quant {self.quant} quantizes the frozen base of a QLoRA run; add --lora (e.g. "
+                              "--lora r=16,alpha=32,targets=all-linear)")
+        if self.prepare_kbit and self.quant == "none":
+            raise MemestError("--prepare-kbit prepares a quantized base (peft's prepare_model_for_kbit_training); "
+                              "add --quant nf4")
+        if (self.lora or self.freeze) and not self.training:
+            raise MemestError(f"--lora and --freeze describe fine-tuning; drop them with --mode {self.mode}")
 
     @property
     def training(self) -> bool:

@@ -24,6 +24,12 @@ PUBLISHED = {
     "llama-3-8b": 8_030_261_248,
     "llama-2-70b": 68_976_648_192,
     "mistral-7b": 7_241_732_096,
+    # the models people fine-tune most (issue 12): each config's "_source" names its hub repository; counts
+    # are the repositories' safetensors totals
+    "llama-3.1-8b": 8_030_261_248,
+    "qwen2.5-7b": 7_615_616_512,
+    "gemma-2-9b": 9_241_705_984,
+    "phi-3-mini": 3_821_079_552,
     "t5-base": 222_903_552,
     "vit-base": 86_567_656,
 }

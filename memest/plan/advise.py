@@ -51,6 +51,22 @@ class Advice:
         return asdict(self)
 
 
+# the remedies that change the training method (trace/finetune.py): adapters on every linear layer, as
+# QLoRA (Dettmers et al. 2023, arXiv:2305.14314) found needed to match 16-bit fine-tuning
+LORA = "r=16,alpha=32,dropout=0.05,targets=all-linear"
+LORA_CAVEAT = ("trains only the adapters: a different method from full fine-tuning, whose quality can trail it on "
+               "harder tasks (LoRA Learns Less and Forgets Less, Biderman et al. 2024, arXiv:2405.09673)")
+QLORA_CAVEAT = ("4-bit NF4 base: QLoRA matched 16-bit LoRA in its paper (Dettmers et al. 2023) but the base's "
+                "weights are rounded; each layer is dequantised in forward and backward (slower steps); needs "
+                "bitsandbytes on a CUDA GPU")
+
+
+def _peft_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
+
 def _model_traits(runner: Runner) -> tuple[bool, bool]:
     """(has repeated blocks or transformers' checkpointing switch, is a causal LM whose head
     --loss-head can replace), from one build of the model on fake tensors."""
@@ -103,6 +119,9 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
         for n in (2, 4, 8):
             out.append((f"ZeRO-3 / FSDP over {n} GPUs", {"world_size": n, "shard": "zero3"}, 0.3 + 0.05 * n))
         out.append(("CPU offload of the optimizer", {"offload": "optimizer"}, 0.5))
+    if base.training and causal_lm and not base.lora and _peft_available():
+        out.append(("LoRA r=16 on every linear layer (peft)", {"lora": LORA}, 0.8))
+        out.append(("QLoRA: NF4 base + LoRA r=16 (bitsandbytes + peft)", {"lora": LORA, "quant": "nf4"}, 0.9))
     if base.seq and base.seq >= 256:
         out.append((f"shorter sequence ({base.seq // 2})", {"seq": base.seq // 2}, 1.0))
     return out
@@ -126,6 +145,11 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
         return f"~{format_bytes(2 * result.report.param_bytes)} over PCIe per step (grads out, params in)"
     if "seq" in changes:
         return "changes the task (shorter context)"
+    if "lora" in changes:
+        r = result.report
+        share = 100 * r.trainable_param_count / r.param_count if r.param_count else 0.0
+        trains = f"{r.trainable_param_count:,} trainable parameters ({share:.2f}% of {r.param_count:,}); "
+        return trains + (QLORA_CAVEAT + "; " if "quant" in changes else "") + LORA_CAVEAT
     if "precision" in changes:
         return "faster on tensor cores; changes numerics"
     if "optim" in changes:
@@ -200,7 +224,7 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         "grad_accum": "--grad-accum", "checkpointing": "--checkpointing", "zero_grad": "--zero-grad",
         "world_size": "--world-size", "shard": "--shard", "offload": "--offload", "attention": "--attention",
         "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache", "outputs": "--outputs",
-        "loss_head": "--loss-head",
+        "loss_head": "--loss-head", "lora": "--lora", "freeze": "--freeze", "quant": "--quant",
     }
     for field_name, flag in flags.items():
         value = getattr(spec, field_name)
@@ -210,6 +234,10 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         parts.append("--fused")
     if spec.cudnn_benchmark:
         parts.append("--cudnn-benchmark")
+    if not spec.double_quant and spec.quant != "none":
+        parts.append("--no-double-quant")
+    if spec.prepare_kbit:
+        parts.append("--prepare-kbit")
     if gpu:
         parts += ["--gpu", gpu]
     return " ".join(shlex.quote(p) for p in parts)

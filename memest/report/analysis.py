@@ -72,6 +72,7 @@ class Report:
     # --outputs kept: bytes of model outputs alive at the peak only because the loop still references them
     # (past the point where a loop that frees outputs drops them); 0 with --outputs freed
     outputs_held_bytes: int = 0
+    trainable_param_count: int = 0  # elements of the parameters that require grad (LoRA adapters, unfrozen)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,6 +147,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         spec=spec.to_dict(),
         param_count=trace.param_count,
         param_bytes=trace.param_bytes,
+        trainable_param_count=trace.trainable_count,
         peak_allocated_bytes=peak,
         peak_iteration=peak_iter,
         phase_at_peak=peak_phase.value,

@@ -83,6 +83,7 @@ class Trace:
     checkpointed: list[str] = field(default_factory=list)  # modules wrapped by --checkpointing
     param_count: int = 0
     param_bytes: int = 0
+    trainable_count: int = 0  # elements of the parameters that require grad
     # data parallelism (--world-size, --shard, --offload): the trace is rank 0's; ``events`` are its
     # device memory, ``host_events`` what an offloading run keeps in host memory, as
     # ``(number of device events before it, storage_id, delta_bytes)`` so both can be merged in order

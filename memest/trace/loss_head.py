@@ -115,10 +115,13 @@ def causal_lm_head(model: torch.nn.Module, flag: str = "chunked") -> torch.nn.Li
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DistributedDataParallel wrapper (FSDP2 wraps in place)."""
+    """The model inside a DistributedDataParallel wrapper (FSDP2 wraps in place) and inside peft's PeftModel
+    (``get_base_model()``: the transformers model, its layers holding the adapters)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and getattr(model, "peft_config", None) is not None else model
 
 
 @contextlib.contextmanager

@@ -30,6 +30,10 @@ OPTIMIZERS: dict[Optimizer, OptimizerInfo] = {
     Optimizer.ADAFACTOR: OptimizerInfo("Adafactor", folklore_n=2, summary="factored second moment (row + column)"),
     Optimizer.ADAM8BIT: OptimizerInfo("adam8bit", foreach=False, folklore_n=2.5,
                                       summary="bitsandbytes 8-bit state, block-wise (modelled)"),
+    Optimizer.PAGED_ADAMW_8BIT: OptimizerInfo("adam8bit", {"paged": True}, foreach=False, folklore_n=2.5,
+                                              summary="bitsandbytes PagedAdamW8bit: large states host-pageable"),
+    Optimizer.PAGED_ADAMW_32BIT: OptimizerInfo("adam8bit", {"bits": 32, "paged": True}, foreach=False, folklore_n=4,
+                                               summary="bitsandbytes PagedAdamW32bit: large states host-pageable"),
 }
 
 # kept for callers that ask by name
@@ -60,5 +64,7 @@ def optimizer_class(spec: RunSpec) -> tuple[type, dict]:
     if info.cls == "adam8bit":
         from .adam8bit import Adam8bitModel
 
+        if spec.target == Target.CPU:
+            kwargs.pop("paged", None)  # bitsandbytes falls back to non-paged buffers on CPU (get_state_buffer)
         return Adam8bitModel, kwargs
     return getattr(torch.optim, info.cls), kwargs

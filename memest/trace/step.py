@@ -65,6 +65,7 @@ with imports_without_gc():
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
     from .fake_kernels import real_fake_kernels
+    from .finetune import apply_finetune
     from .inference import check_generate, run_generate, run_inference
     from .loss_head import loss_head_scope
     from .modules import ModuleStack, describe_modules
@@ -137,6 +138,9 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
     notes = [note] if (note := _own_cast_note(model, dtype)) else []
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
+    if spec.lora or spec.freeze or spec.quant != "none":
+        model, finetune_notes = apply_finetune(model, spec, dtype, source.origin or source.name)
+        notes += finetune_notes
     model.train(spec.training)
     checkpointed = apply_checkpointing(model, spec.checkpointing, source.origin or source.name)
     try:
@@ -431,9 +435,9 @@ def _built(step: _Step):
     model = step.model
     step.owner_of_param = describe_modules(model, trace)
     step.params = [p for p in model.parameters() if p.requires_grad]
-    trace.param_count = sum(p.numel() for p in model.parameters())
+    trace.param_count = sum(logical_numel(p) for p in model.parameters())
     trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    step.trainable_count = sum(p.numel() for p in step.params)
+    step.trainable_count = trace.trainable_count = sum(p.numel() for p in step.params)
     if step.parallel is not None:
         step.optimizer = step.parallel.optimizer
     else:
@@ -528,6 +532,10 @@ def _instrumented(step: _Step):
             hooks.enter_context(step.source.trace_context(spec))
         elif holds_transformers_model(step.model):  # a transformers model built by a model file
             hooks.enter_context(real_mask_branches())
+        if not step.cuda and step.spec.checkpointing != "none":
+            from .cpu.rng_state import tracked_cpu_rng_state
+
+            hooks.enter_context(tracked_cpu_rng_state())
         if step.cuda:
             hooks.enter_context(step.sdpa)
             hooks.enter_context(step.kernels)
@@ -585,6 +593,9 @@ def _classify_after(step: _Step, phase: Phase) -> None:
         for p, state in state_of.items():
             for t in _storage_tensors(state):
                 _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner.get(id(p), ""))
+        for t in getattr(step.optimizer, "paged", ()):  # bitsandbytes' paged state: unified memory
+            if (sid := tracker.storage_id(t)) is not None:
+                trace.storages[sid].host = True
 
 
 def _classify(step: _Step) -> None:
@@ -610,6 +621,21 @@ def _classify(step: _Step) -> None:
 
         trace.world_size, trace.rank = spec.world_size, spec.pp_stage
         distributed.mark_host(trace, spec)
+    if any(rec.host for rec in trace.storages) and not trace.host_events:  # paged optimizer state
+        paged = sum(rec.nbytes for rec in trace.storages if rec.host)
+        trace.split_host()
+        from ..units import format_bytes
+
+        trace.notes.append(
+            f"--optim {spec.optim}: {format_bytes(paged)} of optimizer state in CUDA unified memory (bitsandbytes "
+            "paged buffers, cudaMallocManaged): host-pageable, not counted as device memory; the driver pages it "
+            "in during the optimizer step"
+        )
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Elements of the weight a parameter stores (a 4-bit packed weight holds two per byte: trace/quant.py)."""
+    return getattr(p, "logical_numel", None) or p.numel()
 
 
 def _trainable(model: torch.nn.Module) -> bool:

@@ -1,0 +1,117 @@
+"""What --lora and --freeze say, parsed without importing torch (RunSpec validates with it; the
+application to a model is trace/finetune.py).
+
+``--lora`` is ``r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj`` (``targets=all-linear``:
+peft's every linear layer but the output head); keys left out take peft's defaults (r=8, alpha=8,
+dropout=0, peft's target modules for the model type). The YAML ``lora:`` mapping and the API's ``lora=``
+(a dict, the same string, or True for peft's defaults) canonicalise to this string."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import MemestError
+
+_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
+_ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "targets", "rank": "r"}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    targets: tuple[str, ...] | None = None  # ("all-linear",) for peft's all-linear
+
+    def text(self) -> str:
+        parts = [f"{k}={_num(getattr(self, k))}" for k in ("r", "alpha", "dropout") if getattr(self, k) is not None]
+        if self.targets:
+            parts.append("targets=" + ",".join(self.targets))
+        return ",".join(parts) or "on"
+
+    def peft_kwargs(self) -> dict:
+        out: dict = {}
+        for key, peft_key in _KEYS.items():
+            value = getattr(self, key)
+            if value is not None:
+                out[peft_key] = (value[0] if value == ("all-linear",) else list(value)) if key == "targets" else value
+        return out
+
+
+def _num(v) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def parse_lora(value) -> str:
+    """Canonical --lora text ('' when off) from a flag string, a YAML mapping / API dict, or a bool."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "none", "off")):
+        return ""
+    if value is True or (isinstance(value, str) and value.strip().lower() in ("on", "true", "default")):
+        return LoraSettings().text()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, str):
+        items, key = [], None
+        for token in value.split(","):
+            token = token.strip()
+            if "=" in token:
+                key, _, v = token.partition("=")
+                items.append((key.strip(), [v.strip()]))
+            elif key is not None and _ALIASES.get(key.lower(), key.lower()) == "targets" and token:
+                items[-1][1].append(token)
+            else:
+                raise MemestError(f"--lora {value!r}: write key=value pairs (r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj)")
+        items = [(k, v if len(v) > 1 else v[0]) for k, v in items]
+    else:
+        raise MemestError(f"lora: expected a mapping (r:, alpha:, dropout:, targets:) or a string, got {value!r}")
+    return settings_from(items).text()
+
+
+def settings_from(items) -> LoraSettings:
+    fields: dict = {}
+    for key, v in items:
+        name = _ALIASES.get(str(key).lower(), str(key).lower())
+        if name not in _KEYS:
+            raise MemestError(f"--lora: unknown key {key!r}; use r, alpha, dropout, targets")
+        try:
+            if name == "r":
+                fields["r"] = int(v)
+                if fields["r"] < 1:
+                    raise ValueError
+            elif name in ("alpha", "dropout"):
+                fields[name] = float(v)
+                if name == "dropout" and not 0 <= fields[name] < 1:
+                    raise ValueError
+            else:
+                targets = [v] if isinstance(v, str) else list(v)
+                targets = tuple(t.strip() for t in targets for t in str(t).split(",") if t.strip())
+                if not targets:
+                    raise ValueError
+                fields["targets"] = targets
+        except (TypeError, ValueError):
+            raise MemestError(f"--lora: bad value for {name}: {v!r} (r: a whole number >= 1, alpha: a number, "
+                              "dropout: 0 <= p < 1, targets: module names or all-linear)") from None
+    return LoraSettings(**fields)
+
+
+def lora_settings(text: str) -> LoraSettings | None:
+    if not text:
+        return None
+    if text == "on":
+        return LoraSettings()
+    return settings_from((k, v) for k, _, v in (p.partition("=") for p in _split(text)))
+
+
+def _split(text: str) -> list[str]:
+    """'r=8,targets=a,b' -> ['r=8', 'targets=a,b']"""
+    out: list[str] = []
+    for token in text.split(","):
+        if "=" in token or not out:
+            out.append(token)
+        else:
+            out[-1] += "," + token
+    return out
+
+
+def freeze_patterns(text: str) -> list[str]:
+    return [p.strip() for p in str(text or "").split(",") if p.strip()]

@@ -1,0 +1,110 @@
+"""Fine-tuning applied to the built model: ``--freeze PATTERN``, ``--quant nf4|fp4`` (trace/quant.py) and
+``--lora`` through peft's own ``LoraConfig`` / ``get_peft_model`` (so adapter shapes, their fp32 dtype
+(peft's ``autocast_adapter_dtype``), the input casts and dropout are peft's). Applied in the order a QLoRA
+script applies them: the model in its dtype, its linear layers quantized, then LoRA; the real CPU ground
+truth runs the same function on real tensors.
+
+What the flags say is parsed in memest/lora.py."""
+
+from __future__ import annotations
+
+import fnmatch
+
+from ..errors import MemestError
+from ..lora import LoraSettings, freeze_patterns, lora_settings
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A parameter name matches a glob, or lies under a module the glob names."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:k]), pattern) for k in range(1, len(parts) + 1))
+
+
+def apply_freeze(model, patterns: list[str], where: str) -> int:
+    """requires_grad=False for every parameter matching a pattern; each pattern must match one."""
+    frozen = 0
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        hits = [name for name in names if _matches(name, pattern)]
+        if not hits:
+            examples = ", ".join(names[:3])
+            raise MemestError(f"{where}: --freeze {pattern!r} matches no parameter (names look like: {examples}, ...)")
+    for name, p in model.named_parameters():
+        if any(_matches(name, pattern) for pattern in patterns) and p.requires_grad:
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def apply_lora(model, settings: LoraSettings, where: str, quantized: bool):
+    """peft's get_peft_model with a LoraConfig of ``settings`` (memest's 4-bit stand-in registered with
+    peft's LoRA layer for bitsandbytes' Linear4bit)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise MemestError("--lora runs peft's own LoRA: pip install 'memest[peft]' (or pip install peft)") from None
+    kwargs = settings.peft_kwargs()
+    if type(model).__name__.endswith("ForCausalLM"):
+        kwargs["task_type"] = "CAUSAL_LM"
+    try:
+        config = LoraConfig(**kwargs)
+        if quantized:
+            from .quant import Linear4bitModel, lora_layer_class
+
+            config._register_custom_module({Linear4bitModel: lora_layer_class()})
+        return get_peft_model(model, config)
+    except ValueError as exc:  # peft's own message: no target modules found, unknown model type, ...
+        raise MemestError(f"{where}: peft's get_peft_model: {str(exc).strip().splitlines()[0]}") from exc
+
+
+def _prepare_kbit(model, where: str) -> str:
+    """peft's own prepare_model_for_kbit_training (trl's SFTTrainer calls it for a 4-bit model): every fp16 /
+    bf16 parameter that is not a packed 4-bit weight cast to fp32; memest's --checkpointing stays in charge of
+    checkpointing, and no CUDA cache is emptied (none exists)."""
+    import torch
+
+    try:
+        from peft import prepare_model_for_kbit_training
+    except ImportError:
+        raise MemestError("--prepare-kbit runs peft's prepare_model_for_kbit_training: pip install 'memest[peft]'") from None
+    before = sum(p.numel() for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16))
+    try:
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)
+    except Exception as exc:
+        raise MemestError(f"{where}: peft's prepare_model_for_kbit_training raised {type(exc).__name__}: {exc}") from exc
+    return (f"--prepare-kbit: peft's prepare_model_for_kbit_training cast {before:,} non-quantized 16-bit parameters "
+            "(embeddings, norms, head) to fp32")
+
+
+def apply_finetune(model, spec, dtype, where: str):
+    """The model as the fine-tuning run trains it, and notes for the report."""
+    import torch
+
+    notes: list[str] = []
+    if spec.quant != "none":
+        from .quant import quantize_linears
+
+        compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
+        n = quantize_linears(model, str(spec.quant), spec.double_quant, compute)
+        if not n:
+            raise MemestError(f"{where}: --quant {spec.quant} found no nn.Linear layer to quantize")
+        notes.append(
+            f"--quant {spec.quant}: {n} linear layers stored as bitsandbytes' Linear4bit stores them (packed 4-bit, "
+            f"block-wise absmax{', double quantization' if spec.double_quant else ''}; modelled: trace/quant.py), "
+            "the output head and non-linear modules unquantized; each layer's weight dequantised whole in forward "
+            "and backward (bitsandbytes' dequant + F.linear path; at <= 1536 tokens per step bitsandbytes may pick a "
+            "fused kernel on some GPUs that skips the forward copy)"
+        )
+    if spec.prepare_kbit:
+        notes.append(_prepare_kbit(model, where))
+    patterns = freeze_patterns(spec.freeze)
+    if patterns:
+        n = apply_freeze(model, patterns, where)
+        notes.append(f"--freeze {spec.freeze}: {n} parameter tensors frozen")
+    settings = lora_settings(spec.lora)
+    if settings is not None:
+        model = apply_lora(model, settings, where, quantized=spec.quant != "none")
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        notes.append(f"--lora {settings.text()}: peft's LoraConfig / get_peft_model applied ({trainable:,} trainable "
+                     "adapter parameters, kept in fp32 by peft)")
+    return model, notes
