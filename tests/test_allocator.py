@@ -4,7 +4,6 @@ Each test names the rule (C++ function / constant) it checks. Sizes: KiB = 1024,
 """
 
 import random
-import time
 
 import pytest
 
@@ -397,11 +396,9 @@ def test_random_sequences_keep_invariants(config, limit):
         assert r.num_segments == len(r.segment_sizes)
 
 
-def test_replay_of_1e5_events_is_fast():
+def test_replay_of_1e5_events_completes():
+    # its speed is measured by scripts/bench_speed.py (whole estimates), not asserted in a timed test
     rng = random.Random(7)
     events = _random_events(rng, 100_000)
-    start = time.perf_counter()
     r = replay(events)
-    elapsed = time.perf_counter() - start
     assert r.peak_reserved >= r.peak_allocated
-    assert elapsed < 5.0  # about 0.3 s on a laptop-class core; the bound only catches blow-ups

@@ -1,7 +1,6 @@
 """The views people look at: the category timeline, its terminal sparkline, plots and Markdown."""
 
 import sys
-import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -139,15 +138,13 @@ def test_empty_trace():
     assert terminal_timeline(tl) == ["no memory events traced"]
 
 
-def test_large_trace_is_fast():
+def test_large_trace_is_downsampled_with_its_peak_kept():
+    # speed is a benchmark's business (scripts/bench_speed.py), not a timed test's: this checks the result
     trace = synthetic_trace(100_000, peak_at=77_777)
-    start = time.perf_counter()
     tl = category_timeline(trace)
     lines = terminal_timeline(tl)
-    elapsed = time.perf_counter() - start
     assert len(tl.index) <= 2000 and tl.peak.index == 77_777
     assert len(lines[1]) == 60
-    assert elapsed < 1.0, f"{elapsed:.2f} s for 10^5 events"  # ~0.1 s here; generous for slow CI
 
 
 # ---- terminal_timeline ---------------------------------------------------------------------------
