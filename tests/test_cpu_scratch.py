@@ -161,3 +161,50 @@ def test_bf16_lstm_kernels_are_close():
     for call in calls:
         assert call.real_kept == call.model_kept
         assert 0 <= call.real_peak - call.model_peak <= 16 * 1024, f"{call.op}: {call.real_peak} vs {call.model_peak}"
+
+
+LAYER_NORMS = [  # (dtype, threads, x transposed, dY transposed)
+    (torch.float32, 2, False, False), (torch.float32, 2, False, True), (torch.float32, 2, True, False),
+    (torch.float32, 2, True, True), (torch.float32, 1, False, True), (torch.bfloat16, 2, False, True),
+    (torch.float64, 2, True, True),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_NORMS, ids=[f"{c[0]}-n{c[1]}-x{int(c[2])}-dy{int(c[3])}" for c in LAYER_NORMS])
+def test_layer_norm_kernels_match_real_allocations(case):
+    """ATen's CPU layer norm (trace/cpu/aten_norms.py): contiguous copies of strided inputs and gradients,
+    the dgamma/dbeta reduction buffer (per thread) and a contiguous dX, call by call against the profiler."""
+    dtype, threads, x_t, dy_t = case
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = (torch.randn(4, 48, 96, dtype=dtype).transpose(1, 2) if x_t else torch.randn(4, 96, 48, dtype=dtype))
+        x.requires_grad_(True)
+        ln = nn.LayerNorm(48).to(dtype)
+        grad = torch.randn(4, 48, 96, dtype=dtype).transpose(1, 2) if dy_t else torch.randn(4, 96, 48, dtype=dtype)
+
+        def step():
+            ln(x).backward(grad)
+
+        calls, _ = _ops(step)
+    finally:
+        torch.set_num_threads(before)
+    assert [c.op for c in calls] == ["native_layer_norm.default", "native_layer_norm_backward.default"]
+    for c in calls:
+        assert c.exact, f"{c.op}: real peak {c.real_peak} kept {c.real_kept}, model {c.model_peak} / {c.model_kept}"
+
+
+def test_layer_norm_input_gradient_is_contiguous():
+    """The real kernel makes dX contiguous whatever dY's strides (the meta kernel copies dY's), so the
+    next Linear's backward reshapes it without a copy."""
+    from memest.trace.cpu import aten_norms
+
+    with torch.device("meta"):
+        x, w = torch.randn(2, 64, 32), torch.randn(32)
+        mean, rstd = torch.randn(2, 64, 1), torch.randn(2, 64, 1)
+        dy = torch.randn(2, 32, 64).transpose(1, 2)
+        args = (dy, x, [32], mean, rstd, w, w, [True, True, True])
+        out = torch.ops.aten.native_layer_norm_backward(*args)
+    assert not out[0].is_contiguous()  # the meta kernel's
+    fixed = aten_norms.backward_outputs(args, {}, out, lambda op, *a, **k: op(*a, **k))
+    assert fixed[0].is_contiguous() and fixed[0].shape == out[0].shape

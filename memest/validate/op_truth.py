@@ -65,9 +65,11 @@ class _Model(TorchDispatchMode):
         meta_out = func(*meta_args, **kwargs)
         fix = self.outputs.get(func)
         late = getattr(fix, "late", ())
+        if fix is not None and not late:  # (a) replaced before the tracker records them (ops on meta tensors)
+            meta_out = fix(meta_args, kwargs, meta_out, lambda op, *a, **k: op(*a, **k))
         outs = (meta_out,) if isinstance(meta_out, torch.Tensor) else meta_out
         fake_bytes = _storage_bytes([t for i, t in enumerate(outs) if i not in late])
-        if fix is not None:
+        if fix is not None and late:  # (b) made by the kernel after its scratch is freed
             meta_out = fix(meta_args, kwargs, meta_out, _meta_empty)
         self.calls.append((func.__name__, scratch, fake_bytes, _storage_bytes(meta_out)))
         return func(*args, **kwargs)

@@ -1,7 +1,8 @@
 """CPU kernel semantics applied while tracing --target cpu: what the real CPU kernels allocate through
 the CPU allocator that their fake (meta) kernels do not show: oneDNN's LSTM workspace and scratch
-(onednn_rnn.py), the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py), and
-mse_loss's input-sized result storage (aten_losses.py).
+(onednn_rnn.py), the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py),
+mse_loss's input-sized result storage (aten_losses.py), and layer norm's contiguous copies, reduction
+buffer and contiguous input gradient (aten_norms.py).
 Rules come from ATen's, ideep's and oneDNN's sources and are checked against torch.profiler on real
 runs, kernel by kernel (validate/op_truth.py, scripts/probe_onednn.py, benchmarks/onednn-scratch.md)."""
 
@@ -12,7 +13,7 @@ import os
 import torch
 
 from ...units import format_bytes
-from . import aten_losses, onednn_rnn
+from . import aten_losses, aten_norms, onednn_rnn
 from .onednn_conv import ConvScratch
 
 aten = torch.ops.aten
@@ -22,6 +23,8 @@ CPU_SCRATCH = {
     aten.mkldnn_rnn_layer.default: onednn_rnn.forward_scratch,
     aten.mkldnn_rnn_layer_backward.default: onednn_rnn.backward_scratch,
     aten.mse_loss.default: aten_losses.mse_loss_scratch,
+    aten.native_layer_norm.default: aten_norms.forward_scratch,
+    aten.native_layer_norm_backward.default: aten_norms.backward_scratch,
 }
 
 # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes that the fake one does not
@@ -29,6 +32,8 @@ CPU_OUTPUTS = {
     aten.mkldnn_rnn_layer.default: onednn_rnn.forward_workspace,
     aten.mkldnn_rnn_layer_backward.default: onednn_rnn.backward_outputs,
     aten.mse_loss.default: aten_losses.mse_loss_output,
+    aten.native_layer_norm.default: aten_norms.forward_outputs,
+    aten.native_layer_norm_backward.default: aten_norms.backward_outputs,
 }
 
 CONV_ISA = "AVX512"  # the ATen CPU capability whose oneDNN convolution choices onednn_conv.py encodes
