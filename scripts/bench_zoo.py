@@ -7,8 +7,10 @@ one-line error, estimated and measured peaks, error, trace seconds, and what fai
 Each case runs in its own process (a crash or a hang costs that case only). Packages are installed at
 benchmark time, not memest dependencies; a case whose package is missing is reported as skipped. Set-up and
 rerun: see benchmarks/zoo.md. Usage:
-    python scripts/bench_zoo.py [--repos DIR] [--only NAME[,NAME]] [--quick] [--out benchmarks/zoo.md]
+    python scripts/bench_zoo.py [--repos DIR] [--only NAME[,NAME] [--fresh]] [--quick] [--render] [--list]
 --quick: the kept loop only. --repos: a folder holding nanoGPT/ and minGPT/ checkouts (read at run time).
+--only: those cases, their rows updated in the existing .json (--fresh: only them). --render: the .md again
+from the .json.
 """
 
 from __future__ import annotations
@@ -28,6 +30,41 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 MARK = "ZOO-RESULT "
 GOAL_TRACED, GOAL_MEDIAN, GOAL_MAX = 97.0, 0.1, 2.0  # issue 10's goals: % traced, median and max |error| %
+NOTED = 0.01  # |error| % above which a run's cause is stated in "what failed and why"
+
+# What each miss comes from, found by comparing the trace's live storages at the peak with the real run's
+# (torch.profiler allocation events, op by op). A case that misses without an entry here says so.
+CAUSES = {
+    "pyg-gcn": "torch_geometric's GCNConv normalises with self loops by default: gcn_norm -> "
+    "add_remaining_self_loops keeps the edges that are not loops with `edge_index[:, mask]` (boolean-mask "
+    "indexing, aten.nonzero), whose size depends on the edge values. memest refuses data-dependent ops (its "
+    "error names the bound and PyG's way out: add_self_loops=False with edges that already hold them, the "
+    "pyg-gcn-loops case); no upper-bound mode yet (docs/ARCHITECTURE.md, trace/data_dependent.py).",
+    "pyg-gat": "the same in GATConv: remove_self_loops then add_self_loops, `edge_index[:, mask]` (aten.nonzero); "
+    "the way out is the pyg-gat-loops case.",
+    "hf-whisper": "the freed loop peaks inside the CPU flash-attention backward "
+    "(aten._scaled_dot_product_flash_attention_for_cpu_backward, cross-attention), whose per-thread buffers "
+    "(24,576 + 96 B here; aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) memest does not model on "
+    "--target cpu; the kept loop peaks elsewhere and is exact.",
+    "diffusers-unet2d": "the real peak is in a convolution_backward (the estimate is 42,288 B low there); the live "
+    "storages at the two peaks differ by oneDNN-sized buffers of several convolutions, so the miss is in the "
+    "--target cpu convolution scratch rules (trace/cpu/onednn_conv.py, whose known gap is brgemm scratchpads, "
+    "README limitations); not isolated to one kernel call yet.",
+}
+
+# What the zoo found in memest and memest now does (first full run, 2026-11-24, same cases and versions)
+FIXED = [
+    "hf-bart +0.454% (both loops): the tracing instrumentation held gradients the real run frees. torch's ModTracker waits for a module's "
+    "input gradients with register_multi_grad_hook(mode=\"all\"), whose buffer kept the first until the last "
+    "arrived (a decoder layer's hidden-state gradient until the encoder output's); memest's hooks now count "
+    "without keeping them (trace/modules.py; tests/test_trace_stages.py).",
+    "hf-swin +1.207% (both loops): ATen's CPU layer-norm backward makes dX contiguous whatever dY's strides, the meta "
+    "kernel copied dY's, and a transposed gradient (Swin's pooler) then cost a reshape copy in the next Linear's "
+    "backward that the real run does not make; memest now follows layer_norm_backward_cpu (trace/cpu/aten_norms.py, "
+    "with its contiguous copies and per-thread reduction buffer; tests/test_cpu_scratch.py).",
+    "diffusers-vae +0.203% (both loops) reads exact after these two changes and the main branch's dropped-output "
+    "fix merged meanwhile; which of them it took was not isolated.",
+]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -128,6 +165,27 @@ def _fmt(n) -> str:
     return f"{n:,}" if isinstance(n, int) else "-"
 
 
+def _failures(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results:
+        if "crash" in r:
+            lines.append(f"- **{r['name']}**: the case's process crashed: {r['crash']}")
+        for run in r.get("runs", []):
+            if "trace_error" in run:
+                real = ("the real run also fails: " + run["real_error"]) if "real_error" in run else \
+                    "the real run succeeds"
+                lines.append(f"- **{r['name']}** ({run['loop']}): memest: `{run['trace_error']}`; {real}.")
+            elif "real_error" in run:
+                lines.append(f"- **{r['name']}** ({run['loop']}): traced; the real run fails: `{run['real_error']}`.")
+            elif abs(run.get("error_pct", 0.0)) > NOTED:
+                lines.append(f"- **{r['name']}** ({run['loop']}): {run['error_pct']:+.3f}% "
+                             f"({run['estimated_bytes'] - run['measured_bytes']:+,} B; real peak in "
+                             f"{run.get('op_at_peak')}).")
+        if lines and lines[-1].startswith(f"- **{r['name']}**"):
+            lines.append("  Why: " + CAUSES.get(r["name"], "not analysed yet."))
+    return lines or [f"Nothing: every attempted case traced and read within {NOTED}%."]
+
+
 def _write(results: list[dict], meta: dict, out: Path) -> dict:
     runs = [(r, run) for r in results for run in r["runs"]]
     attempted = [r for r in results if "skipped" not in r]
@@ -206,29 +264,8 @@ def _write(results: list[dict], meta: dict, out: Path) -> dict:
                 f"| {r['name']} | {r['family']} | {r['source']} | {r['batch']} | {r['seq'] or '-'} | {r['optim']} | "
                 f"{r['precision']} | {run['loop']} | {ok} | {_fmt(run.get('estimated_bytes'))} | "
                 f"{_fmt(run.get('measured_bytes'))} | {err} | {run['trace_seconds']:.1f} |")
-    lines += ["", "## What failed and why", ""]
-    failed = False
-    for r in results:
-        if "crash" in r:
-            failed = True
-            lines.append(f"- **{r['name']}**: the case's process crashed: {r['crash']}")
-        for run in r.get("runs", []):
-            if "trace_error" in run:
-                failed = True
-                real = ("the real run also fails: " + run["real_error"]) if "real_error" in run else \
-                    "the real run succeeds"
-                lines.append(f"- **{r['name']}** ({run['loop']}): memest: `{run['trace_error']}`; {real}.")
-            elif "real_error" in run:
-                failed = True
-                lines.append(f"- **{r['name']}** ({run['loop']}): traced; the real run fails: `{run['real_error']}`.")
-            elif abs(run.get("error_pct", 0.0)) > GOAL_MAX:
-                failed = True
-                lines.append(f"- **{r['name']}** ({run['loop']}): {run['error_pct']:+.2f}% (peak op "
-                             f"{run.get('op_at_peak')}).")
-    for why in meta.get("causes", []):
-        lines.append(f"- {why}")
-    if not failed and not meta.get("causes"):
-        lines.append("Nothing failed: every attempted case traced and read within the goal's 2%.")
+    lines += ["", "## What failed and why", ""] + _failures(results)
+    lines += ["", "Found by the zoo and fixed in memest (these cases read exact now):", ""] + [f"- {f}" for f in FIXED]
     skipped = [r for r in results if "skipped" in r]
     if skipped:
         lines += ["", "Skipped (not failures): " + "; ".join(f"{r['name']} ({r['skipped']})" for r in skipped) + "."]
@@ -248,7 +285,21 @@ SETUP = [
     "git clone https://github.com/karpathy/nanoGPT /tmp/zoo-repos/nanoGPT",
     "git clone https://github.com/karpathy/minGPT /tmp/zoo-repos/minGPT",
     "/work/zoo-venv/bin/python scripts/bench_zoo.py --repos /tmp/zoo-repos",
+    "# one case, both loops, its rows updated in benchmarks/zoo.json/.md: --only NAME; kept loop only: --quick",
 ]
+
+
+def _report(r: dict) -> dict:
+    if "skipped" in r or "crash" in r:
+        status = "skipped: " + r["skipped"] if "skipped" in r else "CRASH: " + r["crash"]
+    else:
+        status = "  ".join(
+            f"{run['loop']} " + (f"{run['error_pct']:+.3f}%" if "error_pct" in run else
+                                 "TRACE " + run["trace_error"] if "trace_error" in run else
+                                 "REAL " + run.get("real_error", "?"))
+            for run in r["runs"])
+    print(f"{r['name']:28} {status}", file=sys.stderr, flush=True)
+    return r
 
 
 def main() -> None:
@@ -261,6 +312,9 @@ def main() -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--loops", default="kept,freed", help=argparse.SUPPRESS)
     parser.add_argument("--list", action="store_true", help="list the cases")
+    parser.add_argument("--fresh", action="store_true",
+                        help="with --only: write only these cases (default: update their rows in the existing .json)")
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the existing .json, no runs")
     args = parser.parse_args()
     repos = Path(args.repos).resolve() if args.repos else None
     if args.worker:
@@ -282,20 +336,19 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown case(s) {unknown}; --list shows them")
         names = [n for n in names if n in wanted]
+    out = Path(args.out)
+    if args.render:
+        doc = json.loads(out.with_suffix(".json").read_text())
+        _write(doc["cases"], {**doc["meta"], "setup": SETUP}, out)
+        return
     loops = ["kept"] if args.quick else ["kept", "freed"]
-    results = []
-    for name in names:
-        r = _run_case(name, loops, repos, args.timeout)
-        results.append(r)
-        if "skipped" in r or "crash" in r:
-            status = "skipped: " + r["skipped"] if "skipped" in r else "CRASH: " + r["crash"]
-        else:
-            status = "  ".join(
-                f"{run['loop']} " + (f"{run['error_pct']:+.3f}%" if "error_pct" in run else
-                                     "TRACE " + run["trace_error"] if "trace_error" in run else
-                                     "REAL " + run.get("real_error", "?"))
-                for run in r["runs"])
-        print(f"{name:28} {status}", file=sys.stderr, flush=True)
+    results = [_report(_run_case(name, loops, repos, args.timeout)) for name in names]
+    if args.only and not args.fresh and out.with_suffix(".json").is_file():  # update those rows
+        fresh = {r["name"]: r for r in results}
+        kept = {r["name"]: r for r in json.loads(out.with_suffix(".json").read_text())["cases"]}
+        kept.update(fresh)
+        order = [c.name for c in CASES]
+        results = sorted(kept.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     import torch
 
     meta = {
@@ -308,7 +361,7 @@ def main() -> None:
         "setup": SETUP,
         "command": " ".join(["python", "scripts/bench_zoo.py", *sys.argv[1:]]),
     }
-    summary = _write(results, meta, Path(args.out))
+    summary = _write(results, meta, out)
     print(json.dumps(summary, indent=2), file=sys.stderr)
 
 

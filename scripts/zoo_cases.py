@@ -301,16 +301,23 @@ def _vit_pytorch(cls_name: str):
 
 # -- torch_geometric --------------------------------------------------------------------------------------------
 
-def _pyg(cls_name: str):
+def _pyg(cls_name: str, loops_in_data: bool = False):
+    """``loops_in_data``: the graph already holds its self loops (torch_geometric.utils.add_self_loops in the
+    data pipeline) and the layers do not insert them (add_self_loops=False): memest's way out of the
+    data-dependent self-loop insertion."""
+
     def build(_repos):
         import torch
         import torch_geometric.nn as gnn
+        from torch_geometric.utils import add_self_loops
 
         cls = getattr(gnn, cls_name)
         nodes, edges = 200, 800
 
-        def factory():  # GAT adds self loops itself (remove + add: data-dependent sizes); GCN caches no norm
+        def factory():
             kwargs = {"heads": 2} if cls_name == "GAT" else {}
+            if loops_in_data:
+                kwargs["add_self_loops"] = False
             return cls(in_channels=16, hidden_channels=32, num_layers=2, out_channels=7, **kwargs)
 
         def inputs(batch):  # batch: graphs per step, one disjoint union (as torch_geometric's DataLoader batches)
@@ -318,7 +325,10 @@ def _pyg(cls_name: str):
             src = torch.randint(0, nodes, (batch * edges,), generator=gen)
             dst = (src + 1 + torch.randint(0, nodes - 1, (batch * edges,), generator=gen)) % nodes  # no self loops
             shift = torch.arange(batch).repeat_interleave(edges) * nodes
-            return (torch.randn(batch * nodes, 16), torch.stack([src + shift, dst + shift]))
+            edge_index = torch.stack([src + shift, dst + shift])
+            if loops_in_data:
+                edge_index, _ = add_self_loops(edge_index, num_nodes=batch * nodes)
+            return (torch.randn(batch * nodes, 16), edge_index)
 
         def loss(out, _inputs):
             import torch.nn.functional as F
@@ -510,6 +520,10 @@ CASES: list[Case] = [
     # torch_geometric
     _c("pyg-gcn", "PyG", "torch_geometric", _pyg("GCN")),
     _c("pyg-gat", "PyG", "torch_geometric", _pyg("GAT")),
+    _c("pyg-gcn-loops", "PyG", "torch_geometric", _pyg("GCN", loops_in_data=True),
+       note="self loops in the data, add_self_loops=False (the way out memest's error names)"),
+    _c("pyg-gat-loops", "PyG", "torch_geometric", _pyg("GAT", loops_in_data=True),
+       note="self loops in the data, add_self_loops=False (the way out memest's error names)"),
     # timm
     _c("timm-resnet18", "timm", "timm", _timm("resnet18")),
     _c("timm-convnext-atto", "timm", "timm", _timm("convnext_atto")),
