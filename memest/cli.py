@@ -49,6 +49,9 @@ Outs = Annotated[Outputs, typer.Option(
     "before backward: HF Trainer, Lightning).")]
 LossHd = Annotated[str, typer.Option(
     "--loss-head", help="hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused (Liger-Kernel).")]
+Comp = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", help="torch.compile the step as torch.compile(model) does (Inductor) / trace a model "
+    "file that compiles itself eager; default: as the model code does.")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
 Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
@@ -71,7 +74,7 @@ def estimate(
     model: Model, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, attention: Attn = Attention.AUTO, fused: Fused = False, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False, outputs: Outs = Outputs.KEPT,
-    loss_head: LossHd = "standard",
+    loss_head: LossHd = "standard", compile: Comp = None,
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -96,7 +99,7 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head)
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, compile=compile)
 
     def work():
         from .app import run_estimate
@@ -130,13 +133,14 @@ def check(
         "--cudnn-benchmark/--no-cudnn-benchmark", help="Override cuDNN's benchmark mode.")] = None,
     outputs: Annotated[Optional[Outputs], typer.Option("--outputs", help="Override the loop: kept | freed.")] = None,
     loss_head: Annotated[Optional[str], typer.Option("--loss-head", help="Override the loss head.")] = None,
+    compile: Comp = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
     1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
                      checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark, outputs=outputs,
-                     loss_head=loss_head)
+                     loss_head=loss_head, compile=compile)
 
     def work():
         from .app import run_check
@@ -164,6 +168,7 @@ def whatif(
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
+    compile: Comp = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
@@ -173,7 +178,7 @@ def whatif(
         from .report.views import whatif_view
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
-                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, compile=compile)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
         return whatif_view(run), EXIT_OK
 
@@ -187,7 +192,7 @@ def max_batch(
     seq_search: Annotated[bool, typer.Option("--seq-search", help="Search the longest sequence instead.")] = False,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
-    limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536,
+    limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536, compile: Comp = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -197,7 +202,8 @@ def max_batch(
         from .report.views import max_batch_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
+                    compile=compile)
         return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -207,7 +213,7 @@ def max_batch(
 def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
-    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
+    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", compile: Comp = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -217,7 +223,8 @@ def advise(
         from .report.views import advise_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head)
+                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
+                    compile=compile)
         return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)

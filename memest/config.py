@@ -9,6 +9,7 @@
     grad_accum: 8
     checkpointing: blocks
     outputs: freed            # the loop drops the output before backward (HF Trainer); default kept (plain loop)
+    compile: true             # torch.compile the step (Inductor); false: trace a self-compiling model file eager
     gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
     margin: 10%               # required headroom: needed x (1 + margin) must fit
     calibration: profiles/rtx2080ti.json  # a `memest calibrate --out` profile (relative to this file)
@@ -35,7 +36,7 @@ EXTRA_KEYS = ("gpu", "margin", "name", "calibration")
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size"}
-_BOOL_KEYS = {"fused", "cudnn_benchmark"}
+_BOOL_KEYS = {"fused", "cudnn_benchmark", "compile"}
 
 
 @dataclass

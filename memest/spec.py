@@ -68,6 +68,9 @@ class RunSpec:
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
+    # torch.compile (trace/compiled.py): None = as the model code does (a model file may return torch.compile(model));
+    # True = compile an eager model as torch.compile(model) does (Inductor); False = trace a compiled model eager
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -109,8 +112,18 @@ class RunSpec:
             raise MemestError(f"--shard applies to training; drop it with --mode {self.mode}")
         if self.offload == "params" and self.shard != "zero3":
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
+        self._check_compile()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
+
+    def _check_compile(self) -> None:
+        if self.compile and self.world_size > 1:
+            raise MemestError(
+                "--compile with --world-size: memest does not model a compiled model under DDP/FSDP (DDPOptimizer splits "
+                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself)"
+            )
+        if self.compile and self.mode == "generate":
+            raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
 
     @property
     def training(self) -> bool:

@@ -210,6 +210,8 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         parts.append("--fused")
     if spec.cudnn_benchmark:
         parts.append("--cudnn-benchmark")
+    if spec.compile is not None:
+        parts.append("--compile" if spec.compile else "--no-compile")
     if gpu:
         parts += ["--gpu", gpu]
     return " ".join(shlex.quote(p) for p in parts)

@@ -1,0 +1,336 @@
+"""``torch.compile``: the compiled training step, traced on fake tensors.
+
+A compiled step saves other tensors for backward than the eager one. AOTAutograd traces forward and
+backward as one joint graph and Inductor's partitioner (``min_cut_rematerialization_partition``,
+torch/_functorch/partitioners.py) chooses what the forward saves: a min cut that recomputes cheap
+(pointwise) ops in backward rather than saving their outputs, within
+``torch._functorch.config.activation_memory_budget``. memest predicts that step by compiling the
+model's forward with TorchDynamo under its fake tensors, through the same AOTAutograd pipeline
+Inductor uses — Inductor's decomposition table (``select_decomp_table``), its joint-graph passes and
+partitioner (``torch._inductor.compile_fx.partition_fn``), the functorch config Inductor patches —
+and then runs the partitioned forward and backward graphs op by op on the tracked fake tensors, as
+``aot_eager_decomp_partition`` (torch/_dynamo/backends/debugging.py) does. So the trace sees the
+partitioner's saved tensors and every graph op.
+
+What stays approximate (the report says so): Inductor then generates fused kernels; an intermediate
+inside a fused kernel never exists in the real run, while the op-by-op graph allocates it (freed
+after its last use), and Inductor reuses dead buffers for new ones of the same size
+(``config.allow_buffer_reuse``), which the allocator would do anyway. Temporaries can therefore be
+over-counted; saved activations, gradients and optimizer state are the real run's.
+
+Model files that return ``torch.compile(model)`` (nanoGPT compiles by default) are unwrapped here
+(``OptimizedModule._orig_mod``) with their compile options; ``--compile`` compiles an eager model the
+way ``torch.compile(model)`` does (Inductor, default options). The real CPU ground truth
+(validate/cpu_truth.py) runs the identical loop with the real ``torch.compile`` (Inductor on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# backends whose AOTAutograd partition memest reproduces (torch/_dynamo/backends/): Inductor and its
+# aot_eager_decomp_partition stand-in use the min-cut partitioner; aot_eager uses default_partition
+# (saves what the eager forward would, after functionalization); eager runs no AOTAutograd at all
+MIN_CUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+DEFAULT_PARTITION_BACKENDS = ("aot_eager",)
+EAGER_BACKENDS = ("eager",)
+
+
+@dataclass
+class CompileRequest:
+    """How the step is compiled: the backend's name, Inductor config options (``torch.compile(options=,
+    mode=)``), ``dynamic`` / ``fullgraph``, and who asked (the model file or ``--compile``)."""
+
+    backend: str = "inductor"
+    inductor_config: dict[str, Any] = field(default_factory=dict)
+    dynamic: bool | None = None
+    fullgraph: bool = False
+    by: str = "--compile"
+    compiled_module: Any = None  # the model file's own OptimizedModule (the real run uses it as is)
+
+    @property
+    def partitioner(self) -> str:
+        if self.backend in MIN_CUT_BACKENDS:
+            return "min-cut"
+        if self.backend in DEFAULT_PARTITION_BACKENDS:
+            return "default"
+        return "none"
+
+    def real_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module a real run calls: the model file's OptimizedModule, or ``torch.compile(model)``."""
+        if self.compiled_module is not None and self.compiled_module._orig_mod is model:
+            return self.compiled_module
+        return torch.compile(model, backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph,
+                             **({"options": self.inductor_config} if self.backend == "inductor" and self.inductor_config else {}))
+
+
+def is_compiled(model: Any) -> bool:
+    """Whether ``model`` is ``torch.compile(module)``'s OptimizedModule (dynamo is loaded once anything compiled)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
+
+
+def _backend_of(compiled) -> Any:
+    """The backend object ``torch.compile`` was given, under dynamo's wrappers (CatchErrorsWrapper ->
+    ConvertFrame -> WrapBackendDebug -> the backend, each keeping the next in ``_torchdynamo_orig_backend``,
+    torch/_dynamo/convert_frame.py)."""
+    backend = compiled.dynamo_ctx.callback
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    return backend
+
+
+def unwrap(model: Any) -> tuple[Any, CompileRequest | None]:
+    """A model file's ``torch.compile(model)``: the module it wraps and how it was compiled."""
+    if not is_compiled(model):
+        return model, None
+    backend = _backend_of(model)
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or type(backend).__name__
+    request = CompileRequest(
+        backend=str(name),
+        inductor_config=dict(getattr(backend, "config", {}) or {}),
+        dynamic=getattr(backend, "dynamic", None),
+        fullgraph=bool(getattr(model.dynamo_ctx, "fullgraph", False)),
+        by="the model file (torch.compile)",
+        compiled_module=model,
+    )
+    return model._orig_mod, request
+
+
+def _trace_backend(request: CompileRequest):
+    """The dynamo backend of the traced step.
+
+    Inductor: Inductor itself (``torch._inductor.compile_fx.compile_fx``: its pre-grad passes, AOTAutograd
+    with its decompositions, joint-graph passes and min-cut partitioner, lowering, fusion, buffer reuse and
+    the generated wrapper code), with the C++ kernels left uncompiled (:func:`inductor_without_kernels`):
+    the wrapper allocates each buffer Inductor plans (``empty_strided_cpu``, extern kernels' outputs) on the
+    tracked fake tensors, frees it where Inductor does (``del buf``), and its fused kernels are no-ops.
+    Other AOTAutograd backends: their partition, graphs run op by op (``boxed_nop``)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch import config as functorch_config
+
+    if request.backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        options = _inductor_options(request.inductor_config)
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
+    kwargs: dict[str, Any] = {"fw_compiler": boxed_nop, "bw_compiler": boxed_nop, "keep_inference_input_mutations": True}
+    if request.partitioner == "min-cut":  # aot_eager_decomp_partition (torch/_dynamo/backends/debugging.py)
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.compile_fx import select_decomp_table
+
+        kwargs.update(
+            decompositions=select_decomp_table(),
+            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        )
+    aot = aot_autograd(**kwargs)
+
+    def backend(gm, example_inputs):
+        with functorch_config.patch(unlift_effect_tokens=True):
+            return aot(gm, example_inputs)
+
+    return backend
+
+
+def _inductor_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The user's Inductor options (``torch.compile(options=, mode=)``) that exist in this torch's config."""
+    from torch._inductor import config as inductor_config
+
+    return {
+        k: v for k, v in config.items()
+        if hasattr(inductor_config, k.split(".")[0]) and not k.startswith(_AUTOTUNE) and not k.startswith("triton.cudagraph")
+    }
+
+
+# Inductor options whose effect memest does not trace: autotuning benchmarks compiled kernels (none are compiled in a
+# fake compile) and picks GEMM templates by measured time; memest traces Inductor's default (extern) kernels
+_AUTOTUNE = ("max_autotune", "coordinate_descent_tuning")
+
+
+def _no_kernel(*args, **kwargs) -> None:
+    """A fused kernel's call in the traced step: its buffers are allocated by the wrapper, it computes nothing."""
+
+
+def _kernel_stub(self, *args, **kwargs):
+    return _no_kernel
+
+
+def _reinterpret_tensor(base, size, stride, offset=0):
+    """torch._C._dynamo.guards._reinterpret_tensor (torch/csrc/dynamo/guards.cpp: a view of ``base``'s storage
+    at ``base.storage_offset() + offset``), as a view torch's fake mode can make."""
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+def _empty_strided(device: str):
+    def empty(size, stride, dtype):
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return empty
+
+
+@contextlib.contextmanager
+def inductor_without_kernels():
+    """Inductor compiles the traced step's graphs into its wrapper code, without compiling kernels:
+
+    - ``AsyncCompile.cpp`` / ``cpp_pybinding`` (torch/_inductor/async_compile.py) return a no-op for each fused
+      C++ kernel (the buffers it writes are allocated by the wrapper before the call);
+    - the wrapper's allocators, bound from ``torch._C._dynamo.guards`` when the wrapper module loads, allocate
+      through the dispatcher (C++ ``_empty_strided_cpu`` would make a real tensor outside the fake mode) and
+      views stay fake tensors; ``assert_alignment`` reads a data pointer a fake tensor has not: skipped;
+    - ``config.cpp.vec_isa_ok`` and ``VecISA.check_build`` skip Inductor's gcc probes of the CPU's vector ISA
+      (they choose kernel instructions, not buffers);
+    - no cache is read or written (``force_disable_caches``), and the wrapper modules and ISA answers made here
+      are dropped on exit, so a real compile in the same process (the CPU ground truth) compiles for real."""
+    from unittest import mock
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.async_compile import AsyncCompile
+
+    guards = torch._C._dynamo.guards
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(AsyncCompile, "cpp", _kernel_stub))
+        stack.enter_context(mock.patch.object(AsyncCompile, "cpp_pybinding", _kernel_stub))
+        stack.enter_context(mock.patch.object(guards, "_empty_strided_cpu", _empty_strided("cpu")))
+        stack.enter_context(mock.patch.object(guards, "_reinterpret_tensor", _reinterpret_tensor))
+        stack.enter_context(mock.patch.object(guards, "assert_alignment", _no_kernel))
+        stack.enter_context(mock.patch.object(cpu_vec_isa.VecISA, "check_build", lambda self, code: True))
+        stack.enter_context(
+            inductor_config.patch({"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": True})
+        )
+        stack.callback(_drop_inductor_state)
+        yield
+
+
+def _drop_inductor_state() -> None:
+    """Forget the wrapper modules and CPU ISA answers of a fake compile (see inductor_without_kernels)."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codecache import PyCodeCache
+
+    PyCodeCache.cache_clear(purge=False)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    for cls in [cpu_vec_isa.VecISA, *_subclasses(cpu_vec_isa.VecISA)]:
+        for name in ("__bool__", "_VecISA__bool__impl"):
+            cached = cls.__dict__.get(name)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+
+
+def _subclasses(cls) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+_HOOK_DICTS = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks",
+)
+
+
+@contextlib.contextmanager
+def _without_global_module_hooks():
+    """memest's module tracking (torch's ModTracker: global module hooks) off inside the compiled region:
+    dynamo would trace the hooks and break the graph at each module, where the user's compiled step is
+    one graph. The compiled region's allocations are attributed to the module that calls it."""
+    from torch.nn.modules import module as nn_module
+
+    saved = {name: dict(getattr(nn_module, name)) for name in _HOOK_DICTS}
+    for name in _HOOK_DICTS:
+        getattr(nn_module, name).clear()
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            getattr(nn_module, name).update(hooks)
+
+
+class CompiledForward:
+    """The traced model's forward, compiled by dynamo with :func:`_trace_backend`; installed as the
+    module's ``forward`` (instance attribute) for the step and removed after it."""
+
+    def __init__(self, model: torch.nn.Module, request: CompileRequest) -> None:
+        self.model = model
+        self.request = request
+        forward = type(model).forward.__get__(model)
+        if request.partitioner == "none":
+            self._compiled = forward
+        else:
+            self._compiled = torch.compile(
+                forward, backend=_trace_backend(request), dynamic=request.dynamic, fullgraph=request.fullgraph
+            )
+
+    def __call__(self, *args, **kwargs):
+        with _without_global_module_hooks():
+            return self._compiled(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def dynamo_session():
+    """A clean dynamo for one step: caches reset before (no graph of another model or spec is reused)
+    and after (none outlives the trace), however the step ends."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
+    """While entered, ``model(...)`` runs the compiled forward of the traced step."""
+    if request is None:
+        yield
+        return
+    with dynamo_session(), (inductor_without_kernels() if request.backend == "inductor" else contextlib.nullcontext()):
+        model.forward = CompiledForward(model, request)
+        try:
+            yield
+        finally:
+            del model.forward
+
+
+def compile_note(request: CompileRequest, target: str) -> str:
+    """What the report says about the compiled step: how it was traced and what stays approximate."""
+    who = request.by
+    if request.partitioner == "none":
+        return f"compiled by {who} with backend {request.backend!r}: dynamo runs the eager ops, traced eager"
+    budget = torch._functorch.config.activation_memory_budget
+    if request.partitioner == "default":
+        return (
+            f"compiled step (backend {request.backend!r}, by {who}): AOTAutograd's default partition (the forward saves "
+            "what autograd would, after functionalization), its graphs run op by op as that backend runs them"
+        )
+    if request.backend != "inductor":
+        return (
+            f"compiled step (backend {request.backend!r}, by {who}): Inductor's decompositions and min-cut partitioner "
+            f"(activation_memory_budget {budget:g}) choose what the forward saves; the graphs run op by op, as that "
+            "backend runs them"
+        )
+    dropped = sorted(set(request.inductor_config) - set(_inductor_options(request.inductor_config)))
+    text = (
+        f"compiled step (torch.compile, Inductor, by {who}): Inductor compiled the step under fake tensors — its "
+        f"min-cut partitioner chose what the forward saves (activation_memory_budget {budget:g}; pointwise ops are "
+        "recomputed in backward), and its wrapper code allocated and freed each buffer it plans (fused kernels not run, "
+        "so their intermediates never exist, as in the real run); the compiled region's allocations are counted in the "
+        "module that calls it. Not counted: a fused C++ kernel's own scratch outside torch's allocator"
+    )
+    if dropped:
+        text += f"; not modelled: {', '.join(dropped)} (autotuned templates: Inductor's default kernels traced)"
+    if target == "cuda":
+        text += (
+            "; for --target cuda Inductor lowered the graphs for CPU tensors (C++ kernels and CPU fusion rules; a GPU "
+            "run generates Triton kernels, whose buffers can differ, and mode='reduce-overhead' CUDA graphs are not "
+            "modelled): measured against real compiled runs on CPU only"
+        )
+    return text
