@@ -132,23 +132,32 @@ def test_compile_flag_cli_yaml_and_api(tmp_path):
                                       "--compile", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
+    assert doc["spec"]["compile"] is True
     assert any("compiled step (torch.compile, Inductor, by --compile)" in n for n in doc["notes"])
+    from memest.config import load_config
+
     config = tmp_path / "run.yaml"
-    config.write_text(f"model: {path}\nbatch: 8\noptim: sgd\ntarget: cpu\ncompile: true\ngpu: 1GB\n")
-    result = CliRunner().invoke(app, ["check", str(config), "--json"])
-    assert result.exit_code == 0, result.output
+    config.write_text(f"model: {path}\nbatch: 8\ncompile: false\n")
+    assert load_config(config).spec().compile is False
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"model: {path}\ncompile: yes please\n")
     result = CliRunner().invoke(app, ["check", str(bad)])
     assert result.exit_code == 2 and "compile: expected true or false" in result.output
     import memest
 
-    est = memest.estimate(path, batch=8, optim="sgd", target="cpu", compile=True)
-    assert est.peak_allocated_bytes == doc["peak_allocated_bytes"]
+    with pytest.raises(MemestError, match="--compile with --world-size"):  # compile= reaches the RunSpec
+        memest.estimate(path, compile=True, world_size=2)
 
 
-def test_compile_with_data_parallel_is_refused():
+def test_what_is_not_modelled_is_refused_with_the_way_out():
     with pytest.raises(MemestError, match="--compile with --world-size"):
         RunSpec(model="m.py", compile=True, world_size=2)
     with pytest.raises(MemestError, match="--compile with --mode generate"):
         RunSpec(model="m.py", compile=True, mode="generate", new_tokens=4)
+    # torch.utils.checkpoint inside torch.compile saves the real RNG state (run_and_save_rng_state): refused
+    spec = RunSpec(model="gelu_mlp", batch=8, optim="sgd", target="cpu", compile=True, checkpointing="0,2")
+    with pytest.raises(TraceError, match="--checkpointing 0,2 on a compiled step.*--no-compile"):
+        trace_step(load_source(model_ref("gelu_mlp")), spec)
+    spec = RunSpec(model="nanogpt_compiled", batch=2, seq=16, target="cpu", world_size=2)
+    with pytest.raises(TraceError, match="compiled model under DDP/FSDP.*--no-compile"):
+        trace_step(load_source(model_ref("nanogpt_compiled")), spec)

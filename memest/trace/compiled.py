@@ -1,27 +1,34 @@
 """``torch.compile``: the compiled training step, traced on fake tensors.
 
-A compiled step saves other tensors for backward than the eager one. AOTAutograd traces forward and
-backward as one joint graph and Inductor's partitioner (``min_cut_rematerialization_partition``,
-torch/_functorch/partitioners.py) chooses what the forward saves: a min cut that recomputes cheap
-(pointwise) ops in backward rather than saving their outputs, within
-``torch._functorch.config.activation_memory_budget``. memest predicts that step by compiling the
-model's forward with TorchDynamo under its fake tensors, through the same AOTAutograd pipeline
-Inductor uses — Inductor's decomposition table (``select_decomp_table``), its joint-graph passes and
-partitioner (``torch._inductor.compile_fx.partition_fn``), the functorch config Inductor patches —
-and then runs the partitioned forward and backward graphs op by op on the tracked fake tensors, as
-``aot_eager_decomp_partition`` (torch/_dynamo/backends/debugging.py) does. So the trace sees the
-partitioner's saved tensors and every graph op.
+A compiled step allocates differently from the eager one. AOTAutograd traces forward and backward as one
+joint graph and Inductor's partitioner (``min_cut_rematerialization_partition``,
+torch/_functorch/partitioners.py, after Inductor's joint-graph passes) chooses what the forward saves: a min
+cut that recomputes cheap ops in backward rather than saving their outputs, within
+``torch._functorch.config.activation_memory_budget``. Inductor then fuses the graph's ops into kernels: an
+intermediate inside a fused kernel never exists; each kernel's output is a buffer the generated wrapper code
+allocates (``empty_strided_cpu``), hands to the next kernels, reuses for a later buffer of the same size
+(``config.allow_buffer_reuse``) and frees after its last use (``del buf``).
 
-What stays approximate (the report says so): Inductor then generates fused kernels; an intermediate
-inside a fused kernel never exists in the real run, while the op-by-op graph allocates it (freed
-after its last use), and Inductor reuses dead buffers for new ones of the same size
-(``config.allow_buffer_reuse``), which the allocator would do anyway. Temporaries can therefore be
-over-counted; saved activations, gradients and optimizer state are the real run's.
+memest traces that step by running Inductor itself on its fake tensors: dynamo captures the model's forward,
+``torch._inductor.compile_fx.compile_fx`` runs its whole pipeline (pre-grad passes, AOTAutograd with its
+decompositions, joint-graph passes and partitioner, lowering, scheduling and fusion, wrapper code), with the
+C++ kernels left uncompiled (:func:`inductor_without_kernels`). The wrapper code then runs on the tracked fake
+tensors: every buffer Inductor plans is allocated and freed where the real run does, extern kernels (GEMMs,
+SDPA) run their fake kernels, fused kernels are no-ops, and the tensors the compiled forward saves are marked
+by the saved-tensor hooks like the eager ones. Measured against real Inductor runs on CPU (tests/test_compile.py):
+exact on a nanoGPT-style GPT and an MLP, both loops, with activation_memory_budget 1 and 0.5.
+
+What stays approximate (the report says so): a fused C++ kernel's own scratch outside torch's allocator (not
+seen by torch.profiler either); for ``--target cuda`` the graphs are lowered for CPU tensors (C++ kernels and
+CPU fusion rules, where a GPU run generates Triton kernels; CUDA graphs of ``mode="reduce-overhead"`` not
+modelled); autotuning options (``max-autotune``) are dropped. Other backends: ``aot_eager_decomp_partition``
+and ``aot_eager`` run their own partitions op by op as they do for real; ``eager`` and unknown backends are
+traced eager.
 
 Model files that return ``torch.compile(model)`` (nanoGPT compiles by default) are unwrapped here
-(``OptimizedModule._orig_mod``) with their compile options; ``--compile`` compiles an eager model the
-way ``torch.compile(model)`` does (Inductor, default options). The real CPU ground truth
-(validate/cpu_truth.py) runs the identical loop with the real ``torch.compile`` (Inductor on CPU).
+(``OptimizedModule._orig_mod``) with their compile options; ``--compile`` compiles an eager model the way
+``torch.compile(model)`` does (Inductor, default options); ``--no-compile`` traces a compiling file eager. The
+real CPU ground truth (validate/cpu_truth.py) runs the identical loop with the real ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +214,8 @@ def inductor_without_kernels():
             inductor_config.patch({"force_disable_caches": True, "compile_threads": 1, "cpp.vec_isa_ok": True})
         )
         stack.callback(_drop_inductor_state)
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # force_disable_caches, asked for above
         yield
 
 
@@ -292,19 +302,25 @@ def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
     if request is None:
         yield
         return
-    with dynamo_session(), (inductor_without_kernels() if request.backend == "inductor" else contextlib.nullcontext()):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(dynamo_session())
+        if request.backend == "inductor":
+            stack.enter_context(inductor_without_kernels())
         model.forward = CompiledForward(model, request)
-        try:
-            yield
-        finally:
-            del model.forward
+        stack.callback(delattr, model, "forward")
+        yield
 
 
 def compile_note(request: CompileRequest, target: str) -> str:
     """What the report says about the compiled step: how it was traced and what stays approximate."""
     who = request.by
+    if request.backend in EAGER_BACKENDS:
+        return f"compiled by {who} with backend 'eager' (dynamo runs the model's own ops): traced eager"
     if request.partitioner == "none":
-        return f"compiled by {who} with backend {request.backend!r}: dynamo runs the eager ops, traced eager"
+        return (
+            f"compiled by {who} with backend {request.backend!r}, which memest does not model: traced eager (a backend "
+            "with its own AOTAutograd partition saves other tensors for backward; inductor and aot_eager are modelled)"
+        )
     budget = torch._functorch.config.activation_memory_budget
     if request.partitioner == "default":
         return (

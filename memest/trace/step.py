@@ -170,6 +170,13 @@ def _compile_request(model, spec: RunSpec) -> tuple[Any, CompileRequest | None]:
         return model, None
     if spec.compile and request is None:
         request = CompileRequest()
+    if request is not None and spec.checkpointing != "none" and request.partitioner != "none":
+        raise TraceError(
+            f"--checkpointing {spec.checkpointing} on a compiled step: torch.utils.checkpoint inside torch.compile runs "
+            "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
+            "--checkpointing, or trace eager with --no-compile (torch._functorch.config.activation_memory_budget is "
+            "the compiled step's own recomputation, and is traced)"
+        )
     if request is not None and spec.world_size > 1 and spec.training:
         raise TraceError(
             "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
