@@ -35,6 +35,9 @@ CASES = [
     ("MLP, GELU, activation_memory_budget 0.5", "gelu_mlp", 1024, None, "sgd", 0.5, ("kept",)),
     ("MLP (examples/mlp.py)", "mlp", 2048, None, "sgd", 1.0, ("kept",)),
     ("nn.TransformerEncoder LM (examples/transformer.py)", "transformer", 2, 64, "adamw", 1.0, ("kept", "freed")),
+    ("transformers GPT-2, tiny config (hf:tests/configs/gpt2-tiny.json)", "hf:gpt2-tiny", 4, 64, "adamw", 1.0, ("kept",)),
+    ("transformers Llama, tiny config (hf:tests/configs/llama-tiny.json)", "hf:llama-tiny", 2, 64, "adamw", 1.0,
+     ("kept",)),
 ]
 
 

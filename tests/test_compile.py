@@ -72,6 +72,13 @@ def test_the_compiled_step_matches_the_same_compiled_loop_run_for_real(case, out
     _assert_close(f"{case[0]} compiled, {outputs}", trace.peak()[0], real)
 
 
+def test_a_module_compiled_in_place_is_the_compiled_step():
+    """``model.compile()`` (nn.Module.compile: __call__ compiled in place) traces as torch.compile(model) does."""
+    trace, real = _traced_and_real("gelu_mlp:build_compiled_in_place", 1024, None, "sgd", None)
+    assert any("by the model file (model.compile())" in n for n in trace.notes), trace.notes
+    _assert_close("gelu_mlp, model.compile()", trace.peak()[0], real)
+
+
 def test_compiled_and_eager_steps_differ_as_the_real_ones_do():
     """nanoGPT: the compiled step saves other tensors (AOTAutograd's partition: Inductor recomputes pointwise ops,
     fuses the loss's backward) and peaks lower; the eager trace of the same file (--no-compile) would read high

@@ -61,6 +61,7 @@ class CompileRequest:
     fullgraph: bool = False
     by: str = "--compile"
     compiled_module: Any = None  # the model file's own OptimizedModule (the real run uses it as is)
+    compiled_call_impl: Any = None  # the model file's ``model.compile()`` (in place), taken off for the trace
 
     @property
     def partitioner(self) -> str:
@@ -74,6 +75,9 @@ class CompileRequest:
         """The module a real run calls: the model file's OptimizedModule, or ``torch.compile(model)``."""
         if self.compiled_module is not None and self.compiled_module._orig_mod is model:
             return self.compiled_module
+        if self.compiled_call_impl is not None:  # model.compile(): compiled in place, as the model file left it
+            model._compiled_call_impl = self.compiled_call_impl
+            return model
         return torch.compile(model, backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph,
                              **({"options": self.inductor_config} if self.backend == "inductor" and self.inductor_config else {}))
 
@@ -84,31 +88,54 @@ def is_compiled(model: Any) -> bool:
     return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
-def _backend_of(compiled) -> Any:
+def _backend_of(dynamo_ctx) -> Any:
     """The backend object ``torch.compile`` was given, under dynamo's wrappers (CatchErrorsWrapper ->
     ConvertFrame -> WrapBackendDebug -> the backend, each keeping the next in ``_torchdynamo_orig_backend``,
     torch/_dynamo/convert_frame.py)."""
-    backend = compiled.dynamo_ctx.callback
+    backend = dynamo_ctx.callback
     while hasattr(backend, "_torchdynamo_orig_backend"):
         backend = backend._torchdynamo_orig_backend
     return backend
 
 
+def _dynamo_ctx_of(fn) -> Any:
+    """The OptimizeContext of a function ``torch.compile`` returned (``nn.Module.compile()`` keeps one in
+    ``_compiled_call_impl``): it is in the wrapper's closure (torch/_dynamo/eval_frame.py, ``_fn``)."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        contents = cell.cell_contents
+        if hasattr(contents, "callback") and hasattr(contents, "fullgraph"):
+            return contents
+    return None
+
+
 def unwrap(model: Any) -> tuple[Any, CompileRequest | None]:
-    """A model file's ``torch.compile(model)``: the module it wraps and how it was compiled."""
-    if not is_compiled(model):
-        return model, None
-    backend = _backend_of(model)
+    """A model file's ``torch.compile(model)`` or ``model.compile()``: the module and how it was compiled.
+    ``model.compile()`` is taken off the module for the trace (``real_module`` puts it back)."""
+    if is_compiled(model):
+        request = _request(model.dynamo_ctx, "the model file (torch.compile)")
+        request.compiled_module = model
+        return model._orig_mod, request
+    impl = getattr(model, "_compiled_call_impl", None)
+    if isinstance(model, torch.nn.Module) and impl is not None:
+        ctx = _dynamo_ctx_of(impl)
+        request = _request(ctx, "the model file (model.compile())") if ctx is not None else CompileRequest(
+            by="the model file (model.compile(); backend not found, Inductor assumed)")
+        request.compiled_call_impl = impl
+        model._compiled_call_impl = None
+        return model, request
+    return model, None
+
+
+def _request(dynamo_ctx, by: str) -> CompileRequest:
+    backend = _backend_of(dynamo_ctx)
     name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or type(backend).__name__
-    request = CompileRequest(
+    return CompileRequest(
         backend=str(name),
         inductor_config=dict(getattr(backend, "config", {}) or {}),
         dynamic=getattr(backend, "dynamic", None),
-        fullgraph=bool(getattr(model.dynamo_ctx, "fullgraph", False)),
-        by="the model file (torch.compile)",
-        compiled_module=model,
+        fullgraph=bool(getattr(dynamo_ctx, "fullgraph", False)),
+        by=by,
     )
-    return model._orig_mod, request
 
 
 def _trace_backend(request: CompileRequest):

@@ -127,7 +127,7 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         raise
     except Exception as exc:
         raise _build_error(source, "building the model", exc) from exc
-    built_compiled = is_compiled(model)
+    built_compiled = is_compiled(model) or getattr(model, "_compiled_call_impl", None) is not None
     model, compiled = _compile_request(model, spec)
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")

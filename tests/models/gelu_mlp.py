@@ -18,6 +18,12 @@ def build_compiled() -> nn.Module:
     return torch.compile(build_model())
 
 
+def build_compiled_in_place() -> nn.Module:
+    model = build_model()
+    model.compile()  # nn.Module.compile(): compiles the module's __call__ in place
+    return model
+
+
 def example_inputs(batch_size: int, seq_len: int | None = None):
     return (torch.randn(batch_size, 256),)
 
