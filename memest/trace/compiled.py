@@ -34,7 +34,6 @@ real CPU ground truth (validate/cpu_truth.py) runs the identical loop with the r
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -42,11 +41,11 @@ from typing import Any
 
 import torch
 
-# backends whose AOTAutograd partition memest reproduces (torch/_dynamo/backends/): Inductor and its
-# aot_eager_decomp_partition stand-in use the min-cut partitioner; aot_eager uses default_partition
-# (saves what the eager forward would, after functionalization); eager runs no AOTAutograd at all
-MIN_CUT_BACKENDS = ("inductor", "aot_eager_decomp_partition")
-DEFAULT_PARTITION_BACKENDS = ("aot_eager",)
+# torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
+# (boxed_nop), so memest runs them as registered, on its fake tensors; aot_eager_decomp_partition uses Inductor's
+# decompositions and partitioner, aot_eager the min-cut partitioner without them, aot_eager_default_partitioner
+# the default partition (what eager autograd would save, after functionalization)
+OP_BY_OP_BACKENDS = ("aot_eager", "aot_eager_decomp_partition", "aot_eager_default_partitioner")
 EAGER_BACKENDS = ("eager",)
 
 
@@ -64,12 +63,9 @@ class CompileRequest:
     compiled_call_impl: Any = None  # the model file's ``model.compile()`` (in place), taken off for the trace
 
     @property
-    def partitioner(self) -> str:
-        if self.backend in MIN_CUT_BACKENDS:
-            return "min-cut"
-        if self.backend in DEFAULT_PARTITION_BACKENDS:
-            return "default"
-        return "none"
+    def traced_eager(self) -> bool:
+        """dynamo's ``eager`` backend runs the model's own ops; other backends memest does not model are traced eager."""
+        return self.backend != "inductor" and self.backend not in OP_BY_OP_BACKENDS
 
     def real_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module a real run calls: the model file's OptimizedModule, or ``torch.compile(model)``."""
@@ -146,32 +142,15 @@ def _trace_backend(request: CompileRequest):
     the generated wrapper code), with the C++ kernels left uncompiled (:func:`inductor_without_kernels`):
     the wrapper allocates each buffer Inductor plans (``empty_strided_cpu``, extern kernels' outputs) on the
     tracked fake tensors, frees it where Inductor does (``del buf``), and its fused kernels are no-ops.
-    Other AOTAutograd backends: their partition, graphs run op by op (``boxed_nop``)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch import config as functorch_config
-
+    torch's AOTAutograd debugging backends (OP_BY_OP_BACKENDS): themselves, as registered."""
     if request.backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         options = _inductor_options(request.inductor_config)
         return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=options)
-    kwargs: dict[str, Any] = {"fw_compiler": boxed_nop, "bw_compiler": boxed_nop, "keep_inference_input_mutations": True}
-    if request.partitioner == "min-cut":  # aot_eager_decomp_partition (torch/_dynamo/backends/debugging.py)
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-        from torch._inductor.compile_fx import select_decomp_table
+    from torch._dynamo.backends.registry import lookup_backend
 
-        kwargs.update(
-            decompositions=select_decomp_table(),
-            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-        )
-    aot = aot_autograd(**kwargs)
-
-    def backend(gm, example_inputs):
-        with functorch_config.patch(unlift_effect_tokens=True):
-            return aot(gm, example_inputs)
-
-    return backend
+    return lookup_backend(request.backend)
 
 
 def _inductor_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +277,7 @@ class CompiledForward:
         self.model = model
         self.request = request
         forward = type(model).forward.__get__(model)
-        if request.partitioner == "none":
+        if request.traced_eager:
             self._compiled = forward
         else:
             self._compiled = torch.compile(
@@ -341,24 +320,18 @@ def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
 def compile_note(request: CompileRequest, target: str) -> str:
     """What the report says about the compiled step: how it was traced and what stays approximate."""
     who = request.by
+    budget = torch._functorch.config.activation_memory_budget
     if request.backend in EAGER_BACKENDS:
         return f"compiled by {who} with backend 'eager' (dynamo runs the model's own ops): traced eager"
-    if request.partitioner == "none":
+    if request.traced_eager:
         return (
             f"compiled by {who} with backend {request.backend!r}, which memest does not model: traced eager (a backend "
-            "with its own AOTAutograd partition saves other tensors for backward; inductor and aot_eager are modelled)"
-        )
-    budget = torch._functorch.config.activation_memory_budget
-    if request.partitioner == "default":
-        return (
-            f"compiled step (backend {request.backend!r}, by {who}): AOTAutograd's default partition (the forward saves "
-            "what autograd would, after functionalization), its graphs run op by op as that backend runs them"
+            "with its own AOTAutograd partition saves other tensors for backward; inductor and aot_eager* are modelled)"
         )
     if request.backend != "inductor":
         return (
-            f"compiled step (backend {request.backend!r}, by {who}): Inductor's decompositions and min-cut partitioner "
-            f"(activation_memory_budget {budget:g}) choose what the forward saves; the graphs run op by op, as that "
-            "backend runs them"
+            f"compiled step (backend {request.backend!r}, by {who}): that backend run as registered "
+            f"(activation_memory_budget {budget:g}), its AOTAutograd graphs op by op, as it runs them"
         )
     dropped = sorted(set(request.inductor_config) - set(_inductor_options(request.inductor_config)))
     text = (

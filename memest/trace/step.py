@@ -170,7 +170,7 @@ def _compile_request(model, spec: RunSpec) -> tuple[Any, CompileRequest | None]:
         return model, None
     if spec.compile and request is None:
         request = CompileRequest()
-    if request is not None and spec.checkpointing != "none" and request.partitioner != "none":
+    if request is not None and spec.checkpointing != "none" and not request.traced_eager:
         raise TraceError(
             f"--checkpointing {spec.checkpointing} on a compiled step: torch.utils.checkpoint inside torch.compile runs "
             "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
