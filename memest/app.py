@@ -230,6 +230,7 @@ class EstimateResult:
     fits: list  # device.fit.FitRow per compared GPU or budget
     timeline: object = None  # report.timeline.Timeline, when asked for
     plot_path: Path | None = None
+    colocate: object = None  # serve.colocate.Colocate: a rollout engine sharing the GPU (--colocate-serve)
 
     @property
     def report(self):
@@ -245,7 +246,7 @@ class EstimateResult:
         """The worst three-way verdict over the budgets compared: fits | tight | does-not-fit."""
         from .device.fit import worst
 
-        return worst([f.verdict for f in self.fits])
+        return worst([f.verdict for f in self.fits] + ([self.colocate.verdict] if self.colocate else []))
 
     def passes(self, strict: bool = False) -> bool | None:
         """For exit codes: fits, or tight unless ``strict``; None without a budget."""
@@ -286,14 +287,18 @@ def run_estimate(
     progress: Progress | None = None,
     source=None,
     calibration: str | Path | None = None,
+    colocate: dict | None = None,
 ) -> EstimateResult:
     """``spec_args``: RunSpec fields (strings or enums); compute_capability comes from ``gpu`` (or the
-    calibration profile's GPU)."""
+    calibration profile's GPU). ``colocate``: a rollout engine on the same GPU (``utilization``,
+    ``max_model_len``, ``max_num_seqs``, ``tp``; serve/colocate.py)."""
     from .pipeline import estimate
     from .sources import load_source
 
     plot_path = check_plot_path(plot)
     ctx = resolve_gpu(gpu, need_budget=False, target=spec_args.get("target", Target.CUDA), calibration=calibration)
+    if colocate is not None and ctx.capacity_bytes is None:
+        raise MemestError("--colocate-serve needs the GPU it shares: pass --gpu with a card name (h100) or a size")
     if fail_if_not_fits and ctx.capacity_bytes is None:
         raise MemestError(
             f"--fail-if-not-fits needs something to compare with, and there is none ({ctx.no_gpu_reason or 'no GPU'}); "
@@ -310,6 +315,9 @@ def run_estimate(
             result.report.notes.append(ctx.calibration_note)
     fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range)
     out = EstimateResult(result, ctx, fits)
+    if colocate is not None:
+        with user_code(spec.model), ticker("colocated rollout engine", progress):
+            out.colocate = colocated_engine(spec, ctx, result.needed_range, colocate)
     if timeline or plot_path is not None:
         from .report.timeline import category_timeline
 
@@ -319,6 +327,24 @@ def run_estimate(
 
         out.plot_path = plot_timeline(out.timeline, result.report, plot_path)
     return out
+
+
+def colocated_engine(spec: RunSpec, ctx: GpuContext, needed_range, block: dict):
+    """The training step plus a vLLM engine at ``block['utilization']`` on the GPU of ``ctx``."""
+    from .serve.colocate import TRL_BATCHED_TOKENS, TRL_MAX_MODEL_LEN, TRL_UTILIZATION, colocate
+    from .serve.plan import ServeSpec, plan_serve
+
+    if not spec.model.startswith("hf:"):
+        raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
+    total, _ = serve_total(ctx)
+    util = float(block.get("utilization") or TRL_UTILIZATION)
+    if not 0 < util < 1:
+        raise MemestError(f"colocate utilization must be in (0, 1), got {util}")
+    tp = int(block.get("tp") or 1)
+    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(block.get("max_model_len") or TRL_MAX_MODEL_LEN),
+                       utilization=util, tp=tp, max_num_seqs=int(block.get("max_num_seqs") or spec.batch * tp),
+                       max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability)
+    return colocate(needed_range, total, util, plan_serve(engine))
 
 
 # ---------------------------------------------------------------------------------------- check
@@ -353,7 +379,7 @@ def run_check(
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
     file) overrides each config's ``calibration:``."""
     from .config import load_config, parse_margin
-    from .plan.check import check_config
+    from .plan.check import check_config, check_serve_config
     from .sources import load_source
 
     if not paths:
@@ -380,7 +406,10 @@ def run_check(
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
         with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
-            row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+            if cfg.serve is not None:
+                row = check_serve_config(cfg, ctx, margin_value, strict=strict)
+            else:
+                row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
         rows.append(row)
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
@@ -397,10 +426,12 @@ class PlannerContext:
     gpu: GpuContext
 
 
-def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progress | None) -> PlannerContext:
+def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progress | None,
+            calibration: str | Path | None = None) -> PlannerContext:
     from .plan.runner import Runner
 
-    ctx = resolve_gpu(gpu, need_budget=need_budget, target=spec_args.get("target", Target.CUDA))
+    ctx = resolve_gpu(gpu, need_budget=need_budget, target=spec_args.get("target", Target.CUDA),
+                      calibration=calibration)
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
     with user_code(spec.model):
         runner = Runner(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
@@ -426,14 +457,14 @@ class WhatifResult:
 
 
 def run_whatif(spec_args: dict, batches: list[int] | None, seqs: list[int] | None, gpu: str | None,
-               progress: Progress | None = None) -> WhatifResult:
+               progress: Progress | None = None, calibration: str | Path | None = None) -> WhatifResult:
     from .plan.whatif import sweep
 
     if seqs is None and batches is None:
         raise MemestError("whatif needs sizes to sweep: --seq 256,512,1024 and/or --batch 1,2,4,8")
     args = {**spec_args, "batch": (batches or [spec_args.get("batch") or 1])[0],
             "seq": (seqs or [spec_args.get("seq")])[0]}
-    ctx = planner(args, gpu, need_budget=False, progress=progress)
+    ctx = planner(args, gpu, need_budget=False, progress=progress, calibration=calibration)
     check_seq_limit(ctx.runner.source, seqs or [])
     with user_code(args["model"]):
         result = sweep(ctx.runner, batches, seqs, ctx.gpu.capacity_bytes)
@@ -454,12 +485,12 @@ def _loop(spec: RunSpec) -> str:
 
 
 def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
-                  progress: Progress | None = None) -> SearchRun:
+                  progress: Progress | None = None, calibration: str | Path | None = None) -> SearchRun:
     from .plan.search import largest_fitting
 
     if limit < 1:
         raise MemestError(f"--limit must be at least 1, got {limit}")
-    ctx = planner(spec_args, gpu, need_budget=True, progress=progress)
+    ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     runner = ctx.runner
     key = "seq" if seq_search else "batch"
     if seq_search and runner.source.max_seq:
@@ -479,15 +510,16 @@ class AdviseRun:
     model: str
 
 
-def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None) -> AdviseRun:
+def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
+               calibration: str | Path | None = None) -> AdviseRun:
     from .plan.advise import advise
 
-    ctx = planner(spec_args, gpu, need_budget=True, progress=progress)
+    ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     check_seq_limit(ctx.runner.source, [ctx.runner.base.seq])
     with user_code(spec_args["model"]):
         advice = advise(ctx.runner, ctx.gpu.capacity_bytes)
     if advice.command:
-        advice.command += f" --gpu {gpu}"
+        advice.command += f" --gpu {gpu}" + (f" --calibration {calibration}" if calibration else "")
     return AdviseRun(advice, ctx.gpu, spec_args["model"])
 
 
@@ -531,3 +563,44 @@ def _check_writable(path: Path, what: str, fix: str) -> None:
     except OSError as exc:
         raise MemestError(f"cannot write {what} {str(path)!r}: {exc.strerror or exc}; {fix}") from None
 
+
+
+# ------------------------------------------------------------------------------------------ serve
+
+
+@dataclass
+class ServeRun:
+    plan: object  # serve.plan.ServePlan
+    gpu: GpuContext
+    total_source: str
+    colocate: object = None  # serve.colocate.Colocate, when a training step shares the GPU
+
+
+def serve_total(ctx: GpuContext) -> tuple[int, str]:
+    """The GPU's total memory as the engine sees it (cudaMemGetInfo): a logged figure for known cards,
+    else the nominal size, a budget as given, or NVML's total for a local GPU."""
+    from .device.catalogue import normalise
+    from .serve.evidence import TOTALS
+
+    flag = ctx.flag or ""
+    known = TOTALS.get(normalise(flag))
+    if known is not None:
+        return known
+    target = ctx.targets[0]
+    if target.total_bytes is not None and target.label.startswith("GPU "):
+        return target.total_bytes, f"{target.label.replace(' (free)', '')}: NVML total (cudaMemGetInfo's is a little lower)"
+    return target.capacity_bytes, (f"--gpu {flag}: nominal size (the driver keeps a little; the engine sees somewhat "
+                                   "less)" if not flag[:1].isdigit() else f"--gpu {flag} taken as the GPU's total")
+
+
+def run_serve(args: dict, gpu: str, progress: Progress | None = None) -> ServeRun:
+    """``args``: serve.plan.ServeSpec fields but model's total and generation, which come from ``gpu``."""
+    from .serve.plan import ServeSpec, plan_serve
+
+    ctx = resolve_gpu(gpu, need_budget=True)
+    total, source = serve_total(ctx)
+    spec = ServeSpec(**{k: v for k, v in args.items() if v is not None}, total_bytes=total,
+                     card=ctx.flag, compute_capability=ctx.compute_capability)
+    with user_code(spec.model), ticker(f"serve {spec.model}", progress):
+        plan = plan_serve(spec)
+    return ServeRun(plan, ctx, source)

@@ -131,6 +131,26 @@ class LossHead(Choice):
         )
 
 
+class Engine(Choice):
+    """memest serve --engine: whose start-up arithmetic sizes the KV cache."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class KvDtype(Choice):
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # one byte per element (vLLM --kv-cache-dtype fp8)
+
+
+class CudaGraphs(Choice):
+    """How the serving engine's CUDA graphs meet the KV budget (memest/serve/evidence.py)."""
+
+    PROFILED = "profiled"  # vLLM >= 0.21: estimated and subtracted before the KV cache
+    AFTER = "after"  # older vLLM: captured after the KV cache, on top of the utilization
+    NONE = "none"  # --enforce-eager
+
+
 class OutputFormat(Choice):
     TABLE = "table"
     MARKDOWN = "markdown"

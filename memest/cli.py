@@ -10,6 +10,9 @@ import typer
 from .choices import (
     Attention,
     Cache,
+    CudaGraphs,
+    Engine,
+    KvDtype,
     Mode,
     Offload,
     Optimizer,
@@ -93,6 +96,9 @@ def estimate(
     fail_if_not_fits: Annotated[bool, typer.Option("--fail-if-not-fits", help="Exit 1 when it does not fit (CI).")]
     = False,
     strict: Strict = False, calibration: Calibration = None,
+    colocate_serve: Annotated[Optional[float], typer.Option(
+        "--colocate-serve", help="A vLLM rollout engine at this gpu_memory_utilization shares the GPU, as in trl's "
+        "GRPO colocate mode (trl's default: 0.3); needs --gpu.")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
@@ -107,7 +113,8 @@ def estimate(
 
         fmt = output_format(format, json, markdown)
         result = run_estimate(spec, gpu, fail_if_not_fits=fail_if_not_fits, plot=plot,
-                              timeline=fmt == OutputFormat.TABLE, progress=_progress(), calibration=calibration)
+                              timeline=fmt == OutputFormat.TABLE, progress=_progress(), calibration=calibration,
+                              colocate=None if colocate_serve is None else {"utilization": colocate_serve})
         if result.plot_path is not None:
             typer.echo(f"memest: wrote {result.plot_path}", err=True)
         code = EXIT_DOES_NOT_FIT if fail_if_not_fits and result.passes(strict) is False else EXIT_OK
@@ -168,7 +175,7 @@ def whatif(
     batch: Annotated[Optional[str], typer.Option("--batch", "-b", help="Batch sizes, e.g. 1,2,4,8.")] = None,
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
-    compile: Comp = None,
+    compile: Comp = None, calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
@@ -179,7 +186,8 @@ def whatif(
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
                     checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, compile=compile)
-        run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress())
+        run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress(),
+                         calibration=calibration)
         return whatif_view(run), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
@@ -193,6 +201,7 @@ def max_batch(
     optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1,
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536, compile: Comp = None,
+    calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -204,7 +213,8 @@ def max_batch(
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
                     compile=compile)
-        return max_batch_view(run_max_batch(spec, gpu, seq_search, limit, progress=_progress())), EXIT_OK
+        run = run_max_batch(spec, gpu, seq_search, limit, progress=_progress(), calibration=calibration)
+        return max_batch_view(run), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 
@@ -213,7 +223,7 @@ def max_batch(
 def advise(
     model: Model, gpu: Budget, batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM,
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
-    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", compile: Comp = None,
+    outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", compile: Comp = None, calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -225,7 +235,46 @@ def advise(
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
                     compile=compile)
-        return advise_view(run_advise(spec, gpu, progress=_progress())), EXIT_OK
+        return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
+
+    run_command(work, lambda: output_format(format, json, markdown), debug)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="hf:NAME, hf:path/config.json or hf:org/name (a decoder LM config)")],
+    gpu: Budget,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Tokens per sequence (default: the "
+                                                          "model's positions).")] = None,
+    utilization: Annotated[Optional[float], typer.Option(
+        "--gpu-memory-utilization", help="vLLM's share of the GPU (default 0.9); SGLang: mem_fraction_static.")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel GPUs (figures are per GPU).")] = 1,
+    kv_dtype: Annotated[KvDtype, typer.Option("--kv-dtype", help="auto (model dtype) | fp8.")] = KvDtype.AUTO,
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block (vLLM default 16).")] = 16,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Default: vLLM's for the GPU.")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
+        "--max-num-batched-tokens", help="Tokens of the profile forward (default: vLLM's for the GPU).")] = None,
+    engine: Annotated[Engine, typer.Option("--engine", help="vllm | sglang (mem_fraction_static arithmetic).")]
+    = Engine.VLLM,
+    cuda_graphs: Annotated[CudaGraphs, typer.Option(
+        "--cuda-graphs", help="profiled (vLLM >= 0.21 subtracts them) | after (older vLLM) | none (--enforce-eager).")]
+    = CudaGraphs.PROFILED,
+    fail_if_not_starts: Annotated[bool, typer.Option("--fail-if-not-starts", help="Exit 1 when it will not start.")]
+    = False,
+    format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
+) -> None:
+    """Serving capacity: the engine's start-up arithmetic (vLLM or SGLang), KV tokens and blocks, how many
+    sequences fit at --max-model-len, the longest context, and whether it starts (with fixes)."""
+    def work():
+        from .app import run_serve
+        from .report.views import serve_view
+
+        args = dict(model=model, max_model_len=max_model_len, utilization=utilization, tp=tp, kv_dtype=str(kv_dtype),
+                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    engine=str(engine), cuda_graphs=str(cuda_graphs))
+        run = run_serve(args, gpu, progress=_progress())
+        code = EXIT_DOES_NOT_FIT if fail_if_not_starts and not run.plan.starts else EXIT_OK
+        return serve_view(run), code
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 

@@ -16,6 +16,16 @@
 
 Keys are RunSpec's fields plus ``gpu``, ``margin``, ``name`` and ``calibration``; unknown keys are rejected with a
 did-you-mean; CLI flags override the file's values.
+
+A ``serve:`` mapping makes the config a serving config (memest serve's options; ``check`` gates it: it passes
+when the engine starts and, with ``min_concurrency``, holds that many full-length sequences at once):
+
+    model: hf:llama-3-8b
+    gpu: h100
+    serve: {max_model_len: 8192, gpu_memory_utilization: 0.9, tp: 1, kv_dtype: auto, min_concurrency: 32}
+
+A ``colocate:`` mapping on a training config adds a vLLM rollout engine on the same GPU (trl GRPO colocate):
+``{utilization: 0.3, max_model_len: 768, max_num_seqs: 8, tp: 1}``.
 """
 
 from __future__ import annotations
@@ -32,7 +42,11 @@ from .spec import RunSpec
 _SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
 _INTERNAL = {"iterations", "lr", "compute_capability"}  # not run-config keys
 SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
-EXTRA_KEYS = ("gpu", "margin", "name", "calibration")
+EXTRA_KEYS = ("gpu", "margin", "name", "calibration", "serve", "colocate")
+SERVE_KEYS = {"max_model_len": int, "gpu_memory_utilization": float, "tp": int, "kv_dtype": str, "block_size": int,
+              "max_num_seqs": int, "max_num_batched_tokens": int, "engine": str, "cuda_graphs": str,
+              "min_concurrency": int}
+COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int, "tp": int}
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size"}
@@ -47,6 +61,8 @@ class RunConfig:
     gpu: str | None = None
     margin: float = 0.0
     calibration: str | None = None  # a calibration profile file (memest calibrate --out)
+    serve: dict | None = None  # a serving config (memest serve's options + min_concurrency)
+    colocate: dict | None = None  # a rollout engine beside the training step
 
     def spec(self, **overrides) -> RunSpec:
         return RunSpec(**{**self.values, **{k: v for k, v in overrides.items() if v is not None}})
@@ -122,7 +138,46 @@ def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
         RunSpec(**values)  # every value checked now (choices, ranges), with the file named
     except MemestError as exc:
         raise MemestError(f"{where}{exc}") from None
-    return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin, calibration=calibration)
+    serve = _block(data, "serve", SERVE_KEYS, where)
+    colocate = _block(data, "colocate", COLOCATE_KEYS, where)
+    if serve is not None:
+        _serve_choices(serve, where)
+        if not values["model"].startswith("hf:"):
+            raise MemestError(f"{where}serve: needs an hf: model (a decoder LM config), not {values['model']!r}")
+    return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin, calibration=calibration,
+                     serve=serve, colocate=colocate)
+
+
+def _block(data: dict, key: str, schema: dict, where: str) -> dict | None:
+    """A nested mapping (serve:, colocate:): known keys, each of its type."""
+    if data.get(key) is None:
+        return None
+    block = data[key]
+    if not isinstance(block, dict):
+        raise MemestError(f"{where}{key}: expected a mapping of {', '.join(schema)}, got {block!r}")
+    out = {}
+    for k, v in block.items():
+        if k not in schema:
+            close = difflib.get_close_matches(str(k), list(schema), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(schema)}"
+            raise MemestError(f"{where}{key}: unknown key {k!r}; {hint}")
+        kind = schema[k]
+        if isinstance(v, bool) or (kind is int and not isinstance(v, int)) or \
+                (kind is float and not isinstance(v, (int, float))):
+            raise MemestError(f"{where}{key}.{k}: expected a {'whole number' if kind is int else 'number'}, got {v!r}")
+        out[k] = kind(v)
+    return out
+
+
+def _serve_choices(block: dict, where: str) -> None:
+    from .choices import CudaGraphs, Engine, KvDtype
+
+    try:
+        for k, cls in (("engine", Engine), ("kv_dtype", KvDtype), ("cuda_graphs", CudaGraphs)):
+            if k in block:
+                block[k] = str(cls.parse(block[k], f"serve.{k}"))
+    except MemestError as exc:
+        raise MemestError(f"{where}{exc}") from None
 
 
 def _relative_to(model: str, config_path: str | Path) -> str:

@@ -23,22 +23,17 @@ from .conftest import model_ref
 
 REL_TOL = 0.02  # as tests/test_accuracy_cpu.py
 
-# Known miss, kept visible: LLaVA takes the image features of the vision tower's second-to-last layer
-# (vision_feature_layer -2), so the real step frees the last layer's activations as soon as its forward
-# ends. The trace keeps them to the end, through two reference cycles of the tracing instrumentation
-# around autograd nodes that never run: torch's ModTracker (trace/modules.py) registers a multi-grad hook
-# on every module's inputs whose closure holds their grad_fns, and the saved-tensor hook that marks
-# activations (trace/step.py) packs a saved output as itself, grad_fn included. With both broken (the pack
-# hook returning t.detach(), the input hooks off) the trace is within 8 bytes of the real peak. Measured
-# +6.5% (fp32) and +5.7% (bf16-mixed); any model that computes outputs it then drops is overestimated so.
-UNUSED_BRANCH = "unused vision layer kept alive by the tracing hooks' reference cycles (about +6%)"
+# LLaVA takes the image features of the vision tower's second-to-last layer (vision_feature_layer -2), so
+# the real step frees the last layer's activations as soon as its forward ends; the trace once kept them
+# (+6.5% fp32, +5.7% bf16-mixed) through reference cycles of the tracing hooks around autograd nodes that
+# never run (trace/modules.py, trace/step.py; tests/test_dropped_outputs.py).
 
 CASES = [
     # (config, batch, seq: decoder tokens / audio samples / text tokens / image + text tokens)
     ("whisper-tiny", 2, 32),
     ("wav2vec2-ctc-tiny", 2, 8000),
     ("clip-tiny", 4, 32),
-    pytest.param("llava-tiny", 2, 64, marks=pytest.mark.xfail(strict=True, reason=UNUSED_BRANCH)),
+    ("llava-tiny", 2, 64),
 ]
 
 

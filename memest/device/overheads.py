@@ -66,6 +66,10 @@ class Measurement:
     stack: str  # torch / CUDA / driver as the source gives them
     source: str  # address of the measurement
     measured: str  # what was measured, and any arithmetic applied to it here
+    # the process already held cuBLAS/cuDNN kernels: eager loading of a torch build that linked them
+    # statically into libtorch_cuda (pip wheels before torch 1.13, see STATIC_LIBRARIES), so "context"
+    # here is context + libraries and nothing more loads on the first GEMM or convolution
+    libraries_loaded: bool = False
 
     @property
     def mib(self) -> float:
@@ -73,6 +77,17 @@ class Measurement:
 
 
 _H100 = (9, 0)
+
+# Why a pre-1.13 eager context already holds the libraries: before CUDA 11.7 every kernel of a library
+# was loaded into the context when the library initialised, and torch's pip wheels linked cuBLAS (and
+# cuDNN) statically into libtorch_cuda, so they initialised with torch's own CUDA runtime, at the first
+# CUDA call. Today's wheels load them dynamically (nvidia-* packages), at their first use.
+STATIC_LIBRARIES = (
+    "ptrblck in https://github.com/pytorch/pytorch/issues/107667: 'Before CUDA 11.7, *all* kernels were loaded "
+    "into the context once the library was loaded, which took >1000MB'; cuBLAS static linking of the wheels "
+    "removed in https://github.com/pytorch/pytorch/pull/79280 (June 2022, torch 1.13); cuDNN moved to dynamic "
+    "loading in https://github.com/pytorch/builder/pull/952 (Feb 2022; 'statically linked 8.2 cudnn')"
+)
 _PROBE_INIT = {mode: stages["init"][0] - stages["init"][1] for mode, stages in PROBE_STAGES.items()}
 
 # Bare CUDA contexts (the first CUDA call of a torch process, nothing else loaded), by loading mode.
@@ -102,14 +117,18 @@ CONTEXTS: tuple[Measurement, ...] = (
                 "20 MiB allocator segment"),
     Measurement(EAGER, 721 * MiB - 2 * MiB, "GTX 1080", (6, 1), "torch 1.8.2+cu101",
                 "https://github.com/pytorch/pytorch/issues/55277",
-                "721 MiB after torch.Tensor(1).cuda(); minus the 2 MiB small-pool segment of that tensor"),
+                "721 MiB after torch.Tensor(1).cuda(); minus the 2 MiB small-pool segment of that tensor",
+                libraries_loaded=True),
     Measurement(EAGER, 1687 * MiB - 2 * MiB, "RTX 3090", (8, 6), "torch 1.8.2+cu111",
                 "https://github.com/pytorch/pytorch/issues/55277",
-                "1687 MiB after torch.Tensor(1).cuda(); minus the 2 MiB small-pool segment of that tensor"),
-    Measurement(EAGER, 1343 * MiB - 2 * MiB, "Tesla V100-SXM2 16GB", (7, 0), "driver 460.91.03 (CUDA 11.2), Jan 2022",
+                "1687 MiB after torch.Tensor(1).cuda(); minus the 2 MiB small-pool segment of that tensor",
+                libraries_loaded=True),
+    Measurement(EAGER, 1343 * MiB - 2 * MiB, "Tesla V100-SXM2 16GB", (7, 0),
+                "driver 460.91.03 (CUDA 11.2), Jan 2022 (torch <= 1.10: 1.11 was released in March 2022)",
                 "https://github.com/huggingface/transformers/blob/main/docs/source/en/model_memory_anatomy.md",
                 "NVML device used 1343 MB after torch.ones((1, 1)).to('cuda') on an empty GPU; minus the 2 MiB "
-                "small-pool segment of that tensor"),
+                "small-pool segment of that tensor",
+                libraries_loaded=True),
     Measurement(EAGER, _PROBE_INIT[EAGER], "H100 80GB HBM3", _H100, H100_STACK, PROBE_SOURCE,
                 "CUDA_MODULE_LOADING=EAGER: NVML used minus torch's reserved after torch.empty(1, device='cuda')"),
 )
@@ -180,17 +199,36 @@ def _probe_delta(loading: str, stage: str, since: str) -> int:
     return (nvml - reserved) - (nvml0 - reserved0)
 
 
-def library_spread(loading: str, cudnn: bool, runs: tuple[Run, ...] = MEASURED_RUNS) -> Spread:
-    """cuBLAS/cuBLASLt (+ cuDNN) loaded by a training step, outside the allocator.
+def library_spread(loading: str, cudnn: bool, runs: tuple[Run, ...] = MEASURED_RUNS,
+                   compute_capability: tuple[int, int] | None = None,
+                   contexts: tuple[Measurement, ...] = CONTEXTS) -> Spread:
+    """cuBLAS/cuBLASLt (+ cuDNN) loaded by a training step, outside the allocator, beyond the context.
 
     lazy: from whole training processes (NVML peak - max reserved - the same GPU's bare context);
     expected: the median over runs of the same kind (with / without cuDNN kernels), range over all.
-    eager: the probe's stages (first GEMMs; + convolution forward/backward), one measurement each."""
+    eager: the probe's stages (first GEMMs; + convolution forward/backward), one measurement each, for
+    a stack that loads the libraries at their first use; nothing for one whose context measurement
+    already held them (``Measurement.libraries_loaded``: torch builds that linked them statically).
+    Per eager context row of the modelled generation (all generations' where there is none) the
+    libraries cost 0 or the probe's value; expected is the median, the range 0 to the probe's value."""
     if loading == EAGER:
         cublas = _probe_delta(EAGER, "cublaslt_bf16", "init")
         value = cublas + (_probe_delta(EAGER, "cudnn_conv", "cublaslt_bf16") if cudnn else 0)
-        return Spread.exact(value, f"libraries (eager): {'cuBLAS/cuBLASLt + cuDNN' if cudnn else 'cuBLAS/cuBLASLt'} "
-                                   f"stages of the H100 probe, one measurement ({PROBE_SOURCE})")
+        what = "cuBLAS/cuBLASLt + cuDNN" if cudnn else "cuBLAS/cuBLASLt"
+        rows = [r for r in contexts if r.loading == EAGER]
+        same = [r for r in rows if compute_capability is not None and r.compute_capability == tuple(compute_capability)]
+        basis = same or rows
+        per_row = [0 if r.libraries_loaded else value for r in basis]
+        low = 0 if any(r.libraries_loaded for r in rows) else value
+        high = value if any(not r.libraries_loaded for r in rows) or not rows else 0
+        expected = _median(per_row) if per_row else value
+        loaded = sum(r.libraries_loaded for r in basis)
+        which = (f"sm{''.join(map(str, compute_capability))}" if same else "all") + " eager context rows"
+        return Spread(min(low, expected), expected, max(high, expected),
+                      f"libraries (eager): {what} {_mib(value)} MiB at first use (stages of the H100 probe, one "
+                      f"measurement, {PROBE_SOURCE}), or 0 where the context measurement already held them "
+                      f"(statically linked, pre-1.13 torch: {STATIC_LIBRARIES}); {loaded} of {len(basis)} {which} "
+                      "held them: expected is the median of 0 / the probe's value over those rows")
     rows = library_increments(runs)
     if not rows:
         raise ValueError("no training-process measurement to derive library costs from")
@@ -293,7 +331,8 @@ def fixed_costs(
         libraries = _calibrated({**cal, "libraries": total}, "libraries", "cuda_libraries",
                                 "cuBLAS/cuBLASLt" + (" + cuDNN" if cudnn else ""))
     runs = MEASURED_RUNS if evidence_runs is None else evidence_runs
-    costs.append(libraries or FixedCost.from_spread("cuda_libraries", library_spread(loading, cudnn, runs)))
+    costs.append(libraries or FixedCost.from_spread(
+        "cuda_libraries", library_spread(loading, cudnn, runs, compute_capability)))
 
     handles = CUBLAS_HANDLES_IN_TRAINING if training else 1
     if cal.get("cublas_workspace_bytes") is not None:

@@ -44,17 +44,25 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     margin = margin if margin is not None else config.margin
     result = estimate(spec, gpu.calibration if spec.target == "cuda" else None, source=source)
     low, needed, high = result.needed_range
+    budget, label = gpu.capacity_bytes, gpu.budget_label
+    fits = result.fits(budget)
+    if config.colocate is not None:  # a rollout engine keeps total x utilization of the same GPU
+        from ..app import colocated_engine
+
+        c = colocated_engine(spec, gpu, result.needed_range, config.colocate)
+        low, needed, high = low + c.engine_bytes, needed + c.engine_bytes, None if high is None else high + c.engine_bytes
+        budget, label = c.total_bytes, f"{gpu.budget_label} shared with a rollout engine at {c.utilization:g}"
+        fits = needed <= budget and c.engine_starts
     required = math.ceil(needed * (1 + margin))
     required_high = None if high is None else math.ceil(high * (1 + margin))  # None: unbounded
-    budget = gpu.capacity_bytes
-    outcome = verdict(required, required_high, budget) if result.fits(budget) else "does-not-fit"
+    outcome = verdict(required, required_high, budget) if fits and required <= budget else "does-not-fit"
     return CheckRow(
         name=config.name,
         path=config.path,
         model=spec.model,
         needed_bytes=needed,
         required_bytes=required,
-        budget_label=gpu.budget_label,
+        budget_label=label,
         budget_bytes=budget,
         margin=margin,
         fits=passes(outcome, strict),
@@ -66,4 +74,46 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
         needed_bytes_high=high,
         required_bytes_high=required_high,
         calibration=(gpu.calibration_note or "") if spec.target == "cuda" else "",
+    )
+
+
+def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: bool = False) -> CheckRow:
+    """A serving config (``serve:``): needed = what the engine subtracts before its KV cache + the KV of
+    ``min_concurrency`` (default 1) full-length sequences; budget = what it may use (vLLM: total x
+    utilization; SGLang: mem_fraction_static x free memory). Will not start: does not fit."""
+    from ..app import serve_total
+    from ..device.fit import passes, verdict
+    from ..serve.plan import ServeSpec, plan_serve
+
+    margin = margin if margin is not None else config.margin
+    s = config.serve
+    total, _ = serve_total(gpu)
+    spec = ServeSpec(config.values["model"], total, gpu.flag, max_model_len=s.get("max_model_len"),
+                     utilization=s.get("gpu_memory_utilization"), tp=s.get("tp", 1), kv_dtype=s.get("kv_dtype", "auto"),
+                     block_size=s.get("block_size", 16), max_num_seqs=s.get("max_num_seqs"),
+                     max_num_batched_tokens=s.get("max_num_batched_tokens"), engine=s.get("engine", "vllm"),
+                     cuda_graphs=s.get("cuda_graphs", "profiled"), compute_capability=gpu.compute_capability)
+    plan = plan_serve(spec)
+    n = max(s.get("min_concurrency", 1), 1)
+    if plan.vllm is not None:
+        b = plan.vllm
+        per_seq = b.layout.request_bytes
+        needed = b.non_kv_bytes + n * per_seq
+        low = sum(p.low for p in b.parts) + n * per_seq
+        high = sum(p.high for p in b.parts) + n * per_seq
+        budget, label = b.requested_bytes, f"{gpu.budget_label} x {b.utilization:g}"
+    else:
+        g = plan.sglang
+        per_seq = plan.max_model_len * g.cell_bytes
+        share = int(g.free_before_load * g.mem_fraction_static)
+        needed = low = high = g.weights_bytes + n * per_seq
+        budget, label = share, f"{gpu.budget_label} x mem_fraction_static {g.mem_fraction_static:g}"
+    required = math.ceil(needed * (1 + margin))
+    required_high = math.ceil(high * (1 + margin))
+    outcome = "does-not-fit" if not plan.starts or required > budget else verdict(required, required_high, budget)
+    return CheckRow(
+        name=config.name, path=config.path, model=spec.model, needed_bytes=needed, required_bytes=required,
+        budget_label=label, budget_bytes=budget, margin=margin, fits=passes(outcome, strict),
+        headroom_bytes=budget - required, seq=plan.max_model_len, arch=gpu.arch, verdict=outcome,
+        needed_bytes_low=low, needed_bytes_high=high, required_bytes_high=required_high, calibration="",
     )

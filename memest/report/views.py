@@ -33,6 +33,7 @@ def estimate_doc(result) -> dict:
     doc["verdict"] = result.verdict  # worst over the budgets compared; None without one
     doc["gpu_arch"] = {"arch": result.gpu.arch, "why": result.gpu.arch_reason}
     doc["calibration"] = result.gpu.calibration_note
+    doc["colocate"] = result.colocate.to_dict() if result.colocate is not None else None
     return doc
 
 
@@ -42,6 +43,8 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
 
     report, fits, reason = result.report, result.fits, result.gpu.no_gpu_reason
 
+    extra = colocate_lines(result.colocate, ("GiB", 2**30)) if result.colocate is not None else []
+
     def rich(console) -> None:
         print_estimate(console, report, fits, reason, depth, **_expand_kw(print_estimate, expand))
         if result.timeline is not None:
@@ -49,9 +52,12 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
 
             for line in terminal_timeline(result.timeline):
                 console.print(line, markup=False, highlight=False)
+        for line in extra:
+            console.print(line, markup=False, highlight=False)
 
     def markdown() -> str:
-        return estimate_markdown(report, fits, depth=depth, gpu_reason=reason, **_expand_kw(estimate_markdown, expand))
+        text = estimate_markdown(report, fits, depth=depth, gpu_reason=reason, **_expand_kw(estimate_markdown, expand))
+        return "\n\n".join([text, *extra])
 
     return View(estimate_doc(result), rich=rich, markdown=markdown)
 
@@ -262,5 +268,91 @@ def calibrate_view(run) -> View:
     return View(doc, lines)
 
 
+
+
+# ----------------------------------------------------------------------------------------- serve
+
+
+SERVE_VERDICT = {"starts": "STARTS", "tight": "TIGHT (starts with the expected costs; not at the high end of "
+                 "their ranges)", "will-not-start": "WILL NOT START"}
+
+
+def serve_view(run) -> View:
+    from ..serve.plan import plan_doc
+
+    p = run.plan
+    doc = {**plan_doc(p), "total_source": run.total_source, "gpu_arch": {"arch": run.gpu.arch, "why": run.gpu.arch_reason}}
+    if run.colocate is not None:
+        doc["colocate"] = run.colocate.to_dict()
+    unit = ("GiB", 2**30)
+    blocks: list = [serve_budget_table(p, run, unit)]
+    blocks += serve_lines(p, unit)
+    if run.colocate is not None:
+        blocks += colocate_lines(run.colocate, unit)
+    return View(doc, blocks)
+
+
+def _range(low: int, high: int, unit) -> str:
+    return "-" if low == high else f"{format_in(low, unit)}-{format_in(high, unit)}"
+
+
+def serve_budget_table(p, run, unit) -> Table:
+    s = p.spec
+    title = f"memest serve {s.model} on {run.gpu.budget_label} ({s.engine}, tp {s.tp})"
+    rows = [["GPU total", format_in(s.total_bytes, unit), "-", run.total_source]]
+    if p.vllm is not None:
+        b = p.vllm
+        rows.append([f"requested (x {b.utilization:g})", format_in(b.requested_bytes, unit), "-",
+                     f"{p.utilization_source}; gpu_worker.py init_device"])
+        rows += [[f"- {x.name}", format_in(x.bytes, unit), _range(x.low, x.high, unit), x.source] for x in b.parts]
+        a = b.available
+    else:
+        g = p.sglang
+        rows.append(["- CUDA context", format_in(p.context.bytes, unit), _range(p.context.low, p.context.high, unit),
+                     "before load: free memory after the context (overheads.CONTEXTS)"])
+        rows.append([f"x mem_fraction_static {g.mem_fraction_static:g}", format_in(g.free_before_load *
+                     g.mem_fraction_static, unit), "-", g.mem_fraction_source])
+        rows.append(["- weights", format_in(g.weights_bytes, unit), "-", "serve/weights.py"])
+        a = g.rest
+    rows.append(["= KV cache", format_in(a.bytes, unit), _range(a.low, a.high, unit), a.source])
+    return Table(title, ["step", "GiB", "range", "source"], rows, left=("step", "source"))
+
+
+def serve_lines(p, unit) -> list[str]:
+    kv = p.kv
+    lines = [f"KV per token: {kv.bytes_per_token:,} B over {len(kv.layers)} layers ({kv.dtype}"
+             + (f", {', '.join(f'{n} {k}' for k, n in kv.kinds.items())}" if len(kv.kinds) > 1 else "") + ")"]
+    if p.vllm is not None:
+        lay, low, high = p.vllm.layout, p.vllm.layout_low, p.vllm.layout_high
+        lines.append(f"blocks: {lay.blocks:,} of {p.spec.block_size} tokens ({low.blocks:,}-{high.blocks:,}); "
+                     f"GPU KV cache size: {lay.tokens:,} tokens ({low.tokens:,}-{high.tokens:,})")
+        lines.append(f"maximum concurrency for {p.max_model_len:,} tokens per request: {lay.concurrency:.2f}x "
+                     f"-> {lay.sequences} full-length sequences at once (max_num_seqs {p.max_num_seqs}, "
+                     f"max_num_batched_tokens {p.max_num_batched_tokens})")
+    else:
+        g = p.sglang
+        lines.append(f"token pool: {g.tokens:,} tokens ({g.tokens_low:,}-{g.tokens_high:,}); "
+                     f"{g.sequences} full {p.max_model_len:,}-token sequences at once")
+    lines.append(f"longest context one sequence fits: {p.longest_context:,} tokens")
+    lines.append(f"verdict: {SERVE_VERDICT[p.verdict]}")
+    lines += [f"  why: {r}" for r in p.reasons]
+    lines += [f"  fix: {f}" for f in p.fixes]
+    lines += [f"note: {n}" for n in p.notes]
+    return lines
+
+
+def colocate_lines(c, unit) -> list[str]:
+    high = "unbounded" if c.training_bytes_high is None else format_in(c.training_bytes_high, unit)
+    lines = [f"colocate (trl GRPO vllm_mode='colocate') on {format_in(c.total_bytes, unit)}: training step needs "
+             f"{format_in(c.training_bytes, unit)} (high {high}) + rollout engine {c.utilization:g} x total = "
+             f"{format_in(c.engine_bytes, unit)} -> {VERDICT_TEXT.get(c.verdict, c.verdict)} "
+             f"(headroom {format_in(c.headroom_bytes, unit)})"]
+    lines.append((f"largest utilization that still fits: {c.largest_utilization:.2f}" if c.largest_utilization > 0 else
+                  "no utilization leaves room for the training step")
+                 + f"; the engine starts from {c.smallest_utilization:.2f} (one {c.max_model_len}-token sequence)")
+    lines += [f"note: {n}" for n in c.notes]
+    return lines
+
+
 __all__ = ["estimate_view", "check_view", "whatif_view", "max_batch_view", "advise_view", "gpus_view",
-           "calibrate_view"]
+           "calibrate_view", "serve_view"]

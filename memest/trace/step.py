@@ -548,7 +548,10 @@ def _instrumented(step: _Step):
         sid = tracker.storage_id(t)
         if sid is not None:
             step.trace.storages[sid].saved_for_backward = True
-        return t
+        # a detached alias (same storage): an op's saved output packed as itself would hold its own
+        # grad_fn, a cycle through C++ that keeps the node and all it saved alive after the real step
+        # frees them (an output the model computes and drops)
+        return t.detach() if t.grad_fn is not None else t
 
     with contextlib.ExitStack() as hooks:
         hooks.enter_context(_quiet_fake_tensor_log())

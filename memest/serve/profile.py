@@ -1,0 +1,146 @@
+"""vLLM's profile run, traced on fake tensors: the activation peak that start-up subtracts.
+
+vLLM runs one forward of max_num_batched_tokens tokens (vllm/v1/worker/gpu_model_runner.py
+``GPUModelRunner.profile_run`` -> ``_dummy_run(max_num_tokens, is_profile=True)``; attention is skipped
+while no KV cache exists), then the sampler on the last hidden state of each of min(max_num_seqs,
+max_num_batched_tokens) requests with top-k and top-p on (``_dummy_sampler_run``). The torch peak above the
+weights during both is the "torch peak increase" (vllm/utils/mem_utils.py ``memory_profiling``).
+
+memest traces the same forward with transformers' implementation of the model (one sequence of
+max_num_batched_tokens tokens, logits for the last R positions), split as on one tensor-parallel rank (heads
+and MLP width / tp), under --target cuda kernel semantics. The sampler phase is the hidden states of the
+forward plus the sampler's own tensors, from vllm/v1/sample/ (below).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+from .budget import Part
+from .kv import DTYPE_BYTES
+
+# The sampler phase's bytes per logit element (R rows x vocab), from the tensors vLLM's sampler holds at
+# once. compute_logits output in the model dtype (held by the caller) + the fp32 copy Sampler.forward makes
+# (vllm/v1/sample/sampler.py ``logits.to(torch.float32)``) + top-k/top-p on the PyTorch sort path
+# (vllm/v1/sample/ops/topk_topp_sampler.py ``apply_top_k_top_p``: logits.sort -> fp32 values + int64
+# indices, a bool top-k mask, softmax into fp32 probs_sort with cumsum in place, a bool top-p mask).
+# Low end: a fused top-k/top-p kernel (FlashInfer, or the Triton path newer releases take for >= 8
+# requests) that keeps only the fp32 probabilities beside the logits.
+SAMPLER_SORT_EXTRA = 4 + 8 + 1 + 4 + 1  # sorted values, indices, top-k mask, probs, top-p mask
+SAMPLER_FUSED_EXTRA = 4  # probabilities
+
+
+@dataclass
+class ProfileRun:
+    activation: Part  # torch peak increase above the weights (what vLLM subtracts)
+    forward_peak_bytes: int  # traced forward: allocated peak above the weights
+    sampler_peak_bytes: int  # sampler phase, expected (sort path)
+    tokens: int
+    logit_rows: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    model: object = field(default=None, repr=False)  # the rank's model as traced (fake tensors)
+    split: bool = True  # the model is one rank's (heads and MLP divided); False: traced unsplit
+
+    def to_dict(self) -> dict:
+        return {"activation": self.activation.to_dict(), "forward_peak_bytes": self.forward_peak_bytes,
+                "sampler_peak_bytes": self.sampler_peak_bytes, "tokens": self.tokens, "logit_rows": self.logit_rows,
+                "trace_seconds": self.seconds, "notes": self.notes}
+
+
+def rank_config(config, tp: int):
+    """The config of one tensor-parallel rank: attention heads, KV heads (at least one) and MLP widths
+    divided by tp, the head size kept (transformers' head_dim); the hidden size stays whole."""
+    if tp == 1:
+        return config, []
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None or not hasattr(config, "head_dim") and getattr(config, "model_type", "") == "gpt2":
+        return config, [f"the profile forward is traced unsplit for this architecture (tp {tp}): its activation "
+                        "peak is an upper bound"]
+    c = copy.deepcopy(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    c.head_dim = head_dim
+    c.num_attention_heads = max(1, heads // tp)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    c.num_key_value_heads = max(1, kv // tp)
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_dim"):
+        if getattr(c, name, None):
+            setattr(c, name, -(-getattr(c, name) // tp))
+    return c, [f"profile forward traced as one of {tp} ranks: {c.num_attention_heads} heads, "
+               f"{c.num_key_value_heads} KV heads, MLP width / {tp} (logits all-gathered to the full vocabulary)"]
+
+
+def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
+                      compute_capability: tuple[int, int]) -> ProfileRun:
+    """Trace the forward of ``tokens`` tokens on one rank and price the sampler phase."""
+    import time
+
+    import torch
+    import transformers
+
+    from ..pipeline import estimate
+    from ..sources.base import ModelSource
+    from ..sources.hf_masks import real_mask_branches
+    from ..spec import RunSpec
+
+    rank, notes = rank_config(config, tp)
+    split = tp == 1 or rank is not config
+    rank = copy.deepcopy(rank)
+    rank.use_cache = False
+    extended = bool(getattr(rank, "max_position_embeddings", 0)) and rank.max_position_embeddings < tokens
+    if extended:  # vLLM's profile forward is max_num_batched_tokens long whatever the model's positions
+        rank.max_position_embeddings = tokens
+    arch = (getattr(rank, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        cls = transformers.AutoModelForCausalLM._model_mapping[type(rank)]
+    rows = min(logit_rows, tokens)
+
+    def inputs(batch_size: int, seq_len: int | None = None):
+        return {"input_ids": torch.zeros((1, tokens), dtype=torch.long), "logits_to_keep": rows}
+
+    built = []
+
+    def build():
+        built.append(cls(rank))
+        return built[-1]
+
+    source = ModelSource(name=f"vLLM profile run ({tokens} tokens)", build_model=build,
+                         example_inputs=inputs, trace_context=lambda spec: real_mask_branches())
+    precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+    spec = RunSpec(model="serve-profile", batch=1, seq=tokens, mode="inference", precision=precision,
+                   compute_capability=compute_capability)
+    start = time.perf_counter()
+    est = estimate(spec, source=source)
+    seconds = time.perf_counter() - start
+    report = est.report
+    resident = report.param_bytes + report.other_at_peak.get("buffers", 0)
+    allocated = report.device.allocated_peak_bytes if report.device is not None else report.peak_allocated_bytes
+    forward = max(allocated - resident, 0)
+    hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
+    size = DTYPE_BYTES[dtype]
+    if re.search(r"layers\.([1-9]|\d\d+)\b", report.module_at_peak or ""):
+        # transformers' LlamaModel.forward (and its kin) keeps `inputs_embeds` referenced through the layer
+        # loop; vLLM's model forward (vllm/model_executor/models/llama.py LlamaModel.forward) does not, and
+        # updates the residual in place (fused_add_rms_norm): one tokens x hidden tensor less at a later
+        # layer's peak
+        forward = max(forward - tokens * hidden * size, 0)
+        notes.append("profile forward: the embedding output transformers keeps referenced through the layers is "
+                     "not held by vLLM's forward (one tokens x hidden tensor subtracted)")
+    vocab = int(config.vocab_size)
+    held = tokens * hidden * size + 2 * rows * hidden * size  # hidden states of the forward, last rows, rand_like
+    logits = rows * vocab * (size + 4)  # model-dtype logits + the sampler's fp32 copy
+    sampler = held + logits + rows * vocab * SAMPLER_SORT_EXTRA
+    sampler_low = held + logits + rows * vocab * SAMPLER_FUSED_EXTRA
+    expected = max(forward, sampler)
+    low = max(forward, sampler_low)
+    notes.append(f"profile run: forward of {tokens} tokens traced ({forward / 2**30:.2f} GiB above the weights); "
+                 f"sampler on {rows} requests x {vocab} vocab ({sampler / 2**30:.2f} GiB, top-k/top-p sort path; "
+                 f"{sampler_low / 2**30:.2f} GiB with a fused kernel)")
+    part = Part("activation peak (profile run)", expected, low, expected,
+                "traced forward of max_num_batched_tokens tokens (transformers' code, --target cuda) and the sampler "
+                "phase (vllm/v1/sample); gpu_model_runner.py profile_run")
+    # the traced model stands for one rank's weights unless its positions were extended for the forward
+    return ProfileRun(part, forward, sampler, tokens, rows, seconds, notes, None if extended else built[-1], split)
