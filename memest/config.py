@@ -12,6 +12,7 @@
     lora: {r: 16, alpha: 32, dropout: 0.05, targets: [q_proj, k_proj, v_proj, o_proj]}  # peft LoRA (or all-linear)
     quant: nf4                # QLoRA: the base's linear weights as bitsandbytes stores them (with lora:)
     freeze: model.embed_tokens  # parameters frozen by name (glob patterns, comma-separated)
+    compile: true             # torch.compile the step (Inductor); false: trace a self-compiling model file eager
     gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
     margin: 10%               # required headroom: needed x (1 + margin) must fit
     calibration: profiles/rtx2080ti.json  # a `memest calibrate --out` profile (relative to this file)
@@ -52,7 +53,7 @@ COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches"}
-_BOOL_KEYS = {"fused", "cudnn_benchmark", "sp", "double_quant", "prepare_kbit"}
+_BOOL_KEYS = {"fused", "cudnn_benchmark", "sp", "double_quant", "prepare_kbit", "compile"}
 
 
 @dataclass

@@ -86,6 +86,9 @@ class RunSpec:
     quant: Quant = Quant.NONE
     double_quant: bool = True  # --quant: bitsandbytes' compress_statistics (bnb_4bit_use_double_quant)
     prepare_kbit: bool = False  # --quant: peft's prepare_model_for_kbit_training (non-quantized weights to fp32)
+    # torch.compile (trace/compiled.py): None = as the model code does (a model file may return torch.compile(model));
+    # True = compile an eager model as torch.compile(model) does (Inductor); False = trace a compiled model eager
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -129,6 +132,7 @@ class RunSpec:
         if self.offload == "params" and self.shard != "zero3":
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         self._check_model_parallel()
+        self._check_compile()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
@@ -210,6 +214,15 @@ class RunSpec:
                               "add --quant nf4")
         if (self.lora or self.freeze) and not self.training:
             raise MemestError(f"--lora and --freeze describe fine-tuning; drop them with --mode {self.mode}")
+
+    def _check_compile(self) -> None:
+        if self.compile and self.world_size > 1:
+            raise MemestError(
+                "--compile with --world-size: memest does not model a compiled model under DDP/FSDP (DDPOptimizer splits "
+                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself)"
+            )
+        if self.compile and self.mode == "generate":
+            raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
 
     @property
     def training(self) -> bool:

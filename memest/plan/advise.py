@@ -67,24 +67,26 @@ def _peft_available() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 
-def _model_traits(runner: Runner) -> tuple[bool, bool]:
+def _model_traits(runner: Runner) -> tuple[bool, bool, bool]:
     """(has repeated blocks or transformers' checkpointing switch, is a causal LM whose head
-    --loss-head can replace), from one build of the model on fake tensors."""
+    --loss-head can replace, the step is torch.compile'd), from one build of the model on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..errors import MemestError
+    from ..trace.compiled import unwrap
     from ..trace.loss_head import causal_lm_head
     from ..trace.values import PlaceholderScalars
 
     with FakeTensorMode(), PlaceholderScalars():
-        model = runner.source.build_model()
+        model, request = unwrap(runner.source.build_model())
+    compiled = runner.base.compile if runner.base.compile is not None else request is not None
     blocks = bool(repeated_blocks(model)) or getattr(model, "supports_gradient_checkpointing", False)
     try:
         causal_lm_head(model)
         causal_lm = True
     except MemestError:
         causal_lm = False
-    return blocks, causal_lm
+    return blocks, causal_lm, compiled
 
 
 def _recompute_pct(result) -> float:
@@ -97,7 +99,7 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     """(name, changes, rank) of the remedies that apply to the base spec."""
     base = runner.base
     out: list[tuple[str, dict, float]] = []
-    blocks, causal_lm = _model_traits(runner) if base.training else (False, False)
+    blocks, causal_lm, compiled = _model_traits(runner) if base.training else (False, False, False)
     if base.training and base.outputs == "kept":
         out.append(("free outputs before backward", {"outputs": "freed"}, 0.0))
     if base.training and base.loss_head == "standard" and causal_lm:
@@ -108,14 +110,15 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.optim in ("adam", "adamw"):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
         out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
-    if base.checkpointing == "none" and base.training and blocks:
+    # a compiled step is traced without checkpointing and data parallelism (trace/compiled.py)
+    if base.checkpointing == "none" and base.training and blocks and not compiled:
         out.append(("activation checkpointing", {"checkpointing": "blocks"}, 0.2))
     k = 2
     while base.batch // k >= 1 and base.batch % k == 0 and k <= 64:
         out.append((f"micro-batch {base.batch // k} x {k} accumulation",
                     {"batch": base.batch // k, "grad_accum": base.grad_accum * k}, 0.02 * math.log2(k)))
         k *= 2
-    if base.training:
+    if base.training and not compiled:
         for n in (2, 4, 8):
             out.append((f"ZeRO-3 / FSDP over {n} GPUs", {"world_size": n, "shard": "zero3"}, 0.3 + 0.05 * n))
         out.append(("CPU offload of the optimizer", {"offload": "optimizer"}, 0.5))
@@ -238,6 +241,8 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         parts.append("--no-double-quant")
     if spec.prepare_kbit:
         parts.append("--prepare-kbit")
+    if spec.compile is not None:
+        parts.append("--compile" if spec.compile else "--no-compile")
     if gpu:
         parts += ["--gpu", gpu]
     return " ".join(shlex.quote(p) for p in parts)

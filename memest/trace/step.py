@@ -56,6 +56,7 @@ with imports_without_gc():
     from ..sources.hf_masks import holds_transformers_model, real_mask_branches
     from ..spec import RunSpec
     from .checkpointing import apply_checkpointing
+    from .compiled import CompileRequest, compile_note, compiled_forward, is_compiled, unwrap
     from .cpu import cpu_kernels, cpu_notes
     from .cuda.autocast import cuda_autocast_scope
     from .cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
@@ -108,6 +109,12 @@ class Built:
     inputs: Any
     checkpointed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the model code did that the report should say
+    compiled: CompileRequest | None = None  # the step runs torch.compile'd (trace/compiled.py)
+
+    @property
+    def runnable(self) -> torch.nn.Module:
+        """What a real run calls: the compiled module (the model file's own, or torch.compile(model))."""
+        return self.compiled.real_module(self.model) if self.compiled is not None else self.model
 
 
 def build(source: ModelSource, spec: RunSpec) -> Built:
@@ -121,6 +128,8 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         raise
     except Exception as exc:
         raise _build_error(source, "building the model", exc) from exc
+    built_compiled = is_compiled(model) or getattr(model, "_compiled_call_impl", None) is not None
+    model, compiled = _compile_request(model, spec)
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     if spec.training and next(model.parameters(), None) is None:
@@ -153,7 +162,39 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         inputs = _cast_floats(inputs, dtype)
     if not spec.training and isinstance(inputs, dict):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
-    return Built(model, inputs, checkpointed, notes)
+    if note := _compile_note(compiled, built_compiled, spec):
+        notes.append(note)
+    return Built(model, inputs, checkpointed, notes, compiled)
+
+
+def _compile_request(model, spec: RunSpec) -> tuple[Any, CompileRequest | None]:
+    """The model unwrapped from the model file's torch.compile, and how the step is compiled (--compile)."""
+    model, request = unwrap(model)
+    if spec.compile is False:
+        return model, None
+    if spec.compile and request is None:
+        request = CompileRequest()
+    if request is not None and spec.checkpointing != "none" and not request.traced_eager:
+        raise TraceError(
+            f"--checkpointing {spec.checkpointing} on a compiled step: torch.utils.checkpoint inside torch.compile runs "
+            "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
+            "--checkpointing, or trace eager with --no-compile (torch._functorch.config.activation_memory_budget is "
+            "the compiled step's own recomputation, and is traced)"
+        )
+    if request is not None and spec.world_size > 1 and spec.training:
+        raise TraceError(
+            "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
+            "(DDPOptimizer splits the graph at bucket boundaries); use --no-compile to trace it eager"
+        )
+    return model, request
+
+
+def _compile_note(compiled: CompileRequest | None, built_compiled: bool, spec: RunSpec) -> str | None:
+    if compiled is not None:
+        return compile_note(compiled, spec.target)
+    if built_compiled:  # --no-compile on a model file that compiles itself
+        return "the model file compiles the model (torch.compile): traced eager, as --no-compile asks"
+    return None
 
 
 def _own_cast_note(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
@@ -445,7 +486,8 @@ def _built(step: _Step):
     if spec.mode == "generate":
         check_generate(model, step.inputs)
     try:
-        yield
+        with compiled_forward(model, built.compiled):  # torch.compile: the step runs the compiled forward
+            yield
     finally:
         step.model = step.inputs = step.optimizer = step.parallel = None
         step.params = []

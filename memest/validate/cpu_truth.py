@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..sources.base import ModelSource
 from ..spec import RunSpec
+from ..trace.compiled import dynamo_session
 from ..trace.devices import traced_device
 from ..trace.step import LoopState, build, run_step, step_optimizer
 
@@ -53,15 +54,16 @@ def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
 def _measure(source: ModelSource, spec: RunSpec) -> dict:
     built = build(source, spec)
     model, inputs = built.model, built.inputs
+    runnable = built.runnable  # torch.compile'd (the model file's own, or --compile): the real compiled step
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = step_optimizer(spec, params)
     baseline = _distinct_storage_bytes(
         list(model.parameters()) + list(model.buffers()) + tree_flatten(inputs)[0]
     )
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    with dynamo_session(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
         for _ in range(spec.iterations):
-            run_step(model, inputs, optimizer, source.compute_loss, spec, loop=loop)
+            run_step(runnable, inputs, optimizer, source.compute_loss, spec, loop=loop)
     events = _allocation_events(prof)
     if not events:
         return {"peak_bytes": baseline, "op_at_peak": None}
