@@ -72,8 +72,12 @@ def _multi_grad_hook_holding_no_grads(tensors, fn):
     graph task."""
     from torch.autograd.graph import _get_grad_fn_or_grad_acc
 
-    grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
     n = len(tensors)  # the closure must not hold the tensors (a module's inputs: activations)
+    # one tensor: the hook firing is the whole answer, so no grad_fn is held. Holding it is a cycle (node ->
+    # hook -> closure -> node) that keeps a dropped output's graph, and what it saved, alive until the hooks
+    # are removed, where the real step frees it when the output is dropped (LLaVA's unused last vision
+    # layer: +6%). Several tensors need their nodes for the count (and keep that cycle).
+    grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors] if n > 1 else []
     count: dict[int, int] = {}
     expected: dict[int, int] = {}
 
@@ -81,7 +85,7 @@ def _multi_grad_hook_holding_no_grads(tensors, fn):
         task = torch._C._current_graph_task_id()
         seen = count.get(task, 0)
         if seen == 0:
-            expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+            expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns)) if grad_fns else 1
         count[task] = seen + 1
         if seen + 1 == expected[task]:
             del count[task], expected[task]
@@ -119,14 +123,7 @@ class _ModTracker(ModTracker):
         self._grad_hooks: list = []
 
     def _register(self, tensors, fn, mode: str = "all"):
-        if mode == "all" and len(tensors) == 1:
-            # one tensor: the hook firing is the whole answer, so no grad_fn need be held. torch's
-            # version holds the tensors' grad_fns in the hook's closure, a cycle (node -> hook ->
-            # closure -> node) that keeps a dropped output's graph, and what it saved, alive until
-            # the hooks are removed, where the real step frees it as soon as the output is dropped
-            # (LLaVA's unused last vision layer: +6%).
-            handle = tensors[0].register_hook(lambda grad: fn([grad]))
-        elif mode == "all":  # several: torch's count, without its buffer of their gradients
+        if mode == "all":  # torch's count, without its buffer of gradients or, for one tensor, its cycle
             handle = _multi_grad_hook_holding_no_grads(tensors, fn)
         else:
             handle = _torch_register_multi_grad_hook(tensors, fn, mode=mode)
