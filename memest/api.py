@@ -83,17 +83,19 @@ def estimate(
 def serve_capacity(model: str, gpu: str, **options: Any) -> dict:
     """Serving capacity, as ``memest serve`` computes it: ``memest.serve_capacity("hf:llama-3-8b", gpu="h100",
     max_model_len=8192)``. ``options``: max_model_len, utilization, tp, kv_dtype, block_size, max_num_seqs,
-    max_num_batched_tokens, engine, cuda_graphs. Returns the command's JSON document as a dict (``kv_tokens``,
+    max_num_batched_tokens, engine, cuda_graphs, non_torch_memory (GiB, measured: your vLLM log's non-torch figure),
+    calibration (a profile file or dict from `memest calibrate --out`). Returns the command's JSON document as a dict (``kv_tokens``,
     ``blocks``, ``concurrency``, ``sequences``, ``longest_context``, ``verdict``, ``reasons``, ``fixes``, the
     budget steps under ``budget``)."""
     from .app import run_serve
     from .report.views import serve_view
 
     known = {"max_model_len", "utilization", "tp", "kv_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
-             "engine", "cuda_graphs"}
+             "engine", "cuda_graphs", "non_torch_memory", "calibration"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise MemestError(f"memest.serve_capacity(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    calibration = options.pop("calibration", None)
     args = {"model": model, **{k: (str(v) if k in ("kv_dtype", "engine", "cuda_graphs") else v)
                                for k, v in options.items()}}
-    return serve_view(run_serve(args, gpu)).doc
+    return serve_view(run_serve(args, gpu, calibration=calibration)).doc

@@ -343,7 +343,8 @@ def colocated_engine(spec: RunSpec, ctx: GpuContext, needed_range, block: dict):
     tp = int(block.get("tp") or 1)
     engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(block.get("max_model_len") or TRL_MAX_MODEL_LEN),
                        utilization=util, tp=tp, max_num_seqs=int(block.get("max_num_seqs") or spec.batch * tp),
-                       max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability)
+                       max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability,
+                       **serve_measured(ctx, tp, block.get("non_torch_memory")))
     return colocate(needed_range, total, util, plan_serve(engine))
 
 
@@ -613,13 +614,33 @@ def serve_total(ctx: GpuContext) -> tuple[int, str]:
                                    "less)" if not flag[:1].isdigit() else f"--gpu {flag} taken as the GPU's total")
 
 
-def run_serve(args: dict, gpu: str, progress: Progress | None = None) -> ServeRun:
-    """``args``: serve.plan.ServeSpec fields but model's total and generation, which come from ``gpu``."""
+def serve_measured(ctx: GpuContext, tp: int, non_torch_memory: float | None) -> dict:
+    """ServeSpec's measured terms: the non-torch increase from ``non_torch_memory`` (GiB, the user's vLLM log's
+    figure) or else the calibration profile of ``ctx``, and the profile's CUDA context; {} when neither applies."""
+    from .serve.evidence import measured_context, measured_non_torch
+
+    out = {}
+    non_torch = measured_non_torch(tp, non_torch_memory, ctx.calibration)
+    if non_torch is not None:
+        out["non_torch"] = non_torch
+    context = measured_context(ctx.calibration)
+    if context is not None:
+        out["context"] = context
+    return out
+
+
+def run_serve(args: dict, gpu: str, progress: Progress | None = None,
+              calibration: str | Path | dict | None = None) -> ServeRun:
+    """``args``: serve.plan.ServeSpec fields but model's total and generation, which come from ``gpu``, plus
+    ``non_torch_memory`` (GiB: a measured non-torch increase, e.g. from the user's own vLLM log). ``calibration``:
+    a profile (`memest calibrate --out`) whose measured costs replace the evidence (non-torch, CUDA context)."""
     from .serve.plan import ServeSpec, plan_serve
 
-    ctx = resolve_gpu(gpu, need_budget=True)
+    ctx = resolve_gpu(gpu, need_budget=True, calibration=calibration)
     total, source = serve_total(ctx)
-    spec = ServeSpec(**{k: v for k, v in args.items() if v is not None}, total_bytes=total,
+    args = dict(args)
+    measured = serve_measured(ctx, int(args.get("tp") or 1), args.pop("non_torch_memory", None))
+    spec = ServeSpec(**{k: v for k, v in args.items() if v is not None}, **measured, total_bytes=total,
                      card=ctx.flag, compute_capability=ctx.compute_capability)
     with user_code(spec.model), ticker(f"serve {spec.model}", progress):
         plan = plan_serve(spec)

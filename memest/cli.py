@@ -293,8 +293,12 @@ def serve(
     cuda_graphs: Annotated[CudaGraphs, typer.Option(
         "--cuda-graphs", help="profiled (vLLM >= 0.21 subtracts them) | after (older vLLM) | none (--enforce-eager).")]
     = CudaGraphs.PROFILED,
-    fail_if_not_starts: Annotated[bool, typer.Option("--fail-if-not-starts", help="Exit 1 when it will not start.")]
-    = False,
+    non_torch_memory: Annotated[Optional[float], typer.Option(
+        "--non-torch-memory", help="Measured non-torch memory in GiB (your vLLM log's 'non_torch_memory' / 'non-torch' "
+        "figure): replaces the evidence range.")] = None,
+    calibration: Calibration = None,
+    fail_if_not_starts: Annotated[bool, typer.Option(
+        "--fail-if-not-starts", help="Exit 1 unless it surely starts (may not start or will not start).")] = False,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Serving capacity: the engine's start-up arithmetic (vLLM or SGLang), KV tokens and blocks, how many
@@ -305,8 +309,8 @@ def serve(
 
         args = dict(model=model, max_model_len=max_model_len, utilization=utilization, tp=tp, kv_dtype=str(kv_dtype),
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    engine=str(engine), cuda_graphs=str(cuda_graphs))
-        run = run_serve(args, gpu, progress=_progress())
+                    engine=str(engine), cuda_graphs=str(cuda_graphs), non_torch_memory=non_torch_memory)
+        run = run_serve(args, gpu, progress=_progress(), calibration=calibration)
         code = EXIT_DOES_NOT_FIT if fail_if_not_starts and not run.plan.starts else EXIT_OK
         return serve_view(run), code
 

@@ -21,11 +21,14 @@ Keys are RunSpec's fields plus ``gpu``, ``margin``, ``name`` and ``calibration``
 did-you-mean; CLI flags override the file's values.
 
 A ``serve:`` mapping makes the config a serving config (memest serve's options; ``check`` gates it: it passes
-when the engine starts and, with ``min_concurrency``, holds that many full-length sequences at once):
+when the engine starts and, with ``min_concurrency``, holds that many full-length sequences at once; tight when
+that holds with the expected costs only, not at the high end of their ranges). ``non_torch_memory`` (GiB) is a
+measured non-torch figure (the user's own vLLM log), and the config's ``calibration:`` profile applies too:
 
     model: hf:llama-3-8b
     gpu: h100
-    serve: {max_model_len: 8192, gpu_memory_utilization: 0.9, tp: 1, kv_dtype: auto, min_concurrency: 32}
+    serve: {max_model_len: 8192, gpu_memory_utilization: 0.9, tp: 1, kv_dtype: auto, min_concurrency: 32,
+            non_torch_memory: 0.16}
 
 A ``colocate:`` mapping on a training config adds a vLLM rollout engine on the same GPU (trl GRPO colocate):
 ``{utilization: 0.3, max_model_len: 768, max_num_seqs: 8, tp: 1}``.
@@ -48,8 +51,8 @@ SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
 EXTRA_KEYS = ("gpu", "margin", "name", "calibration", "serve", "colocate")
 SERVE_KEYS = {"max_model_len": int, "gpu_memory_utilization": float, "tp": int, "kv_dtype": str, "block_size": int,
               "max_num_seqs": int, "max_num_batched_tokens": int, "engine": str, "cuda_graphs": str,
-              "min_concurrency": int}
-COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int, "tp": int}
+              "min_concurrency": int, "non_torch_memory": float}
+COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int, "tp": int, "non_torch_memory": float}
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
 _INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches"}

@@ -287,3 +287,104 @@ def test_sglang_refuses_when_the_weights_exceed_the_static_share():
     ok = plan_serve(ServeSpec("hf:llama-2-70b", int(79.22 * GiB), "h100", engine="sglang", tp=2,
                               utilization=min(smallest + 0.02, 1.0)))
     assert ok.sglang.tokens > 0
+
+
+# ------------------------------------------------------------- safe verdicts, measured non-torch memory
+
+
+RTX3090 = dict(max_num_batched_tokens=2048, max_num_seqs=64, cuda_graphs="after")
+
+
+def test_starts_only_when_the_low_end_of_the_kv_range_holds_a_sequence():
+    """A length between what surely fits and what fits with the expected costs: may not start, with its reason and
+    fixes; the expected verdict no longer says 'starts'."""
+    probe = plan_serve(ServeSpec("hf:llama-3.1-8b", int(23.58 * GiB), "rtx3090", max_model_len=1024, **RTX3090))
+    sure, expected, best = probe.longest_context_low, probe.longest_context, probe.longest_context_high
+    assert 0 < sure < expected < best
+    assert probe.verdict == "starts" and probe.starts
+
+    between = plan_serve(ServeSpec("hf:llama-3.1-8b", int(23.58 * GiB), "rtx3090", max_model_len=(sure + expected) // 2,
+                                   **RTX3090))
+    assert between.verdict == "may-not-start" and not between.starts
+    assert any("high end of its range" in r for r in between.reasons)
+    assert any(f.startswith(f"--max-model-len {sure}") for f in between.fixes)
+    assert any(f.startswith("--non-torch-memory") for f in between.fixes)
+
+    optimistic = plan_serve(ServeSpec("hf:llama-3.1-8b", int(23.58 * GiB), "rtx3090",
+                                      max_model_len=(expected + best) // 2, **RTX3090))
+    assert optimistic.verdict == "may-not-start"
+    assert any("only with every cost at the low end" in r for r in optimistic.reasons)
+
+    never = plan_serve(ServeSpec("hf:llama-3.1-8b", int(23.58 * GiB), "rtx3090", max_model_len=best + 4096, **RTX3090))
+    assert never.verdict == "will-not-start"
+
+
+def test_sequences_reported_at_both_ends():
+    doc = CliRunner().invoke(app, ["serve", "hf:llama-3-8b", "--gpu", "h100", "--max-model-len", "8192", "--json"])
+    d = json.loads(doc.stdout)
+    assert d["sequences_low"] <= d["sequences"] <= d["sequences_high"]
+    assert d["concurrency_low"] <= d["concurrency"] <= d["concurrency_high"]
+    lay_low = d["budget"]["layout_low"]
+    assert d["sequences_low"] == lay_low["sequences"] == int(lay_low["blocks"] / lay_low["blocks_per_request"])
+    assert d["non_torch_calibrated"] is False and d["non_torch"]["low"] < d["non_torch"]["high"]
+
+
+def test_non_torch_memory_flag_replaces_the_evidence():
+    """The measured value is subtracted as given (no range), and the rest of the budget is unchanged."""
+    from memest.app import run_serve
+
+    args = dict(model="hf:llama-3.1-8b", max_model_len=20000, max_num_batched_tokens=20000, max_num_seqs=256,
+                cuda_graphs="after")
+    plain = run_serve(args, "rtx3090").plan
+    measured = run_serve({**args, "non_torch_memory": 0.35}, "rtx3090").plan
+    nt = measured.non_torch
+    assert nt.bytes == nt.low == nt.high == round(0.35 * GiB) and "--non-torch-memory 0.35" in nt.source
+    b, p = measured.vllm, plain.vllm
+    assert b.available.bytes == p.available.bytes - (nt.bytes - plain.non_torch.bytes)
+    assert [x for x in b.parts if x.name != nt.name] == [x for x in p.parts if x.name != nt.name]
+    assert b.layout.blocks == b.available.bytes // b.layout.page_bytes // 32 and b.layout.tokens == b.layout.blocks * 16
+
+
+def test_calibration_profile_replaces_non_torch_and_context(tmp_path):
+    from memest.device.calibration import load_profile
+
+    path = Path(__file__).resolve().parent.parent / "profiles" / "h100-cuda13.0-torch2.11.json"
+    prof = load_profile(path)
+    r = CliRunner().invoke(app, ["serve", "hf:llama-3-8b", "--gpu", "h100", "--calibration", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["non_torch"]["bytes"] == prof["cublas_library_bytes"] and d["non_torch_calibrated"]
+    assert str(path) in d["non_torch"]["source"] and d["context"]["bytes"] == prof["context_bytes"]
+    tp2 = CliRunner().invoke(app, ["serve", "hf:llama-3-8b", "--gpu", "h100", "--tp", "2", "--calibration", str(path),
+                                   "--json"])
+    assert json.loads(tp2.stdout)["non_torch"]["bytes"] == prof["cublas_library_bytes"] + prof["nccl_library_bytes"]
+    both = CliRunner().invoke(app, ["serve", "hf:llama-3-8b", "--gpu", "h100", "--calibration", str(path),
+                                    "--non-torch-memory", "0.2", "--json"])
+    assert json.loads(both.stdout)["non_torch"]["bytes"] == round(0.2 * GiB)  # the log's own figure wins
+    assert CliRunner().invoke(app, ["serve", "hf:gpt2", "--gpu", "h100", "--non-torch-memory", "-1"]).exit_code == 2
+
+
+def test_check_serve_config_non_torch_key_and_may_not_start(tmp_path):
+    probe = plan_serve(ServeSpec("hf:llama-3.1-8b", int(23.58 * GiB), "rtx3090", max_model_len=1024, **RTX3090))
+    length = (probe.longest_context_low + probe.longest_context) // 2
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(f"model: hf:llama-3.1-8b\ngpu: rtx3090\nserve: {{max_model_len: {length}, max_num_seqs: 64, "
+                   "max_num_batched_tokens: 2048, cuda_graphs: after}\n")
+    r = CliRunner().invoke(app, ["check", str(cfg), "--json"])
+    assert r.exit_code == 0, r.output  # tight passes unless --strict
+    assert json.loads(r.stdout)["configs"][0]["verdict"] == "tight"
+    assert CliRunner().invoke(app, ["check", str(cfg), "--strict", "--json"]).exit_code == 1
+    cfg.write_text(cfg.read_text().replace("cuda_graphs: after", "cuda_graphs: after, non_torch_memory: 0.05"))
+    measured = json.loads(CliRunner().invoke(app, ["check", str(cfg), "--json"]).stdout)["configs"][0]
+    assert measured["verdict"] == "fits" and "--non-torch-memory 0.05" in measured["calibration"]
+
+
+def test_non_torch_ranges_hold_the_published_values_of_their_arithmetic():
+    from memest.serve import evidence
+
+    for gib, _gpu, build, tp, url in evidence.NON_TORCH_PUBLISHED:
+        assert url.startswith("https://github.com/vllm-project/vllm/")
+        if "current arithmetic" not in build:
+            continue
+        low, _, high = evidence.NON_TORCH_TP1 if tp == 1 else evidence.NON_TORCH_TP
+        assert low - 0.005 * GiB <= gib * GiB <= high + 0.005 * GiB, (gib, build)

@@ -80,8 +80,9 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
 def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: bool = False) -> CheckRow:
     """A serving config (``serve:``): needed = what the engine subtracts before its KV cache + the KV of
     ``min_concurrency`` (default 1) full-length sequences; budget = what it may use (vLLM: total x
-    utilization; SGLang: mem_fraction_static x free memory). Will not start: does not fit."""
-    from ..app import serve_total
+    utilization; SGLang: mem_fraction_static x free memory). Will not start: does not fit; may not start: at best
+    tight. ``non_torch_memory`` (GiB) or the config's calibration profile replace the non-torch evidence."""
+    from ..app import serve_measured, serve_total
     from ..device.fit import passes, verdict
     from ..serve.plan import ServeSpec, plan_serve
 
@@ -92,7 +93,8 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
                      utilization=s.get("gpu_memory_utilization"), tp=s.get("tp", 1), kv_dtype=s.get("kv_dtype", "auto"),
                      block_size=s.get("block_size", 16), max_num_seqs=s.get("max_num_seqs"),
                      max_num_batched_tokens=s.get("max_num_batched_tokens"), engine=s.get("engine", "vllm"),
-                     cuda_graphs=s.get("cuda_graphs", "profiled"), compute_capability=gpu.compute_capability)
+                     cuda_graphs=s.get("cuda_graphs", "profiled"), compute_capability=gpu.compute_capability,
+                     **serve_measured(gpu, s.get("tp", 1), s.get("non_torch_memory")))
     plan = plan_serve(spec)
     n = max(s.get("min_concurrency", 1), 1)
     if plan.vllm is not None:
@@ -110,10 +112,14 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
         budget, label = share, f"{gpu.budget_label} x mem_fraction_static {g.mem_fraction_static:g}"
     required = math.ceil(needed * (1 + margin))
     required_high = math.ceil(high * (1 + margin))
-    outcome = "does-not-fit" if not plan.starts or required > budget else verdict(required, required_high, budget)
+    outcome = ("does-not-fit" if plan.verdict == "will-not-start" or required > budget
+               else verdict(required, required_high, budget))
+    if plan.verdict == "may-not-start" and outcome == "fits":
+        outcome = "tight"
     return CheckRow(
         name=config.name, path=config.path, model=spec.model, needed_bytes=needed, required_bytes=required,
         budget_label=label, budget_bytes=budget, margin=margin, fits=passes(outcome, strict),
         headroom_bytes=budget - required, seq=plan.max_model_len, arch=gpu.arch, verdict=outcome,
-        needed_bytes_low=low, needed_bytes_high=high, required_bytes_high=required_high, calibration="",
+        needed_bytes_low=low, needed_bytes_high=high, required_bytes_high=required_high,
+        calibration=plan.non_torch.source if plan.non_torch is not None and spec.non_torch is not None else "",
     )

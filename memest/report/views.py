@@ -303,8 +303,9 @@ def calibrate_view(run) -> View:
 # ----------------------------------------------------------------------------------------- serve
 
 
-SERVE_VERDICT = {"starts": "STARTS", "tight": "TIGHT (starts with the expected costs; not at the high end of "
-                 "their ranges)", "will-not-start": "WILL NOT START"}
+SERVE_VERDICT = {"starts": "STARTS (one full-length sequence fits even with every cost at the high end of its range)",
+                 "may-not-start": "MAY NOT START (one full-length sequence fits only with the expected or low-end "
+                 "costs)", "will-not-start": "WILL NOT START"}
 
 
 def serve_view(run) -> View:
@@ -357,13 +358,20 @@ def serve_lines(p, unit) -> list[str]:
         lines.append(f"blocks: {lay.blocks:,} of {p.spec.block_size} tokens ({low.blocks:,}-{high.blocks:,}); "
                      f"GPU KV cache size: {lay.tokens:,} tokens ({low.tokens:,}-{high.tokens:,})")
         lines.append(f"maximum concurrency for {p.max_model_len:,} tokens per request: {lay.concurrency:.2f}x "
-                     f"-> {lay.sequences} full-length sequences at once (max_num_seqs {p.max_num_seqs}, "
+                     f"({low.concurrency:.2f}-{high.concurrency:.2f}) -> {lay.sequences} full-length sequences at "
+                     f"once, {low.sequences} for certain, up to {high.sequences} (max_num_seqs {p.max_num_seqs}, "
                      f"max_num_batched_tokens {p.max_num_batched_tokens})")
+        nt = p.non_torch
+        if nt is not None:
+            lines.append(f"non-torch memory: {format_in(nt.bytes, unit)}"
+                         + (f" ({format_in(nt.low, unit)}-{format_in(nt.high, unit)})" if nt.low != nt.high else "")
+                         + f", {nt.source.split(':')[0]}")
     else:
         g = p.sglang
         lines.append(f"token pool: {g.tokens:,} tokens ({g.tokens_low:,}-{g.tokens_high:,}); "
                      f"{g.sequences} full {p.max_model_len:,}-token sequences at once")
-    lines.append(f"longest context one sequence fits: {p.longest_context:,} tokens")
+    lines.append(f"longest context one sequence fits: {p.longest_context:,} tokens ({p.longest_context_low:,} for "
+                 f"certain, up to {p.longest_context_high:,})")
     lines.append(f"verdict: {SERVE_VERDICT[p.verdict]}")
     lines += [f"  why: {r}" for r in p.reasons]
     lines += [f"  fix: {f}" for f in p.fixes]

@@ -33,7 +33,7 @@ class Colocate:
     headroom_bytes: int  # total - training - engine (expected)
     verdict: str  # fits | tight | does-not-fit
     largest_utilization: float  # the largest share (two decimals) that still leaves the step its high need
-    engine_starts: bool  # the engine's KV cache holds one max_model_len sequence at this utilization
+    engine_starts: bool  # the engine surely starts: one max_model_len sequence fits at the low end of its KV range
     smallest_utilization: float  # the smallest share at which the engine starts (two decimals)
     max_model_len: int
     notes: list[str] = field(default_factory=list)
@@ -59,9 +59,12 @@ def colocate(needed_range: tuple[int, int, int | None], total: int, utilization:
     notes = [f"rollout engine: vLLM at gpu_memory_utilization {utilization:g}, max_model_len {engine_plan.max_model_len},"
              f" max_num_seqs {engine_plan.max_num_seqs}, max_num_batched_tokens {engine_plan.max_num_batched_tokens} "
              "(trl GRPOTrainer colocate)", f"engine KV cache: {b.layout.tokens:,} tokens at this share"]
-    if not starts:
+    if engine_plan.verdict == "will-not-start":
         outcome = "does-not-fit"
         notes += [f"the engine does not start at {utilization:g}: {r}" for r in engine_plan.reasons]
+    elif engine_plan.verdict == "may-not-start":
+        outcome = "tight" if outcome == "fits" else outcome
+        notes += [f"the engine may not start at {utilization:g}: {r}" for r in engine_plan.reasons]
     if smallest > largest:
         notes.append(f"no share works: the engine needs at least {smallest:.2f}, the training step leaves at most "
                      f"{largest:.2f}")

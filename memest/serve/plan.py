@@ -32,6 +32,8 @@ class ServeSpec:
     engine: str = "vllm"
     cuda_graphs: str = "profiled"  # profiled (vLLM >= 0.21) | after (older) | none (--enforce-eager)
     compute_capability: tuple[int, int] = (9, 0)
+    non_torch: Part | None = None  # measured (--non-torch-memory, --calibration); None: evidence.non_torch(tp)
+    context: Part | None = None  # measured CUDA context (--calibration); None: the evidence spread
 
 
 @dataclass
@@ -51,17 +53,25 @@ class ServePlan:
     vllm: VllmBudget | None = None
     sglang: SglangBudget | None = None
     context: Part | None = None
-    verdict: str = "starts"  # starts | tight | will-not-start
+    verdict: str = "starts"  # starts | may-not-start | will-not-start
     reasons: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
     longest_context: int = 0  # the longest max_model_len one sequence fits at this budget
+    longest_context_low: int = 0  # ... with every cost at the high end of its range
+    longest_context_high: int = 0  # ... with every cost at the low end of its range
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     config: object = field(default=None, repr=False)  # the transformers config (for the fixes' re-computation)
 
     @property
     def starts(self) -> bool:
-        return self.verdict != "will-not-start"
+        """Starts for certain: one max_model_len sequence fits even with every cost at the high end of its range
+        (the low end of the KV range). "may-not-start" is not a start."""
+        return self.verdict == "starts"
+
+    @property
+    def non_torch(self) -> Part | None:
+        return next((p for p in self.vllm.parts if p.name == evidence.NON_TORCH_NAME), None) if self.vllm else None
 
     @property
     def tokens(self) -> int:
@@ -148,7 +158,10 @@ def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dty
         weights = weights_per_rank(_build_meta(config), config, spec.tp, dtype)
     profile.model = None  # the fake model is not needed past here
     parts = [Part.exact("weights", weights.bytes, f"{weights.parameters:,} parameters as {dtype} on one of {spec.tp} "
-                        "rank(s), + rotary cache (serve/weights.py)"), profile.activation, evidence.non_torch(spec.tp)]
+                        "rank(s), + rotary cache (serve/weights.py)"), profile.activation,
+             spec.non_torch or evidence.non_torch(spec.tp)]
+    if spec.non_torch is None:
+        notes.append(evidence.NON_TORCH_OLDER)
     graphs = evidence.cuda_graphs(spec.cuda_graphs)
     if graphs is not None:
         parts.append(graphs)
@@ -160,6 +173,8 @@ def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dty
                      profile, vllm=budget, context=context, notes=notes + profile.notes, config=config)
     limit = max(positions or 0, max_len)
     plan.longest_context = longest_context(kv, budget.available.bytes, spec.block_size, batched, limit)
+    plan.longest_context_low = longest_context(kv, budget.available.low, spec.block_size, batched, limit)
+    plan.longest_context_high = longest_context(kv, budget.available.high, spec.block_size, batched, limit)
     if plan.longest_context == limit:
         plan.notes.append(f"one sequence fits at every length up to {limit:,} tokens (the model's positions or "
                           "--max-model-len, whichever is larger); memest searches no further")
@@ -170,60 +185,89 @@ def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dty
 def _context(spec: ServeSpec) -> Part:
     from ..device.overheads import context_spread
 
+    if spec.context is not None:
+        return spec.context
     c = context_spread(spec.compute_capability, "lazy")
     return Part("CUDA context", c.expected, c.low, c.high, c.basis)
 
 
 def _verdict_vllm(plan: ServePlan) -> None:
+    """starts: one max_model_len sequence fits with every cost at the high end of its range (the low end of the KV
+    range); may-not-start: it fits only with the expected or the low-end costs; will-not-start: not even then, or a
+    refusal that does not depend on the ranges. Each refusal names its reason and fixes."""
     b, spec = plan.vllm, plan.spec
-    lay, low = b.layout, b.layout_low
-    free_at_start = spec.total_bytes - plan.context.bytes
+    lay = b.layout
+    may: list[str] = []
     if plan.max_positions and plan.max_model_len > plan.max_positions:
         plan.reasons.append(f"max_model_len {plan.max_model_len} exceeds the model's {plan.max_positions} positions: "
                             "vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (config/model.py)")
         plan.fixes.append(f"--max-model-len {min(plan.max_positions, max(plan.longest_context, 1))}")
+    ctx = plan.context
+    free_at_start, free_worst = spec.total_bytes - ctx.bytes, spec.total_bytes - ctx.high
+    start_msg = ("is below the requested {req} GiB (total x {u}): vLLM raises 'Free memory on device ... is less than "
+                 "desired GPU memory utilization' (gpu_worker.py init_device)")
     if free_at_start < b.requested_bytes:
-        plan.reasons.append(
-            f"free memory at start-up (~{_gib(free_at_start)} GiB after the CUDA context) is below the requested "
-            f"{_gib(b.requested_bytes)} GiB (total x {b.utilization}): vLLM raises 'Free memory on device ... is less "
-            "than desired GPU memory utilization' (gpu_worker.py init_device)")
+        plan.reasons.append(f"free memory at start-up (~{_gib(free_at_start)} GiB after the CUDA context) "
+                            + start_msg.format(req=_gib(b.requested_bytes), u=b.utilization))
         plan.fixes.append(f"--gpu-memory-utilization {math.floor(free_at_start / spec.total_bytes * 100) / 100:.2f} "
                           "or lower")
-    short = b.available.bytes <= 0 or lay.request_bytes > b.available.bytes
-    if b.available.bytes <= 0:
-        plan.reasons.append(f"no memory left for the KV cache: weights, activations and the rest take "
-                            f"{_gib(b.non_kv_bytes)} GiB of the {_gib(b.requested_bytes)} GiB requested "
-                            "('No available memory for the cache blocks', kv_cache_utils.py)")
-    elif short:
-        plan.reasons.append(
-            f"one {plan.max_model_len}-token sequence needs {_gib(lay.request_bytes)} GiB of KV cache, "
-            f"{_gib(b.available.bytes)} GiB are available (check_enough_kv_cache_memory); the longest that fits is "
-            f"{plan.longest_context} tokens")
-    if short:
-        _kv_fixes(plan)
+    elif free_worst < b.requested_bytes:
+        may.append(f"with the CUDA context at the high end of its range ({_gib(ctx.high)} GiB) the free memory at "
+                   f"start-up ({_gib(free_worst)} GiB) " + start_msg.format(req=_gib(b.requested_bytes), u=b.utilization))
+        plan.fixes.append(f"--gpu-memory-utilization {math.floor(free_worst / spec.total_bytes * 100) / 100:.2f} "
+                          "or lower")
+
+    def holds(available: int) -> bool:
+        return available > 0 and lay.request_bytes <= available
+
+    need = f"one {plan.max_model_len}-token sequence needs {_gib(lay.request_bytes)} GiB of KV cache"
+    if not holds(b.available.bytes):
+        if b.available.bytes <= 0:
+            why = (f"no memory left for the KV cache: weights, activations and the rest take {_gib(b.non_kv_bytes)} "
+                   f"GiB of the {_gib(b.requested_bytes)} GiB requested ('No available memory for the cache blocks', "
+                   "kv_cache_utils.py)")
+        else:
+            why = (f"{need}, {_gib(b.available.bytes)} GiB are available (check_enough_kv_cache_memory); the longest "
+                   f"that fits is {plan.longest_context} tokens")
+        if holds(b.available.high):
+            may.append(f"with the expected costs {why}; it fits only with every cost at the low end of its range "
+                       f"({_gib(b.available.high)} GiB for the KV cache)")
+        else:
+            plan.reasons.append(why)
+        _kv_fixes(plan, b.available.bytes, b.non_kv_bytes, plan.longest_context)
+    elif not holds(b.available.low):
+        costs = ", ".join(f"{p.name} {_gib(p.high)}" for p in b.parts if p.high != p.bytes)
+        may.append(f"with every cost at the high end of its range ({costs} GiB) {_gib(max(b.available.low, 0))} GiB "
+                   f"remain for the KV cache and {need} (check_enough_kv_cache_memory); the longest that surely fits "
+                   f"is {plan.longest_context_low} tokens")
+        _kv_fixes(plan, b.available.low, sum(p.high for p in b.parts), plan.longest_context_low)
     if plan.reasons:
         plan.verdict = "will-not-start"
-    elif low.request_bytes > b.available.low or b.available.low <= 0:
-        plan.verdict = "tight"
-        plan.notes.append("TIGHT: starts with the expected costs; with every cost at the high end of its range one "
-                          f"{plan.max_model_len}-token sequence no longer fits")
+        plan.reasons += may
+    elif may:
+        plan.verdict = "may-not-start"
+        plan.reasons += may
+        if plan.non_torch is not None and plan.non_torch.low != plan.non_torch.high:
+            plan.fixes.append("--non-torch-memory GiB (the non-torch figure of your own vLLM start-up log) or "
+                              "--calibration FILE: a measured value narrows the range")
 
 
-def _kv_fixes(plan: ServePlan) -> None:
-    """What would make one max_model_len sequence fit: a shorter length, a larger share, fp8 KV, more GPUs."""
+def _kv_fixes(plan: ServePlan, available: int, non_kv: int, longest: int) -> None:
+    """What would make one max_model_len sequence fit in ``available`` KV bytes (``non_kv``: what is subtracted
+    before it): a shorter length, a larger share, fp8 KV, more GPUs."""
     from .budget import request_bytes
 
     b, spec = plan.vllm, plan.spec
-    need_util = (b.non_kv_bytes + b.layout.request_bytes) / spec.total_bytes
+    need_util = (non_kv + b.layout.request_bytes) / spec.total_bytes
     start_limit = (spec.total_bytes - plan.context.bytes) / spec.total_bytes
-    if plan.longest_context >= spec.block_size:
-        plan.fixes.append(f"--max-model-len {plan.longest_context} (the longest one sequence fits)")
+    if longest >= spec.block_size:
+        plan.fixes.append(f"--max-model-len {longest} (the longest one sequence fits)")
     if b.utilization < need_util <= start_limit:
         plan.fixes.append(f"--gpu-memory-utilization {math.ceil(need_util * 100) / 100:.2f}")
-    if spec.kv_dtype == "auto" and b.available.bytes > 0 and plan.config is not None:
+    if spec.kv_dtype == "auto" and available > 0 and plan.config is not None:
         kv8 = model_kv(plan.config, spec.tp, "fp8", spec.dtype)
         need8 = request_bytes(kv8, spec.block_size, plan.max_model_len, plan.max_num_batched_tokens)
-        if need8 <= b.available.bytes:
+        if need8 <= available:
             plan.fixes.append(f"--kv-dtype fp8 (one sequence then needs {_gib(need8)} GiB)")
     plan.fixes.append(f"--tp {spec.tp * 2} (weights and KV heads split over {spec.tp * 2} GPUs)")
 
@@ -240,6 +284,7 @@ def _sglang(spec, config, kv, weights, max_len, positions, dtype, notes) -> Serv
     plan = ServePlan(spec, spec.model[3:], max_len, positions, fraction, src, 0, 0, "", kv, weights, None,
                      sglang=budget, context=context, notes=notes)
     plan.longest_context = budget.tokens
+    plan.longest_context_low, plan.longest_context_high = budget.tokens_low, budget.tokens_high
     if budget.tokens <= 0:
         plan.verdict = "will-not-start"
         plan.reasons.append(f"no room for the KV pool: the weights ({_gib(weights.bytes)} GiB) exceed "
@@ -248,11 +293,15 @@ def _sglang(spec, config, kv, weights, max_len, positions, dtype, notes) -> Serv
         smallest = math.ceil(weights.bytes / budget.free_before_load * 10000) / 10000  # rest >= 0: f >= w / free
         plan.fixes += [f"--gpu-memory-utilization {smallest:.4f} or higher (mem_fraction_static: the KV pool is empty "
                        "below it)", f"--tp {spec.tp * 2}"]
-    elif budget.tokens < max_len:
-        plan.notes.append(f"the token pool ({budget.tokens}) is shorter than max_model_len {max_len}: SGLang starts, "
-                          "and caps requests at the pool")
+    elif budget.tokens_low <= 0:
+        plan.verdict = "may-not-start"
+        plan.reasons.append(f"with the CUDA context at the high end of its range ({_gib(context.high)} GiB) the KV pool "
+                            "is empty: SGLang raises 'Not enough memory. Please try to increase --mem-fraction-static'")
+        plan.fixes.append(f"--tp {spec.tp * 2}")
     elif budget.tokens_low < max_len:
-        plan.verdict = "tight"
+        plan.notes.append(f"the token pool ({budget.tokens:,}; {budget.tokens_low:,} with the CUDA context at the high "
+                          f"end of its range) can be shorter than max_model_len {max_len}: SGLang starts, and caps "
+                          "requests at the pool")
     return plan
 
 
@@ -275,16 +324,24 @@ def plan_doc(plan: ServePlan) -> dict:
         "context": plan.context.to_dict() if plan.context else None,
         "verdict": plan.verdict, "starts": plan.starts, "reasons": plan.reasons, "fixes": plan.fixes,
         "longest_context": plan.longest_context, "notes": plan.notes, "seconds": round(plan.seconds, 3),
+        "non_torch": plan.non_torch.to_dict() if plan.non_torch else None,
+        "non_torch_calibrated": bool(plan.spec.non_torch is not None),
     }
     if plan.vllm is not None:
         b = plan.vllm
         doc.update(budget=b.to_dict(), kv_cache_bytes=b.available.bytes, kv_cache_bytes_low=b.available.low,
                    kv_cache_bytes_high=b.available.high, blocks=b.layout.blocks, kv_tokens=b.layout.tokens,
                    kv_tokens_low=b.layout_low.tokens, kv_tokens_high=b.layout_high.tokens,
-                   concurrency=b.layout.concurrency, sequences=b.layout.sequences)
+                   concurrency=b.layout.concurrency, sequences=b.layout.sequences,
+                   concurrency_low=b.layout_low.concurrency, concurrency_high=b.layout_high.concurrency,
+                   sequences_low=b.layout_low.sequences, sequences_high=b.layout_high.sequences,
+                   longest_context_low=plan.longest_context_low, longest_context_high=plan.longest_context_high)
     else:
         g = plan.sglang
         doc.update(budget=g.to_dict(), kv_cache_bytes=g.rest.bytes, kv_cache_bytes_low=g.rest.low,
                    kv_cache_bytes_high=g.rest.high, blocks=None, kv_tokens=g.tokens, kv_tokens_low=g.tokens_low,
-                   kv_tokens_high=g.tokens_high, concurrency=g.tokens / plan.max_model_len, sequences=g.sequences)
+                   kv_tokens_high=g.tokens_high, concurrency=g.tokens / plan.max_model_len, sequences=g.sequences,
+                   concurrency_low=g.tokens_low / plan.max_model_len, concurrency_high=g.tokens_high / plan.max_model_len,
+                   sequences_low=g.tokens_low // plan.max_model_len, sequences_high=g.tokens_high // plan.max_model_len,
+                   longest_context_low=g.tokens_low, longest_context_high=g.tokens_high)
     return doc
