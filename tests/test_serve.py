@@ -318,6 +318,12 @@ def test_starts_only_when_the_low_end_of_the_kv_range_holds_a_sequence():
     never = plan_serve(ServeSpec("hf:llama-3.1-8b", int(23.58 * GiB), "rtx3090", max_model_len=best + 4096, **RTX3090))
     assert never.verdict == "will-not-start"
 
+    from memest.serve.colocate import colocate  # an engine that may not start makes a colocated run at best tight
+
+    c = colocate((GiB // 2, GiB // 2, GiB // 2), int(23.58 * GiB), 0.9, between)
+    assert c.verdict == "tight" and not c.engine_starts
+    assert any("may not start" in n for n in c.notes)
+
 
 def test_sequences_reported_at_both_ends():
     doc = CliRunner().invoke(app, ["serve", "hf:llama-3-8b", "--gpu", "h100", "--max-model-len", "8192", "--json"])

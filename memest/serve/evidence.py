@@ -42,7 +42,8 @@ TOTALS: dict[str, tuple[int, str]] = {
 # TP > 1: + NCCL, measured here as 589,299,712 B (0.55 GiB, profiles/h100-cuda13.0-torch2.11.json
 # nccl_library_bytes): expected 0.16 + 0.55 = 0.71 GiB; low 0.20 GiB (TP > 1 on RTX 3090s, vLLM 0.8.x V0,
 # github.com/vllm-project/vllm/pull/14447); high 0.57 + 1.79 GiB, 1.79 GiB being what TP 2 added over TP 1 in the
-# same build (3.58 vs 1.79 GiB, H100, pull/10511).
+# same build (3.58 vs 1.79 GiB, H100, pull/10511); a V1 TP-4 start-up on H200 logged 2.04 GiB (pull/21429's
+# "non-torch forward increase memory"), inside it.
 NON_TORCH_TP1 = (int(0.03 * GiB), int(0.16 * GiB), 610_271_232)
 NON_TORCH_TP = (int(0.20 * GiB), int(0.16 * GiB) + 589_299_712, 610_271_232 + int(1.79 * GiB))
 NON_TORCH_PUBLISHED = (
@@ -57,6 +58,8 @@ NON_TORCH_PUBLISHED = (
     (3.58, "H100 80GB", "PR #10511 Dec 2024 (vLLM 0.6.5 arithmetic), as above", 2,
      "https://github.com/vllm-project/vllm/pull/10511"),
     (0.20, "RTX 3090", "vLLM 0.8.x V0: current arithmetic", "> 1", "https://github.com/vllm-project/vllm/pull/14447"),
+    (2.04, "H200 (139 GiB)", "V1 July 2025 (after PR #19312), Qwen3-235B-A22B-FP8: current arithmetic", 4,
+     "https://github.com/vllm-project/vllm/pull/21429"),
 )
 NON_TORCH_NAME = "non-torch increase"
 
