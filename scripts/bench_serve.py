@@ -210,6 +210,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "serve.md"))
+    ap.add_argument("--timing-from", default=None, help="keep the timing rows of an earlier run's JSON (e.g. one "
+                    "measured on an idle machine) instead of re-timing; the page says so")
     args = ap.parse_args()
     results = []
     for row in ROWS:
@@ -225,15 +227,29 @@ def main() -> None:
         print(row["id"], json.dumps(r["arithmetic"]), file=sys.stderr)
     sglang = [{**{k: row[k] for k in ("id", "url", "setup", "logged_starts")}, "logged": row,
                "arithmetic": sglang_arithmetic(row)} for row in SGLANG_ROWS]
-    times = timing(args.runs)
+    timing_note = ""
+    if args.timing_from:
+        earlier = json.loads(Path(args.timing_from).read_text())
+        times = earlier["timing"]
+        timing_note = earlier.get("timing_note") or (
+            f"Timing rows kept from an earlier run of this script ({args.timing_from}, {git_commit()}), measured on "
+            "the idle machine; this run re-measured sections 1-3 only.")
+    else:
+        times = timing(args.runs)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"rows": results, "sglang": sglang, "timing": times}, indent=2)
-                                        + "\n")
-    out.write_text(render(results, times, sglang))
+    out.with_suffix(".json").write_text(json.dumps({"rows": results, "sglang": sglang, "timing": times,
+                                                    "timing_note": timing_note or None}, indent=2) + "\n")
+    out.write_text(render(results, times, sglang, timing_note))
     print(f"wrote {out}", file=sys.stderr)
 
 
-def render(results: list[dict], times: list[dict], sglang: list[dict]) -> str:
+def git_commit() -> str:
+    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", "benchmarks/serve.json"], cwd=ROOT,
+                         capture_output=True, text=True)
+    return f"commit {out.stdout.strip()}" if out.stdout.strip() else "an earlier commit"
+
+
+def render(results: list[dict], times: list[dict], sglang: list[dict], timing_note: str = "") -> str:
     import torch
     import transformers
 
@@ -330,11 +346,15 @@ def render(results: list[dict], times: list[dict], sglang: list[dict]) -> str:
     worst_cal = max(abs(r["prediction_log_non_torch"]["error"]) for r in preds)
     worst_unc = max(abs(r["prediction"]["error"]) for r in preds)
     unsafe = [r["id"] for r in preds if not r["prediction"]["low_end_safe"]]
+    agree = sum((r["prediction"]["verdict"] == "starts") == r["logged_starts"]
+                and (r["prediction"]["verdict"] == "will-not-start") == (not r["logged_starts"]) for r in preds)
     lines += ["", f"The goal (KV tokens within 1% of vLLM's report) is **met calibrated** (worst {100 * worst_cal:.2f}% "
               f"with the log's non-torch figure given) and **not met uncalibrated** (worst {100 * worst_unc:.2f}%). "
               "The cause is the one term memest takes from evidence: these three logs come from vLLM 0.6.4 and 0.6.5 "
               "builds, whose non-torch figure counted the CUDA context (0.35 GiB) or torch's cached-unallocated blocks "
               "(1.79 GiB), which today's arithmetic, the one memest's constant describes, does not. "
+              f"The uncalibrated verdicts (starts / may-not-start / will-not-start) agree with the logs on {agree} of "
+              f"{len(preds)}. "
               + ("The low end of memest's KV range is at or below every logged figure, so a 'starts' verdict (which "
                  "requires the low end to hold a full-length sequence) never over-promised here. " if not unsafe else
                  f"The low end of memest's KV range is above the logged figure on {', '.join(unsafe)}: that build's "
@@ -346,7 +366,8 @@ def render(results: list[dict], times: list[dict], sglang: list[dict]) -> str:
     lines += ["", "## 4. Speed", "",
               "Wall time of the whole command (a fresh process: imports, config, trace, arithmetic, JSON) and its CPU "
               "time (user + sys), medians; the last row is the README's speed yardstick (5.79 s on an idle machine) "
-              "timed alongside, to show how loaded the shared 2-core machine was.", "",
+              "timed alongside, to show how loaded the shared 2-core machine was." + (" " + timing_note if timing_note
+                                                                                   else ""), "",
               "| command | wall median | min | max | CPU median | load average | runs |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for t in times:
