@@ -240,7 +240,7 @@ def _verdict_vllm(plan: ServePlan) -> None:
         may.append(f"with every cost at the high end of its range ({costs} GiB) {_gib(max(b.available.low, 0))} GiB "
                    f"remain for the KV cache and {need} (check_enough_kv_cache_memory); the longest that surely fits "
                    f"is {plan.longest_context_low} tokens")
-        _kv_fixes(plan, b.available.low, sum(p.high for p in b.parts), plan.longest_context_low)
+        _kv_fixes(plan, b.available.low, sum(p.high for p in b.parts), plan.longest_context_low, "surely ")
     if plan.reasons:
         plan.verdict = "will-not-start"
         plan.reasons += may
@@ -252,7 +252,7 @@ def _verdict_vllm(plan: ServePlan) -> None:
                               "--calibration FILE: a measured value narrows the range")
 
 
-def _kv_fixes(plan: ServePlan, available: int, non_kv: int, longest: int) -> None:
+def _kv_fixes(plan: ServePlan, available: int, non_kv: int, longest: int, surely: str = "") -> None:
     """What would make one max_model_len sequence fit in ``available`` KV bytes (``non_kv``: what is subtracted
     before it): a shorter length, a larger share, fp8 KV, more GPUs."""
     from .budget import request_bytes
@@ -261,7 +261,7 @@ def _kv_fixes(plan: ServePlan, available: int, non_kv: int, longest: int) -> Non
     need_util = (non_kv + b.layout.request_bytes) / spec.total_bytes
     start_limit = (spec.total_bytes - plan.context.bytes) / spec.total_bytes
     if longest >= spec.block_size:
-        plan.fixes.append(f"--max-model-len {longest} (the longest one sequence fits)")
+        plan.fixes.append(f"--max-model-len {longest} (the longest one sequence {surely}fits)")
     if b.utilization < need_util <= start_limit:
         plan.fixes.append(f"--gpu-memory-utilization {math.ceil(need_util * 100) / 100:.2f}")
     if spec.kv_dtype == "auto" and available > 0 and plan.config is not None:
