@@ -368,6 +368,9 @@ def test_calibration_profile_replaces_non_torch_and_context(tmp_path):
                                     "--non-torch-memory", "0.2", "--json"])
     assert json.loads(both.stdout)["non_torch"]["bytes"] == round(0.2 * GiB)  # the log's own figure wins
     assert CliRunner().invoke(app, ["serve", "hf:gpt2", "--gpu", "h100", "--non-torch-memory", "-1"]).exit_code == 2
+    sg = json.loads(CliRunner().invoke(app, ["serve", "hf:gpt2", "--gpu", "h100", "--engine", "sglang",
+                                             "--non-torch-memory", "0.3", "--json"]).stdout)
+    assert any("measured non-torch value is not used" in n for n in sg["notes"])
 
 
 def test_check_serve_config_non_torch_key_and_may_not_start(tmp_path):

@@ -281,6 +281,9 @@ def _sglang(spec, config, kv, weights, max_len, positions, dtype, notes) -> Serv
     budget = sglang_budget(spec.total_bytes, fraction, src, context, weights.bytes, kv, max_len)
     notes = notes + ["SGLang: activations, CUDA graphs and other buffers live in the (1 - mem_fraction_static) share; "
                      "they are not traced or subtracted one by one (model_runner.py profile_max_num_token)"]
+    if spec.non_torch is not None:
+        notes.append("SGLang subtracts no non-torch term (it lives in the (1 - mem_fraction_static) share): the measured "
+                     "non-torch value is not used")
     plan = ServePlan(spec, spec.model[3:], max_len, positions, fraction, src, 0, 0, "", kv, weights, None,
                      sglang=budget, context=context, notes=notes)
     plan.longest_context = budget.tokens
