@@ -199,10 +199,11 @@ class PipelineStep:
         if self._batch is None:  # M micro-batches of --batch: the data loader's batch for the step
             self._batch = tuple(inputs[k].repeat(self.microbatches, 1) for k in ("input_ids", "labels"))
         ids, labels = self._batch
+        self._mark = mark  # this step's (the patched stage methods call it)
         if self.schedule is None:
             self.schedule, stages = self._schedule(ids.shape[1])
             for stage in stages:
-                _mark_phases(stage, mark)
+                _mark_phases(stage, lambda phase: self._mark(phase) if self._mark is not None else None)
         args = (ids,) if self.first else ()
         kwargs = {"target": labels, "losses": []} if self.last else {}
         self.schedule.step(*args, **kwargs)

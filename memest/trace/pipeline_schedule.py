@@ -21,17 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..choices import PipelineSchedule
-
-# choice value -> (torch class, placement of stages on ranks: torch's generate_stage_to_rank_mapping style)
-SCHEDULES: dict[str, tuple[str, str]] = {
-    "1f1b": ("Schedule1F1B", "loop"),
-    "gpipe": ("ScheduleGPipe", "loop"),
-    "interleaved": ("ScheduleInterleaved1F1B", "loop"),
-    "looped-bfs": ("ScheduleLoopedBFS", "loop"),
-    "interleaved-zb": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
+# schedule -> (torch class, placement of stages on ranks: torch's generate_stage_to_rank_mapping style,
+# stages per rank or None where --pp-virtual sets it). The zero-bubble ones are walked, not offered as
+# --pp-schedule: their split backward fails on a transformers decoder in a real run (choices.py)
+SCHEDULES: dict[str, tuple[str, str, int | None]] = {
+    "1f1b": ("Schedule1F1B", "loop", 1),
+    "gpipe": ("ScheduleGPipe", "loop", 1),
+    "interleaved": ("ScheduleInterleaved1F1B", "loop", None),
+    "looped-bfs": ("ScheduleLoopedBFS", "loop", None),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", "loop", None),
+    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
+    "dualpipev": ("ScheduleDualPipeV", "v", 2),
 }
 
 
@@ -66,7 +66,7 @@ def pipeline_order(schedule: str, pp: int, virtual: int, microbatches: int) -> d
     cls = torch_class(schedule)
     n_stages = pp * virtual
     stages = [_StandIn(s, n_stages, pp, 0) for s in rank_stages(schedule, pp, virtual, 0)]
-    if PipelineSchedule(str(schedule)).stages_per_rank == 1:
+    if SCHEDULES[str(schedule)][2] == 1:
         built = cls(stages[0], n_microbatches=microbatches)
     else:
         built = cls(stages, n_microbatches=microbatches)
