@@ -184,11 +184,8 @@ class RunSpec:
                 f"--world-size {self.world_size} is not a multiple of --pp {self.pp} x --tp {self.tp}: the world is pp x dp x tp "
                 f"ranks (e.g. --world-size {self.pp * self.tp} for the pipeline alone)"
             )
-        if self.tp > 1 or self.offload != "none":
-            # pipeline x TP runs (trace/distributed._pipeline) and matched real gloo ranks stage by stage, but a
-            # second pipeline rank traced in the same process gets DTensor outputs on the first trace's process
-            # groups ("Could not resolve the process group"), so a report of every stage fails
-            raise MemestError("--pp with --tp or --offload is not traced yet (pipeline x FSDP2 is: --shard zero3)")
+        if self.sp or self.offload != "none":
+            raise MemestError("--pp with --sp or --offload is not traced yet (pipeline x FSDP2 and x TP are)")
         if self.dp > 1 and self.shard not in ("zero2", "zero3"):
             raise MemestError(
                 f"--world-size {self.world_size} with --pp {self.pp} is {self.dp}-way data parallel per stage: each stage is "

@@ -194,7 +194,7 @@ def test_pipeline_report_lists_every_stage_and_judges_the_worst():
     [
         ({"world_size": 4, "pp": 2}, "add --shard zero3"),
         ({"world_size": 2, "pp": 2, "sp": True, "tp": 2}, "not a multiple"),
-        ({"world_size": 4, "pp": 2, "tp": 2}, "not traced yet"),
+        ({"world_size": 4, "pp": 2, "tp": 2, "sp": True}, "not traced yet"),
         ({"world_size": 2, "pp": 2, "pp_virtual": 3}, "runs 1 stage"),
         ({"microbatches": 4}, "add --pp"),
         ({"world_size": 2, "pp": 2, "pp_split": "1,1,1"}, None),  # checked against the model's layers at trace time
@@ -222,10 +222,10 @@ def test_run_configs_take_the_model_parallel_keys(tmp_path):
     assert (spec.tp, spec.sp, spec.dp) == (2, True, 2)
 
 
-@pytest.mark.parametrize("changes", [{"shard": "zero3"}], ids=["pp2xfsdp2"])
-def test_pipeline_x_data_parallel_matches_real_gloo_ranks(changes):
-    """Pipeline 2 x FSDP2 2: four real gloo processes, each running its stage with FSDP2's collectives on
-    real gloo groups; the pipeline dimension's group is a fake one in both (its
+@pytest.mark.parametrize("changes", [{"shard": "zero3"}, {"tp": 2}], ids=["pp2xfsdp2", "pp2xtp2"])
+def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(changes):
+    """Pipeline 2 x FSDP2 2 and pipeline 2 x TP 2: four real gloo processes, each running its stage with
+    FSDP2's / TP's collectives on real gloo groups; the pipeline dimension's group is a fake one in both (its
     transfers move no data: pytorch#132644). Each stage's first rank traced against its measured peak."""
     spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", target="cpu", world_size=4, pp=2,
                    microbatches=4, **changes)

@@ -87,6 +87,22 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding propagation per op (in C++, ``torch._C._clear_DTensor_sharding_propagator_cache``,
+    and in Python, torch/distributed/tensor/_sharding_prop.py) keyed by specs whose meshes compare by the
+    world's rank layout, not by this rank's process groups: a later trace of another rank (pipeline x TP:
+    rank 2 after rank 0) would get outputs on the destroyed world's groups ("Could not resolve the process
+    group"). Dropped with the world."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _gen_transform_infos.cache_clear()
 
 
 def _mesh(world_size: int, tp: int = 1):
