@@ -1,7 +1,7 @@
 """Issue 13's benchmark -> benchmarks/parallel.md.
 
-1. Tiny layouts measured for real on this CPU (TP 2, TP 2 + SP, TP 4, FSDP x TP 2 x 2, a 2-stage 1F1B
-   pipeline): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
+1. Tiny layouts measured for real on this CPU (TP 2, TP 2 + SP, TP 4, FSDP x TP 2 x 2, 2-rank pipelines
+   under 1F1B, GPipe, interleaved 1F1B and looped BFS, pipeline x FSDP2, x TP, x FSDP2 x TP): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
    Megatron-LM's published per-rank formula on the same configuration, as a peer.
 2. llama-2-70b and mixtral-8x7b planned on 8 and 64 GPUs (`memest plan-parallel`, H100 80 GB,
    bf16-mixed AdamW, batch 1, seq 4096), with the wall time of each plan, and Megatron's formula for the
@@ -45,6 +45,8 @@ TINY = [  # (label, config, RunSpec changes)
                                                                 pp_schedule="looped-bfs")),
     ("PP 2 x FSDP 2, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, shard="zero3")),
     ("PP 2 x TP 2, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, tp=2)),
+    ("PP 2 x 2 virtual x FSDP 2, interleaved 1F1B, M 4", "llama-tiny-4l",
+     dict(world_size=4, pp=2, microbatches=4, pp_schedule="interleaved", shard="zero3")),
     ("PP 2 x FSDP 2 x TP 2, 1F1B, M 4", "llama-tiny-tp", dict(world_size=8, pp=2, microbatches=4, tp=2, shard="zero3")),
 ]
 PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
