@@ -111,11 +111,22 @@ class Shard(Choice):
 
 
 class PipelineSchedule(Choice):
-    """--pp-schedule: torch.distributed.pipelining's schedules (trace/pipeline_parallel.py)."""
+    """--pp-schedule: torch.distributed.pipelining's schedules (trace/pipeline_schedule.py); how many
+    micro-batches each stage holds comes from walking the schedule's own action order."""
 
-    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: stage i holds at most min(M, N - i) micro-batches' activations
-    GPIPE = "gpipe"  # ScheduleGPipe: every forward, then every backward: all M held
-    INTERLEAVED = "interleaved"  # ScheduleInterleaved1F1B: virtual stages (not traced yet)
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B
+    GPIPE = "gpipe"  # ScheduleGPipe: every forward, then every backward
+    INTERLEAVED = "interleaved"  # ScheduleInterleaved1F1B: --pp-virtual stages per rank
+    LOOPED_BFS = "looped-bfs"  # ScheduleLoopedBFS: --pp-virtual stages per rank, breadth first
+    # not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+    # ScheduleDualPipeV) fail in a real CPU run of a transformers decoder in torch 2.13: their split
+    # backward (stage_backward_input) raises "Can't detach views in-place" (trace/pipeline_schedule.py
+    # still walks their order)
+
+    @property
+    def stages_per_rank(self) -> int | None:
+        """Stages each rank runs, or None where --pp-virtual chooses (default 2)."""
+        return {"1f1b": 1, "gpipe": 1}.get(self.value)
 
 
 class Offload(Choice):

@@ -104,9 +104,13 @@ def estimate(
     = Offload.NONE,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (--world-size = dp x tp).")] = 1,
     sp: Annotated[bool, typer.Option("--sp", help="Sequence parallel with --tp (torchtitan's plan).")] = False,
-    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages (--world-size = pp); every stage is reported.")] = 1,
-    pp_schedule: Annotated[PipelineSchedule, typer.Option("--pp-schedule", help="1f1b | gpipe | interleaved.")]
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline ranks (--world-size = pp x dp x tp); every one is "
+                                    "reported.")] = 1,
+    pp_schedule: Annotated[PipelineSchedule, typer.Option("--pp-schedule", help="1f1b | gpipe | interleaved | looped-bfs "
+                                                          "(torch.distributed.pipelining's schedules).")]
     = PipelineSchedule.ONE_F_ONE_B,
+    pp_virtual: Annotated[int, typer.Option("--pp-virtual", help="--pp: stages per rank of interleaved and "
+                                            "looped-bfs (default 2).")] = 0,
     microbatches: Annotated[int, typer.Option("--microbatches", help="--pp: micro-batches of --batch per step "
                                               "(default: --pp).")] = 0,
     pp_split: Annotated[str, typer.Option("--pp-split", help="--pp: layers per stage, e.g. 3,3,2 (default even).")]
@@ -130,7 +134,7 @@ def estimate(
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
                 cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp,
-                pp_schedule=pp_schedule, microbatches=microbatches, pp_split=pp_split, lora=lora,
+                pp_schedule=pp_schedule, pp_virtual=pp_virtual, microbatches=microbatches, pp_split=pp_split, lora=lora,
                 freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile)
 
     def work():

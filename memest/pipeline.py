@@ -69,7 +69,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     stages = [_estimate_one(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
     worst = max(stages, key=lambda e: e.needed_bytes)
     worst.report.pipeline_stages = [
-        {"stage": i, "traced": e.trace.parallel, "peak_allocated_bytes": e.report.peak_allocated_bytes,
+        {"stage": i, "rank": e.trace.rank, "traced": e.trace.parallel, "peak_allocated_bytes": e.report.peak_allocated_bytes,
          "needed_bytes": e.needed_bytes, "trace_seconds": e.report.trace_seconds}
         for i, e in enumerate(stages)
     ]
@@ -81,9 +81,10 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
 def _stages_note(stages: list[Estimate], worst: Estimate) -> str:
     from .units import format_bytes
 
-    rows = ", ".join(f"stage {i} {format_bytes(e.needed_bytes)}" for i, e in enumerate(stages))
+    rows = ", ".join(f"pipeline rank {i} {format_bytes(e.needed_bytes)}" for i, e in enumerate(stages))
     k = stages.index(worst)
-    return f"pipeline: every stage traced ({rows}); the report shows stage {k}, the one that needs the most (the verdict is its)"
+    return (f"pipeline: every pipeline rank's stages traced ({rows}); the report shows pipeline rank {k}, the one that "
+            "needs the most (the verdict is its)")
 
 
 def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
@@ -131,7 +132,7 @@ def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
     if spec.pp > 1:
         report.effective_batch *= spec.microbatches_per_step
     if spec.world_size > 1 and trace.parallel:
-        report.notes.append(f"per-rank estimate: rank {spec.pp_stage} of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
+        report.notes.append(f"per-rank estimate: rank {spec.rank} of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
     elif spec.world_size > 1:
         report.notes.append(f"per-rank estimate: each of the {spec.world_size} ranks runs this {spec.mode} step on its own batch")
     if spec.offload != "none":

@@ -74,8 +74,9 @@ class RunSpec:
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (trace/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
-    pp: int = 1  # pipeline stages (trace/pipeline_parallel.py), one rank each
+    pp: int = 1  # pipeline ranks (trace/pipeline_parallel.py); --world-size = pp x dp x tp
     pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    pp_virtual: int = 0  # --pp: stages per rank of the interleaved schedules (0 = the schedule's default)
     microbatches: int = 0  # --pp: micro-batches (of --batch) per step; 0 = --pp
     pp_split: str = ""  # --pp: layers per stage, e.g. "3,3,2" ("" = even)
     pp_stage: int = 0  # the stage traced (every stage is traced for a report; not a user option)
@@ -173,16 +174,25 @@ class RunSpec:
             if self.microbatches or self.pp_split or self.pp_schedule != "1f1b":
                 raise MemestError("--microbatches, --pp-split and --pp-schedule describe a pipeline; add --pp N (N >= 2)")
             return
-        if self.pp_schedule == "interleaved":
+        if self.pp_virtual < 0 or (self.pp_virtual > 1 and self.stages_per_rank != self.pp_virtual):
             raise MemestError(
-                "--pp-schedule interleaved is not traced yet (its virtual stages need two stage modules per rank); "
-                "use 1f1b or gpipe"
+                f"--pp-virtual {self.pp_virtual}: --pp-schedule {self.pp_schedule} runs {self.stages_per_rank} stage(s) per rank; "
+                "choose interleaved or looped-bfs for several"
             )
-        if self.world_size != self.pp or self.tp > 1 or self.shard != "none" or self.offload != "none":
+        if self.world_size % (self.pp * self.tp):
             raise MemestError(
-                f"--pp {self.pp} is traced on its own: --world-size {self.pp} (one rank per stage), without --tp, "
-                "--shard or --offload (pipeline x data/tensor parallel is not traced yet)"
+                f"--world-size {self.world_size} is not a multiple of --pp {self.pp} x --tp {self.tp}: the world is pp x dp x tp "
+                f"ranks (e.g. --world-size {self.pp * self.tp} for the pipeline alone)"
             )
+        if self.sp or self.offload != "none":
+            raise MemestError("--pp with --sp or --offload is not traced yet (pipeline x FSDP2 and x TP are)")
+        if self.dp > 1 and self.shard not in ("zero2", "zero3"):
+            raise MemestError(
+                f"--world-size {self.world_size} with --pp {self.pp} is {self.dp}-way data parallel per stage: each stage is "
+                "sharded with FSDP2 (torchtitan's recipe); add --shard zero3 (or zero2)"
+            )
+        if self.dp == 1 and self.shard != "none":
+            raise MemestError(f"--shard {self.shard} needs data-parallel ranks: use --world-size {2 * self.pp * self.tp} for 2-way FSDP per stage")
         if not self.training or self.grad_accum > 1 or LossHead.of(self.loss_head)[0] != LossHead.STANDARD:
             raise MemestError("--pp traces a training step of --microbatches micro-batches (drop --grad-accum, --loss-head, --mode)")
         if not 0 <= self.pp_stage < self.pp:
@@ -193,8 +203,15 @@ class RunSpec:
         return self.microbatches or self.pp
 
     @property
-    def pp_virtual(self) -> int:
-        return 2 if self.pp_schedule == "interleaved" else 1
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank runs (trace/pipeline_schedule.py): 1, or --pp-virtual (default 2)."""
+        fixed = self.pp_schedule.stages_per_rank
+        return fixed if fixed is not None else (self.pp_virtual or 2)
+
+    @property
+    def rank(self) -> int:
+        """The global rank traced: the first of ``pp_stage``'s ranks on the ("pp", "dp", "tp") mesh."""
+        return self.pp_stage * self.dp * self.tp
 
     @property
     def dp(self) -> int:

@@ -1,7 +1,7 @@
 """Issue 13's benchmark -> benchmarks/parallel.md.
 
-1. Tiny layouts measured for real on this CPU (TP 2, TP 2 + SP, TP 4, FSDP x TP 2 x 2, a 2-stage 1F1B
-   pipeline): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
+1. Tiny layouts measured for real on this CPU (TP 2, TP 2 + SP, TP 4, FSDP x TP 2 x 2, 2-rank pipelines
+   under 1F1B, GPipe, interleaved 1F1B and looped BFS, pipeline x FSDP2, x TP, x FSDP2 x TP): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
    Megatron-LM's published per-rank formula on the same configuration, as a peer.
 2. llama-2-70b and mixtral-8x7b planned on 8 and 64 GPUs (`memest plan-parallel`, H100 80 GB,
    bf16-mixed AdamW, batch 1, seq 4096), with the wall time of each plan, and Megatron's formula for the
@@ -38,12 +38,22 @@ TINY = [  # (label, config, RunSpec changes)
     ("TP 4", "llama-tiny-tp", dict(world_size=4, tp=4)),
     ("FSDP x TP 2 x 2", "llama-tiny-tp", dict(world_size=4, tp=2, shard="zero3")),
     ("PP 2, 1F1B, M 4", "llama-tiny", dict(world_size=2, pp=2, microbatches=4)),
+    ("PP 2, GPipe, M 4", "llama-tiny", dict(world_size=2, pp=2, microbatches=4, pp_schedule="gpipe")),
+    ("PP 2 x 2 virtual, interleaved 1F1B, M 4", "llama-tiny-4l", dict(world_size=2, pp=2, microbatches=4,
+                                                                      pp_schedule="interleaved")),
+    ("PP 2 x 2 virtual, looped BFS, M 4", "llama-tiny-4l", dict(world_size=2, pp=2, microbatches=4,
+                                                                pp_schedule="looped-bfs")),
+    ("PP 2 x FSDP 2, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, shard="zero3")),
+    ("PP 2 x TP 2, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, tp=2)),
+    ("PP 2 x 2 virtual x FSDP 2, interleaved 1F1B, M 4", "llama-tiny-4l",
+     dict(world_size=4, pp=2, microbatches=4, pp_schedule="interleaved", shard="zero3")),
+    ("PP 2 x FSDP 2 x TP 2, 1F1B, M 4", "llama-tiny-tp", dict(world_size=8, pp=2, microbatches=4, tp=2, shard="zero3")),
 ]
 PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
 
 
 def megatron_bytes(cfg: dict, tp: int, pp: int, dp: int, batch: int, seq: int, microbatches: int | None,
-                   distributed_optimizer: bool) -> tuple[float, float]:
+                   distributed_optimizer: bool, virtual: int = 1) -> tuple[float, float]:
     """(weights + optimizer, activations) per rank, bytes (module docstring)."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads = cfg["num_attention_heads"]
@@ -64,6 +74,8 @@ def megatron_bytes(cfg: dict, tp: int, pp: int, dp: int, batch: int, seq: int, m
     act += 8 * seq * batch * pp + seq * batch * h * pp
     if pp > 1:
         act *= min(1, (microbatches or pp) / pp)
+        if virtual > 1:  # interleaved_schedule_memory_penalty
+            act *= 1 + (pp - 1) / (pp * virtual)
     else:
         act += 2 * (seq * batch * vocab / tp + seq * batch * h)
     return weights, act * 1.05
@@ -85,22 +97,23 @@ def tiny_rows() -> list[str]:
     for label, name, changes in TINY:
         spec = RunSpec(model=f"hf:{ROOT / 'tests' / 'configs' / (name + '.json')}", batch=2, seq=32, optim="adamw",
                        target="cpu", **changes)
-        if spec.pp > 1:
+        if spec.pp > 1 and spec.world_size == spec.pp:  # each stage in this process (pytorch#132644)
             real = measure_pipeline_stage_peaks(spec)
-            ranks = range(spec.pp)
-        else:
+        else:  # gloo processes; a pipeline's "pp" group is a fake one (trace/distributed._pipeline_mesh)
             real = measure_distributed_peaks([spec])[0]
-            ranks = [0]
         cfg = _config(name)
         weights, act = megatron_bytes(cfg, spec.tp, spec.pp, spec.dp, spec.batch, spec.seq, spec.microbatches or None,
-                                      distributed_optimizer=spec.dp > 1)
-        for r in ranks:
-            traced = trace_step(load_source(spec.model), RunSpec(**{**spec.to_dict(), "pp_stage": r})).peak()[0]
-            measured = real[r]["peak_bytes"]
-            others = "" if spec.pp > 1 else ", ".join(str(x["peak_bytes"]) for x in real[1:])
+                                      distributed_optimizer=spec.dp > 1, virtual=spec.stages_per_rank if spec.pp > 1 else 1)
+        for stage in range(spec.pp):  # each pipeline rank's first rank (the only rank without a pipeline)
+            one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
+            traced = trace_step(load_source(spec.model), one).peak()[0]
+            rank = one.rank if len(real) == spec.world_size else stage
+            measured = real[rank]["peak_bytes"]
+            per_stage = spec.world_size // spec.pp
+            others = [x["peak_bytes"] for x in real[rank + 1 : rank + per_stage]] if len(real) == spec.world_size else []
             rows.append(
-                f"| {label} | {r} | {measured:,} | {traced:,} | {100 * (traced - measured) / measured:+.3f}% | "
-                f"{weights + act:,.0f} ({100 * (weights + act - measured) / measured:+.0f}%) | {others} |"
+                f"| {label} | {rank} | {measured:,} | {traced:,} | {100 * (traced - measured) / measured:+.3f}% | "
+                f"{weights + act:,.0f} ({100 * (weights + act - measured) / measured:+.0f}%) | {', '.join(map(str, others))} |"
             )
     return rows
 

@@ -14,10 +14,15 @@ from .conftest import model_ref
 def test_layouts_respect_heads_and_depth():
     cfg = {"num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80, "hidden_size": 8192}
     names = [lay.name for lay in layouts_for(64, cfg)]
-    assert names == ["dp 64 x tp 1 x pp 1", "dp 32 x tp 2 + sp x pp 1", "dp 16 x tp 4 + sp x pp 1",
-                     "dp 8 x tp 8 + sp x pp 1", "dp 1 x tp 1 x pp 64"]
+    assert names[:4] == ["dp 64 x tp 1 x pp 1", "dp 32 x tp 2 + sp x pp 1", "dp 16 x tp 4 + sp x pp 1",
+                         "dp 8 x tp 8 + sp x pp 1"]
+    # pipeline x FSDP2 x TP: pp in 2..64 dividing 64 with tp (pp x tp <= 64), sequence parallel not with a pipeline
+    assert len(names) == 4 + 4 + 4 + 4 + 3 + 2 + 1
+    assert {"dp 1 x tp 1 x pp 64", "dp 4 x tp 8 x pp 2", "dp 2 x tp 2 x pp 16"} <= set(names)
     cfg["num_key_value_heads"] = 2  # tp 4 and 8 would split a key/value head
-    assert [lay.tp for lay in layouts_for(8, cfg)] == [1, 2, 1]
+    assert [(lay.tp, lay.pp) for lay in layouts_for(8, cfg)] == [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8)]
+    cfg["num_hidden_layers"] = 4  # no more stages than layers
+    assert max(lay.pp for lay in layouts_for(8, cfg)) == 4
 
 
 def test_communication_volume_follows_the_papers_counts():
@@ -30,6 +35,8 @@ def test_communication_volume_follows_the_papers_counts():
     assert comm_bytes(Layout(dp=1, tp=2, pp=1, sp=True), cfg, base, psi) == 10 * 4 * 1 * 100 * 1000 * 2
     # PP 4, M = 4: an activation forward and a gradient back per micro-batch
     assert comm_bytes(Layout(dp=1, tp=1, pp=4, sp=False), cfg, base, psi) == 2 * 4 * 100 * 1000 * 2
+    # PP 2 x FSDP 4: the stage's half of the parameters over 4, + the pipeline's transfers
+    assert comm_bytes(Layout(dp=4, tp=1, pp=2, sp=False), cfg, base, psi) == int(0.75 * psi / 2 * 8) + 2 * 2 * 100 * 1000 * 2
 
 
 def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monkeypatch):

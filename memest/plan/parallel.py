@@ -10,7 +10,7 @@ rounding, CUDA context, libraries: device/usage.py) as traced at depth 2k.
 Layouts: tp in 1, 2, 4, 8 (within one NVLink node; it must divide the attention and key/value heads),
 dp = G / tp with FSDP2 full shard (--shard zero3) when dp > 1, TP with sequence parallel where the
 model takes torchtitan's plan; and pipeline-only layouts pp = G (one stage per GPU, 1F1B, M = pp
-micro-batches) when G <= L. Pipeline x data/tensor parallel is not traced, so not searched.
+micro-batches) when G <= L, and pipeline x FSDP2 x TP layouts pp x dp x tp = G (``pipeline_layouts``).
 
 Communication volume per step and rank (bytes sent, ring algorithms; what ranks the layouts):
   FSDP (dp > 1): 2 all-gathers of the rank's parameters in their compute dtype + 1 reduce-scatter of
@@ -103,14 +103,25 @@ def _config(model: str) -> tuple[dict, Path]:
 def layouts_for(gpus: int, config: dict) -> list[Layout]:
     heads = config.get("num_attention_heads", 1)
     kv = config.get("num_key_value_heads") or heads
-    layers = config["num_hidden_layers"]
     out = []
     for tp in TP_SIZES:
         if gpus % tp or heads % tp or kv % tp:
             continue
         out.append(Layout(dp=gpus // tp, tp=tp, pp=1, sp=tp > 1))
-    if 1 < gpus <= layers:
-        out.append(Layout(dp=1, tp=1, pp=gpus, sp=False))
+    return out + pipeline_layouts(gpus, config)
+
+
+def pipeline_layouts(gpus: int, config: dict) -> list[Layout]:
+    """The pipeline layouts of ``gpus``: pp x dp x tp = gpus with 2 <= pp <= the model's layers, tp as for
+    the layouts above, each stage sharded with FSDP2 over dp (trace/distributed._pipeline; without
+    sequence parallel, which is not traced with a pipeline), 1F1B with M = pp micro-batches."""
+    heads = config.get("num_attention_heads", 1)
+    kv = config.get("num_key_value_heads") or heads
+    out = []
+    for pp in range(2, min(gpus, config["num_hidden_layers"]) + 1):
+        for tp in TP_SIZES:
+            if gpus % (pp * tp) == 0 and not heads % tp and not kv % tp:
+                out.append(Layout(dp=gpus // (pp * tp), tp=tp, pp=pp, sp=False))
     return out
 
 
@@ -120,12 +131,12 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
     act = 2 if base.precision in ("bf16", "fp16", "bf16-mixed", "fp16-mixed") else 4
     tokens = base.batch * (base.seq or 1)
     total = 0
-    if layout.dp > 1:
-        share = param_count / layout.tp
+    if layout.dp > 1:  # a pipeline rank holds its stage's 1/pp of the parameters
+        share = param_count / (layout.tp * layout.pp)
         frac = (layout.dp - 1) / layout.dp
         total += frac * share * (2 * act + 4)
-    if layout.tp > 1:
-        total += layers * 4 * 2 * (layout.tp - 1) / layout.tp * tokens * h * act
+    if layout.tp > 1:  # a pipeline rank's layers, for each of its M = pp micro-batches
+        total += layers / layout.pp * max(1, layout.pp) * 4 * 2 * (layout.tp - 1) / layout.tp * tokens * h * act
     if layout.pp > 1:
         total += 2 * layout.pp * tokens * h * act  # M = pp micro-batches of --batch, forward + backward
     return int(total)
@@ -165,8 +176,9 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
             src = source(depth)
             if layout.pp == 1:
                 return estimate(spec, calibration=calibration, source=src)
-            # the first stage (embedding; 1F1B: the most micro-batches in flight, min(M, N)) and the last
-            # (head and logits); a middle stage holds the same layers with fewer micro-batches in flight
+            # the first stage (embedding; 1F1B: the most micro-batches in flight, by the schedule's own order,
+            # trace/pipeline_schedule.py) and the last (head and logits); a middle stage holds the same layers
+            # with fewer micro-batches in flight
             ends = [_estimate_one(dataclasses.replace(spec, seq=spec.seq or src.default_seq, pp_stage=i), calibration, src)
                     for i in (0, layout.pp - 1)]
             return max(ends, key=lambda e: e.needed_bytes)
@@ -212,10 +224,11 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
     )
     if any(lay.pp > 1 for lay in plan.layouts):
         plan.notes.append(
-            "pipeline layouts: 1F1B with M = pp micro-batches of --batch; the first and the last stage traced (middle "
-            "stages hold fewer micro-batches, min(M, N - i), of the same layers and neither embedding nor head)"
+            "pipeline layouts: 1F1B with M = pp micro-batches of --batch, each stage FSDP2-sharded over dp and TP over tp; "
+            "the first and the last stage traced (middle stages hold fewer micro-batches of the same layers, as walking "
+            "torch's Schedule1F1B order gives, and neither embedding nor head)"
         )
-    plan.notes.append("not searched: pipeline x data/tensor parallel, expert parallel, context parallel (not traced yet)")
+    plan.notes.append("not searched: pipeline x sequence parallel, expert parallel, context parallel (not traced yet)")
     return plan
 
 

@@ -87,6 +87,22 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding propagation per op (in C++, ``torch._C._clear_DTensor_sharding_propagator_cache``,
+    and in Python, torch/distributed/tensor/_sharding_prop.py) keyed by specs whose meshes compare by the
+    world's rank layout, not by this rank's process groups: a later trace of another rank (pipeline x TP:
+    rank 2 after rank 0) would get outputs on the destroyed world's groups ("Could not resolve the process
+    group"). Dropped with the world."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _gen_transform_infos.cache_clear()
 
 
 def _mesh(world_size: int, tp: int = 1):
@@ -123,12 +139,46 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
 
 
 def _pipeline(model: nn.Module, spec: RunSpec) -> Parallel:
-    """--pp: this rank's stage (trace/pipeline_parallel.py); the optimizer covers the stage's parameters."""
+    """--pp: this rank's stages (trace/pipeline_parallel.py); with dp or tp ranks per stage, each stage
+    module parallelised on its sub-mesh of the ("pp", "dp", "tp") mesh (TP, then FSDP2), as torchtitan
+    does; the optimizer covers the rank's parameters."""
     from .pipeline_parallel import PipelineStep, describe
 
-    step = PipelineStep(model, spec)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return Parallel(step, model, make_optimizer(spec, params), describe(step, spec), stage=step.module)
+    group, parallelize, what = None, None, []
+    if spec.world_size > spec.pp:
+        mesh = _pipeline_mesh(spec)
+        with _real_values():
+            group, dp_mesh, tp_mesh = mesh["pp"].get_group(), mesh["dp"], mesh["tp"]
+
+        def parallelize(stage: nn.Module) -> None:
+            from . import tensor_parallel
+
+            if spec.tp > 1:
+                what.append(tensor_parallel.apply(stage.module, spec, tp_mesh))
+            if spec.dp > 1:
+                with _real_mesh_concatenation():
+                    # each decoder layer a unit, as torchtitan shards a stage (a stage of one layer too)
+                    base = getattr(stage.module, "base_model_prefix", "model")
+                    units = [f"module.{base}.layers.{k}" for k in range(len(getattr(stage.module, base).layers))]
+                    what.append(f"{_fsdp(stage, spec, dp_mesh, units).description} per stage over DP {spec.dp}")
+
+    step = PipelineStep(model, spec, parallelize, group)
+    params = list({id(p): p for m in step.modules for p in m.parameters() if p.requires_grad}.values())
+    description = describe(step, spec) + "".join(f"; {w}" for w in dict.fromkeys(what))
+    return Parallel(step, model, make_optimizer(spec, params), description, stage=step.module)
+
+
+def _pipeline_mesh(spec: RunSpec):
+    """The ("pp", "dp", "tp") mesh (torchtitan's order: a rank's tensor-parallel peers are its neighbours,
+    its pipeline peers the farthest). The pipeline dimension's group is a fake one, in the trace and in the
+    real ground truth alike: torch.distributed.pipelining's transfers hang on gloo (pytorch#132644), so
+    they complete at once and move no data; the data- and tensor-parallel groups are the world's backend."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  registers "fake"
+
+    with _real_values():
+        return init_device_mesh("cpu", (spec.pp, spec.dp, spec.tp), mesh_dim_names=("pp", "dp", "tp"),
+                                backend_override={"pp": "fake"})
 
 
 def _tensor_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
@@ -168,7 +218,7 @@ def _real_mesh_concatenation() -> Iterator[None]:
         DeviceMesh._concatenate = original
 
 
-def _fsdp(model: nn.Module, spec: RunSpec, mesh=None) -> Parallel:
+def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, units: list[str] | None = None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if spec.optim == "adafactor":  # the real run fails the same way
@@ -186,7 +236,7 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh=None) -> Parallel:
         kwargs["offload_policy"] = OffloadPolicy()
     if spec.mixed:  # gather and compute in 16-bit, reduce gradients in fp32 (fp32 master shards)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=HALF[spec.precision], reduce_dtype=torch.float32)
-    units = repeated_blocks(model)
+    units = repeated_blocks(model) if units is None else units
     modules = dict(model.named_modules())
     for name in units:
         fully_shard(modules[name], **kwargs)

@@ -1,15 +1,22 @@
-"""--pp N: one pipeline stage's step, run by torch's own pipelining schedules
-(``torch.distributed.pipelining``: PipelineStage + Schedule1F1B / ScheduleGPipe /
-ScheduleInterleaved1F1B) on the stage's rank. Shared by the trace (a fake process group, rank =
-``spec.pp_stage``) and validate/distributed_truth.py (gloo), so both run the same schedule.
+"""--pp N: one pipeline rank's step, run by torch's own pipelining schedules
+(``torch.distributed.pipelining``: PipelineStage + the schedule class of --pp-schedule,
+trace/pipeline_schedule.py) on the rank's stages. Shared by the trace (a fake process group, rank =
+``spec.rank``) and validate/distributed_truth.py, so both run the same schedule.
 
-The stage: a transformers decoder (embed_tokens, layers, norm, lm_head) with the layers of other stages
+A stage: a transformers decoder (embed_tokens, layers, norm, lm_head) with the layers of other stages
 removed; the first stage keeps the embedding, the last the final norm and the LM head (their norm and
-head are ``nn.Identity`` elsewhere, so a middle stage outputs hidden states). Layers are split evenly, the
-first stages taking one more when N does not divide them (``--pp-split 3,3,2`` sets the counts).
+head are ``nn.Identity`` elsewhere, so other stages output hidden states). Layers are split evenly over
+pp x stages-per-rank stages, the first stages taking one more when that does not divide them
+(``--pp-split 3,3,2`` sets the counts). A rank with several stages (interleaved, V schedules) runs one
+shallow copy of the model per stage, each holding its own layers (the modules are shared, not copied).
 ``--batch`` is the micro-batch; a step runs ``--microbatches M`` of them (the schedule splits a batch of
-M x --batch), and the schedule decides how many micro-batches' activations a stage holds at once
-(1F1B: stage i at most min(M, N - i); GPipe: all M).
+M x --batch), and the schedule decides how many micro-batches' activations a stage holds at once.
+
+Pipeline x data / tensor parallel (torchtitan's recipe, torchtitan/distributed/pipeline_parallel.py):
+the world is a ("pp", "dp", "tp") DeviceMesh; each stage's model is parallelised with TP on "tp"
+(trace/tensor_parallel.py), then FSDP2 ``fully_shard`` on "dp" (each layer and the stage module as
+units, so PipelineStage sees an FSDPModule and defers the gradient reduce-scatter to the last
+micro-batch, as torch's stage.py does), then wrapped in a PipelineStage on the "pp" group.
 
 Adaptations for fake tensors, none of which changes memory: the stages are built with static shapes
 (``input_args``/``output_args``: no shape exchange, which sends shapes as data) and the schedule's
@@ -27,8 +34,8 @@ from ..spec import RunSpec
 
 
 def split_layers(n_layers: int, spec: RunSpec) -> list[tuple[int, int]]:
-    """[start, end) of each stage's layers (virtual stages for the interleaved schedule)."""
-    stages = spec.pp * spec.pp_virtual
+    """[start, end) of each stage's layers (pp x stages-per-rank stages)."""
+    stages = spec.pp * spec.stages_per_rank
     if spec.pp_split:
         counts = [int(c) for c in spec.pp_split.split(",")]
         if len(counts) != stages or sum(counts) != n_layers or min(counts) < 0:
@@ -72,106 +79,155 @@ class StageModule(nn.Module):
 
 
 def stage_modules(model: nn.Module, spec: RunSpec) -> list[tuple[int, StageModule, tuple[int, int]]]:
-    """This rank's stages (one; two or more for the interleaved schedule): (stage index, module, layers).
-    ``model`` is pruned in place for a single stage; virtual stages share its modules."""
+    """This rank's stages (one; two or more for the interleaved and V schedules): (stage index, module,
+    layers). ``model`` is pruned in place to this rank's layers (what the rank holds); a rank with several
+    stages runs shallow copies of it, one per stage."""
+    from .pipeline_schedule import rank_stages
+
     base = _decoder_parts(model)
     bounds = split_layers(len(base.layers), spec)
     n_stages = len(bounds)
-    mine = list(range(spec.pp_stage, n_stages, spec.pp))  # interleaved: stage i, i + N, ...
-    keep = sorted({k for s in mine for k in range(*bounds[s])})
-    layers = base.layers
-    first, last = 0 in mine, n_stages - 1 in mine
+    mine = rank_stages(spec.pp_schedule, spec.pp, spec.stages_per_rank, spec.pp_stage)
+    layers = list(base.layers)
+    _prune(model, base, [layers[k] for s in mine for k in range(*bounds[s])], 0 in mine, n_stages - 1 in mine)
+    if len(mine) == 1:
+        return [(mine[0], StageModule(model, mine[0] == 0), bounds[mine[0]])]
     out = []
     for s in mine:
-        lo, hi = bounds[s]
-        if len(mine) == 1:
-            base.layers = nn.ModuleList([layers[k] for k in keep])
-            if not first:
-                base.embed_tokens = None
-            if not last:
-                base.norm = nn.Identity()
-                model.lm_head = nn.Identity()
-            out.append((s, StageModule(model, first), (lo, hi)))
-        else:
-            raise MemestError("--pp-schedule interleaved is not traced yet (one stage per rank: 1f1b, gpipe)")
-    del keep
+        part, part_base = _shallow(model), _shallow(base)
+        part._modules[getattr(model, "base_model_prefix", "model")] = part_base
+        _prune(part, part_base, layers[slice(*bounds[s])], s == 0, s == n_stages - 1)
+        out.append((s, StageModule(part, s == 0), bounds[s]))
     return out
 
 
-def _static_args(model: nn.Module, spec: RunSpec, stage: int, n_stages: int, seq: int):
+def _prune(model: nn.Module, base: nn.Module, layers: list, first: bool, last: bool) -> None:
+    base.layers = nn.ModuleList(layers)
+    if not first:
+        base.embed_tokens = None
+    if not last:
+        base.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters and submodules, with its own module, parameter and
+    hook tables (so a stage's pruning and FSDP's hooks stay on its copy)."""
+    import copy
+
+    twin = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            twin.__dict__[key] = type(value)(value)
+    return twin
+
+
+def _static_args(model: nn.Module, spec: RunSpec, stage: int, n_stages: int, seq: int, dtype):
     """Example (input, output) of one micro-batch for the stage, shapes only (no exchange)."""
     config = model.config
-    dtype = next(p for p in model.parameters()).dtype  # the residual stream's dtype (fp32 weights under -mixed)
     hidden = torch.empty(spec.batch, seq, config.hidden_size, dtype=dtype)
     x = torch.empty(spec.batch, seq, dtype=torch.long) if stage == 0 else hidden
     out = hidden if stage < n_stages - 1 else torch.empty(spec.batch, seq, config.vocab_size, dtype=dtype)
     return (x,), (out.requires_grad_(),)
 
 
-class PipelineStep:
-    """One training step of this rank's pipeline stage: M micro-batches through the schedule; the
-    optimizer step and zero_grad are the caller's (trace/step.run_iteration)."""
+def _stream_dtype(model: nn.Module, spec: RunSpec):
+    """The residual stream's dtype between stages: the weights' (fp32 under autocast's -mixed), or the
+    16-bit compute dtype when FSDP2's MixedPrecisionPolicy casts the weights (dp > 1)."""
+    from .distributed import HALF
 
-    def __init__(self, model: nn.Module, spec: RunSpec) -> None:
-        (index, module, layers), = stage_modules(model, spec)
-        self.model, self.spec = model, spec
-        self.module, self.layers, self.index = module, layers, index
-        self.first, self.last = index == 0, index == spec.pp - 1
+    if spec.dp > 1 and spec.mixed:
+        return HALF[spec.precision]
+    return next(p for p in model.parameters()).dtype
+
+
+class PipelineStep:
+    """One training step of this rank's pipeline stages: M micro-batches through the schedule; the
+    optimizer step and zero_grad are the caller's (trace/step.run_iteration). ``parallelize(module)``
+    applies TP/FSDP2 to each stage module before its PipelineStage is built; ``group``: the "pp" group."""
+
+    def __init__(self, model: nn.Module, spec: RunSpec, parallelize=None, group=None) -> None:
+        self.parts = stage_modules(model, spec)
+        self.dtype = _stream_dtype(model, spec)
+        if parallelize is not None:
+            for _, module, _ in self.parts:
+                parallelize(module)
+        self.model, self.spec, self.group = model, spec, group
+        self.modules = [m for _, m, _ in self.parts]
+        self.indices = [i for i, _, _ in self.parts]
+        self.n_stages = spec.pp * spec.stages_per_rank
+        self.first, self.last = 0 in self.indices, self.n_stages - 1 in self.indices
         self.microbatches = spec.microbatches_per_step
         self.schedule = None
         self._batch = None
 
-    def _schedule(self, seq: int):
-        """The stage and its schedule, built at the first step (static shapes need the sequence length)."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
 
-        model, spec, index, n = self.model, self.spec, self.index, self.spec.pp
-        inputs, outputs = _static_args(model, spec, index, n, seq)
-        stage = PipelineStage(self.module, index, n, torch.device("cpu"), input_args=inputs, output_args=outputs)
-        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[str(spec.pp_schedule)]
+    def _schedule(self, seq: int):
+        """The stages and their schedule, built at the first step (static shapes need the sequence length)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        from .pipeline_schedule import torch_class
+
+        model, spec = self.model, self.spec
+        stages = []
+        for index, module, _ in self.parts:
+            inputs, outputs = _static_args(model, spec, index, self.n_stages, seq, self.dtype)
+            stages.append(PipelineStage(module, index, self.n_stages, torch.device("cpu"), input_args=inputs,
+                                        output_args=outputs, group=self.group))
         vocab = model.config.vocab_size
 
         def loss_fn(out, labels):
             return model.loss_function(out, labels, vocab_size=vocab)
 
-        schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=loss_fn)
-        if _fake(model) or dist.get_backend() == "fake":
+        cls = torch_class(spec.pp_schedule)
+        try:
+            if len(stages) == 1 and spec.pp_schedule in ("1f1b", "gpipe"):
+                schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn)
+            else:
+                schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        except ValueError as exc:  # the schedule's own constraints (e.g. 1F1B: M >= N)
+            raise MemestError(f"--pp-schedule {spec.pp_schedule} with --pp {spec.pp}, --microbatches {self.microbatches}: {exc}") from exc
+        if _fake(model) or dist.get_backend(self.group) == "fake":
             schedule._warmup_p2p = _static_vote
-        return schedule
-
+        return schedule, stages
 
     def __call__(self, inputs: dict, mark=None) -> None:
         """``mark(phase)``: called as each micro-batch's forward and backward start (the trace's phases)."""
         if self._batch is None:  # M micro-batches of --batch: the data loader's batch for the step
             self._batch = tuple(inputs[k].repeat(self.microbatches, 1) for k in ("input_ids", "labels"))
         ids, labels = self._batch
+        self._mark = mark  # this step's (the patched stage methods call it)
         if self.schedule is None:
-            self.schedule = self._schedule(ids.shape[1])
-        self._mark_phases(mark)
+            self.schedule, stages = self._schedule(ids.shape[1])
+            for stage in stages:
+                _mark_phases(stage, lambda phase: self._mark(phase) if self._mark is not None else None)
         args = (ids,) if self.first else ()
         kwargs = {"target": labels, "losses": []} if self.last else {}
         self.schedule.step(*args, **kwargs)
 
 
-    def _mark_phases(self, mark) -> None:
-        from .events import Phase
+def _mark_phases(stage, mark) -> None:
+    from .events import Phase
 
-        stage = self.schedule._stage
-        for name, phase in (("forward_one_chunk", Phase.FORWARD), ("backward_one_chunk", Phase.BACKWARD)):
-            original = getattr(type(stage), name)
+    for name, phase in (("forward_one_chunk", Phase.FORWARD), ("backward_one_chunk", Phase.BACKWARD),
+                        ("backward_weight_one_chunk", Phase.BACKWARD)):
+        original = getattr(type(stage), name)
 
-            def marked(*args, _original=original, _phase=phase, **kwargs):
-                if mark is not None:
-                    mark(_phase)
-                return _original(stage, *args, **kwargs)
+        def marked(*args, _original=original, _phase=phase, **kwargs):
+            if mark is not None:
+                mark(_phase)
+            return _original(stage, *args, **kwargs)
 
-            setattr(stage, name, marked)
+        setattr(stage, name, marked)
 
 
 def _fake(model: nn.Module) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(p, FakeTensor) for p in model.parameters())
+    return any(isinstance(getattr(p, "_local_tensor", p), FakeTensor) for p in model.parameters())
 
 
 def _static_vote(stages, has_backward, p2p_done) -> None:
@@ -184,13 +240,19 @@ def _static_vote(stages, has_backward, p2p_done) -> None:
 
 
 def describe(step: PipelineStep, spec: RunSpec) -> str:
-    lo, hi = step.layers
-    parts = [f"layers {lo}-{hi - 1}" if hi > lo else "no layers"]
-    if step.first:
-        parts.insert(0, "embedding")
-    if step.last:
-        parts.append("norm + LM head + loss")
+    from .pipeline_schedule import SCHEDULES, describe_in_flight, in_flight
+
+    parts = []
+    for index, _, (lo, hi) in step.parts:
+        what = [f"layers {lo}-{hi - 1}" if hi > lo else "no layers"]
+        if index == 0:
+            what.insert(0, "embedding")
+        if index == step.n_stages - 1:
+            what.append("norm + LM head + loss")
+        parts.append(f"stage {index} ({', '.join(what)})")
+    held = in_flight(spec.pp_schedule, spec.pp, spec.stages_per_rank, step.microbatches)[spec.pp_stage]
     return (
-        f"pipeline stage {step.index} of {spec.pp} ({', '.join(parts)}), torch.distributed.pipelining "
-        f"{'Schedule1F1B' if spec.pp_schedule == '1f1b' else 'ScheduleGPipe'}, {spec.microbatches_per_step} micro-batches of {spec.batch}"
+        f"pipeline rank {spec.pp_stage} of {spec.pp}: {'; '.join(parts)} of {step.n_stages}, torch.distributed.pipelining "
+        f"{SCHEDULES[str(spec.pp_schedule)][0]}, {step.microbatches} micro-batches of {spec.batch}; by the schedule's own "
+        f"action order it {describe_in_flight(held, step.microbatches)}"
     )

@@ -448,7 +448,7 @@ def _fake_world(step: _Step):
             return
         from . import distributed
 
-        with distributed.fake_process_group(step.spec.world_size, rank=step.spec.pp_stage):
+        with distributed.fake_process_group(step.spec.world_size, rank=step.spec.rank):
             yield
 
 
@@ -661,7 +661,7 @@ def _classify(step: _Step) -> None:
     if spec.world_size > 1 or spec.offload != "none":
         from . import distributed
 
-        trace.world_size, trace.rank = spec.world_size, spec.pp_stage
+        trace.world_size, trace.rank = spec.world_size, spec.rank
         distributed.mark_host(trace, spec)
     if any(rec.host for rec in trace.storages) and not trace.host_events:  # paged optimizer state
         paged = sum(rec.nbytes for rec in trace.storages if rec.host)

@@ -98,7 +98,9 @@ def _expand(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
 def _untied_head(model: nn.Module) -> str | None:
     head = getattr(model, "lm_head", None)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if head is None or (emb is not None and head.weight is emb.weight):
+    if not isinstance(head, nn.Linear):  # none, or a pipeline stage's stand-in (nn.Identity)
+        return None
+    if (emb is not None and head.weight is emb.weight):
         return None
     return "lm_head"
 

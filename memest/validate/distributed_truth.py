@@ -123,8 +123,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     them in the order gradients arrived), so DDP is wrapped inside the profile; FSDP frees the
     unsharded parameters when it shards them, so it is wrapped before. A marker allocation
     separates the wrapping from the step; the peak is taken after it."""
-    if spec.pp > 1:  # each rank runs its own pipeline stage
-        spec = RunSpec(**{**spec.to_dict(), "pp_stage": rank}) if spec.pp_stage != rank else spec
+    if spec.pp > 1:  # each rank runs its own pipeline stages: the "pp" coordinate of its rank
+        stage = rank // (spec.world_size // spec.pp)
+        spec = RunSpec(**{**spec.to_dict(), "pp_stage": stage}) if spec.pp_stage != stage else spec
     source = load_source(spec.model)
     torch.manual_seed(seed)
     built = build(source, spec)
