@@ -117,6 +117,8 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         return _pipeline(model, spec)
     if spec.tp > 1:
         return _tensor_parallel(model, spec)
+    if spec.ep > 1:
+        return _expert_parallel(model, spec, fake)
     if spec.shard in ("zero2", "zero3"):
         return _fsdp(model, spec)
     return _ddp(model, spec, fake)
@@ -149,6 +151,21 @@ def _tensor_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
     return Parallel(model, model, make_optimizer(spec, params), what)
 
 
+def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+    """--ep: transformers' expert parallel on its expert mesh, its experts modules FSDP2 units on the efsdp mesh,
+    then FSDP2 on every rank for the rest (trace/expert_parallel.py)."""
+    from . import expert_parallel
+
+    with _real_values():  # meshes read their rank tables
+        ep_mesh, efsdp_mesh, tp_mesh = expert_parallel.meshes(spec)
+    names = expert_parallel.apply(model, spec, ep_mesh, tp_mesh, fake)
+    with _real_mesh_concatenation():  # FSDP joins the efsdp and ep meshes of the experts' DTensors
+        fsdp = _fsdp(model, spec, experts=lambda kw: expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kw))
+    fsdp.units = names + fsdp.units
+    fsdp.description = f"{expert_parallel.describe(spec, names)} x {fsdp.description} (+ {len(names)} expert units)"
+    return fsdp
+
+
 @contextlib.contextmanager
 def _real_mesh_concatenation() -> Iterator[None]:
     """FSDP over TP joins the dp and tp meshes (``DeviceMesh._concatenate``), which indexes the rank table
@@ -168,7 +185,7 @@ def _real_mesh_concatenation() -> Iterator[None]:
         DeviceMesh._concatenate = original
 
 
-def _fsdp(model: nn.Module, spec: RunSpec, mesh=None) -> Parallel:
+def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, experts=None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if spec.optim == "adafactor":  # the real run fails the same way
@@ -186,6 +203,8 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh=None) -> Parallel:
         kwargs["offload_policy"] = OffloadPolicy()
     if spec.mixed:  # gather and compute in 16-bit, reduce gradients in fp32 (fp32 master shards)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=HALF[spec.precision], reduce_dtype=torch.float32)
+    if experts is not None:  # --ep: the experts modules first, on their own mesh
+        experts(kwargs)
     units = repeated_blocks(model)
     modules = dict(model.named_modules())
     for name in units:
@@ -385,8 +404,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         return out
 
     def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
-        for p, g in zip(fsdp_params, unsharded_grads, strict=True):
-            _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
+        _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param)
         with _label(tracker, "FSDP reduce-scatter"):
             out = saved["reduce"](fsdp_params, unsharded_grads, *args, **kwargs)
         if spec.offload == "params":
@@ -412,6 +430,13 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         group_mod.foreach_all_gather = saved["all_gather"]
         group_mod.foreach_all_gather_copy_out = saved["copy_out"]
         group_mod.foreach_reduce = saved["reduce"]
+
+
+def _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param: dict[int, str]) -> None:
+    """FSDP's unsharded gradients as gradients of their parameters' owners. A function of its own, so no local of
+    the wrapper keeps the last gradient alive: FSDP frees them after copying them into the reduce-scatter input."""
+    for p, g in zip(fsdp_params, unsharded_grads, strict=True):
+        _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
 
 
 @contextlib.contextmanager
