@@ -1,6 +1,8 @@
-"""--ep (expert parallel, transformers' own base_model_ep_plan and AllToAllEP, with FSDP2): the traced per-rank peak
-(--target cpu) against the same step run for real as N gloo processes on this CPU, each rank measured with
-torch.profiler memory events (memest/validate/distributed_truth.py). Tolerance: 0.5% (issue 13).
+"""Mixture-of-experts models parallelised with transformers' own code: --ep (expert parallel, base_model_ep_plan and
+AllToAllEP, with FSDP2) and --tp (base_model_tp_plan with its MoE styles packed_colwise / moe_tp_experts, applied by
+transformers' apply_tensor_parallelism): the traced per-rank peak (--target cpu) against the same step run for real as
+N gloo processes on this CPU, each rank measured with torch.profiler memory events
+(memest/validate/distributed_truth.py). Tolerance: 0.5% (issue 13).
 
 What reaches a rank's experts depends on the router. The trace answers the all-to-all's split sizes with an
 assumption (uniform, or every rank's pairs to the traced rank); the real run gets router weights that make exactly
@@ -30,32 +32,59 @@ CASES = {
 }
 ROUTINGS = ("uniform", "one-rank")
 PARAMS = [(case, routing) for cases in CASES.values() for case in cases for routing in ROUTINGS]
+# tensor parallel with transformers' MoE styles: (model, world size, shard, precision), tp 2 each
+TP_CASES = {
+    2: [("hf:mixtral-tiny", 2, "none", "fp32"), ("hf:qwen3-moe-tiny", 2, "none", "bf16-mixed"),
+        ("hf:olmoe-tiny", 2, "none", "fp32")],
+    4: [("hf:mixtral-tiny", 4, "zero3", "fp32")],  # FSDP x TP 2 x 2
+}
+TP_PARAMS = [case for cases in TP_CASES.values() for case in cases]
 
 
 def _spec(case, routing) -> RunSpec:
     name, world_size, shard, precision = case
+    if routing == "tp":
+        return RunSpec(model=model_ref(name), batch=2, seq=32, optim="adamw", precision=precision, target="cpu",
+                       world_size=world_size, tp=2, shard=shard)
     return RunSpec(model=model_ref(name), batch=2, seq=32, optim="adamw", precision=precision, target="cpu",
                    world_size=world_size, ep=2, shard=shard, ep_routing=routing)
 
 
 def _id(param) -> str:
     (name, world_size, shard, precision), routing = param
-    return f"{name.removeprefix('hf:')}-ws{world_size}-ep2-{shard}-{precision}-{routing}"
+    what = "tp2" if routing == "tp" else f"ep2-{routing}"
+    return f"{name.removeprefix('hf:')}-ws{world_size}-{what}-{shard}-{precision}"
 
 
 @pytest.fixture(scope="module")
 def measured():
+    """Every case of one world size in one gloo launch (each rank runs them one after another)."""
     cache: dict[int, dict] = {}
 
     def get(case, routing) -> list[dict]:
         world_size = case[1]
         if world_size not in cache:
-            params = [(c, r) for c in CASES[world_size] for r in ROUTINGS]
+            params = [(c, r) for c in CASES[world_size] for r in ROUTINGS] + [(c, "tp") for c in TP_CASES[world_size]]
             peaks = measure_distributed_peaks([_spec(c, r) for c, r in params])
             cache[world_size] = dict(zip(params, peaks, strict=True))
         return cache[world_size][(case, routing)]
 
     return get
+
+
+def _lower_median(ranks: list[dict]) -> int:
+    peaks = sorted(r["peak_bytes"] for r in ranks)
+    return peaks[(len(peaks) - 1) // 2]
+
+
+@pytest.mark.parametrize("case", TP_PARAMS, ids=[_id((c, "tp")) for c in TP_PARAMS])
+def test_traced_rank_peak_matches_real_moe_tensor_parallel_run(case, measured):
+    spec = _spec(case, "tp")
+    trace = trace_step(load_source(spec.model), spec)
+    estimated, real = trace.peak()[0], _lower_median(measured(case, "tp"))
+    error = (estimated - real) / real
+    assert abs(error) <= REL_TOL, f"{_id((case, 'tp'))}: traced {estimated} B, measured {real} B ({100 * error:+.4f}%)"
+    assert "transformers' own tensor parallel" in trace.parallel and "TP 2" in trace.parallel
 
 
 @pytest.mark.parametrize("param", PARAMS, ids=[_id(p) for p in PARAMS])
@@ -66,8 +95,7 @@ def test_traced_rank_peak_matches_real_expert_parallel_run(param, measured):
     estimated = trace.peak()[0]
     ranks = measured(case, routing)
     if routing == "uniform":
-        peaks = sorted(r["peak_bytes"] for r in ranks)
-        real = peaks[(len(peaks) - 1) // 2]
+        real = _lower_median(ranks)
     else:
         real = min(r["peak_bytes"] for r in ranks if r["rank"] % spec.ep == 0)
         others = [r["peak_bytes"] for r in ranks if r["rank"] % spec.ep]
