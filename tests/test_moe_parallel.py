@@ -165,3 +165,22 @@ def test_experts_must_divide():
     spec = RunSpec(model=model_ref("hf:mixtral-tiny"), batch=2, seq=32, target="cpu", world_size=3, ep=3, shard="zero3")
     with pytest.raises(MemestError, match="8 experts per layer, not divisible by 3"):
         trace_step(load_source(spec.model), spec)
+
+
+# -- plan-parallel ---------------------------------------------------------------------------------
+def test_plan_parallel_searches_expert_parallel_for_moe_models():
+    from memest.plan.parallel import Layout, comm_bytes, layouts_for
+
+    mixtral = {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "hidden_size": 4096,
+               "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2}
+    assert [lay.ep for lay in layouts_for(8, mixtral) if lay.ep > 1] == [2, 4, 8]
+    assert all(lay.dp == 8 and lay.tp == 1 for lay in layouts_for(8, mixtral) if lay.ep > 1)
+    dense = {k: v for k, v in mixtral.items() if "expert" not in k}
+    assert all(lay.ep == 1 for lay in layouts_for(8, dense))
+    # EP 8 on 8 GPUs: one copy of each expert group, so the experts are not gathered; 4 all-to-alls per MoE layer,
+    # 7/8 of tokens x top-k rows leaving the rank
+    base = RunSpec(model="hf:mixtral-8x7b", batch=1, seq=100, precision="bf16-mixed")
+    experts = 32 * 8 * 3 * 4096 * 14336
+    psi = experts + 1_000_000
+    a2a = 32 * 4 * 100 * 2 * 4096 * 2 * 7 / 8
+    assert comm_bytes(Layout(dp=8, tp=1, pp=1, sp=False, ep=8), mixtral, base, psi) == int(a2a + 7 / 8 * 1_000_000 * 8)
