@@ -184,3 +184,20 @@ def test_plan_parallel_searches_expert_parallel_for_moe_models():
     psi = experts + 1_000_000
     a2a = 32 * 4 * 100 * 2 * 4096 * 2 * 7 / 8
     assert comm_bytes(Layout(dp=8, tp=1, pp=1, sp=False, ep=8), mixtral, base, psi) == int(a2a + 7 / 8 * 1_000_000 * 8)
+
+
+def test_run_configs_and_the_cli_take_ep(tmp_path):
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+    from memest.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: hf:mixtral-8x7b\nworld_size: 8\nep: 4\nshard: zero3\n")
+    spec = load_config(path).spec()
+    assert (spec.ep, spec.dp, spec.ep_routing) == (4, 8, "uniform")
+    path.write_text("model: hf:mixtral-8x7b\nep_routing: one-rank\n")
+    with pytest.raises(MemestError):  # the routing traced is not a user's key
+        load_config(path).spec()
+    result = CliRunner().invoke(app, ["estimate", "hf:mixtral-8x7b", "--world-size", "2", "--ep", "2"])
+    assert result.exit_code == 2 and "--shard zero3" in result.output
