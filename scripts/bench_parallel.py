@@ -120,11 +120,13 @@ def tiny_rows(only: str = "") -> list[str]:
     return rows
 
 
-def plan_rows() -> list[str]:
+def plan_rows(only: str = "") -> list[str]:
     from memest.app import run_plan_parallel
 
     rows = []
     for name, gpus in PLANS:
+        if only and only != name:
+            continue
         spec = dict(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda")
         start = time.perf_counter()
         run = run_plan_parallel(spec, gpus, "h100")
@@ -138,9 +140,10 @@ def plan_rows() -> list[str]:
                 continue
             weights, act = megatron_bytes(cfg, lay.tp, lay.pp, lay.dp, 1, 4096, lay.pp if lay.pp > 1 else None,
                                           distributed_optimizer=lay.dp > 1)
+            formula = f"{(weights + act) / 2**30:.1f}" if getattr(lay, "ep", 1) == 1 else "-"
             rows.append(
                 f"| {name} | {gpus} | {lay.name} | {lay.needed_bytes / 2**30:.1f} | {lay.verdict} | "
-                f"{lay.comm_bytes / 2**30:.1f} | {(weights + act) / 2**30:.1f} | {seconds:.0f} s; check {check_text} |"
+                f"{lay.comm_bytes / 2**30:.1f} | {formula} | {seconds:.0f} s; check {check_text} |"
             )
     return rows
 
@@ -150,6 +153,7 @@ def main() -> None:
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--skip-plans", action="store_true")
     parser.add_argument("--only", default="", help="measure only the tiny layouts whose label contains this text")
+    parser.add_argument("--plan-model", default="", help="plan only this model (llama-2-70b or mixtral-8x7b)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "parallel-results.md"))
     args = parser.parse_args()
     import torch
@@ -162,7 +166,7 @@ def main() -> None:
     if not args.skip_plans:
         lines += ["| model | GPUs | layout | memest need per rank (GiB) | verdict (H100 80 GB) | sent per rank per step (GiB) | "
                   "Megatron formula (GiB) | plan time; extrapolation check |",
-                  "|---|---|---|---|---|---|---|---|", *plan_rows(), ""]
+                  "|---|---|---|---|---|---|---|---|", *plan_rows(args.plan_model), ""]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
 
