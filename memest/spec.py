@@ -204,14 +204,17 @@ class RunSpec:
                 f"over ep of the data-parallel ranks (e.g. --world-size {self.ep}, or {2 * self.ep} for 2 copies of each "
                 "expert group)"
             )
-        if self.tp > 1 or self.pp > 1:
-            raise MemestError("--ep with --tp or --pp is not traced yet (expert x tensor/pipeline parallel); use --ep "
-                              "with data parallel alone")
+        if self.pp > 1:
+            raise MemestError("--ep with --pp is not traced yet (expert x pipeline parallel); use --ep with data or "
+                              "tensor parallel")
+        if self.ep % self.tp:
+            raise MemestError(f"--ep {self.ep} must be a multiple of --tp {self.tp} (transformers' DistributedConfig: the "
+                              "ranks of a TP group share a batch and each dispatches its slice)")
         if not self.training:
             raise MemestError(f"--ep is traced for training steps; drop it with --mode {self.mode}")
         if self.offload != "none":
             raise MemestError("--offload with --ep is not traced (not validated against a real run)")
-        if self.shard not in ("zero2", "zero3"):
+        if self.tp == 1 and self.shard not in ("zero2", "zero3"):  # with --tp, _check_model_parallel decides
             raise MemestError(
                 f"--ep {self.ep} runs as transformers shards it (DistributedConfig(fsdp_size=world, ep_size={self.ep})): the "
                 "dense weights with FSDP2 over every rank, each expert group's copies with FSDP2 over the rest; add "

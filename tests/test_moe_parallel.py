@@ -38,11 +38,18 @@ TP_CASES = {
         ("hf:olmoe-tiny", 2, "none", "fp32")],
     4: [("hf:mixtral-tiny", 4, "zero3", "fp32")],  # FSDP x TP 2 x 2
 }
+# expert x tensor parallel, ep 2 x tp 2: (model, world size, shard, precision); 2 ranks: the TP group is the EP group,
+# each rank dispatches its slice of the shared batch; 4 ranks: FSDP 2 x TP 2, EP 2 with 2 copies of each expert group
+EP_TP_CASES = {2: [("hf:mixtral-tiny", 2, "none", "fp32")], 4: [("hf:mixtral-tiny", 4, "zero3", "fp32")]}
+EP_TP_PARAMS = [(case, routing) for cases in EP_TP_CASES.values() for case in cases for routing in ROUTINGS]
 TP_PARAMS = [case for cases in TP_CASES.values() for case in cases]
 
 
 def _spec(case, routing) -> RunSpec:
     name, world_size, shard, precision = case
+    if routing.startswith("tp+"):  # expert x tensor parallel
+        return RunSpec(model=model_ref(name), batch=2, seq=32, optim="adamw", precision=precision, target="cpu",
+                       world_size=world_size, tp=2, ep=2, shard=shard, ep_routing=routing[3:])
     if routing == "tp":
         return RunSpec(model=model_ref(name), batch=2, seq=32, optim="adamw", precision=precision, target="cpu",
                        world_size=world_size, tp=2, shard=shard)
@@ -52,7 +59,7 @@ def _spec(case, routing) -> RunSpec:
 
 def _id(param) -> str:
     (name, world_size, shard, precision), routing = param
-    what = "tp2" if routing == "tp" else f"ep2-{routing}"
+    what = "tp2" if routing == "tp" else f"ep2-{routing}".replace("ep2-tp+", "tp2-ep2-")
     return f"{name.removeprefix('hf:')}-ws{world_size}-{what}-{shard}-{precision}"
 
 
@@ -65,6 +72,7 @@ def measured():
         world_size = case[1]
         if world_size not in cache:
             params = [(c, r) for c in CASES[world_size] for r in ROUTINGS] + [(c, "tp") for c in TP_CASES[world_size]]
+            params += [(c, f"tp+{r}") for c in EP_TP_CASES[world_size] for r in ROUTINGS]
             peaks = measure_distributed_peaks([_spec(c, r) for c, r in params])
             cache[world_size] = dict(zip(params, peaks, strict=True))
         return cache[world_size][(case, routing)]
@@ -85,6 +93,18 @@ def test_traced_rank_peak_matches_real_moe_tensor_parallel_run(case, measured):
     error = (estimated - real) / real
     assert abs(error) <= REL_TOL, f"{_id((case, 'tp'))}: traced {estimated} B, measured {real} B ({100 * error:+.4f}%)"
     assert "transformers' own tensor parallel" in trace.parallel and "TP 2" in trace.parallel
+
+
+@pytest.mark.parametrize("param", EP_TP_PARAMS, ids=[_id((c, "tp+" + r)) for c, r in EP_TP_PARAMS])
+def test_traced_rank_peak_matches_real_expert_x_tensor_parallel_run(param, measured):
+    case, routing = param
+    spec = _spec(case, "tp+" + routing)
+    trace = trace_step(load_source(spec.model), spec)
+    estimated, ranks = trace.peak()[0], measured(case, "tp+" + routing)
+    real = _lower_median(ranks) if routing == "uniform" else min(r["peak_bytes"] for r in ranks if r["rank"] % spec.ep == 0)
+    error = (estimated - real) / real
+    assert abs(error) <= REL_TOL, f"{_id((case, 'tp+' + routing))}: traced {estimated} B, measured {real} B; {ranks}"
+    assert "TP 2" in trace.parallel and "EP 2" in trace.parallel
 
 
 @pytest.mark.parametrize("param", PARAMS, ids=[_id(p) for p in PARAMS])
@@ -146,7 +166,8 @@ def test_estimate_reports_the_routing_range():
     [
         ({"world_size": 3, "ep": 2, "shard": "zero3"}, "not a multiple"),
         ({"world_size": 2, "ep": 2}, "add --shard zero3"),
-        ({"world_size": 4, "ep": 2, "tp": 2, "shard": "zero3"}, "not traced yet"),
+        ({"world_size": 4, "ep": 2, "pp": 2}, "not traced yet"),
+        ({"world_size": 4, "ep": 2, "tp": 4}, "multiple of --tp"),
         ({"world_size": 2, "ep": 2, "shard": "zero3", "mode": "inference"}, "training"),
     ],
 )

@@ -116,7 +116,7 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     if spec.pp > 1:
         return _pipeline(model, spec)
     if spec.tp > 1:
-        return _tensor_parallel(model, spec)
+        return _tensor_parallel(model, spec, fake)
     if spec.ep > 1:
         return _expert_parallel(model, spec, fake)
     if spec.shard in ("zero2", "zero3"):
@@ -133,18 +133,28 @@ def _pipeline(model: nn.Module, spec: RunSpec) -> Parallel:
     return Parallel(step, model, make_optimizer(spec, params), describe(step, spec), stage=step.module)
 
 
-def _tensor_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
+def _tensor_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """--tp: torch's parallelize_module on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension
-    when there is one (torch's 2-D FSDP x TP recipe; trace/tensor_parallel.py)."""
-    from . import tensor_parallel
+    when there is one (torch's 2-D FSDP x TP recipe; trace/tensor_parallel.py). With --ep, the experts by
+    transformers' expert parallel between the two (as transformers' maybe_distribute_model orders them)."""
+    from . import expert_parallel, tensor_parallel
 
     mesh = _mesh(spec.world_size, spec.tp)
     with _real_values():  # slicing reads the rank table
         tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     what = tensor_parallel.apply(model, spec, tp_mesh)
+    experts = None
+    if spec.ep > 1:
+        with _real_values():
+            ep_mesh, efsdp_mesh, _ = expert_parallel.meshes(spec)
+        names = expert_parallel.apply(model, spec, ep_mesh, tp_mesh, fake)
+        what = f"{what} x {expert_parallel.describe(spec, names)}"
+
+        def experts(kwargs):
+            expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kwargs)
     if spec.dp > 1:
         with _real_mesh_concatenation():
-            fsdp = _fsdp(model, spec, dp_mesh)
+            fsdp = _fsdp(model, spec, dp_mesh, experts=experts)
         fsdp.description = f"{what} x {fsdp.description} over DP {spec.dp}"
         return fsdp
     params = [p for p in model.parameters() if p.requires_grad]

@@ -37,7 +37,7 @@ IMPLEMENTATION = "memest_assumed_routing"  # registered with transformers' EPImp
 
 def ep_plan(model: nn.Module, spec: RunSpec) -> dict[str, str]:
     """transformers' resolved expert-parallel plan (one entry per module or parameter), as from_pretrained with
-    ``DistributedConfig(fsdp_size=world, ep_size=ep)`` resolves it (DistributedMixin._resolve_parallel_plans)."""
+    ``DistributedConfig(tp_size=tp, fsdp_size=dp, ep_size=ep)`` resolves it (DistributedMixin._resolve_parallel_plans)."""
     from transformers.distributed import DistributedConfig
 
     config = getattr(model, "config", None)
@@ -50,7 +50,7 @@ def ep_plan(model: nn.Module, spec: RunSpec) -> dict[str, str]:
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts and experts % spec.ep:
         raise MemestError(f"--ep {spec.ep}: the model has {experts} experts per layer, not divisible by {spec.ep}")
-    _, resolved, _ = model._resolve_parallel_plans(DistributedConfig(fsdp_size=spec.world_size, ep_size=spec.ep))
+    _, resolved, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp, ep_size=spec.ep))
     return resolved
 
 
@@ -94,7 +94,11 @@ def _register(spec: RunSpec) -> str:
         """transformers' AllToAllEP, its one value read (the split sizes) answered by the routing assumption."""
 
         def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
-            sizes = split_sizes(routing, top_k_index.numel(), self.ep_mesh.size(), self.ep_mesh.get_local_rank())
+            # with --tp the ranks of a TP group share the batch and each sends its slice (Replicate -> Shard(0))
+            rows = torch.arange(hidden_states.size(0), device="meta").chunk(self.tp_mesh.size())
+            local = rows[self.tp_mesh.get_local_rank()].numel() if self.tp_mesh.get_local_rank() < len(rows) else 0
+            pairs = local * top_k_index.size(-1)
+            sizes = split_sizes(routing, pairs, self.ep_mesh.size(), self.ep_mesh.get_local_rank())
             with _split_sizes_read(sizes):
                 return super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
 
@@ -124,14 +128,14 @@ def _split_sizes_read(sizes: list[list[int]]) -> Iterator[None]:
 
 def fsdp_experts(model: nn.Module, names: list[str], spec: RunSpec, efsdp_mesh, kwargs: dict) -> None:
     """Each experts module its own FSDP2 unit on the efsdp mesh, as transformers' apply_fully_sharded_data_parallelism
-    does with ep > 1 (its gradient covers every data-parallel rank's batch: divide by world, summed when efsdp > 1)."""
+    does with ep > 1 (its gradient covers every data-parallel rank's batch: divide by dp, summed when efsdp > 1)."""
     from torch.distributed.fsdp import fully_shard
 
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]
         fully_shard(module, **{**kwargs, "mesh": efsdp_mesh})
-        module.set_gradient_divide_factor(float(spec.world_size))
+        module.set_gradient_divide_factor(float(spec.dp))
         if spec.world_size // spec.ep > 1:
             module.set_force_sum_reduction_for_comms(True)
 

@@ -59,9 +59,11 @@ def tp_plan(model: nn.Module, spec: RunSpec) -> tuple[dict, str]:
         return _titan_plan(model, where, config), "torchtitan's Llama TP plan with sequence parallel (apply_tp)"
     unsupported = sorted({v for v in base.values() if v not in _TORCH_STYLE})
     if unsupported:  # transformers' own styles (MoE experts, packed gate/up): its own DTensor implementation
-        return _transformers_plan(model, spec), (
-            f"transformers' own tensor parallel (base_model_tp_plan with {', '.join(unsupported)}: "
-            "transformers.distributed.tensor_parallel)"
+        plan = _transformers_plan(model, spec)
+        styles = sorted(set(plan.values()) - _TORCH_STYLE - {"embedding_rowwise"})
+        return plan, (
+            f"transformers' own tensor parallel (base_model_tp_plan{' with ' + ', '.join(styles) if styles else ''}"
+            f"{', experts by --ep' if spec.ep > 1 else ''}: transformers.distributed.tensor_parallel)"
         )
     plan = _expand({where + k: v for k, v in base.items()}, model)
     head = _untied_head(model)
@@ -82,7 +84,8 @@ def _transformers_plan(model: nn.Module, spec: RunSpec) -> TransformersPlan:
 
     if not hasattr(model, "_resolve_parallel_plans"):
         raise MemestError(f"--tp {spec.tp}: {type(model).__name__} is not a transformers model with parallel plans")
-    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp))
+    # with --ep, transformers drops the TP rules of the experts (its EP rules take precedence)
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp, ep_size=spec.ep))
     return TransformersPlan(plan)
 
 
