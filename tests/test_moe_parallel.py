@@ -27,7 +27,8 @@ REL_TOL = 0.005
 
 # (model, world size, shard, precision); ep 2 each: EP 2 alone, and EP 2 x 2 copies of each expert group (efsdp 2)
 CASES = {
-    2: [("hf:mixtral-tiny", 2, "zero3", "fp32"), ("hf:qwen3-moe-tiny", 2, "zero2", "bf16-mixed")],
+    2: [("hf:mixtral-tiny", 2, "zero3", "fp32"), ("hf:qwen3-moe-tiny", 2, "zero2", "bf16-mixed"),
+        ("hf:qwen2-moe-tiny", 2, "zero3", "fp32"), ("hf:olmoe-tiny", 2, "zero3", "fp32")],  # Qwen2-MoE: a shared expert
     4: [("hf:mixtral-tiny", 4, "zero3", "fp32")],
 }
 ROUTINGS = ("uniform", "one-rank")

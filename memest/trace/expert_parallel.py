@@ -149,7 +149,7 @@ def describe(spec: RunSpec, names: list[str]) -> str:
 # -- real ground truth ---------------------------------------------------------------------------
 def route_as(model: nn.Module, spec: RunSpec) -> None:
     """Set the weights of a real model so its router makes ``spec.ep_routing``'s split for every token (the ground
-    truth of a routing assumption): the embedding's dimension 0 set to 1 and attention and expert outputs to 0, so
+    truth of a routing assumption): the embedding's dimension 0 set to 1 and attention and MLP/expert outputs to 0, so
     every MoE layer sees the embedding (dimension 0 positive after the norm); the router reads dimension 0 only,
     with a positive weight for the chosen experts: uniform, expert ``i`` of the top-k on rank ``i % ep``; one-rank,
     the top-k experts all on rank 0. Values change no allocation but the all-to-all's split sizes."""
@@ -165,7 +165,7 @@ def route_as(model: nn.Module, spec: RunSpec) -> None:
     with torch.no_grad():
         model.get_input_embeddings().weight[:, 0] = 1.0
         for name, p in model.named_parameters():
-            if name.endswith(("self_attn.o_proj.weight", "experts.down_proj")):
+            if name.endswith(("self_attn.o_proj.weight", "experts.down_proj", "down_proj.weight")):  # + shared experts
                 p.zero_()
             elif name.endswith("mlp.gate.weight"):
                 p.zero_()
