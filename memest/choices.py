@@ -182,6 +182,14 @@ class CudaGraphs(Choice):
     NONE = "none"  # --enforce-eager
 
 
+class ExpertRouting(Choice):
+    """--ep: how many of the routed (token, expert) pairs reach the traced rank (trace/expert_parallel.py). The real
+    split is data-dependent; an estimate traces both and reports them as its range. Not a user option."""
+
+    UNIFORM = "uniform"  # every rank receives 1/ep of every rank's pairs (the expected, balanced router)
+    ONE_RANK = "one-rank"  # every rank sends all its pairs to the traced rank (the high end)
+
+
 class OutputFormat(Choice):
     TABLE = "table"
     MARKDOWN = "markdown"

@@ -106,6 +106,8 @@ def estimate(
     sp: Annotated[bool, typer.Option("--sp", help="Sequence parallel with --tp (torchtitan's plan).")] = False,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline ranks (--world-size = pp x dp x tp); every one is "
                                     "reported.")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel ranks for MoE models (experts over ep of the "
+                                    "--world-size data-parallel ranks; with --shard zero3|zero2).")] = 1,
     pp_schedule: Annotated[PipelineSchedule, typer.Option("--pp-schedule", help="1f1b | gpipe | interleaved | looped-bfs "
                                                           "(torch.distributed.pipelining's schedules).")]
     = PipelineSchedule.ONE_F_ONE_B,
@@ -133,7 +135,7 @@ def estimate(
     spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
                 fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp,
+                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp, ep=ep,
                 pp_schedule=pp_schedule, pp_virtual=pp_virtual, microbatches=microbatches, pp_split=pp_split, lora=lora,
                 freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile)
 

@@ -34,8 +34,12 @@ class Estimate(EstimateViews):
         allocator replay's measured band (device/usage.py); expected == needed_bytes. cpu: no spread."""
         device = self.report.device
         if device is None:
-            return (self.needed_bytes,) * 3
-        return device.needed_bytes_low, device.needed_bytes_expected, device.needed_bytes_high
+            low, expected, high = (self.needed_bytes,) * 3
+        else:
+            low, expected, high = device.needed_bytes_low, device.needed_bytes_expected, device.needed_bytes_high
+        if self.report.expert_routing and high is not None:  # --ep: the high end of the routing, traced
+            high = max(high, *(r["needed_bytes_high"] for r in self.report.expert_routing))
+        return low, expected, high
 
     def fits(self, capacity: int | str) -> bool:
         """needed <= capacity, by definition, so "fits" and headroom (capacity - needed) never disagree.
@@ -64,6 +68,8 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
+    if spec.ep > 1:
+        return _routing_range(spec, calibration, source)
     if spec.pp == 1:
         return _estimate_one(spec, calibration, source)
     stages = [_estimate_one(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
@@ -76,6 +82,35 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     worst.report.trace_seconds = sum(e.report.trace_seconds for e in stages)
     worst.report.notes.insert(0, _stages_note(stages, worst))
     return worst
+
+
+def _routing_range(spec: RunSpec, calibration: dict | None, source) -> Estimate:
+    """--ep: what reaches a rank's experts depends on the router. Traced at the balanced split (every rank gets 1/ep
+    of every rank's (token, expert) pairs: the expected need) and with every rank sending all its pairs to this one
+    (the high end of the range); trace/expert_parallel.py."""
+    from .units import format_bytes
+
+    runs = {r: _estimate_one(dataclasses.replace(spec, ep_routing=r), calibration, source) for r in ("uniform", "one-rank")}
+    expected, high = runs["uniform"], runs["one-rank"]
+    expected.report.expert_routing = [
+        {"routing": r, "peak_allocated_bytes": e.report.peak_allocated_bytes, "needed_bytes": e.needed_bytes,
+         "needed_bytes_high": e.needed_range[2] if e.needed_range[2] is not None else e.needed_bytes,
+         "trace_seconds": e.report.trace_seconds}
+        for r, e in runs.items()
+    ]
+    expected.report.trace_seconds += high.report.trace_seconds
+    device, worst = expected.report.device, high.report.device
+    if device is not None and worst is not None:  # the range shown is the routing's too
+        for name in ("bytes_high", "needed_bytes_high", "reserved_bytes_high"):
+            a, b = getattr(device, name), getattr(worst, name)
+            setattr(device, name, None if a is None or b is None else max(a, b))
+    expected.report.notes.insert(0, (
+        f"expert parallel: the all-to-all's split is data-dependent (the router's choices); expected need traced with "
+        f"uniform routing (each rank receives 1/{spec.ep} of every rank's token-expert pairs: {format_bytes(expected.needed_bytes)}), "
+        f"the range's high end with every rank's pairs routed to this rank ({spec.ep} x tokens x top-k rows through its "
+        f"experts: {format_bytes(high.needed_bytes)})"
+    ))
+    return expected
 
 
 def _stages_note(stages: list[Estimate], worst: Estimate) -> str:

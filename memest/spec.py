@@ -8,6 +8,7 @@ from .choices import (
     Attention,
     Cache,
     CheckpointPolicy,
+    ExpertRouting,
     LossHead,
     Mode,
     Offload,
@@ -36,6 +37,7 @@ _CHOICE_FIELDS = {
     "outputs": (Outputs, "--outputs"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
+    "ep_routing": (ExpertRouting, "ep_routing"),
 }
 
 
@@ -80,6 +82,8 @@ class RunSpec:
     microbatches: int = 0  # --pp: micro-batches (of --batch) per step; 0 = --pp
     pp_split: str = ""  # --pp: layers per stage, e.g. "3,3,2" ("" = even)
     pp_stage: int = 0  # the stage traced (every stage is traced for a report; not a user option)
+    ep: int = 1  # expert-parallel ranks (trace/expert_parallel.py): MoE experts divided over ep of the dp ranks
+    ep_routing: ExpertRouting = ExpertRouting.UNIFORM  # --ep: the routing split traced (both are; not a user option)
     # fine-tuning (trace/finetune.py): peft LoRA ('' off; canonical r=..,alpha=..,dropout=..,targets=a,b),
     # parameters frozen by name pattern, the base's linear weights quantized as bitsandbytes stores them
     lora: str = ""
@@ -139,6 +143,7 @@ class RunSpec:
 
     def _check_model_parallel(self) -> None:
         self._check_pipeline()
+        self._check_expert_parallel()
         if self.tp < 1:
             raise MemestError(f"--tp must be at least 1, got {self.tp}")
         if self.sp and self.tp < 2:
@@ -197,6 +202,34 @@ class RunSpec:
             raise MemestError("--pp traces a training step of --microbatches micro-batches (drop --grad-accum, --loss-head, --mode)")
         if not 0 <= self.pp_stage < self.pp:
             raise MemestError(f"pipeline stage {self.pp_stage} is not one of the {self.pp} stages")
+
+    def _check_expert_parallel(self) -> None:
+        if self.ep < 1:
+            raise MemestError(f"--ep must be at least 1, got {self.ep}")
+        if self.ep == 1:
+            return
+        if self.world_size % self.ep:
+            raise MemestError(
+                f"--world-size {self.world_size} is not a multiple of --ep {self.ep}: expert parallel divides the experts "
+                f"over ep of the data-parallel ranks (e.g. --world-size {self.ep}, or {2 * self.ep} for 2 copies of each "
+                "expert group)"
+            )
+        if self.pp > 1:
+            raise MemestError("--ep with --pp is not traced yet (expert x pipeline parallel); use --ep with data or "
+                              "tensor parallel")
+        if self.ep % self.tp:
+            raise MemestError(f"--ep {self.ep} must be a multiple of --tp {self.tp} (transformers' DistributedConfig: the "
+                              "ranks of a TP group share a batch and each dispatches its slice)")
+        if not self.training:
+            raise MemestError(f"--ep is traced for training steps; drop it with --mode {self.mode}")
+        if self.offload != "none":
+            raise MemestError("--offload with --ep is not traced (not validated against a real run)")
+        if self.tp == 1 and self.shard not in ("zero2", "zero3"):  # with --tp, _check_model_parallel decides
+            raise MemestError(
+                f"--ep {self.ep} runs as transformers shards it (DistributedConfig(fsdp_size=world, ep_size={self.ep})): the "
+                "dense weights with FSDP2 over every rank, each expert group's copies with FSDP2 over the rest; add "
+                "--shard zero3 (or zero2)"
+            )
 
     @property
     def microbatches_per_step(self) -> int:

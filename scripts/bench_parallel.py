@@ -17,7 +17,7 @@ Megatron's formula: megatron/training/theoretical_memory_usage.py (NVIDIA/Megatr
 It describes Megatron's own training (bf16 weights with fp32 main grads, its kernels), not torch AMP +
 FSDP2 as memest traces; it is a peer, not a ground truth.
 
-Usage: python scripts/bench_parallel.py [--skip-real] [--skip-plans]
+Usage: python scripts/bench_parallel.py [--skip-real] [--skip-plans] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -48,6 +48,28 @@ TINY = [  # (label, config, RunSpec changes)
     ("PP 2 x 2 virtual x FSDP 2, interleaved 1F1B, M 4", "llama-tiny-4l",
      dict(world_size=4, pp=2, microbatches=4, pp_schedule="interleaved", shard="zero3")),
     ("PP 2 x FSDP 2 x TP 2, 1F1B, M 4", "llama-tiny-tp", dict(world_size=8, pp=2, microbatches=4, tp=2, shard="zero3")),
+    # MoE (transformers' own parallel code): TP with its MoE styles, EP at each routing assumption, the real run's
+    # router weights set to make that split (trace/expert_parallel.route_as)
+    ("Mixtral TP 2 (packed_colwise, moe_tp_experts)", "mixtral-tiny", dict(world_size=2, tp=2)),
+    ("Mixtral FSDP x TP 2 x 2", "mixtral-tiny", dict(world_size=4, tp=2, shard="zero3")),
+    ("Qwen3-MoE TP 2, bf16-mixed", "qwen3-moe-tiny", dict(world_size=2, tp=2, precision="bf16-mixed")),
+    ("Mixtral EP 2, uniform routing", "mixtral-tiny", dict(world_size=2, ep=2, shard="zero3")),
+    ("Mixtral EP 2, all pairs to rank 0", "mixtral-tiny", dict(world_size=2, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Mixtral EP 2 x 2 copies, uniform", "mixtral-tiny", dict(world_size=4, ep=2, shard="zero3")),
+    ("Mixtral EP 2 x 2 copies, all to rank 0", "mixtral-tiny", dict(world_size=4, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Mixtral TP 2 x EP 2, uniform", "mixtral-tiny", dict(world_size=2, tp=2, ep=2)),
+    ("Mixtral TP 2 x EP 2, all to rank 0", "mixtral-tiny", dict(world_size=2, tp=2, ep=2, ep_routing="one-rank")),
+    ("Mixtral FSDP 2 x TP 2 x EP 2, uniform", "mixtral-tiny", dict(world_size=4, tp=2, ep=2, shard="zero3")),
+    ("Mixtral FSDP 2 x TP 2 x EP 2, all to rank 0", "mixtral-tiny",
+     dict(world_size=4, tp=2, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Qwen2-MoE EP 2 (a shared expert), uniform", "qwen2-moe-tiny", dict(world_size=2, ep=2, shard="zero3")),
+    ("Qwen2-MoE EP 2 (a shared expert), all to rank 0", "qwen2-moe-tiny",
+     dict(world_size=2, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("OLMoE EP 2, uniform", "olmoe-tiny", dict(world_size=2, ep=2, shard="zero3")),
+    ("OLMoE EP 2, all to rank 0", "olmoe-tiny", dict(world_size=2, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Qwen3-MoE EP 2, bf16-mixed, uniform", "qwen3-moe-tiny", dict(world_size=2, ep=2, shard="zero2", precision="bf16-mixed")),
+    ("Qwen3-MoE EP 2, bf16-mixed, all to rank 0", "qwen3-moe-tiny",
+     dict(world_size=2, ep=2, shard="zero2", precision="bf16-mixed", ep_routing="one-rank")),
 ]
 PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
 
@@ -58,8 +80,8 @@ def megatron_bytes(cfg: dict, tp: int, pp: int, dp: int, batch: int, seq: int, m
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads = cfg["num_attention_heads"]
     groups = cfg.get("num_key_value_heads") or heads
-    ffn = cfg["intermediate_size"]
-    experts = cfg.get("num_local_experts") or 1
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
+    ffn = cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts > 1 else cfg["intermediate_size"]
     attn = 2 * h * h * (1 + groups / heads)
     layer = 2 * h * (ffn * experts * 3 / 2 + 1) + attn  # SwiGLU x 3/2, RMSNorm (1)
     block = layer * layers + h
@@ -87,7 +109,7 @@ def _config(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def tiny_rows() -> list[str]:
+def tiny_rows(only: str = "") -> list[str]:
     from memest.sources import load_source
     from memest.spec import RunSpec
     from memest.trace import trace_step
@@ -95,6 +117,8 @@ def tiny_rows() -> list[str]:
 
     rows = []
     for label, name, changes in TINY:
+        if only and only not in label:
+            continue
         spec = RunSpec(model=f"hf:{ROOT / 'tests' / 'configs' / (name + '.json')}", batch=2, seq=32, optim="adamw",
                        target="cpu", **changes)
         if spec.pp > 1 and spec.world_size == spec.pp:  # each stage in this process (pytorch#132644)
@@ -104,6 +128,7 @@ def tiny_rows() -> list[str]:
         cfg = _config(name)
         weights, act = megatron_bytes(cfg, spec.tp, spec.pp, spec.dp, spec.batch, spec.seq, spec.microbatches or None,
                                       distributed_optimizer=spec.dp > 1, virtual=spec.stages_per_rank if spec.pp > 1 else 1)
+        formula = f"{weights + act:,.0f} ({{:+.0f}}%)" if spec.ep == 1 else "- (not re-implemented for EP)"
         for stage in range(spec.pp):  # each pipeline rank's first rank (the only rank without a pipeline)
             one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
             traced = trace_step(load_source(spec.model), one).peak()[0]
@@ -113,16 +138,18 @@ def tiny_rows() -> list[str]:
             others = [x["peak_bytes"] for x in real[rank + 1 : rank + per_stage]] if len(real) == spec.world_size else []
             rows.append(
                 f"| {label} | {rank} | {measured:,} | {traced:,} | {100 * (traced - measured) / measured:+.3f}% | "
-                f"{weights + act:,.0f} ({100 * (weights + act - measured) / measured:+.0f}%) | {', '.join(map(str, others))} |"
+                f"{formula.format(100 * (weights + act - measured) / measured)} | {', '.join(map(str, others))} |"
             )
     return rows
 
 
-def plan_rows() -> list[str]:
+def plan_rows(only: str = "") -> list[str]:
     from memest.app import run_plan_parallel
 
     rows = []
     for name, gpus in PLANS:
+        if only and only != name:
+            continue
         spec = dict(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda")
         start = time.perf_counter()
         run = run_plan_parallel(spec, gpus, "h100")
@@ -136,9 +163,10 @@ def plan_rows() -> list[str]:
                 continue
             weights, act = megatron_bytes(cfg, lay.tp, lay.pp, lay.dp, 1, 4096, lay.pp if lay.pp > 1 else None,
                                           distributed_optimizer=lay.dp > 1)
+            formula = f"{(weights + act) / 2**30:.1f}" if getattr(lay, "ep", 1) == 1 else "-"
             rows.append(
                 f"| {name} | {gpus} | {lay.name} | {lay.needed_bytes / 2**30:.1f} | {lay.verdict} | "
-                f"{lay.comm_bytes / 2**30:.1f} | {(weights + act) / 2**30:.1f} | {seconds:.0f} s; check {check_text} |"
+                f"{lay.comm_bytes / 2**30:.1f} | {formula} | {seconds:.0f} s; check {check_text} |"
             )
     return rows
 
@@ -147,6 +175,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--skip-plans", action="store_true")
+    parser.add_argument("--only", default="", help="measure only the tiny layouts whose label contains this text")
+    parser.add_argument("--plan-model", default="", help="plan only this model (llama-2-70b or mixtral-8x7b)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "parallel-results.md"))
     args = parser.parse_args()
     import torch
@@ -155,11 +185,11 @@ def main() -> None:
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     if not args.skip_real:
         lines += ["| layout | rank | measured peak (B) | memest traced (B) | error | Megatron formula (B) | other ranks measured (B) |",
-                  "|---|---|---|---|---|---|---|", *tiny_rows(), ""]
+                  "|---|---|---|---|---|---|---|", *tiny_rows(args.only), ""]
     if not args.skip_plans:
         lines += ["| model | GPUs | layout | memest need per rank (GiB) | verdict (H100 80 GB) | sent per rank per step (GiB) | "
                   "Megatron formula (GiB) | plan time; extrapolation check |",
-                  "|---|---|---|---|---|---|---|---|", *plan_rows(), ""]
+                  "|---|---|---|---|---|---|---|---|", *plan_rows(args.plan_model), ""]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -55,11 +55,12 @@ class Layout:
     verdict: str = ""
     derived_from: str = ""
     error: str = ""
+    ep: int = 1  # expert parallel (MoE): experts over ep of the dp ranks (expert_layouts)
 
     @property
     def name(self) -> str:
         parts = [f"dp {self.dp}", f"tp {self.tp}" + (" + sp" if self.sp else ""), f"pp {self.pp}"]
-        return " x ".join(parts)
+        return " x ".join(parts) + (f" (ep {self.ep})" if self.ep > 1 else "")
 
     def command(self, model: str, base: RunSpec) -> str:
         flags = [f"--world-size {self.dp * self.tp * self.pp}"]
@@ -69,6 +70,8 @@ class Layout:
             flags.append("--shard zero3")
         if self.pp > 1:
             flags.append(f"--pp {self.pp}")
+        if self.ep > 1:
+            flags.append(f"--ep {self.ep}")
         return f"memest estimate {model} --batch {base.batch} --seq {base.seq} --precision {base.precision} --optim {base.optim} " + " ".join(flags)
 
 
@@ -108,7 +111,7 @@ def layouts_for(gpus: int, config: dict) -> list[Layout]:
         if gpus % tp or heads % tp or kv % tp:
             continue
         out.append(Layout(dp=gpus // tp, tp=tp, pp=1, sp=tp > 1))
-    return out + pipeline_layouts(gpus, config)
+    return out + pipeline_layouts(gpus, config) + expert_layouts(gpus, config)
 
 
 def pipeline_layouts(gpus: int, config: dict) -> list[Layout]:
@@ -125,12 +128,48 @@ def pipeline_layouts(gpus: int, config: dict) -> list[Layout]:
     return out
 
 
+# -- expert parallel (MoE) -------------------------------------------------------------------------
+# ep within one node, so the all-to-all stays on NVLink: transformers' suggestion (distributed/utils.py,
+# TransformersDeviceMesh: "default ep to node width (8 on most machines) so that all-to-all never leaves the node")
+EP_SIZES = (2, 4, 8)
+
+
+def _experts(config: dict) -> tuple[int, int]:
+    """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
+    return experts, config.get("num_experts_per_tok") or 0
+
+
+def expert_layouts(gpus: int, config: dict) -> list[Layout]:
+    """MoE models: FSDP over every GPU with the experts divided over ep of them (--ep; trace/expert_parallel.py)."""
+    experts, _ = _experts(config)
+    return [Layout(dp=gpus, tp=1, pp=1, sp=False, ep=ep) for ep in EP_SIZES if experts and not experts % ep and not gpus % ep]
+
+
+def expert_comm_bytes(layout: Layout, config: dict, base: RunSpec, act: int) -> tuple[int, int]:
+    """(bytes each rank sends per step in the all-to-alls, the routed experts' parameters). Per MoE layer 4
+    all-to-alls (dispatch and combine in the forward, their two in the backward) of tokens x top-k rows of the
+    hidden size, (ep - 1) / ep of them leaving the rank at uniform routing (transformers' AllToAllEP)."""
+    experts, top_k = _experts(config)
+    h = config["hidden_size"]
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
+    moe_layers = config["num_hidden_layers"] - (config.get("first_k_dense_replace") or 0)
+    tokens = base.batch * (base.seq or 1)
+    sent = moe_layers * 4 * tokens * top_k * h * act * (layout.ep - 1) / layout.ep
+    return int(sent), moe_layers * experts * 3 * h * inter
+
+
 def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) -> int:
     """Bytes each rank sends per step (module docstring)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     act = 2 if base.precision in ("bf16", "fp16", "bf16-mixed", "fp16-mixed") else 4
     tokens = base.batch * (base.seq or 1)
     total = 0
+    if layout.ep > 1:  # the experts' FSDP runs over dp / ep copies of each expert group, the rest over dp
+        sent, expert_params = expert_comm_bytes(layout, config, base, act)
+        copies = layout.dp // layout.ep
+        total += sent + (copies - 1) / copies * expert_params / layout.ep * (2 * act + 4)
+        param_count = max(param_count - expert_params, 0)
     if layout.dp > 1:  # a pipeline rank holds its stage's 1/pp of the parameters
         share = param_count / (layout.tp * layout.pp)
         frac = (layout.dp - 1) / layout.dp
@@ -169,11 +208,13 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
             depth = depth_per_stage * min(layout.pp, 2)
             spec = dataclasses.replace(
                 base, model=f"hf:{Path(tmp) / f'depth{depth}' / 'config.json'}",
-                world_size=layout.dp * layout.tp * layout.pp, tp=layout.tp, sp=layout.sp, pp=layout.pp,
+                world_size=layout.dp * layout.tp * layout.pp, tp=layout.tp, sp=layout.sp, pp=layout.pp, ep=layout.ep,
                 shard="zero3" if layout.dp > 1 else "none",
                 pp_split=",".join([str(depth_per_stage)] + ["0"] * (layout.pp - 2) + [str(depth_per_stage)]) if layout.pp > 1 else "",
             )
             src = source(depth)
+            if layout.ep > 1:  # the expected need: uniform routing (estimate's range adds the one-rank high end)
+                return _estimate_one(dataclasses.replace(spec, seq=spec.seq or src.default_seq), calibration, src)
             if layout.pp == 1:
                 return estimate(spec, calibration=calibration, source=src)
             # the first stage (embedding; 1F1B: the most micro-batches in flight, by the schedule's own order,
@@ -228,7 +269,12 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
             "the first and the last stage traced (middle stages hold fewer micro-batches of the same layers, as walking "
             "torch's Schedule1F1B order gives, and neither embedding nor head)"
         )
-    plan.notes.append("not searched: pipeline x sequence parallel, expert parallel, context parallel (not traced yet)")
+    if any(lay.ep > 1 for lay in plan.layouts):
+        plan.notes.append(
+            "expert-parallel layouts (ep): traced with uniform routing, the expected need; all tokens routed to one rank "
+            "needs more (memest estimate --ep shows that range); all-to-all volume at uniform routing"
+        )
+    plan.notes.append("not searched: pipeline x sequence parallel, expert x pipeline parallel, context parallel (not traced yet)")
     return plan
 
 

@@ -118,7 +118,7 @@ def summary_table(report: Report) -> Table:
     if report.sharding:
         sh = report.sharding
         table.add_row(
-            "parallel" if report.spec.get("tp", 1) > 1 or report.spec.get("pp", 1) > 1 else "data parallel",
+            "parallel" if max(report.spec.get(k, 1) for k in ("tp", "pp", "ep")) > 1 else "data parallel",
             f"rank {sh.get('rank', 0)} of {sh['world_size']}" + (f", {sh['parallel']}" if sh.get("parallel") else "")
             + f"; effective batch {report.effective_batch}",
         )

@@ -132,7 +132,9 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     if spec.pp > 1:
         return _pipeline(model, spec)
     if spec.tp > 1:
-        return _tensor_parallel(model, spec)
+        return _tensor_parallel(model, spec, fake)
+    if spec.ep > 1:
+        return _expert_parallel(model, spec, fake)
     if spec.shard in ("zero2", "zero3"):
         return _fsdp(model, spec)
     return _ddp(model, spec, fake)
@@ -181,22 +183,47 @@ def _pipeline_mesh(spec: RunSpec):
                                 backend_override={"pp": "fake"})
 
 
-def _tensor_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
+def _tensor_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """--tp: torch's parallelize_module on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension
-    when there is one (torch's 2-D FSDP x TP recipe; trace/tensor_parallel.py)."""
-    from . import tensor_parallel
+    when there is one (torch's 2-D FSDP x TP recipe; trace/tensor_parallel.py). With --ep, the experts by
+    transformers' expert parallel between the two (as transformers' maybe_distribute_model orders them)."""
+    from . import expert_parallel, tensor_parallel
 
     mesh = _mesh(spec.world_size, spec.tp)
     with _real_values():  # slicing reads the rank table
         tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     what = tensor_parallel.apply(model, spec, tp_mesh)
+    experts = None
+    if spec.ep > 1:
+        with _real_values():
+            ep_mesh, efsdp_mesh, _ = expert_parallel.meshes(spec)
+        names = expert_parallel.apply(model, spec, ep_mesh, tp_mesh, fake)
+        what = f"{what} x {expert_parallel.describe(spec, names)}"
+
+        def experts(kwargs):
+            expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kwargs)
     if spec.dp > 1:
         with _real_mesh_concatenation():
-            fsdp = _fsdp(model, spec, dp_mesh)
+            fsdp = _fsdp(model, spec, dp_mesh, experts=experts)
         fsdp.description = f"{what} x {fsdp.description} over DP {spec.dp}"
         return fsdp
     params = [p for p in model.parameters() if p.requires_grad]
     return Parallel(model, model, make_optimizer(spec, params), what)
+
+
+def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+    """--ep: transformers' expert parallel on its expert mesh, its experts modules FSDP2 units on the efsdp mesh,
+    then FSDP2 on every rank for the rest (trace/expert_parallel.py)."""
+    from . import expert_parallel
+
+    with _real_values():  # meshes read their rank tables
+        ep_mesh, efsdp_mesh, tp_mesh = expert_parallel.meshes(spec)
+    names = expert_parallel.apply(model, spec, ep_mesh, tp_mesh, fake)
+    with _real_mesh_concatenation():  # FSDP joins the efsdp and ep meshes of the experts' DTensors
+        fsdp = _fsdp(model, spec, experts=lambda kw: expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kw))
+    fsdp.units = names + fsdp.units
+    fsdp.description = f"{expert_parallel.describe(spec, names)} x {fsdp.description} (+ {len(names)} expert units)"
+    return fsdp
 
 
 @contextlib.contextmanager
@@ -218,7 +245,7 @@ def _real_mesh_concatenation() -> Iterator[None]:
         DeviceMesh._concatenate = original
 
 
-def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, units: list[str] | None = None) -> Parallel:
+def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, units: list[str] | None = None, experts=None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if spec.optim == "adafactor":  # the real run fails the same way
@@ -236,6 +263,8 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, units: list[str] | None = 
         kwargs["offload_policy"] = OffloadPolicy()
     if spec.mixed:  # gather and compute in 16-bit, reduce gradients in fp32 (fp32 master shards)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=HALF[spec.precision], reduce_dtype=torch.float32)
+    if experts is not None:  # --ep: the experts modules first, on their own mesh
+        experts(kwargs)
     units = repeated_blocks(model) if units is None else units
     modules = dict(model.named_modules())
     for name in units:
@@ -435,8 +464,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         return out
 
     def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
-        for p, g in zip(fsdp_params, unsharded_grads, strict=True):
-            _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
+        _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param)
         with _label(tracker, "FSDP reduce-scatter"):
             out = saved["reduce"](fsdp_params, unsharded_grads, *args, **kwargs)
         if spec.offload == "params":
@@ -462,6 +490,13 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         group_mod.foreach_all_gather = saved["all_gather"]
         group_mod.foreach_all_gather_copy_out = saved["copy_out"]
         group_mod.foreach_reduce = saved["reduce"]
+
+
+def _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param: dict[int, str]) -> None:
+    """FSDP's unsharded gradients as gradients of their parameters' owners. A function of its own, so no local of
+    the wrapper keeps the last gradient alive: FSDP frees them after copying them into the reduce-scatter input."""
+    for p, g in zip(fsdp_params, unsharded_grads, strict=True):
+        _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
 
 
 @contextlib.contextmanager

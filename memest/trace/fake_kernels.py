@@ -23,6 +23,12 @@ which the CPU kernel allocates too), but the op is tagged ``dynamic_output_shape
 FakeTensorMode refuses every such op before looking for one. Its output shapes depend on its
 ``target_lengths`` argument, a list of ints the fake step has, not on tensor values; the kernel here
 allocates what that meta kernel does.
+
+``IndexBackward0`` (the gradient of ``x[index_tensor]``; transformers' MoE dispatch, any gather by index):
+autograd's formula (torch/csrc/autograd/FunctionsManual.cpp, ``index_backward``) scatters the gradient into its
+zeros in place (``at::_index_put_impl_``), but for tensor subclasses, fake tensors included, it takes the
+out-of-place ``zeros_like_self.index_put(indices, grad, true)``: a second buffer of the input's size the real
+step never makes. ``OUTPUTS`` answers that call as the real one (in place on the zeros), only inside IndexBackward0.
 """
 
 from __future__ import annotations
@@ -148,3 +154,17 @@ def _forget_cached(ops) -> None:
         return
     for key in [k for k in cache if getattr(k, "key", None) and k.key[0] in ops]:
         cache.pop(key, None)
+
+
+def _index_backward_in_place(args, kwargs, out, run):
+    """aten.index_put (out of place) called by autograd's index_backward on fake tensors: the real formula's
+    ``_index_put_impl_`` works in the zeros it was given (module docstring)."""
+    node = torch._C._current_autograd_node()
+    if node is None or node.name() != "IndexBackward0":
+        return out
+    run(torch.ops.aten.index_put_.default, *args, **kwargs)
+    return args[0]
+
+
+# aten op -> fn(args, kwargs, out, run): outputs the real step makes differently (StorageTracker.outputs)
+OUTPUTS = {torch.ops.aten.index_put.default: _index_backward_in_place}

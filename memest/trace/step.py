@@ -65,6 +65,7 @@ with imports_without_gc():
     from .devices import DeviceRequests, traced_device
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
+    from .fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
     from .fake_kernels import real_fake_kernels
     from .finetune import apply_finetune
     from .inference import check_generate, run_generate, run_inference
@@ -504,6 +505,7 @@ def _track_storages(step: _Step) -> None:
     else:  # --target cpu: oneDNN's workspaces and scratch (trace/cpu/)
         scratch, outputs, step.cpu_conv = cpu_kernels()
         kernels = {"scratch": scratch, "outputs": outputs}
+    kernels["outputs"] = {**FAKE_KERNEL_OUTPUTS, **kernels["outputs"]}  # both targets: autograd's subclass-only paths
     step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, **kernels)
     if parallel is not None:
         from . import distributed

@@ -18,6 +18,13 @@ Plans (module name -> parallel style), for transformers decoder models:
                  the head column-wise from sequence shards with a replicated output (no loss parallel:
                  transformers computes the loss on whole logits).
 
+  --tp N         on a plan with transformers' own styles (the MoE families: Mixtral, Qwen2/3-MoE, OLMoE,
+  (MoE plans)    DeepSeek-V3: ``packed_colwise`` for the experts' fused gate/up weight, ``moe_tp_experts`` for the
+                 experts module, ``replicated_with_grad_allreduce``, ``rowwise_split_input``): transformers' own
+                 tensor parallel (transformers/distributed/tensor_parallel.py, DTensor styles; the plan resolved as
+                 from_pretrained(distributed_config=DistributedConfig(tp_size, fsdp_size)) does, embedding
+                 vocabulary-sharded, ``apply_tensor_parallelism``), which runs on the fake process group as on gloo.
+
 A model without such a plan is refused with the reason (model files: the plan would be theirs to write).
 """
 
@@ -51,16 +58,35 @@ def tp_plan(model: nn.Module, spec: RunSpec) -> tuple[dict, str]:
     if spec.sp:
         return _titan_plan(model, where, config), "torchtitan's Llama TP plan with sequence parallel (apply_tp)"
     unsupported = sorted({v for v in base.values() if v not in _TORCH_STYLE})
-    if unsupported:
-        raise MemestError(
-            f"--tp {spec.tp}: {type(model).__name__}'s base_model_tp_plan uses {', '.join(unsupported)}, which torch's "
-            "ColwiseParallel/RowwiseParallel do not express (transformers' own kernels); not traced"
+    if unsupported:  # transformers' own styles (MoE experts, packed gate/up): its own DTensor implementation
+        plan = _transformers_plan(model, spec)
+        styles = sorted(set(plan.values()) - _TORCH_STYLE - {"embedding_rowwise"})
+        return plan, (
+            f"transformers' own tensor parallel (base_model_tp_plan{' with ' + ', '.join(styles) if styles else ''}"
+            f"{', experts by --ep' if spec.ep > 1 else ''}: transformers.distributed.tensor_parallel)"
         )
     plan = _expand({where + k: v for k, v in base.items()}, model)
     head = _untied_head(model)
     if head and (getattr(model, "_tp_plan", None) or {}).get(head) == "colwise_gather_output":
         plan[head] = "colwise_gather_output"
     return {k: _style(v) for k, v in plan.items()}, "transformers' base_model_tp_plan with torch's ColwiseParallel/RowwiseParallel"
+
+
+class TransformersPlan(dict):
+    """A plan of transformers' style names, applied with transformers' ``apply_tensor_parallelism``."""
+
+
+def _transformers_plan(model: nn.Module, spec: RunSpec) -> TransformersPlan:
+    """transformers' resolved TP plan (the config's base_model_tp_plan, the vocabulary-sharded embedding and the
+    model's head rule; one entry per module or parameter), as from_pretrained with ``DistributedConfig(tp_size=tp,
+    fsdp_size=dp)`` resolves it (DistributedMixin._resolve_parallel_plans)."""
+    from transformers.distributed import DistributedConfig
+
+    if not hasattr(model, "_resolve_parallel_plans"):
+        raise MemestError(f"--tp {spec.tp}: {type(model).__name__} is not a transformers model with parallel plans")
+    # with --ep, transformers drops the TP rules of the experts (its EP rules take precedence)
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp, ep_size=spec.ep))
+    return TransformersPlan(plan)
 
 
 def _check_heads(config, tp: int) -> None:
@@ -157,6 +183,11 @@ def apply(model: nn.Module, spec: RunSpec, mesh) -> str:
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan, what = tp_plan(model, spec)
+    if isinstance(plan, TransformersPlan):
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        apply_tensor_parallelism(model, mesh, plan)
+        return f"{what}, TP {spec.tp}"
     parallelize_module(model, mesh, plan)
     if spec.sp:
         _whole_positions(model)

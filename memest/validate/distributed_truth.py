@@ -131,6 +131,10 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     del built
+    if spec.ep > 1:  # weights that make the router split the pairs as the traced assumption says
+        from ..trace.expert_parallel import route_as
+
+        route_as(model, spec)
     # wrapped before: FSDP and TP replace the parameters, a pipeline stage drops the other stages' layers
     fsdp = spec.shard in ("zero2", "zero3") or spec.tp > 1 or spec.pp > 1
     # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
