@@ -1,7 +1,8 @@
 """Goal benchmark (issue 12): LoRA and QLoRA of 7-8B models, memest's estimates beside published figures.
 
 1. Estimates: Llama-3.1-8B, Qwen2.5-7B and Mistral-7B with LoRA (bf16 base, r=16 on every linear layer,
-   peft) and QLoRA (the same adapters on an NF4 base with double quantization, bitsandbytes' layout), batch 1,
+   peft), QLoRA (the same adapters on an NF4 base with double quantization, bitsandbytes' layout) and LoRA on an
+   LLM.int8 base (bitsandbytes' Linear8bitLt, trace/quant_int8.py), batch 1,
    seq 512 / 2048 / 4096, gradient checkpointing, AdamW, HF Trainer's loop (--outputs freed), --target cuda
    (H100 kernels, flash attention): needed device memory with its range.
 2. Published: unsloth's README table "Llama 3.1 (8B) max. context length" (QLoRA, all linear layers, rank 32,
@@ -74,7 +75,8 @@ def _estimate(model: str, **fields) -> dict:
 def estimates(models: list[str], seqs: list[int]) -> list[dict]:
     rows = []
     for model in models:
-        for method, fields in (("LoRA bf16", {"lora": LORA16}), ("QLoRA nf4", {"lora": LORA16, "quant": "nf4"})):
+        for method, fields in (("LoRA bf16", {"lora": LORA16}), ("QLoRA nf4", {"lora": LORA16, "quant": "nf4"}),
+                               ("LoRA int8", {"lora": LORA16, "quant": "int8"})):
             for seq in seqs:
                 row = _estimate(model, seq=seq, optim="adamw", **fields)
                 rows.append({"model": model, "method": method, "seq": seq,
@@ -110,23 +112,34 @@ def unsloth_rows(grid: list[int]) -> dict:
 
 
 def cpu_truth() -> list[dict]:
+    """tests/test_finetune.py's cases, and tests/test_quant_int8.py's (--quant int8 against real bitsandbytes
+    Linear8bitLt layers under peft's own bnb LoRA layer: the real run swaps memest's stand-in for them)."""
     from memest.sources import load_source
     from memest.spec import RunSpec
-    from memest.trace import trace_step
+    from memest.trace import quant_int8, trace_step
     from memest.validate.cpu_truth import measure_cpu_peak
     from tests.conftest import model_ref
     from tests.test_finetune import CASES
+    from tests.test_quant_int8 import CASES as INT8_CASES
+    from tests.test_quant_int8 import _quantize_for_real
 
     rows = []
-    for name, extra in CASES:
+    stand_in = quant_int8.quantize_linears
+    cases = [(name, extra, False) for name, extra in CASES] + [(n, e | {"quant": "int8"}, True) for n, e in INT8_CASES]
+    for name, extra, real_bnb in cases:
         extra = dict(extra)
         ref = model_ref(name)
         spec = RunSpec(model=ref, batch=2, seq=32, optim=extra.pop("optim", "adamw"), target="cpu", **extra)
         source = load_source(ref)
         estimated = trace_step(source, spec).peak()[0]
-        real = measure_cpu_peak(source, spec)["peak_bytes"]
+        quant_int8.quantize_linears = _quantize_for_real if real_bnb else stand_in
+        try:
+            real = measure_cpu_peak(source, spec)["peak_bytes"]
+        finally:
+            quant_int8.quantize_linears = stand_in
         rows.append({"model": name, "options": extra | {"optim": spec.optim.value}, "estimated": estimated,
-                     "measured": real, "error_pct": 100 * (estimated - real) / real})
+                     "measured": real, "error_pct": 100 * (estimated - real) / real,
+                     "real_run": "bitsandbytes Linear8bitLt + peft" if real_bnb else "peft"})
     return rows
 
 
@@ -134,8 +147,27 @@ def _fmt_seq(x: float | None) -> str:
     return "beyond the grid" if x is None else f"{x:,.0f}"
 
 
+def _int8_reading(rows: list[dict]) -> str:
+    """What the int8 rows say against the bf16 LoRA rows, with the traced numbers."""
+    by = {(r["model"], r["method"], r["seq"]): r["needed"] for r in rows}
+    longest = max(r["seq"] for r in rows)
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        bf16, int8 = by.get((model, "LoRA bf16", longest)), by.get((model, "LoRA int8", longest))
+        short_bf16, short_int8 = by.get((model, "LoRA bf16", 512)), by.get((model, "LoRA int8", 512))
+        if None not in (bf16, int8, short_bf16, short_int8):
+            parts.append(f"{model} {(short_int8 - short_bf16) / GiB:+.2f} GiB at 512, {(int8 - bf16) / GiB:+.2f} GiB "
+                         f"at {longest}")
+    return ("Reading (int8 against the bf16 LoRA rows: " + "; ".join(parts) + "): the int8 base halves the linear "
+            "weights, but bitsandbytes' MatMul8bitLt keeps each quantized layer's input as a ctx attribute "
+            "(`ctx.tensors = (CAt, subA, A)`), which gradient checkpointing does not drop — for a Llama-style layer "
+            "the attention input, o_proj's, the MLP input and down_proj's, held for every layer until its backward — "
+            "so the saving shrinks as the sequence grows and can turn into a cost. Checked on CPU against real "
+            "bitsandbytes layers under checkpointing (tests/test_quant_int8.py); not measured on a GPU.")
+
+
 def write_markdown(doc: dict, path: Path) -> None:
-    lines = ["# Fine-tuning: LoRA and QLoRA of 7-8B models", "",
+    lines = ["# Fine-tuning: LoRA, QLoRA and int8-LoRA of 7-8B models", "",
              f"memest {doc['memest_version']}, torch {doc['torch']}, transformers {doc['transformers']}, "
              f"peft {doc['peft']}; `python scripts/bench_finetune.py` (this run {doc['seconds']:.0f} s on this "
              "machine's 2 cores, estimates already in benchmarks/finetune-cache.jsonl reused; each trace's own time "
@@ -144,12 +176,16 @@ def write_markdown(doc: dict, path: Path) -> None:
              "## memest's estimates", "",
              f"Batch 1, `--precision bf16 --checkpointing blocks --outputs freed --optim adamw --target cuda` "
              f"(H100 kernels, flash attention), LoRA `{LORA16}` (peft), QLoRA: the same on an NF4 base with double "
-             "quantization (bitsandbytes' layout, modelled). Needed = the smallest budget the step runs in "
+             "quantization (bitsandbytes' layout, modelled); LoRA int8: the same on an LLM.int8 base (`--quant int8`, "
+             "bitsandbytes' Linear8bitLt as transformers' load_in_8bit builds it, threshold 6.0, modelled: "
+             "trace/quant_int8.py; outlier columns are data-dependent and traced as none, each adds one input column "
+             "per layer held until backward). Needed = the smallest budget the step runs in "
              "(expected, and the range's low-high).", "",
              "| model | method | trainable | seq | needed | range | peak allocated |", "|---|---|---:|---:|---:|---|---:|"]
     for r in doc["estimates"]:
         lines.append(f"| {r['model']} | {r['method']} | {r['trainable']:,} | {r['seq']} | {r['needed'] / GiB:.2f} GiB | "
                      f"{r['needed_low'] / GiB:.2f}-{r['needed_high'] / GiB:.2f} GiB | {r['peak_allocated'] / GiB:.2f} GiB |")
+    lines += ["", _int8_reading(doc["estimates"])]
     u = doc["unsloth"]
     lines += ["", "## Against published runs", "", f"Source: {UNSLOTH}.", "",
               "memest: `hf:llama-3.1-8b --lora " + LORA32 + " --quant nf4 --precision bf16 --optim adam8bit "
@@ -185,16 +221,25 @@ def write_markdown(doc: dict, path: Path) -> None:
               "7B LoRA 16-bit 16GB, QLoRA 4-bit 6GB — rounded estimates, not measurements.",
               "- peft's torchtune comparison (huggingface/peft, Llama3-8B-Instruct QLoRA on an RTX 4090, bitsandbytes "
               "0.43.3, nf4 + double quantization, bf16; torchtune's bb_8B_qlora_single_device.yaml): PEFT + "
-              "bitsandbytes ~20-21 GiB without activation checkpointing; ~8 GiB at batch 1, sequence 32.", ""]
+              "bitsandbytes ~20-21 GiB without activation checkpointing; ~8 GiB at batch 1, sequence 32.",
+              "- LLM.int8 (8-bit base + LoRA): Hugging Face's trl-peft blog (huggingface.co/blog/trl-peft, Dec 2022): "
+              "1 GB per billion parameters for an int8 model's weights, and gpt-neox-20b in 8-bit + LoRA trained on a "
+              "24 GB RTX 4090 — weights arithmetic and a fits claim, no step measurement. peft's GPU test suite "
+              "(tests/test_gpu_examples.py, test_causal_lm_training: facebook/opt-6.7b load_in_8bit, LoRA r=16 on "
+              "q_proj,v_proj, batch 4, short english_quotes sequences, fp16) runs on a 16 GB T4 — a fits claim, "
+              "sequence length unpublished. No published 7-8B int8 LoRA memory measurement at a stated sequence "
+              "length was found.", ""]
     errors = [abs(r["error_pct"]) for r in doc["cpu_truth"]]
     lines += ["## CPU ground truth for the LoRA cases", "",
-              "tests/test_finetune.py's cases: the same step run for real on CPU with peft, measured with torch.profiler "
-              f"memory events (validate/cpu_truth.py), `--target cpu`. Max |error| {max(errors):.3f}%, median "
-              f"{sorted(errors)[len(errors) // 2]:.3f}%.", "",
-              "| model | options | estimated | measured | error |", "|---|---|---:|---:|---:|"]
+              "tests/test_finetune.py's and tests/test_quant_int8.py's cases: the same step run for real on CPU with "
+              "peft, measured with torch.profiler memory events (validate/cpu_truth.py), `--target cpu`; the int8 cases "
+              "run real bitsandbytes Linear8bitLt layers (bitsandbytes' CPU training path, MatMul8bitFp) under peft's "
+              f"own LoRA layer for them. Max |error| {max(errors):.3f}%, median {sorted(errors)[len(errors) // 2]:.3f}%.",
+              "", "| model | options | real run | estimated | measured | error |", "|---|---|---|---:|---:|---:|"]
     for r in doc["cpu_truth"]:
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
-        lines.append(f"| {r['model']} | {opts} | {r['estimated']:,} | {r['measured']:,} | {r['error_pct']:+.3f}% |")
+        lines.append(f"| {r['model']} | {opts} | {r.get('real_run', 'peft')} | {r['estimated']:,} | {r['measured']:,} | "
+                     f"{r['error_pct']:+.3f}% |")
     path.write_text("\n".join(lines) + "\n")
 
 
