@@ -166,6 +166,70 @@ def _int8_reading(rows: list[dict]) -> str:
             "bitsandbytes layers under checkpointing (tests/test_quant_int8.py); not measured on a GPU.")
 
 
+ERA = ROOT / "benchmarks" / "finetune-era.json"
+
+
+def _slope(grid: list[dict]) -> float:
+    """Bytes per token between the second and the last traced point."""
+    return (grid[-1]["needed"] - grid[1]["needed"]) / (grid[-1]["seq"] - grid[1]["seq"])
+
+
+def _era_section(today: dict, pub_slope: float) -> list[str]:
+    """The unsloth comparison traced with the published run's transformers / peft and two precisions
+    (scripts/bench_finetune_era.py -> benchmarks/finetune-era.json), when that file exists."""
+    if not ERA.exists():
+        return []
+    era = json.loads(ERA.read_text())
+    same, mixed = era["variants"]["bf16"], era["variants"]["bf16-mixed"]
+    diff = max(abs(a["needed"] - b["needed"]) / b["needed"] for a, b in zip(same["grid"], today["grid"], strict=True))
+    lines = ["", "### Two candidate causes, traced", "",
+             f"`python scripts/bench_finetune_era.py` traces the same step with transformers {era['transformers']} "
+             f"and peft {era['peft']} (current when the table was published, December 2024; peft's own LoRA layer "
+             "for Linear4bit) in a child process:", "",
+             f"1. **The library version: ruled out.** Same settings (bf16): needed within {100 * diff:.1f}% of "
+             "today's at every traced point. That transformers computes the loss as `logits.float()[..., :-1, "
+             ":].contiguous()` — one more fp32 copy of the logits than transformers 5 (0.49 MiB per token) — but the "
+             "copy is gone before the step's peak (the log-softmax backward, as today).",
+             f"2. **The precision of the non-quantized weights: it closes the gap.** "
+             f"{mixed['meaning']}: `--precision bf16-mixed`. fp32 embeddings and head (+2 GiB) and an fp32 residual "
+             "stream (the checkpointed layer inputs twice as large); the slope becomes "
+             f"{_slope(mixed['grid']) / 2**20:.2f} MiB per token against the published {pub_slope / 2**20:.2f} "
+             f"(bf16: {_slope(same['grid']) / 2**20:.2f}):", "",
+             "| card | published | memest bf16-mixed, N·10⁹ B | N GiB | memest vs published |", "|---|---:|---:|---:|---|"]
+    first = mixed["grid"][0]
+    for r in mixed["rows"]:
+        lo, hi = r["memest_gb_decimal"], r["memest_gb_binary"]
+        cells = [f"< {first['seq']:,}" if x is None and budget < first["needed"] else _fmt_seq(x)
+                 for x, budget in ((lo, r["card_gb"] * 10**9), (hi, r["card_gb"] * GiB))]
+        vs = "-" if lo is None else f"{100 * (lo - r['published']) / r['published']:+.0f}% to " + (
+            "?" if hi is None else f"{100 * (hi - r['published']) / r['published']:+.1f}%")
+        lines.append(f"| {r['card_gb']} GB | {r['published']:,} | {cells[0]} | {cells[1]} | {vs} |")
+    traced = ", ".join(f"{p['seq']:,}" for p in mixed["grid"])
+    lines += ["", f"These rows interpolate linearly between traced points ({traced}), and the needed memory is not "
+              "linear between them (the allocator replay places multi-GiB fp32 logits blocks differently at each "
+              "length): the interpolation is not evidence at this precision. Traced directly at each published "
+              "length instead, memest's expected need against the card:",
+              "", "| card | published length | memest needed (bf16-mixed) | against N GiB | against N·10⁹ B |",
+              "|---|---:|---:|---:|---:|"]
+    checks = mixed.get("checks", [])
+    for c in checks:
+        cells = [f"{100 * (c['needed'] - budget) / budget:+.1f}%" for budget in (c["card_gb"] * GiB, c["card_gb"] * 10**9)]
+        lines.append(f"| {c['card_gb']} GB | {c['seq']:,} | {c['needed'] / GiB:.2f} GiB | {cells[0]} | {cells[1]} |")
+    if checks:
+        off = [100 * (c["needed"] - b) / b for c in checks for b in (c["card_gb"] * GiB, c["card_gb"] * 10**9)]
+        lines += ["", f"At the lengths the run reached, memest's bf16-mixed need is {min(off):+.0f}% to {max(off):+.0f}% "
+                  "of the card (negative: room left): the published boundary lies where memest puts the card's limit, "
+                  "give or take that band. With pure bf16 it does not: memest's traced 4,096-token step needs "
+                  f"{same['grid'][1]['needed'] / GiB:.2f} GiB there, under a 16 GB card, where the run stopped at 2,551."]
+    lines += ["", "Which precision the run used is not published; unsloth's notebooks pass `bf16 = is_bfloat16_supported()` "
+              "to TrainingArguments (autocast), and trl's SFTTrainer runs prepare_model_for_kbit_training on a 4-bit "
+              "model (fp32 non-quantized weights): the bf16-mixed side. No parameter was fitted to the table: "
+              "bf16-mixed is the ordinary memest option for what such a run holds. Not traced, so still open: the "
+              "era's reentrant gradient checkpointing (HF Trainer's default then), the flash-attn package's own "
+              "kernels, the padding the run used, and whether GB means 10⁹ B or GiB in the table."]
+    return lines
+
+
 def write_markdown(doc: dict, path: Path) -> None:
     lines = ["# Fine-tuning: LoRA, QLoRA and int8-LoRA of 7-8B models", "",
              f"memest {doc['memest_version']}, torch {doc['torch']}, transformers {doc['transformers']}, "
@@ -207,15 +271,14 @@ def write_markdown(doc: dict, path: Path) -> None:
     lines += ["", f"Reading: memest says longer sequences fit than the published run reached — a miss, in both the "
               f"fixed part and the slope: the published rows grow by about {pub_slope / 2**20:.2f} MiB per token "
               f"(16 GB to 80 GB), memest's estimate by {our_slope / 2**20:.2f} MiB per token, and at the shortest rows "
-              "the published run needed ~3 GB more. Without the run's own setup this is not resolved; candidate "
-              "causes, none measured: trl's prepare_model_for_kbit_training (fp32 embeddings and head: +2.1 GB, and "
-              "fp32 logits), the padding the run used (transformers' FA2 unpads and re-pads q/k/v around a padding "
-              "mask; memest's inputs are unpadded), an older transformers/peft/bitsandbytes (2024) and its loop. "
+              "the published run needed ~3 GB more. The next section traces two candidate causes. "
               "memest's 4-bit layout itself is checked against bitsandbytes (tests/test_finetune.py); no GPU run of a "
               "QLoRA step was measured by this project."]
+    era = _era_section(u, pub_slope)
     lines += ["", "Traced points (needed, expected and range):", "", "| seq | needed | range |", "|---:|---:|---|"]
     for p in u["grid"]:
         lines.append(f"| {p['seq']:,} | {p['needed'] / GiB:.2f} GiB | {p['needed_low'] / GiB:.2f}-{p['needed_high'] / GiB:.2f} GiB |")
+    lines += era
     lines += ["", "Other published figures, for context (not scored: batch, sequence length or loop unpublished):", "",
               "- LLaMA-Factory README, hardware requirement table (github.com/hiyouga/LLaMA-Factory#hardware-requirement): "
               "7B LoRA 16-bit 16GB, QLoRA 4-bit 6GB — rounded estimates, not measurements.",
