@@ -68,11 +68,12 @@ class Precision(Choice):
 
 
 class Quant(Choice):
-    """--quant: the base model's linear weights as bitsandbytes stores them (QLoRA; trace/quant.py)."""
+    """--quant: the base model's linear weights as bitsandbytes stores them (QLoRA; trace/quant.py, quant_int8.py)."""
 
     NONE = "none"
     NF4 = "nf4"  # 4-bit NormalFloat (QLoRA's default)
     FP4 = "fp4"  # 4-bit float
+    INT8 = "int8"  # LLM.int8: bitsandbytes' Linear8bitLt (trace/quant_int8.py)
 
 
 class Target(Choice):

@@ -60,7 +60,7 @@ Lora = Annotated[str, typer.Option(
 Freeze = Annotated[str, typer.Option("--freeze", help="Freeze parameters by name: glob patterns, comma-separated "
                                      "(model.embed_tokens,model.layers.[0-9].*).")]
 QuantOpt = Annotated[Quant, typer.Option("--quant", help="With --lora (QLoRA): base linear weights as bitsandbytes "
-                                         "stores them: nf4 | fp4 (none: as built).")]
+                                         "stores them: nf4 | fp4 | int8 (none: as built).")]
 DoubleQuant = Annotated[bool, typer.Option("--double-quant/--no-double-quant",
                                            help="--quant: bitsandbytes' double quantization of the absmax.")]
 PrepKbit = Annotated[bool, typer.Option(

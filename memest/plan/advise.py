@@ -237,7 +237,7 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         parts.append("--fused")
     if spec.cudnn_benchmark:
         parts.append("--cudnn-benchmark")
-    if not spec.double_quant and spec.quant != "none":
+    if not spec.double_quant and spec.quant in ("nf4", "fp4"):
         parts.append("--no-double-quant")
     if spec.prepare_kbit:
         parts.append("--prepare-kbit")

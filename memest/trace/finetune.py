@@ -1,4 +1,4 @@
-"""Fine-tuning applied to the built model: ``--freeze PATTERN``, ``--quant nf4|fp4`` (trace/quant.py) and
+"""Fine-tuning applied to the built model: ``--freeze PATTERN``, ``--quant nf4|fp4|int8`` (trace/quant.py, trace/quant_int8.py) and
 ``--lora`` through peft's own ``LoraConfig`` / ``get_peft_model`` (so adapter shapes, their fp32 dtype
 (peft's ``autocast_adapter_dtype``), the input casts and dropout are peft's). Applied in the order a QLoRA
 script applies them: the model in its dtype, its linear layers quantized, then LoRA; the real CPU ground
@@ -36,9 +36,9 @@ def apply_freeze(model, patterns: list[str], where: str) -> int:
     return frozen
 
 
-def apply_lora(model, settings: LoraSettings, where: str, quantized: bool):
-    """peft's get_peft_model with a LoraConfig of ``settings`` (memest's 4-bit stand-in registered with
-    peft's LoRA layer for bitsandbytes' Linear4bit)."""
+def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
+    """peft's get_peft_model with a LoraConfig of ``settings`` (memest's 4-bit / int8 stand-in registered
+    with peft's LoRA layer for bitsandbytes' Linear4bit / Linear8bitLt)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -48,7 +48,12 @@ def apply_lora(model, settings: LoraSettings, where: str, quantized: bool):
         kwargs["task_type"] = "CAUSAL_LM"
     try:
         config = LoraConfig(**kwargs)
-        if quantized:
+        if quant == "int8":
+            from .quant import lora_layer_class
+            from .quant_int8 import Linear8bitModel
+
+            config._register_custom_module({Linear8bitModel: lora_layer_class(clone=False)})
+        elif quant != "none":
             from .quant import Linear4bitModel, lora_layer_class
 
             config._register_custom_module({Linear4bitModel: lora_layer_class()})
@@ -76,25 +81,46 @@ def _prepare_kbit(model, where: str) -> str:
             "(embeddings, norms, head) to fp32")
 
 
-def apply_finetune(model, spec, dtype, where: str):
-    """The model as the fine-tuning run trains it, and notes for the report."""
+def _quantize(model, spec, dtype, where: str) -> str:
+    """--quant: the base's linear layers replaced with the stand-in; the report's note."""
     import torch
 
-    notes: list[str] = []
-    if spec.quant != "none":
+    if spec.quant == "int8":
+        from . import quant_int8
+
+        n = quant_int8.quantize_linears(model, cuda_kernels=spec.target == "cuda")
+        kernels = ("MatMul8bitLt with bitsandbytes' CUDA ops: the input cast to float16 and quantised to int8, an "
+                   "int32 product dequantised to float16 then to the input's dtype" if spec.target == "cuda" else
+                   "MatMul8bitFp, bitsandbytes' CPU training path: the weight dequantised, F.linear")
+        note = (f"--quant int8: {n} linear layers stored as bitsandbytes' Linear8bitLt stores them (LLM.int8: int8 "
+                f"weight + a float32 scale per output row; modelled: trace/quant_int8.py), the output head and "
+                f"non-linear modules unquantized; forward: {kernels}; each layer keeps its input for backward as a "
+                "ctx attribute, which activation checkpointing does not drop; backward dequantises the whole weight "
+                f"in the input's dtype. Outlier columns (inputs with |x| >= {quant_int8.THRESHOLD}, data-dependent) are traced as "
+                "none: each adds one input column per layer held until backward (at most one more copy of the "
+                "layer's input)")
+    else:
         from .quant import quantize_linears
 
         compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
         n = quantize_linears(model, str(spec.quant), spec.double_quant, compute)
-        if not n:
-            raise MemestError(f"{where}: --quant {spec.quant} found no nn.Linear layer to quantize")
-        notes.append(
+        note = (
             f"--quant {spec.quant}: {n} linear layers stored as bitsandbytes' Linear4bit stores them (packed 4-bit, "
             f"block-wise absmax{', double quantization' if spec.double_quant else ''}; modelled: trace/quant.py), "
             "the output head and non-linear modules unquantized; each layer's weight dequantised whole in forward "
             "and backward (bitsandbytes' dequant + F.linear path; at <= 1536 tokens per step bitsandbytes may pick a "
             "fused kernel on some GPUs that skips the forward copy)"
         )
+    if not n:
+        raise MemestError(f"{where}: --quant {spec.quant} found no nn.Linear layer to quantize")
+    return note
+
+
+def apply_finetune(model, spec, dtype, where: str):
+    """The model as the fine-tuning run trains it, and notes for the report."""
+    notes: list[str] = []
+    if spec.quant != "none":
+        notes.append(_quantize(model, spec, dtype, where))
     if spec.prepare_kbit:
         notes.append(_prepare_kbit(model, where))
     patterns = freeze_patterns(spec.freeze)
@@ -103,7 +129,7 @@ def apply_finetune(model, spec, dtype, where: str):
         notes.append(f"--freeze {spec.freeze}: {n} parameter tensors frozen")
     settings = lora_settings(spec.lora)
     if settings is not None:
-        model = apply_lora(model, settings, where, quantized=spec.quant != "none")
+        model = apply_lora(model, settings, where, quant=str(spec.quant))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         notes.append(f"--lora {settings.text()}: peft's LoraConfig / get_peft_model applied ({trainable:,} trainable "
                      "adapter parameters, kept in fp32 by peft)")

@@ -169,17 +169,19 @@ def quantize_linears(model: nn.Module, quant_type: str, double_quant: bool, comp
     return replaced
 
 
-def lora_layer_class():
+def lora_layer_class(clone: bool = True):
     """peft's LoRA layer for bitsandbytes' Linear4bit (``peft/tuners/lora/bnb.py`` Linear4bit.forward, peft
     0.21), on memest's stand-in: defined only where peft imports bitsandbytes, so memest carries its
     forward: the base result cloned ("As per Tim Dettmers, for 4bit, we need to defensively clone here"),
-    the input cast to the adapter's dtype and the adapter's output cast back when autocast is off."""
+    the input cast to the adapter's dtype and the adapter's output cast back when autocast is off.
+    ``clone=False``: peft's Linear8bitLt.forward (the same, without the clone; trace/quant_int8.py)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    class Lora4bitLinear(LoraLinear):
+    class LoraBnbLinear(LoraLinear):
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             result = self.base_layer(x, *args, **kwargs)
-            result = result.clone()
+            if clone:
+                result = result.clone()
             for active_adapter in self.active_adapters:
                 if active_adapter not in self.lora_A.keys():
                     continue
@@ -195,4 +197,5 @@ def lora_layer_class():
                 result = result + output
             return result
 
-    return Lora4bitLinear
+    LoraBnbLinear.__name__ = LoraBnbLinear.__qualname__ = "Lora4bitLinear" if clone else "Lora8bitLinear"
+    return LoraBnbLinear
