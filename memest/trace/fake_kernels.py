@@ -110,7 +110,15 @@ FAKE_KERNELS = {"_grouped_mm": grouped_mm_fake, "_ctc_loss": ctc_loss_fake}
 @contextlib.contextmanager
 def real_fake_kernels() -> Iterator[None]:
     """While entered, the kernels of ``FAKE_KERNELS`` answer for their aten ops on fake tensors; at
-    exit torch's own answers are back.
+    exit torch's own answers are back (``registered_fake_kernels``)."""
+    with registered_fake_kernels(FAKE_KERNELS):
+        yield
+
+
+@contextlib.contextmanager
+def registered_fake_kernels(kernels: dict) -> Iterator[None]:
+    """While entered, ``kernels`` (aten op name, ``name`` or ``name.overload`` -> fake kernel) answer for
+    their ops on fake tensors; at exit torch's own answers are back.
 
     They are added where FakeTensorMode looks first, the fake-kernel registry that
     ``torch.library.register_fake`` fills (torch/_library/simple_registry.py), without the Meta
@@ -122,15 +130,17 @@ def real_fake_kernels() -> Iterator[None]:
 
     added = []
     ops = set()
-    for name, fn in FAKE_KERNELS.items():
-        op = getattr(torch.ops.aten, name, None)
+    for name, fn in kernels.items():
+        base, _, overload = name.partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
         if op is None:
             continue
         holder = singleton.find(f"aten::{name}").fake_impl
-        kernel = Kernel(fn, f"memest.trace.fake_kernels.{fn.__name__}")
+        kernel = Kernel(fn, f"memest.trace.{getattr(fn, '__qualname__', name)}")
         holder.kernels.append(kernel)
         added.append((holder, kernel))
-        ops.add(op.default)
+        ops.add(op)
     _forget_cached(ops)
     try:
         yield
