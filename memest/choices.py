@@ -143,6 +143,13 @@ class Outputs(Choice):
     FREED = "freed"  # dropped before backward, as HF Trainer, Lightning and torchtune do
 
 
+class DataDependent(Choice):
+    """--data-dependent: ops whose output size depends on tensor values (trace/data_dependent.py)."""
+
+    REFUSE = "refuse"  # a clear error naming the bound and the way out (default)
+    UPPER_BOUND = "upper-bound"  # size-bounded ones (nonzero, x[mask], masked_select, unique) at their bound
+
+
 class LossHead(Choice):
     """--loss-head: standard | chunked[:N] | fused (the kind of a value; trace/loss_head.py)."""
 

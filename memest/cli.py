@@ -11,6 +11,7 @@ from .choices import (
     Attention,
     Cache,
     CudaGraphs,
+    DataDependent,
     Engine,
     KvDtype,
     Mode,
@@ -69,6 +70,9 @@ PrepKbit = Annotated[bool, typer.Option(
 Comp = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", help="torch.compile the step as torch.compile(model) does (Inductor) / trace a model "
     "file that compiles itself eager; default: as the model code does.")]
+DataDep = Annotated[DataDependent, typer.Option(
+    "--data-dependent", help="Ops whose output size depends on values: refuse (an error naming the bound) | "
+    "upper-bound (nonzero, x[mask], masked_select, unique traced at their bound: the estimate is an upper bound).")]
 Fmt = Annotated[OutputFormat, typer.Option("--format", "-f", help="table | markdown | json (one document on stdout).")]
 Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
 Markdown = Annotated[bool, typer.Option("--markdown", help="Same as --format markdown.")]
@@ -93,6 +97,7 @@ def estimate(
     checkpointing: Ckpt = "none", cudnn_benchmark: Bench = False, outputs: Outs = Outputs.KEPT,
     loss_head: LossHd = "standard", lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE,
     double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False, compile: Comp = None,
+    data_dependent: DataDep = DataDependent.REFUSE,
     zero_grad: Annotated[ZeroGrad, typer.Option("--zero-grad", help="After the step: none (set to None) | zeros.")]
     = ZeroGrad.NONE,
     mode: Annotated[Mode, typer.Option("--mode", help="train | inference | generate (decoders, KV cache).")] = Mode.TRAIN,
@@ -137,7 +142,8 @@ def estimate(
                 new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
                 cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp, ep=ep,
                 pp_schedule=pp_schedule, pp_virtual=pp_virtual, microbatches=microbatches, pp_split=pp_split, lora=lora,
-                freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile)
+                freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
+                data_dependent=data_dependent)
 
     def work():
         from .app import run_estimate
@@ -175,13 +181,17 @@ def check(
     lora: Annotated[Optional[str], typer.Option("--lora", help="Override LoRA (none: off).")] = None,
     quant: Annotated[Optional[Quant], typer.Option("--quant", help="Override the base quantization.")] = None,
     compile: Comp = None,
+    data_dependent: Annotated[Optional[DataDependent], typer.Option(
+        "--data-dependent", help="Override: refuse | upper-bound (size-bounded data-dependent ops at their bound).")]
+    = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """CI gate: exit 0 when every config fits its GPU or budget (tight counts as fitting unless --strict),
     1 when any does not, 2 for a bad config."""
     overrides = dict(batch=batch, seq=seq, optim=optim, precision=precision, grad_accum=grad_accum,
                      checkpointing=checkpointing, cudnn_benchmark=cudnn_benchmark, outputs=outputs,
-                     loss_head=loss_head, lora=lora, quant=quant, compile=compile)
+                     loss_head=loss_head, lora=lora, quant=quant, compile=compile,
+                     data_dependent=data_dependent)
 
     def work():
         from .app import run_check
@@ -211,7 +221,7 @@ def whatif(
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", gpu: Gpu = None,
     calibration: Calibration = None,
     lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
-    compile: Comp = None,
+    compile: Comp = None, data_dependent: DataDep = DataDependent.REFUSE,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
@@ -222,7 +232,8 @@ def whatif(
 
         spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
                     checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
-                    quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile)
+                    quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
+                    data_dependent=data_dependent)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress(),
                          calibration=calibration)
         return whatif_view(run), EXIT_OK
@@ -239,7 +250,7 @@ def max_batch(
     checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard",
     limit: Annotated[int, typer.Option("--limit", help="Largest size tried.")] = 65536, calibration: Calibration = None,
     lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
-    compile: Comp = None,
+    compile: Comp = None, data_dependent: DataDep = DataDependent.REFUSE,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
@@ -250,7 +261,8 @@ def max_batch(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
-                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile)
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
+                    data_dependent=data_dependent)
         run = run_max_batch(spec, gpu, seq_search, limit, progress=_progress(), calibration=calibration)
         return max_batch_view(run), EXIT_OK
 
@@ -263,7 +275,7 @@ def advise(
     precision: Prec = Precision.FP32, target: Tgt = Target.CUDA, grad_accum: Accum = 1, checkpointing: Ckpt = "none",
     outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", calibration: Calibration = None,
     lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
-    compile: Comp = None,
+    compile: Comp = None, data_dependent: DataDep = DataDependent.REFUSE,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -274,7 +286,8 @@ def advise(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
-                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile)
+                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
+                    data_dependent=data_dependent)
         return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)

@@ -8,6 +8,7 @@ from .choices import (
     Attention,
     Cache,
     CheckpointPolicy,
+    DataDependent,
     ExpertRouting,
     LossHead,
     Mode,
@@ -37,6 +38,7 @@ _CHOICE_FIELDS = {
     "outputs": (Outputs, "--outputs"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
+    "data_dependent": (DataDependent, "--data-dependent"),
     "ep_routing": (ExpertRouting, "ep_routing"),
 }
 
@@ -94,6 +96,8 @@ class RunSpec:
     # torch.compile (trace/compiled.py): None = as the model code does (a model file may return torch.compile(model));
     # True = compile an eager model as torch.compile(model) does (Inductor); False = trace a compiled model eager
     compile: bool | None = None
+    # ops whose output size depends on values: refuse (the error), or upper-bound (trace/upper_bound.py)
+    data_dependent: DataDependent = DataDependent.REFUSE
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():

@@ -35,13 +35,10 @@ NOTED = 0.01  # |error| % above which a run's cause is stated in "what failed an
 # What each miss comes from, found by comparing the trace's live storages at the peak with the real run's
 # (torch.profiler allocation events, op by op). A case that misses without an entry here says so.
 CAUSES = {
-    "pyg-gcn": "torch_geometric's GCNConv normalises with self loops by default: gcn_norm -> "
-    "add_remaining_self_loops keeps the edges that are not loops with `edge_index[:, mask]` (boolean-mask "
-    "indexing, aten.nonzero), whose size depends on the edge values. memest refuses data-dependent ops (its "
-    "error names the bound and PyG's way out: add_self_loops=False with edges that already hold them, the "
-    "pyg-gcn-loops case); no upper-bound mode yet (docs/ARCHITECTURE.md, trace/data_dependent.py).",
-    "pyg-gat": "the same in GATConv: remove_self_loops then add_self_loops, `edge_index[:, mask]` (aten.nonzero); "
-    "the way out is the pyg-gat-loops case.",
+    "pyg-gcn": "traced with --data-dependent upper-bound: GCNConv's self-loop insertion (gcn_norm -> "
+    "add_remaining_self_loops: `edge_index[:, mask]`, boolean-mask indexing) at its bound, every edge kept; where "
+    "the graph holds self loops the real step keeps fewer edges and the estimate is above it by design.",
+    "pyg-gat": "the same in GATConv (remove_self_loops then add_self_loops, `edge_index[:, mask]`).",
     "hf-whisper": "the freed loop peaks inside the CPU flash-attention backward "
     "(aten._scaled_dot_product_flash_attention_for_cpu_backward, cross-attention), whose per-thread buffers "
     "(24,576 + 96 B here; aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) memest does not model on "
@@ -210,6 +207,7 @@ def _write(results: list[dict], meta: dict, out: Path) -> dict:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "cases": results},
                                                    indent=2) + "\n")
     s = summary
+    bounded = _upper_bound_cases(results)  # cases traced with --data-dependent upper-bound
     goals = (s["traced_pct"] >= GOAL_TRACED and s["median_abs_error_pct"] is not None
              and s["median_abs_error_pct"] <= GOAL_MEDIAN and s["max_abs_error_pct"] <= GOAL_MAX
              and s["attempted"] >= 40)
@@ -258,22 +256,37 @@ def _write(results: list[dict], meta: dict, out: Path) -> dict:
                          f"{'skipped' if 'skipped' in r else 'crashed'}: {why} | | | | |")
             continue
         for run in r["runs"]:
-            ok = "yes" if "estimated_bytes" in run else "**no**"
+            ok = ("yes (upper bound)" if r["name"] in dict(bounded) else "yes") if "estimated_bytes" in run else "**no**"
             err = f"{run['error_pct']:+.3f}%" if "error_pct" in run else "-"
             lines.append(
                 f"| {r['name']} | {r['family']} | {r['source']} | {r['batch']} | {r['seq'] or '-'} | {r['optim']} | "
                 f"{r['precision']} | {run['loop']} | {ok} | {_fmt(run.get('estimated_bytes'))} | "
                 f"{_fmt(run.get('measured_bytes'))} | {err} | {run['trace_seconds']:.1f} |")
+    if bounded:
+        lines += ["", "## Cases traced with `--data-dependent upper-bound`", "",
+                  "Their model code runs ops whose output size depends on tensor values (by default memest refuses "
+                  "them with the way out); these cases pass `data_dependent=\"upper-bound\"` (memest/trace/"
+                  "upper_bound.py), which traces those ops at their bound, so their estimate is an upper bound: "
+                  "exact where the bound is attained, above the real peak where it is not.", ""]
+        lines += [f"- **{name}**: {note}" for name, note in bounded]
     lines += ["", "## What failed and why", ""] + _failures(results)
     lines += ["", "Found by the zoo and fixed in memest (these cases read exact now):", ""] + [f"- {f}" for f in FIXED]
     skipped = [r for r in results if "skipped" in r]
     if skipped:
         lines += ["", "Skipped (not failures): " + "; ".join(f"{r['name']} ({r['skipped']})" for r in skipped) + "."]
-    notes = [r for r in results if r.get("note")]
+    notes = [r for r in results if r.get("note") and r["name"] not in dict(bounded)]
     if notes:
         lines += ["", "Notes on the loops traced:", ""] + [f"- {r['name']}: {r['note']}" for r in notes]
     out.write_text("\n".join(lines) + "\n")
     return summary
+
+
+def _upper_bound_cases(results: list[dict]) -> list[tuple[str, str]]:
+    """(name, why) of the cases that need --data-dependent upper-bound (scripts/zoo_cases.py marks them)."""
+    from zoo_cases import CASES
+
+    marked = {c.name: c.note for c in CASES if c.options.get("data_dependent") == "upper-bound"}
+    return [(r["name"], marked[r["name"]]) for r in results if r["name"] in marked]
 
 
 SETUP = [

@@ -429,6 +429,17 @@ def _mingpt(repos):
 
 # -- the zoo --------------------------------------------------------------------------------------------------
 
+# cases that need memest's --data-dependent upper-bound (memest/trace/upper_bound.py), and why
+UPPER_BOUND = {"data_dependent": "upper-bound"}
+UPPER_BOUND_NOTE = (
+    "traced with data_dependent=\"upper-bound\" (--data-dependent upper-bound): the layers' default self-loop "
+    "insertion (add_remaining_self_loops / remove_self_loops: `edge_index[:, mask]`, boolean-mask indexing) has a "
+    "value-dependent size, answered at its bound (every edge kept); these graphs hold no self loops, so the mask "
+    "keeps every edge and the bound is attained (its complement, the loops' weights in GCN, is bounded at every "
+    "edge too)"
+)
+
+
 def _c(name, family, source, build, **kw) -> Case:
     return Case(name=name, family=family, source=source, build=build, **kw)
 
@@ -518,8 +529,9 @@ CASES: list[Case] = [
     _c("vit-pytorch-vit", "vit-pytorch", "vit-pytorch", _vit_pytorch("ViT")),
     _c("vit-pytorch-simple", "vit-pytorch", "vit-pytorch", _vit_pytorch("SimpleViT")),
     # torch_geometric
-    _c("pyg-gcn", "PyG", "torch_geometric", _pyg("GCN")),
-    _c("pyg-gat", "PyG", "torch_geometric", _pyg("GAT")),
+    # the layers insert self loops by default: boolean-mask indexing, data-dependent; traced at its bound
+    _c("pyg-gcn", "PyG", "torch_geometric", _pyg("GCN"), options=UPPER_BOUND, note=UPPER_BOUND_NOTE),
+    _c("pyg-gat", "PyG", "torch_geometric", _pyg("GAT"), options=UPPER_BOUND, note=UPPER_BOUND_NOTE),
     _c("pyg-gcn-loops", "PyG", "torch_geometric", _pyg("GCN", loops_in_data=True),
        note="self loops in the data, add_self_loops=False (the way out memest's error names)"),
     _c("pyg-gat-loops", "PyG", "torch_geometric", _pyg("GAT", loops_in_data=True),

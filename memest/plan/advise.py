@@ -228,6 +228,7 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         "world_size": "--world-size", "shard": "--shard", "offload": "--offload", "attention": "--attention",
         "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache", "outputs": "--outputs",
         "loss_head": "--loss-head", "lora": "--lora", "freeze": "--freeze", "quant": "--quant",
+        "data_dependent": "--data-dependent",
     }
     for field_name, flag in flags.items():
         value = getattr(spec, field_name)

@@ -74,6 +74,9 @@ class Report:
     # (past the point where a loop that frees outputs drops them); 0 with --outputs freed
     outputs_held_bytes: int = 0
     trainable_param_count: int = 0  # elements of the parameters that require grad (LoRA adapters, unfrozen)
+    # --data-dependent upper-bound: data-dependent op -> calls answered at their bound (every element selected
+    # or distinct); non-empty means the peak is an upper bound for them
+    bounded_ops: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,6 +171,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         checkpointed=list(trace.checkpointed),
         notes=list(trace.notes) + _loop_notes(trace, spec, peak_i),
         outputs_held_bytes=trace.held_output_bytes(peak_i) if trace.events else 0,
+        bounded_ops=dict(trace.bounded_ops),
     )
 
 

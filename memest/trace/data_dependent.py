@@ -5,19 +5,24 @@ need it. A size-bounded op has an output whose size depends on values but cannot
 from its inputs — ``nonzero`` (and boolean-mask indexing, which runs it) at most one row per input
 element, ``unique`` at most the input's elements, CTC's alignment table at most the targets' padded
 width. For those the message says the bound and how to write the step so that it is traced at that
-bound. memest has no upper-bound mode (yet): see docs/ARCHITECTURE.md for what one would take.
+bound, and names ``--data-dependent upper-bound`` (trace/upper_bound.py), which traces those ops at their
+bound (nonzero, boolean-mask indexing, masked_select, unique; not CTC, whose fake kernel is in
+trace/fake_kernels.py).
 """
 
 from __future__ import annotations
 
+UPPER_BOUND = "--data-dependent upper-bound"  # the flag that traces size-bounded ops at their bound
+_FLAG = (f"pass {UPPER_BOUND} (YAML data_dependent: upper-bound, API data_dependent=\"upper-bound\") to trace it at "
+         "that bound (the estimate is then an upper bound)")
 _MASK = (
     "it is size-bounded: at most one entry per element of its input (boolean-mask indexing x[mask] runs "
-    "it). To estimate the bound, keep every element instead — torch.where(mask, x, 0) or x * mask — about the "
+    f"it). {_FLAG[0].upper()}{_FLAG[1:]}; or, to estimate the bound without it, keep every element instead — torch.where(mask, x, 0) or x * mask — about the "
     "memory of a mask that selects all (less nonzero's numel x ndim int64 indices); graph layers that insert self loops this way (torch_geometric's "
     "GCNConv) take add_self_loops=False with edges that already hold them"
 )
 _UNIQUE = (
-    "it is size-bounded: at most as many values as its input. To estimate the bound, use the input in its "
+    f"it is size-bounded: at most as many values as its input. {_FLAG[0].upper()}{_FLAG[1:]}; or, to estimate the bound, use the input in its "
     "place (every value distinct), e.g. behind a flag the model file sets"
 )
 _CTC = (
@@ -26,7 +31,8 @@ _CTC = (
     "at most the targets' padded width. To estimate, trace with another loss on the same output (the default: "
     "its mean) and add that table"
 )
-# aten op name (without overload) -> what is known about its size, and the way out
+# aten op name (without overload) -> what is known about its size, and the way out (the first two: bounded
+# by --data-dependent upper-bound)
 SIZE_BOUNDED = {
     "nonzero": _MASK,
     "nonzero_static": _MASK,
@@ -56,5 +62,7 @@ def explain(where: str, op: str, hint: str = VALUE_FREE) -> str:
     forward can be rewritten, an hf: model's cannot)."""
     known = SIZE_BOUNDED.get(op_base_name(op))
     if known is None or hint != VALUE_FREE:  # a source's own hint (hf: models) says what applies to it
-        return f"{where} uses a data-dependent op ({op}) whose result depends on tensor values, which fake tensors do not have; {hint}"
+        flag = f"; or {_FLAG}" if known is not None and known is not _CTC else ""
+        return (f"{where} uses a data-dependent op ({op}) whose result depends on tensor values, which fake tensors do "
+                f"not have; {hint}{flag}")
     return f"{where} uses a data-dependent op ({op}): its output size depends on tensor values, which fake tensors do not have; {known}"

@@ -116,7 +116,15 @@ FAKE_KERNELS = {"_grouped_mm": grouped_mm_fake, "_ctc_loss": ctc_loss_fake}
 @contextlib.contextmanager
 def real_fake_kernels() -> Iterator[None]:
     """While entered, the kernels of ``FAKE_KERNELS`` answer for their aten ops on fake tensors; at
-    exit torch's own answers are back.
+    exit torch's own answers are back (``registered_fake_kernels``)."""
+    with registered_fake_kernels(FAKE_KERNELS):
+        yield
+
+
+@contextlib.contextmanager
+def registered_fake_kernels(kernels: dict) -> Iterator[None]:
+    """While entered, ``kernels`` (aten op name, ``name`` or ``name.overload`` -> fake kernel) answer for
+    their ops on fake tensors; at exit torch's own answers are back.
 
     They are added where FakeTensorMode looks first, the fake-kernel registry that
     ``torch.library.register_fake`` fills (torch/_library/simple_registry.py), without the Meta
@@ -128,15 +136,17 @@ def real_fake_kernels() -> Iterator[None]:
 
     added = []
     ops = set()
-    for name, fn in FAKE_KERNELS.items():
-        op = getattr(torch.ops.aten, name, None)
+    for name, fn in kernels.items():
+        base, _, overload = name.partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
         if op is None:
             continue
         holder = singleton.find(f"aten::{name}").fake_impl
-        kernel = Kernel(fn, f"memest.trace.fake_kernels.{fn.__name__}")
+        kernel = Kernel(fn, f"memest.trace.{getattr(fn, '__qualname__', name)}")
         holder.kernels.append(kernel)
         added.append((holder, kernel))
-        ops.add(op.default)
+        ops.add(op)
     _forget_cached(ops)
     try:
         yield
@@ -168,3 +178,16 @@ def _index_backward_in_place(args, kwargs, out, run):
 
 # aten op -> fn(args, kwargs, out, run): outputs the real step makes differently (StorageTracker.outputs)
 OUTPUTS = {torch.ops.aten.index_put.default: _index_backward_in_place}
+
+
+def chained_outputs(first: dict, then: dict) -> dict:
+    """Two tables of output fixes (``StorageTracker.outputs``) as one: where both answer an op, ``then``'s fix
+    runs first and, when it keeps torch's output, ``first``'s (e.g. ``index_put``: upper_bound's boolean-mask
+    case, then ``_index_backward_in_place`` for any other index inside IndexBackward0)."""
+    merged = {**first, **then}
+    for op in first.keys() & then.keys():
+        def fix(args, kwargs, out, make, a=first[op], b=then[op]):
+            answer = b(args, kwargs, out, make)
+            return a(args, kwargs, out, make) if answer is out else answer
+        merged[op] = fix
+    return merged

@@ -50,7 +50,7 @@ with imports_without_gc():
     )
     from torch.utils._pytree import tree_flatten
 
-    from ..choices import Outputs
+    from ..choices import DataDependent, Outputs
     from ..errors import MemestError, TraceError
     from ..sources.base import ModelSource, default_loss
     from ..sources.hf_masks import holds_transformers_model, real_mask_branches
@@ -66,13 +66,14 @@ with imports_without_gc():
     from .dtype import cast_floating
     from .events import Category, Phase, Trace
     from .fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
-    from .fake_kernels import real_fake_kernels
+    from .fake_kernels import chained_outputs, real_fake_kernels
     from .finetune import apply_finetune
     from .inference import check_generate, run_generate, run_inference
     from .loss_head import loss_head_scope
     from .modules import ModuleStack, describe_modules
     from .optim import make_optimizer
     from .tracker import StorageTracker, TrackingFakeMode
+    from .upper_bound import BoundedOps
     from .values import PlaceholderScalars
 
 
@@ -425,6 +426,7 @@ class _Step:
     loop: LoopState = field(default_factory=LoopState)  # what the user's loop keeps between steps
     held_loss: set = field(default_factory=set)  # storage ids of the kept loss, until its backward ends
     cpu_conv: Any = None  # --target cpu: the convolution scratch model (trace/cpu/onednn_conv.py)
+    bounded: Any = None  # --data-dependent upper-bound: trace/upper_bound.BoundedOps
 
     @property
     def where(self) -> str:
@@ -506,6 +508,10 @@ def _track_storages(step: _Step) -> None:
         scratch, outputs, step.cpu_conv = cpu_kernels()
         kernels = {"scratch": scratch, "outputs": outputs}
     kernels["outputs"] = {**FAKE_KERNEL_OUTPUTS, **kernels["outputs"]}  # both targets: autograd's subclass-only paths
+    if step.spec.data_dependent == DataDependent.UPPER_BOUND:  # size-bounded ops at their bound (trace/upper_bound.py)
+        step.bounded = BoundedOps(in_backward=lambda: step.tracker.phase is Phase.BACKWARD)
+        kernels["scratch"] = {**kernels["scratch"], **step.bounded.scratch(str(step.spec.target))}
+        kernels["outputs"] = chained_outputs(kernels["outputs"], step.bounded.outputs(str(step.spec.target)))
     step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, **kernels)
     if parallel is not None:
         from . import distributed
@@ -572,6 +578,8 @@ def _instrumented(step: _Step):
     with contextlib.ExitStack() as hooks:
         hooks.enter_context(_quiet_fake_tensor_log())
         hooks.enter_context(real_fake_kernels())
+        if step.bounded is not None:
+            hooks.enter_context(step.bounded.active())
         if step.source.trace_context:
             hooks.enter_context(step.source.trace_context(spec))
         elif holds_transformers_model(step.model):  # a transformers model built by a model file
@@ -657,6 +665,9 @@ def _classify(step: _Step) -> None:
             trace.notes.append(f"RNNs run as cuDNN's _cudnn_rnn ({calls}): reserve and workspace per docs/cuda-kernels.md")
     elif step.cpu_conv is not None:
         trace.notes.extend(cpu_notes(trace, step.cpu_conv, spec.mode))
+    if step.bounded is not None and step.bounded.calls:
+        trace.bounded_ops = dict(step.bounded.calls)
+        trace.notes.append(step.bounded.note())
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
