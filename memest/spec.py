@@ -146,6 +146,9 @@ class RunSpec:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
     def _check_model_parallel(self) -> None:
+        if self.ep > 1 and self.pp > 1:  # before the pipeline's own checks, which would ask for other flags
+            raise MemestError("--ep with --pp is not traced yet (expert x pipeline parallel); use --ep with data or "
+                              "tensor parallel")
         self._check_pipeline()
         self._check_expert_parallel()
         if self.tp < 1:
@@ -218,9 +221,6 @@ class RunSpec:
                 f"over ep of the data-parallel ranks (e.g. --world-size {self.ep}, or {2 * self.ep} for 2 copies of each "
                 "expert group)"
             )
-        if self.pp > 1:
-            raise MemestError("--ep with --pp is not traced yet (expert x pipeline parallel); use --ep with data or "
-                              "tensor parallel")
         if self.ep % self.tp:
             raise MemestError(f"--ep {self.ep} must be a multiple of --tp {self.tp} (transformers' DistributedConfig: the "
                               "ranks of a TP group share a batch and each dispatches its slice)")
