@@ -166,6 +166,16 @@ class PipelineStep:
                 return _original(stage, *args, **kwargs)
 
             setattr(stage, name, marked)
+        # the last stage's step ends by merging its micro-batches' outputs (torch's _merge_outputs: one
+        # tensor of all M while the M chunks are held), marked as the loss phase's end of step
+        merge = type(self.schedule)._merge_outputs
+
+        def merged(*args, _schedule=self.schedule, **kwargs):
+            if mark is not None:
+                mark(Phase.LOSS)
+            return merge(_schedule, *args, **kwargs)
+
+        self.schedule._merge_outputs = merged
 
 
 def _fake(model: nn.Module) -> bool:
