@@ -126,3 +126,19 @@ def test_plan_parallel_takes_calibration_and_advise_offers_its_layouts(tmp_path)
         c = remedy["changes"]
         lay = by_name[(c["world_size"] // (c["tp"] * c["pp"])) * 100 + c["tp"] * 10 + c["pp"]]
         assert remedy["needed_bytes"] == lay["needed_bytes"] and "sent per step per rank" in remedy["time_cost"]
+
+
+def test_a_need_the_check_misses_is_traced_at_full_depth(monkeypatch, tmp_path):
+    """Above DIRECT_ABOVE (here: always) the recommended layout is traced as it runs, its need the direct one."""
+    from memest.pipeline import estimate
+    from memest.plan import parallel
+
+    monkeypatch.setattr(parallel, "DIRECT_ABOVE", -1.0)
+    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg) if lay.pp == 1 and lay.tp == 1])
+    ref = _deeper(tmp_path, 6)
+    base = RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw")
+    plan = parallel.plan_parallel(ref, 2, 2**30, "1 GiB", base)
+    (lay,) = plan.layouts
+    direct = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw", world_size=2, shard="zero3"))
+    assert lay.derived_from.startswith("traced at its full depth") and lay.needed_bytes == direct.needed_bytes
+    assert plan.check["full_depth_needed_bytes"] == direct.needed_bytes and plan.traces == 4
