@@ -512,13 +512,16 @@ class AdviseRun:
 
 
 def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
-               calibration: str | Path | None = None) -> AdviseRun:
+               calibration: str | Path | None = None, gpus: int | None = None) -> AdviseRun:
+    """``gpus``: also the best layouts of that many GPUs from plan-parallel's planner (hf: models)."""
     from .plan.advise import advise
 
+    if gpus is not None and gpus < 2:
+        raise MemestError(f"--gpus lays the model out on several GPUs; give at least 2, got {gpus}")
     ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     check_seq_limit(ctx.runner.source, [ctx.runner.base.seq])
     with user_code(spec_args["model"]):
-        advice = advise(ctx.runner, ctx.gpu.capacity_bytes)
+        advice = advise(ctx.runner, ctx.gpu.capacity_bytes, gpus=gpus, budget_label=ctx.gpu.budget_label)
     if advice.command:
         advice.command += f" --gpu {gpu}" + (f" --calibration {calibration}" if calibration else "")
     return AdviseRun(advice, ctx.gpu, spec_args["model"])
@@ -530,17 +533,21 @@ class ParallelPlanRun:
     gpu: GpuContext
 
 
-def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress | None = None) -> ParallelPlanRun:
-    """`memest plan-parallel`: layouts of ``gpus`` GPUs for one model, each rank's need against ``gpu``."""
+def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress | None = None,
+                      calibration: str | Path | None = None) -> ParallelPlanRun:
+    """`memest plan-parallel`: layouts of ``gpus`` GPUs for one model, each rank's need against ``gpu``;
+    ``calibration`` as estimate's (a profile file, whose GPU generation is then modelled)."""
     from .plan.parallel import plan_parallel
 
     if gpus < 1:
         raise MemestError(f"--gpus must be at least 1, got {gpus}")
-    ctx = resolve_gpu(gpu, need_budget=True, target=spec_args.get("target", Target.CUDA))
+    ctx = resolve_gpu(gpu, need_budget=True, target=spec_args.get("target", Target.CUDA), calibration=calibration)
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
     with user_code(spec.model), ticker("plan-parallel", progress):
         plan = plan_parallel(spec.model, gpus, ctx.capacity_bytes, ctx.budget_label, spec,
                              calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
+    if ctx.calibration_note and spec.target == Target.CUDA:
+        plan.notes.append(ctx.calibration_note)
     return ParallelPlanRun(plan, ctx)
 
 

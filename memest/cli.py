@@ -276,6 +276,8 @@ def advise(
     outputs: Outs = Outputs.KEPT, loss_head: LossHd = "standard", calibration: Calibration = None,
     lora: Lora = "", freeze: Freeze = "", quant: QuantOpt = Quant.NONE, double_quant: DoubleQuant = True, prepare_kbit: PrepKbit = False,
     compile: Comp = None, data_dependent: DataDep = DataDependent.REFUSE,
+    gpus: Annotated[Optional[int], typer.Option(
+        "--gpus", help="Also lay the model out on this many GPUs (plan-parallel's layouts; hf: models).")] = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
@@ -288,7 +290,7 @@ def advise(
                     grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
                     lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
                     data_dependent=data_dependent)
-        return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
+        return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration, gpus=gpus)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 
@@ -342,6 +344,7 @@ def plan_parallel(
     gpus: Annotated[int, typer.Option("--gpus", help="How many GPUs to lay the model out on.")] = 8,
     batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT,
+    calibration: Calibration = None,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """dp x tp (x pp) layouts of --gpus GPUs: each rank's need, those that fit ranked by communication per step."""
@@ -351,7 +354,7 @@ def plan_parallel(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     checkpointing=checkpointing, outputs=outputs)
-        return plan_parallel_view(run_plan_parallel(spec, gpus, gpu, progress=_progress())), EXIT_OK
+        return plan_parallel_view(run_plan_parallel(spec, gpus, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 

@@ -17,7 +17,7 @@ Megatron's formula: megatron/training/theoretical_memory_usage.py (NVIDIA/Megatr
 It describes Megatron's own training (bf16 weights with fp32 main grads, its kernels), not torch AMP +
 FSDP2 as memest traces; it is a peer, not a ground truth.
 
-Usage: python scripts/bench_parallel.py [--skip-real] [--skip-plans] [--only TEXT]
+Usage: python scripts/bench_parallel.py [--skip-real] [--skip-plans] [--skip-unpruned] [--skip-full-depth] [--only TEXT] [--plan-model NAME]
 """
 
 from __future__ import annotations
@@ -143,32 +143,126 @@ def tiny_rows(only: str = "") -> list[str]:
     return rows
 
 
-def plan_rows(only: str = "") -> list[str]:
-    from memest.app import run_plan_parallel
+RUNS = 3  # each plan timed this many times (median), end to end as a user runs it
 
-    rows = []
+
+def _plan_command(name: str, gpus: int) -> list[str]:
+    return [sys.executable, "-m", "memest", "plan-parallel", f"hf:{name}", "--gpus", str(gpus), "--gpu", "h100",
+            "--batch", "1", "--seq", "4096", "--precision", "bf16-mixed", "--optim", "adamw", "--json"]
+
+
+def _timed(cmd: list[str]) -> tuple[dict, float, float, float]:
+    """(JSON document, wall s, CPU s of the process, 1-min load average before it)."""
+    import os
+    import resource
+    import subprocess
+
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(out.stdout), wall, cpu, load
+
+
+def _megatron_row(name: str, gpus: int, cfg: dict, lay: dict, extra: str) -> str:
+    weights, act = megatron_bytes(cfg, lay["tp"], lay["pp"], lay["dp"], 1, 4096, lay["pp"] if lay["pp"] > 1 else None,
+                                  distributed_optimizer=lay["dp"] > 1)
+    layout = f"dp {lay['dp']} x tp {lay['tp']}{' + sp' if lay['sp'] else ''} x pp {lay['pp']}" + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "")
+    if lay["error"]:
+        return f"| {name} | {gpus} | {layout} | not traced: {lay['error']} | | | | |"
+    need = ("" if lay["traced"] else ">= ") + f"{lay['needed_bytes'] / 2**30:.1f}"
+    formula = f"{(weights + act) / 2**30:.1f}" if lay.get("ep", 1) == 1 else "-"  # not re-implemented for EP
+    return (f"| {name} | {gpus} | {layout} | {need} | {lay['verdict']} | {lay['comm_bytes'] / 2**30:.1f} | "
+            f"{formula} | {extra} |")
+
+
+def plan_rows(only: str = "") -> tuple[list[str], list[str], list[dict]]:
+    """The plans as users run them (RUNS times each, median wall and CPU time), and the planner's check."""
+    import statistics
+
+    rows, timing, docs = [], [], []
     for name, gpus in PLANS:
         if only and only != name:
             continue
-        spec = dict(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda")
-        start = time.perf_counter()
-        run = run_plan_parallel(spec, gpus, "h100")
-        seconds = time.perf_counter() - start
+        runs = [_timed(_plan_command(name, gpus)) for _ in range(RUNS)]
+        doc = runs[-1][0]
+        docs.append(doc)
+        walls, cpus, loads = [r[1] for r in runs], [r[2] for r in runs], [r[3] for r in runs]
+        check = doc["check"]
+        check_text = (f"peak {100 * check['error']:+.2f}%, needed {100 * check['needed_error']:+.2f}% at "
+                      f"{check['depth_per_stage']} layers" + (f", {check['microbatches']} micro-batches" if check["microbatches"] else "")
+                      + f" ({check['layout']})") if check else "-"
+        timing.append(f"| {name} | {gpus} | {statistics.median(walls):.1f} ({', '.join(f'{w:.0f}' for w in walls)}) | "
+                      f"{statistics.median(cpus):.1f} | {', '.join(f'{x:.1f}' for x in loads)} | {doc['traces']} | {check_text} |")
         cfg = _config(name)
-        check = run.plan.check
-        check_text = f"{100 * check['error']:+.2f}% at {check['depth_per_stage']} layers ({check['layout']})" if check else "-"
-        for lay in run.plan.layouts:
-            if lay.error:
-                rows.append(f"| {name} | {gpus} | {lay.name} | not traced: {lay.error} | | | | |")
-                continue
-            weights, act = megatron_bytes(cfg, lay.tp, lay.pp, lay.dp, 1, 4096, lay.pp if lay.pp > 1 else None,
-                                          distributed_optimizer=lay.dp > 1)
-            formula = f"{(weights + act) / 2**30:.1f}" if getattr(lay, "ep", 1) == 1 else "-"
-            rows.append(
-                f"| {name} | {gpus} | {lay.name} | {lay.needed_bytes / 2**30:.1f} | {lay.verdict} | "
-                f"{lay.comm_bytes / 2**30:.1f} | {formula} | {seconds:.0f} s; check {check_text} |"
-            )
+        rows += [_megatron_row(name, gpus, cfg, lay, lay["derived_from"]) for lay in doc["layouts"]]
+    return rows, timing, docs
+
+
+def unpruned_rows() -> list[str]:
+    """The 8-GPU plans with every layout traced (plan_parallel(prune=False)): the per-rank need of layouts
+    the model state already rules out, beside Megatron's formula, and how long tracing them takes."""
+    from memest.app import resolve_gpu
+    from memest.plan.parallel import plan_parallel
+    from memest.spec import RunSpec
+
+    rows = []
+    ctx = resolve_gpu("h100", need_budget=True)
+    for name, gpus in PLANS:
+        if gpus != 8:
+            continue
+        base = RunSpec(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda",
+                       compute_capability=ctx.compute_capability)
+        start = time.process_time()
+        plan = plan_parallel(base.model, gpus, ctx.capacity_bytes, ctx.budget_label, base, prune=False)
+        cpu = time.process_time() - start
+        cfg = _config(name)
+        for lay in plan.to_dict()["layouts"]:
+            rows.append(_megatron_row(name, gpus, cfg, lay, f"{lay['derived_from']}; all traced in {cpu:.0f} s CPU"))
     return rows
+
+
+def full_depth_rows(docs: list[dict]) -> list[str]:
+    """The recommended (or, where none fits, the first traced) layout of each 64-GPU plan traced directly at
+    the model's full depth: the derived per-rank peak and need against the direct ones."""
+    from memest.app import resolve_gpu
+
+    ctx = resolve_gpu("h100", need_budget=True)
+    rows = []
+    for (name, gpus), doc in zip(PLANS, docs, strict=True):
+        if gpus != 64:
+            continue
+        first = next((x for x in doc["layouts"] if x["traced"] and not x["error"] and x["pp"] == 1), None)
+        pipes = [x for x in doc["layouts"] if x["traced"] and not x["error"] and x["pp"] > 1]
+        for lay in ([first] if first else []) + pipes:
+            rows.append(_direct_row(name, lay, ctx))
+    return rows
+
+
+def _direct_row(name: str, lay: dict, ctx) -> str:
+    """A pipeline: its first and last stage traced directly (M = pp), the worst of them."""
+    from memest.pipeline import _estimate_one, estimate
+    from memest.plan.parallel import Layout
+    from memest.sources import load_source
+    from memest.spec import RunSpec
+
+    layout = Layout(lay["dp"], lay["tp"], lay["pp"], lay["sp"])
+    spec = RunSpec(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda",
+                   compute_capability=ctx.compute_capability, **layout.changes())
+    start = time.process_time()
+    if layout.pp == 1:
+        direct = estimate(spec)
+    else:
+        src = load_source(spec.model)
+        ends = [_estimate_one(RunSpec(**{**spec.to_dict(), "pp_stage": i}), None, src) for i in (0, layout.pp - 1)]
+        direct = max(ends, key=lambda e: e.needed_bytes)
+    cpu = time.process_time() - start
+    peak, need = direct.report.peak_allocated_bytes, direct.needed_bytes
+    return (f"| {name} | {layout.name} | {lay['peak_bytes']:,} | {peak:,} | {100 * (lay['peak_bytes'] - peak) / peak:+.3f}% | "
+            f"{lay['needed_bytes']:,} | {need:,} | {100 * (lay['needed_bytes'] - need) / need:+.2f}% | {cpu:.0f} s |")
 
 
 def main() -> None:
@@ -177,6 +271,8 @@ def main() -> None:
     parser.add_argument("--skip-plans", action="store_true")
     parser.add_argument("--only", default="", help="measure only the tiny layouts whose label contains this text")
     parser.add_argument("--plan-model", default="", help="plan only this model (llama-2-70b or mixtral-8x7b)")
+    parser.add_argument("--skip-unpruned", action="store_true")
+    parser.add_argument("--skip-full-depth", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "parallel-results.md"))
     args = parser.parse_args()
     import torch
@@ -187,9 +283,18 @@ def main() -> None:
         lines += ["| layout | rank | measured peak (B) | memest traced (B) | error | Megatron formula (B) | other ranks measured (B) |",
                   "|---|---|---|---|---|---|---|", *tiny_rows(args.only), ""]
     if not args.skip_plans:
+        rows, timing, docs = plan_rows(args.plan_model)
+        lines += ["| model | GPUs | median wall s (runs) | median CPU s | load average before each run | traces | "
+                  "check against a direct trace |", "|---|---|---|---|---|---|---|", *timing, ""]
         lines += ["| model | GPUs | layout | memest need per rank (GiB) | verdict (H100 80 GB) | sent per rank per step (GiB) | "
-                  "Megatron formula (GiB) | plan time; extrapolation check |",
-                  "|---|---|---|---|---|---|---|---|", *plan_rows(args.plan_model), ""]
+                  "Megatron formula (GiB) | how |", "|---|---|---|---|---|---|---|---|", *rows, ""]
+        if not args.skip_full_depth:
+            lines += ["| model | layout | derived peak (B) | direct full-depth peak (B) | error | derived need (B) | "
+                      "direct need (B) | error | direct trace CPU |", "|---|---|---|---|---|---|---|---|---|",
+                      *full_depth_rows(docs), ""]
+    if not args.skip_unpruned:
+        lines += ["| model | GPUs | layout | memest need per rank (GiB) | verdict (H100 80 GB) | sent per rank per step (GiB) | "
+                  "Megatron formula (GiB) | how |", "|---|---|---|---|---|---|---|---|", *unpruned_rows(), ""]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -8,7 +8,7 @@ from memest.cli import app
 from memest.plan.parallel import Layout, comm_bytes, layouts_for
 from memest.spec import RunSpec
 
-from .conftest import model_ref
+from .conftest import CONFIGS, model_ref
 
 
 def test_layouts_respect_heads_and_depth():
@@ -39,22 +39,113 @@ def test_communication_volume_follows_the_papers_counts():
     assert comm_bytes(Layout(dp=4, tp=1, pp=2, sp=False), cfg, base, psi) == int(0.75 * psi / 2 * 8) + 2 * 2 * 100 * 1000 * 2
 
 
-def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monkeypatch):
-    """llama-tiny-4l has 4 layers, the deeper of the two cut depths: each derived need is a direct trace's.
-    Two of the three layouts of 2 GPUs (FSDP 2 and the 2-stage pipeline; TP's traces are tested elsewhere)."""
+def _deeper(tmp_path, layers: int) -> str:
+    cfg = json.loads((CONFIGS / "llama-tiny-4l.json").read_text())
+    path = tmp_path / f"llama-tiny-{layers}l.json"
+    path.write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+    return f"hf:{path}"
+
+
+def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monkeypatch, tmp_path):
+    """A 6-layer tiny Llama on 4 GPUs: FSDP 4 extrapolated from 3 and 4 layers, the 4-stage pipeline's first and
+    last stage from 2- and 3-stage pipelines (m micro-batches); each derived peak against a direct trace of the
+    layout at full depth and M = 4."""
     from memest.pipeline import estimate
     from memest.plan import parallel
 
     monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg) if lay.tp == 1])
-    ref = model_ref("hf:llama-tiny-4l")
-    result = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "2", "--gpu", "1GB", "--batch", "2", "--seq", "32",
+    ref = _deeper(tmp_path, 6)
+    result = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "4", "--gpu", "1GB", "--batch", "2", "--seq", "32",
                                       "--target", "cpu", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    layouts = {lay["tp"]: lay for lay in doc["layouts"] if lay["pp"] == 1}
-    assert set(layouts) == {1} and any(lay["pp"] == 2 for lay in doc["layouts"])
+    layouts = {lay["pp"]: lay for lay in doc["layouts"]}
+    assert set(layouts) == {1, 4} and all(lay["traced"] and not lay["error"] for lay in layouts.values())
     fitting = [lay["comm_bytes"] for lay in doc["layouts"] if lay["fits"]]
     assert fitting == sorted(fitting)
-    direct = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", world_size=2, shard="zero3"))
-    assert layouts[1]["peak_bytes"] == direct.report.peak_allocated_bytes
-    assert doc["check"] is not None and abs(doc["check"]["error"]) < 0.2
+    assert "3 and 4 layers" in layouts[1]["derived_from"] and "affine in m" in layouts[4]["derived_from"]
+    fsdp = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", world_size=4, shard="zero3"))
+    assert layouts[1]["peak_bytes"] == fsdp.report.peak_allocated_bytes
+    pipe = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", world_size=4, pp=4))  # every stage, M = 4
+    assert abs(layouts[4]["peak_bytes"] - pipe.report.peak_allocated_bytes) <= 1e-5 * pipe.report.peak_allocated_bytes
+    # the lower bound used to leave layouts out is below every traced need
+    per_param = parallel.state_bytes_per_param(RunSpec(model=ref, batch=2, seq=32, target="cpu"))
+    for lay in doc["layouts"]:
+        assert parallel.state_floor(Layout(lay["dp"], lay["tp"], lay["pp"], lay["sp"]), doc["param_count"], per_param) <= lay["peak_bytes"]
+    check = doc["check"]
+    assert check is not None and abs(check["error"]) < 1e-4
+
+
+def test_segment_fit_follows_the_last_stage_from_its_backward_to_merging_its_outputs(tmp_path):
+    """The last stage's peak moves, as M grows, from its last backward to the schedule merging its M outputs
+    (torch's _merge_outputs): a line through the step's peaks at m = 2, 3 misses it, the segments' lines do not."""
+    from memest.pipeline import _estimate_one
+    from memest.plan.parallel import segment_peaks
+    from memest.sources import load_source
+
+    ref = _deeper(tmp_path, 1)
+    src = load_source(ref)
+
+    def last_stage(m: int):
+        spec = RunSpec(model=ref, batch=2, seq=64, target="cpu", world_size=m, pp=m, pp_split=",".join(["0"] * (m - 1) + ["1"]),
+                       pp_stage=m - 1)
+        return _estimate_one(spec, None, src)
+
+    two, three, many = last_stage(2), last_stage(3), last_stage(16)
+    s2, s3 = segment_peaks(two.trace), segment_peaks(three.trace)
+    segments = max(s2[k] + (s3[k] - s2[k]) * 14 for k in s2.keys() & s3.keys())
+    whole = two.report.peak_allocated_bytes + (three.report.peak_allocated_bytes - two.report.peak_allocated_bytes) * 14
+    real = many.report.peak_allocated_bytes
+    assert many.report.phase_at_peak == "loss" and whole < 0.9 * real
+    assert abs(segments - real) <= 1e-5 * real
+
+
+def test_layouts_whose_model_state_cannot_fit_are_left_out_untraced():
+    from memest.plan.parallel import plan_parallel
+
+    base = RunSpec(model=model_ref("hf:llama-tiny-4l"), batch=2, seq=32, target="cpu", optim="adamw")
+    plan = plan_parallel(base.model, 2, 1000, "1000 B", base)
+    assert plan.traces == 0 and plan.check is None
+    for lay in plan.layouts:  # AdamW on fp32 weights: 4 B of weight, 4 of gradient, 8 of state
+        assert not lay.traced and not lay.fits and lay.needed_bytes == plan.param_count * 16 // 2
+    assert plan.param_count == 4 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 2 * 512 * 64 + 64
+
+
+def test_plan_parallel_takes_calibration_and_advise_offers_its_layouts(tmp_path):
+    from memest.device.calibration import write_profile
+
+    from .test_device_evidence import profile_entry
+
+    path = write_profile(profile_entry(), tmp_path / "rtx2080ti.json")
+    ref = model_ref("hf:llama-tiny-4l")
+    args = ["--batch", "2", "--seq", "32", "--optim", "adamw", "--json"]
+    plan = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "2", "--gpu", "11GB", *args, "--calibration", str(path)])
+    assert plan.exit_code == 0, plan.output
+    doc = json.loads(plan.stdout)
+    assert any("RTX 2080 Ti" in n for n in doc["notes"])
+    adv = CliRunner().invoke(app, ["advise", ref, "--gpus", "2", "--gpu", "11GB", *args, "--calibration", str(path)])
+    assert adv.exit_code == 0, adv.output
+    advice = json.loads(adv.stdout)
+    layouts = [r for r in advice["remedies"] if r["derived"]]
+    by_name = {lay["dp"] * 100 + lay["tp"] * 10 + lay["pp"]: lay for lay in doc["layouts"] if lay["traced"] and not lay["error"]}
+    assert layouts and advice["parallel"]["gpus"] == 2
+    for remedy in layouts:  # the same planner, the same calibration: the same per-rank need
+        c = remedy["changes"]
+        lay = by_name[(c["world_size"] // (c["tp"] * c["pp"])) * 100 + c["tp"] * 10 + c["pp"]]
+        assert remedy["needed_bytes"] == lay["needed_bytes"] and "sent per step per rank" in remedy["time_cost"]
+
+
+def test_a_need_the_check_misses_is_traced_at_full_depth(monkeypatch, tmp_path):
+    """Above DIRECT_ABOVE (here: always) the recommended layout is traced as it runs, its need the direct one."""
+    from memest.pipeline import estimate
+    from memest.plan import parallel
+
+    monkeypatch.setattr(parallel, "DIRECT_ABOVE", -1.0)
+    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg) if lay.pp == 1 and lay.tp == 1])
+    ref = _deeper(tmp_path, 6)
+    base = RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw")
+    plan = parallel.plan_parallel(ref, 2, 2**30, "1 GiB", base)
+    (lay,) = plan.layouts
+    direct = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw", world_size=2, shard="zero3"))
+    assert lay.derived_from.startswith("traced at its full depth") and lay.needed_bytes == direct.needed_bytes
+    assert plan.check["full_depth_needed_bytes"] == direct.needed_bytes and plan.traces == 4

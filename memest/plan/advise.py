@@ -32,6 +32,7 @@ class Remedy:
     cost_rank: float  # lower is cheaper
     note: str = ""  # for a change that does not lower the need: why (what grows at its peak)
     lowers_need: bool = True  # False: needs as much as the base or more; listed, never recommended
+    derived: bool = False  # a layout from plan-parallel's planner (need derived from cut-depth traces); not combined
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +47,7 @@ class Advice:
     combination: Remedy | None = None
     command: str = ""
     traces: int = 0
+    parallel: dict | None = None  # advise --gpus: the planner's run (gpus, seconds, traces, check, notes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,11 +162,14 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
     return "0% FLOPs (same work in smaller kernels)"
 
 
-def advise(runner: Runner, capacity: int) -> Advice:
+def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label: str = "") -> Advice:
     """Every saver re-traced. A change that does not lower the need is listed with why, never ranked
-    as a remedy; when the base already fits nothing is recommended."""
+    as a remedy; when the base already fits nothing is recommended. ``gpus``: also the best layouts of
+    that many GPUs from plan-parallel's planner (hf: models), priced per rank and in bytes sent per step."""
     base = runner.run()
     advice = Advice(base.needed_bytes, capacity, base.fits(capacity))
+    if gpus:
+        advice.remedies += parallel_remedies(runner, capacity, gpus, budget_label, advice)
     for name, changes, rank in candidates(runner):
         result = runner.run(**changes)
         remedy = Remedy(name, changes, result.needed_bytes, result.fits(capacity),
@@ -173,14 +178,44 @@ def advise(runner: Runner, capacity: int) -> Advice:
             remedy.lowers_need = False
             remedy.note = why_not_lower(base, result)
         advice.remedies.append(remedy)
+    for remedy in advice.remedies:
+        if remedy.derived and remedy.needed_bytes >= base.needed_bytes:
+            remedy.lowers_need = False
+            remedy.note = "per rank, the layout needs as much as one GPU running the whole step"
     advice.remedies.sort(key=lambda r: (not r.lowers_need, not r.fits, r.cost_rank, r.needed_bytes))
     if not advice.base_fits:
-        advice.combination = _cheapest_combination(runner, capacity, [r for r in advice.remedies if r.lowers_need])
+        usable = [r for r in advice.remedies if r.lowers_need and (r.fits or not r.derived)]
+        advice.combination = _cheapest_combination(runner, capacity, usable)
     if advice.combination is not None:
         spec = dataclasses.replace(runner.base, **advice.combination.changes)
         advice.command = command_line(spec)
-    advice.traces = runner.traces
+    advice.traces = runner.traces + (advice.parallel or {}).get("traces", 0)
     return advice
+
+
+PARALLEL_LAYOUTS = 3  # the planner's best layouts offered as remedies
+
+
+def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: str, advice: Advice) -> list[Remedy]:
+    """The planner's best layouts of ``gpus`` GPUs (plan/parallel.py: the same traces and extrapolation as
+    `memest plan-parallel`), each priced in memory per rank and in bytes each rank sends per step."""
+    from .parallel import plan_parallel
+
+    if not runner.base.model.startswith("hf:"):
+        advice.parallel = {"gpus": gpus, "error": "--gpus: plan-parallel lays out hf: models (their depth is cut)"}
+        return []
+    base = dataclasses.replace(runner.base, seq=runner.base.seq or runner.source.default_seq)
+    plan = plan_parallel(base.model, gpus, capacity, budget_label, base, calibration=runner.calibration,
+                         progress=runner.progress)
+    advice.parallel = {"gpus": gpus, "seconds": plan.seconds, "traces": plan.traces, "check": plan.check, "notes": plan.notes}
+    out = []
+    for i, lay in enumerate([lay for lay in plan.layouts if lay.traced and not lay.error][:PARALLEL_LAYOUTS]):
+        out.append(Remedy(
+            f"{lay.name} on {gpus} GPUs (plan-parallel)", lay.changes(), lay.needed_bytes, lay.fits,
+            f"~{format_bytes(lay.comm_bytes)} sent per step per rank; needs {gpus} GPUs; per-rank need from {lay.derived_from}",
+            0.3 + 0.05 * gpus + 0.001 * i, derived=True,
+        ))
+    return out
 
 
 def why_not_lower(base, result) -> str:
@@ -227,13 +262,15 @@ def command_line(spec: RunSpec, gpu: str | None = None) -> str:
         "grad_accum": "--grad-accum", "checkpointing": "--checkpointing", "zero_grad": "--zero-grad",
         "world_size": "--world-size", "shard": "--shard", "offload": "--offload", "attention": "--attention",
         "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache", "outputs": "--outputs",
-        "loss_head": "--loss-head", "lora": "--lora", "freeze": "--freeze", "quant": "--quant",
+        "loss_head": "--loss-head", "lora": "--lora", "freeze": "--freeze", "quant": "--quant", "tp": "--tp", "pp": "--pp", "ep": "--ep",
         "data_dependent": "--data-dependent",
     }
     for field_name, flag in flags.items():
         value = getattr(spec, field_name)
         if value != getattr(defaults, field_name) or field_name in ("batch", "seq") and value is not None:
             parts += [flag, str(value)]
+    if spec.sp:
+        parts.append("--sp")
     if spec.fused:
         parts.append("--fused")
     if spec.cudnn_benchmark:

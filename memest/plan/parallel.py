@@ -2,10 +2,31 @@
 need, the layouts that fit ranked by communication volume per step.
 
 A 70B model cannot be traced once per layout in a minute on a laptop, so each layout is traced on the
-same model cut to a few layers (the config's ``num_hidden_layers``), and the per-rank peak is taken as
-affine in the layer count: peak(L) = a + b * L from 2 and 4 layers per stage, extrapolated to the
-model's L. The first layout is checked against a direct trace at 3 layers per stage (``check``). The need adds what a step needs above its peak allocated (allocator
-rounding, CUDA context, libraries: device/usage.py) as traced at depth 2k.
+same model cut to a few layers per stage (the config's ``num_hidden_layers``) and extrapolated:
+
+- Depth. The per-rank peak is affine in the layers per stage once the stage has 3 (every layer adds its
+  state shard and its saved activations; the peak stays at the same point of backward): traced at
+  LOW = 3 and HIGH = 4 layers per stage, extrapolated to the stage's real layer count (a stage of at
+  most HIGH layers is traced at its real depth). At 2 layers the peak sits elsewhere under FSDP2
+  (llama-2-70b, FSDP 64: peak(2) is 8.5% below the line through 3..80, which is exact to the byte at 80;
+  benchmarks/parallel.md).
+- Micro-batches (pipelines). A stage's step runs M micro-batches; 1F1B's first stage holds min(M, N)
+  of them in flight, GPipe's all M, and the last stage keeps each micro-batch's output (torch's
+  schedules merge them at the end). Tracing M = N = 64 is 64 forward and backward passes, so the first
+  and last stage are traced in pipelines of m = 2 and 3 stages with m micro-batches, and the peak taken
+  as affine in m up to M (with M = N, as the planner lays out, the first stage's m in flight become N).
+- What a step needs above its peak allocated (allocator rounding and cached blocks, CUDA context,
+  libraries: device/usage.py) is the deepest cut trace's; it is not affine in the depth (the allocator's
+  fragmentation moves): llama-2-70b -0.1% to -1.2% at full depth, mixtral-8x7b FSDP 64 -8%.
+
+One layout, the recommended one, is checked against a direct trace one step past the traced grid (one
+layer more, or one micro-batch more); the errors are reported (``check``), and where the need misses by
+more than DIRECT_ABOVE the layout is traced at its full depth (its direct need replaces the derived one).
+
+Before any trace, a layout is left out when the model state alone cannot fit: every parameter lives on
+at least one rank with its gradient and optimizer state at the optimizer step, so a rank holds at least
+(parameters x bytes of parameter + gradient + optimizer state) / G (the optimizer table, trace/optim.py);
+when that exceeds the budget the layout is reported with that lower bound, not traced.
 
 Layouts: tp in 1, 2, 4, 8 (within one NVLink node; it must divide the attention and key/value heads),
 dp = G / tp with FSDP2 full shard (--shard zero3) when dp > 1, TP with sequence parallel where the
@@ -35,11 +56,14 @@ from pathlib import Path
 from ..errors import MemestError
 from ..spec import RunSpec
 
-# traced depths per stage. At 1 layer the peak can sit elsewhere (llama-tiny: -10% at 3 from 1 and 2), and
-# successive layers' increments alternate (llama-2-70b, FSDP 8: fit on 2 and 3 was +4.8% at 4), so the
-# slope is taken over two layers, and the check interpolates at 3
-LOW, HIGH = 2, 4
+LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
+MICRO = (2, 3)  # pipelines: traced in m-stage pipelines of m micro-batches
 TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one node (8 GPUs over NVLink), Megatron's guidance
+MICRO_PROXY_SCHEDULES = ("1f1b", "gpipe")
+# the check's need error above which the recommended layout is traced at full depth: the peak extrapolates
+# exactly, the allocator's fragmentation does not (mixtral-8x7b FSDP 64: -19% at 5 layers, -8% at 32;
+# benchmarks/parallel.md)
+DIRECT_ABOVE = 0.02  # schedules whose end stages' peak is affine in m (module docstring)
 
 
 @dataclass
@@ -56,14 +80,26 @@ class Layout:
     derived_from: str = ""
     error: str = ""
     ep: int = 1  # expert parallel (MoE): experts over ep of the dp ranks (expert_layouts)
+    traced: bool = True  # False: left out before tracing, needed_bytes is the model state's lower bound
+    schedule: str = "1f1b"
+    microbatches: int = 0  # pipelines: micro-batches per step (0 = pp)
 
     @property
     def name(self) -> str:
         parts = [f"dp {self.dp}", f"tp {self.tp}" + (" + sp" if self.sp else ""), f"pp {self.pp}"]
         return " x ".join(parts) + (f" (ep {self.ep})" if self.ep > 1 else "")
 
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def changes(self) -> dict:
+        """The RunSpec fields of this layout (as `memest estimate` takes them)."""
+        return {"world_size": self.world_size, "tp": self.tp, "sp": self.sp, "pp": self.pp, "ep": self.ep,
+                "shard": "zero3" if self.dp > 1 else "none"}
+
     def command(self, model: str, base: RunSpec) -> str:
-        flags = [f"--world-size {self.dp * self.tp * self.pp}"]
+        flags = [f"--world-size {self.world_size}"]
         if self.tp > 1:
             flags.append(f"--tp {self.tp}" + (" --sp" if self.sp else ""))
         if self.dp > 1:
@@ -87,6 +123,8 @@ class ParallelPlan:
     check: dict | None = None  # the extrapolation checked against a direct trace
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    param_count: int = 0
+    traces: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -177,92 +215,237 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
     if layout.tp > 1:  # a pipeline rank's layers, for each of its M = pp micro-batches
         total += layers / layout.pp * max(1, layout.pp) * 4 * 2 * (layout.tp - 1) / layout.tp * tokens * h * act
     if layout.pp > 1:
-        total += 2 * layout.pp * tokens * h * act  # M = pp micro-batches of --batch, forward + backward
+        total += 2 * (layout.microbatches or layout.pp) * tokens * h * act  # M micro-batches of --batch, forward + backward
     return int(total)
 
 
+def state_bytes_per_param(base: RunSpec) -> int | None:
+    """Bytes of parameter + gradient + optimizer state per parameter that a step's optimizer step holds
+    on the device (the optimizer table's params x n, trace/optim.py; paged optimizers keep their state on
+    the host). None where the step holds less than that (frozen or quantized weights, offload)."""
+    from ..trace.optim import OPTIMIZERS
+
+    if not base.training or base.lora or base.freeze or base.quant != "none" or base.offload != "none":
+        return None
+    info = OPTIMIZERS[base.optim]
+    param = 2 if base.precision in ("bf16", "fp16") else 4  # -mixed keeps fp32 weights (autocast)
+    n = 2 if info.kwargs.get("paged") else info.folklore_n
+    return int(param * n)
+
+
+def state_floor(layout: Layout, param_count: int, per_param: int | None) -> int:
+    """A lower bound of any rank's need: the whole model state over the layout's ranks (module docstring)."""
+    return 0 if per_param is None else param_count * per_param // layout.world_size
+
+
+@dataclass
+class _Stage:
+    """One traced rank of a layout: the points traced, (layers, m) -> Estimate, and the real (layers, M)."""
+
+    index: int  # the stage (pipelines: 0 or the last); 0 otherwise
+    depth: int  # its real layers
+    micro: int  # its real micro-batches (M); 0 without a pipeline
+    depths: tuple[int, ...]
+    micros: tuple[int, ...]  # (0,) without a pipeline
+    points: dict = field(default_factory=dict)
+
+    def predict(self, depth: int, micro: int) -> tuple[int, int]:
+        """(peak, needed) at (depth, micro): each segment's peak (``segment_peaks``) bilinear in the traced
+        grid, the highest of them; needed adds the deepest point's bytes above its peak."""
+        d, m = self.depths, self.micros
+        u = (depth - d[0]) / (d[-1] - d[0]) if len(d) > 1 else 0.0
+        v = (micro - m[0]) / (m[-1] - m[0]) if len(m) > 1 else 0.0
+        corners = [(d[i], m[j]) for i in (0, -1) for j in (0, -1)]
+        segs = [segment_peaks(self.points[c].trace) for c in corners]
+        labels = set.intersection(*(set(seg) for seg in segs))
+        if any(max(seg[k] for k in labels) != self.points[c].report.peak_allocated_bytes for seg, c in zip(segs, corners, strict=True)):
+            segs, labels = [{"step": self.points[c].report.peak_allocated_bytes} for c in corners], {"step"}
+
+        def at(label: str) -> float:
+            p00, p01, p10, p11 = (seg[label] for seg in segs)
+            return p00 + (p10 - p00) * u + (p01 - p00) * v + (p11 - p10 - p01 + p00) * u * v
+
+        peak = int(max(at(label) for label in labels))
+        top = self.points[(d[-1], m[-1])]
+        return peak, peak + top.needed_bytes - top.report.peak_allocated_bytes
+
+
+def segment_peaks(trace) -> dict[tuple, int]:
+    """The highest live bytes in each phase's first and last segment of each iteration (between the trace's
+    phase marks), and before the first mark. The step's peak is the highest of them where it falls in
+    such a segment (checked by the caller). Fitted one by one, a peak that moves from one segment to
+    another as the step grows (the last pipeline stage: from its last backward to merging its M outputs)
+    is extrapolated from where each segment's own bytes go, not from a line through two different places."""
+    seq: list[list] = [[("start",), 0]]
+    marks, i_mark, live = trace.phase_marks, 0, 0
+    for i, (_, delta) in enumerate(trace.events):
+        while i_mark < len(marks) and marks[i_mark][0] <= i:
+            seq.append([marks[i_mark][1:], live])
+            i_mark += 1
+        live += delta
+        if live > seq[-1][1]:
+            seq[-1][1] = live
+    out: dict[tuple, int] = {}
+    for k, (key, peak) in enumerate(seq):
+        same = [j for j, (other, _) in enumerate(seq) if other == key]
+        if k == same[0]:
+            out[(*key, "first")] = peak
+        if k == same[-1]:
+            out[(*key, "last")] = peak
+    return out
+
+
+def _stages(layout: Layout, layers: int) -> list[_Stage]:
+    def grid(n: int, traced: tuple[int, ...]) -> tuple[int, ...]:
+        return (n,) if n <= traced[-1] else traced
+
+    if layout.pp == 1:
+        return [_Stage(0, layers, 0, grid(layers, (LOW, HIGH)), (0,))]
+    base, extra = divmod(layers, layout.pp)  # even split, the first stages one more (trace/pipeline_parallel.split_layers)
+    counts = [base + (1 if i < extra else 0) for i in (0, layout.pp - 1)]
+    m = layout.microbatches or layout.pp
+    proxy = layout.schedule in MICRO_PROXY_SCHEDULES and m == layout.pp
+    micros = grid(m, MICRO) if proxy else (m,)
+    return [_Stage(i, c, m, grid(c, (LOW, HIGH)), micros) for i, c in zip((0, layout.pp - 1), counts, strict=True)]
+
+
+class _Tracer:
+    """Traces of the cut models: one source per depth (built once, shared by every layout), cached by
+    (layout, stage, depth, m)."""
+
+    def __init__(self, config: dict, base: RunSpec, calibration, tmp: Path, progress=None):
+        self.config, self.base, self.calibration, self.tmp, self.progress = config, base, calibration, tmp, progress
+        self.sources: dict[int, object] = {}
+        self.cache: dict[tuple, object] = {}
+        self.traces = 0
+
+    def source(self, depth: int):
+        from ..sources import load_source
+
+        if depth not in self.sources:
+            path = self.tmp / f"depth{depth}" / "config.json"
+            path.parent.mkdir()
+            path.write_text(json.dumps({**self.config, "num_hidden_layers": depth}))
+            self.sources[depth] = load_source(f"hf:{path}")
+        return self.sources[depth]
+
+    def param_count(self, layers: int) -> int:
+        """The full model's parameters, from meta-device builds of the model cut to LOW and HIGH layers."""
+        import torch
+
+        counts = []
+        for depth in (LOW, HIGH):
+            with torch.device("meta"):
+                model = self.source(depth).build_model()
+            counts.append(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
+        return int(counts[0] + (counts[1] - counts[0]) / (HIGH - LOW) * (layers - LOW))
+
+    def trace(self, layout: Layout, stage: _Stage, depth: int, micro: int):
+        from ..pipeline import _estimate_one
+
+        key = (layout.dp, layout.tp, layout.sp, layout.pp, layout.ep, layout.schedule, stage.index, depth, micro)
+        if key in self.cache:
+            return self.cache[key]
+        src = self.source(depth)
+        changes = dict(model=f"hf:{self.tmp / f'depth{depth}' / 'config.json'}", seq=self.base.seq or src.default_seq,
+                       **layout.changes())
+        if layout.pp > 1:
+            pp = micro if micro != stage.micro else layout.pp  # the proxy pipeline: m stages, m micro-batches
+            index = 0 if stage.index == 0 else pp - 1
+            split = ["0"] * pp
+            split[index] = str(depth)
+            changes.update(pp=pp, world_size=layout.dp * layout.tp * pp, microbatches=micro, pp_split=",".join(split),
+                           pp_stage=index, pp_schedule=layout.schedule)
+        start = time.perf_counter()
+        result = _estimate_one(dataclasses.replace(self.base, **changes), self.calibration, src)
+        self.traces += 1
+        if self.progress:
+            self.progress(f"traced {layout.name}, stage {stage.index}, {depth} layers"
+                          + (f", {micro} micro-batches" if micro else "") + f" in {time.perf_counter() - start:.1f} s")
+        self.cache[key] = result
+        return result
+
+
+def _derive(layout: Layout, tracer: _Tracer, layers: int) -> list[_Stage]:
+    stages = _stages(layout, layers)
+    worst = None
+    for st in stages:
+        for d in st.depths:
+            for m in st.micros:
+                st.points[(d, m)] = tracer.trace(layout, st, d, m)
+        peak, needed = st.predict(st.depth, st.micro)
+        if worst is None or needed > layout.needed_bytes:
+            worst, layout.peak_bytes, layout.needed_bytes = st, peak, needed
+    how = []
+    if len(worst.depths) > 1:
+        how.append(f"{LOW} and {HIGH} layers per stage, affine in layers")
+    else:
+        how.append(f"its {worst.depth} layer{'s' if worst.depth != 1 else ''} traced")
+    if layout.pp > 1:
+        how.append(f"{'m = 2, 3 stages x micro-batches, affine in m' if len(worst.micros) > 1 else f'{worst.micro} micro-batches traced'}")
+        how.insert(0, f"stage {worst.index} (worst of first and last)")
+    layout.derived_from = "; ".join(how)
+    return stages
+
+
 def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: RunSpec, calibration=None,
-                  progress=None, check: bool = True) -> ParallelPlan:
-    from ..pipeline import _estimate_one, estimate
-    from ..sources import load_source
+                  progress=None, check: bool = True, prune: bool = True) -> ParallelPlan:
+    """``prune``: leave out, untraced, the layouts whose model state alone exceeds the budget."""
+    from ..units import format_bytes
 
     start = time.perf_counter()
     config, _ = _config(model)
     layers = config["num_hidden_layers"]
     plan = ParallelPlan(model, gpus, budget, budget_label, base.to_dict(), layers)
-    param_count = None
+    per_param = state_bytes_per_param(base)
+    derived: dict[int, list[_Stage]] = {}
     with tempfile.TemporaryDirectory(prefix="memest-plan-") as tmp:
-        sources: dict[int, object] = {}
-
-        def source(depth: int):
-            if depth not in sources:
-                path = Path(tmp) / f"depth{depth}" / "config.json"
-                path.parent.mkdir()
-                path.write_text(json.dumps({**config, "num_hidden_layers": depth}))
-                sources[depth] = load_source(f"hf:{path}")
-            return sources[depth]
-
-        def run(layout: Layout, depth_per_stage: int):
-            # a pipeline's first and last stages are traced with their layers, the middle ones left empty
-            # (what a stage holds depends on its own layers and its place in the schedule, not on theirs)
-            depth = depth_per_stage * min(layout.pp, 2)
-            spec = dataclasses.replace(
-                base, model=f"hf:{Path(tmp) / f'depth{depth}' / 'config.json'}",
-                world_size=layout.dp * layout.tp * layout.pp, tp=layout.tp, sp=layout.sp, pp=layout.pp, ep=layout.ep,
-                shard="zero3" if layout.dp > 1 else "none",
-                pp_split=",".join([str(depth_per_stage)] + ["0"] * (layout.pp - 2) + [str(depth_per_stage)]) if layout.pp > 1 else "",
-            )
-            src = source(depth)
-            if layout.ep > 1:  # the expected need: uniform routing (estimate's range adds the one-rank high end)
-                return _estimate_one(dataclasses.replace(spec, seq=spec.seq or src.default_seq), calibration, src)
-            if layout.pp == 1:
-                return estimate(spec, calibration=calibration, source=src)
-            # the first stage (embedding; 1F1B: the most micro-batches in flight, by the schedule's own order,
-            # trace/pipeline_schedule.py) and the last (head and logits); a middle stage holds the same layers
-            # with fewer micro-batches in flight
-            ends = [_estimate_one(dataclasses.replace(spec, seq=spec.seq or src.default_seq, pp_stage=i), calibration, src)
-                    for i in (0, layout.pp - 1)]
-            return max(ends, key=lambda e: e.needed_bytes)
-
+        tracer = _Tracer(config, base, calibration, Path(tmp), progress)
+        plan.param_count = param_count = tracer.param_count(layers)
         for i, layout in enumerate(layouts_for(gpus, config)):
+            layout.comm_bytes = comm_bytes(layout, config, base, param_count)
+            plan.layouts.append(layout)
+            floor = state_floor(layout, param_count, per_param)
+            if prune and floor > budget:
+                layout.traced, layout.needed_bytes, layout.verdict = False, floor, "does-not-fit"
+                layout.derived_from = (f"not traced: the model state alone is at least {format_bytes(floor)} per rank "
+                                       f"({param_count:,} parameters x {per_param} B / {layout.world_size} ranks)")
+                continue
             if progress:
                 progress(f"plan-parallel {i + 1}: {layout.name}")
             try:
                 try:
-                    one, two = run(layout, LOW), run(layout, HIGH)
+                    derived[id(layout)] = _derive(layout, tracer, layers)
                 except MemestError:
                     if not layout.sp:
                         raise
                     layout.sp = False  # not a Llama-style decoder: transformers' own plan, without SP
-                    one, two = run(layout, LOW), run(layout, HIGH)
+                    derived[id(layout)] = _derive(layout, tracer, layers)
             except MemestError as exc:
                 layout.error = str(exc)
-                plan.layouts.append(layout)
                 continue
-            if param_count is None and layout.pp == 1:  # pipeline layouts come last
-                param_count = _param_count(one, two, layers)
-            per_stage = layers / layout.pp
-            slope = (two.report.peak_allocated_bytes - one.report.peak_allocated_bytes) / (HIGH - LOW)
-            layout.peak_bytes = int(one.report.peak_allocated_bytes + slope * (per_stage - LOW))
-            layout.needed_bytes = layout.peak_bytes + (two.needed_bytes - two.report.peak_allocated_bytes)
-            layout.derived_from = f"depths {LOW} and {HIGH} per stage, affine in layers"
-            if plan.check is None and check:
-                mid = run(layout, LOW + 1)
-                predicted = int(one.report.peak_allocated_bytes + slope)
-                real = mid.report.peak_allocated_bytes
-                plan.check = {"layout": layout.name, "depth_per_stage": LOW + 1, "predicted_peak_bytes": predicted,
-                              "traced_peak_bytes": real, "error": (predicted - real) / real}
-            layout.comm_bytes = comm_bytes(layout, config, base, param_count or 0)
             layout.fits = layout.needed_bytes <= budget
             layout.verdict = "fits" if layout.fits else "does-not-fit"
-            plan.layouts.append(layout)
-    plan.layouts.sort(key=lambda lay: (bool(lay.error), not lay.fits, lay.comm_bytes if lay.fits else lay.needed_bytes))
+        plan.layouts.sort(key=lambda lay: (bool(lay.error), not lay.fits, not lay.traced,
+                                           lay.comm_bytes if lay.fits else lay.needed_bytes))
+        best = next((lay for lay in plan.layouts if id(lay) in derived), None)
+        if check and best is not None:
+            plan.check = _check(best, derived[id(best)], tracer)
+            if plan.check and abs(plan.check["needed_error"]) > DIRECT_ABOVE:
+                _trace_full_depth(best, tracer, budget, plan)
+        plan.traces = tracer.traces
     plan.seconds = time.perf_counter() - start
     plan.notes.append(
-        f"per-rank need derived from traces of the model cut to {LOW} and {HIGH} layers per stage (affine in layers), "
-        f"checked once against a {LOW + 1}-layer trace; communication volume per step from the ZeRO and Megatron-LM papers' "
-        "counts (memest/plan/parallel.py)"
+        f"per-rank need derived from traces of the model cut to {LOW} and {HIGH} layers per stage (the peak is affine in "
+        f"layers from {LOW} on), pipelines' first and last stage in 2- and 3-stage pipelines (affine in micro-batches); "
+        "the recommended layout checked against a direct trace one step further; communication volume per step from "
+        "the ZeRO and Megatron-LM papers' counts (memest/plan/parallel.py)"
     )
+    if any(not lay.traced for lay in plan.layouts):
+        plan.notes.append(
+            "layouts marked 'not traced' cannot fit: every parameter, its gradient and its optimizer state are on some "
+            "rank at the optimizer step, so the most loaded rank holds at least the model state / GPUs (a lower bound)"
+        )
     if any(lay.pp > 1 for lay in plan.layouts):
         plan.notes.append(
             "pipeline layouts: 1F1B with M = pp micro-batches of --batch, each stage FSDP2-sharded over dp and TP over tp; "
@@ -278,8 +461,51 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
     return plan
 
 
-def _param_count(one, two, layers: int) -> int:
-    """The full model's parameters from the two cut models' (global counts: DTensor.numel is the whole
-    tensor's): per-layer count times the layers."""
-    p1, p2 = one.trace.param_count, two.trace.param_count
-    return int(p1 + (p2 - p1) / (HIGH - LOW) * (layers - LOW))
+def _trace_full_depth(layout: Layout, tracer: _Tracer, budget: int, plan: ParallelPlan) -> None:
+    """The layout traced as it runs (full depth; a pipeline's first and last stage with M micro-batches),
+    its need replacing the derived one; the layouts re-ranked."""
+    from ..pipeline import _estimate_one
+    from ..sources import load_source
+    from ..units import format_bytes
+
+    src = load_source(plan.model)
+    spec = dataclasses.replace(tracer.base, seq=tracer.base.seq or src.default_seq, **layout.changes(),
+                               **({"microbatches": layout.microbatches, "pp_schedule": layout.schedule} if layout.pp > 1 else {}))
+    stages = (0,) if layout.pp == 1 else (0, layout.pp - 1)
+    start = time.perf_counter()
+    ends = [_estimate_one(dataclasses.replace(spec, pp_stage=i), tracer.calibration, src) for i in stages]
+    tracer.traces += len(ends)
+    direct = max(ends, key=lambda e: e.needed_bytes)
+    derived = layout.needed_bytes
+    layout.peak_bytes, layout.needed_bytes = direct.report.peak_allocated_bytes, direct.needed_bytes
+    layout.fits = layout.needed_bytes <= budget
+    layout.verdict = "fits" if layout.fits else "does-not-fit"
+    layout.derived_from = (f"traced at its full depth ({time.perf_counter() - start:.0f} s): the need derived from the cut "
+                           f"model, {format_bytes(derived)}, missed by {100 * plan.check['needed_error']:+.1f}% at the check")
+    plan.check["full_depth_needed_bytes"] = layout.needed_bytes
+    plan.layouts.sort(key=lambda lay: (bool(lay.error), not lay.fits, not lay.traced,
+                                       lay.comm_bytes if lay.fits else lay.needed_bytes))
+    plan.notes.append(
+        f"{layout.name}: its derived need missed the check's direct trace by {100 * plan.check['needed_error']:+.1f}% (the "
+        f"caching allocator's fragmentation is not affine in depth, while the peak is), so it was traced at full depth; the "
+        "other layouts' needs are derived and may be off by as much"
+    )
+
+
+def _check(layout: Layout, stages: list[_Stage], tracer: _Tracer) -> dict | None:
+    """The layout's worst stage traced directly one step past its traced grid: one layer more where the
+    depth was extrapolated, else one micro-batch more; None where every point was traced directly."""
+    stage = max(stages, key=lambda st: st.predict(st.depth, st.micro)[1])
+    if len(stage.depths) > 1:
+        depth, micro = HIGH + 1, stage.micros[0]
+    elif len(stage.micros) > 1:
+        depth, micro = stage.depths[0], MICRO[-1] + 1
+    else:
+        return None
+    predicted, predicted_needed = stage.predict(depth, micro)
+    direct = tracer.trace(layout, stage, depth, micro)
+    real, real_needed = direct.report.peak_allocated_bytes, direct.needed_bytes
+    return {"layout": layout.name, "stage": stage.index, "depth_per_stage": depth, "microbatches": micro,
+            "predicted_peak_bytes": predicted, "traced_peak_bytes": real, "error": (predicted - real) / real,
+            "predicted_needed_bytes": predicted_needed, "traced_needed_bytes": real_needed,
+            "needed_error": (predicted_needed - real_needed) / real_needed}

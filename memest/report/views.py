@@ -223,9 +223,23 @@ def advise_view(run) -> View:
         else:
             blocks.append(f"cheapest that fits: {a.combination.name} ({format_in(a.combination.needed_bytes, unit)})")
             blocks.append(f"  {a.command}")
+    if a.parallel:
+        blocks.append(_parallel_line(a.parallel))
     blocks.append(f"{a.traces} traces")
     doc = {"budget": label, "headroom_bytes": headroom, **a.to_dict()}
     return View(doc, blocks)
+
+
+def _parallel_line(parallel: dict) -> str:
+    """advise --gpus: where its layouts come from."""
+    if parallel.get("error"):
+        return f"no layouts of {parallel['gpus']} GPUs: {parallel['error']}"
+    line = (f"layouts of {parallel['gpus']} GPUs from plan-parallel's planner ({parallel['traces']} traces of the model cut "
+            f"in depth, {parallel['seconds']:.0f} s)")
+    c = parallel.get("check")
+    if c:
+        line += f"; its extrapolation checked on {c['layout']}: peak {100 * c['error']:+.2f}%, needed {100 * c['needed_error']:+.2f}%"
+    return line
 
 
 def plan_parallel_view(run) -> View:
@@ -236,8 +250,8 @@ def plan_parallel_view(run) -> View:
         if lay.error:
             rows.append([lay.name, "-", "-", "not traced", lay.error])
             continue
-        rows.append([lay.name, format_in(lay.needed_bytes, unit), format_bytes(lay.comm_bytes), lay.verdict,
-                     ("worst pipeline stage; " if lay.pp > 1 else "") + lay.derived_from])
+        rows.append([lay.name, ("" if lay.traced else ">= ") + format_in(lay.needed_bytes, unit), format_bytes(lay.comm_bytes),
+                     lay.verdict, lay.derived_from])
     blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]
@@ -250,11 +264,13 @@ def plan_parallel_view(run) -> View:
         blocks.append(f"best: {best.name}\n  {best.command(p.model, RunSpec(**p.base))} --gpu {run.gpu.budget_label}")
     if p.check:
         c = p.check
-        blocks.append(f"extrapolation checked on {c['layout']} at {c['depth_per_stage']} layers per stage: predicted "
+        where = f"{c['depth_per_stage']} layers per stage" + (f", {c['microbatches']} micro-batches" if c["microbatches"] else "")
+        blocks.append(f"extrapolation checked on {c['layout']} (stage {c['stage']}) at {where}: peak predicted "
                       f"{format_bytes(c['predicted_peak_bytes'])}, traced {format_bytes(c['traced_peak_bytes'])} "
-                      f"({100 * c['error']:+.2f}%)")
+                      f"({100 * c['error']:+.2f}%); needed predicted {format_bytes(c['predicted_needed_bytes'])}, traced "
+                      f"{format_bytes(c['traced_needed_bytes'])} ({100 * c['needed_error']:+.2f}%)")
     blocks += [f"note: {n}" for n in p.notes]
-    blocks.append(f"planned in {p.seconds:.1f} s")
+    blocks.append(f"planned in {p.seconds:.1f} s ({p.traces} traces)")
     return View({"budget": run.gpu.budget_label, **p.to_dict()}, blocks)
 
 

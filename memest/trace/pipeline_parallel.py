@@ -204,6 +204,7 @@ class PipelineStep:
             self.schedule, stages = self._schedule(ids.shape[1])
             for stage in stages:
                 _mark_phases(stage, lambda phase: self._mark(phase) if self._mark is not None else None)
+            _mark_merge(self.schedule, lambda phase: self._mark(phase) if self._mark is not None else None)
         args = (ids,) if self.first else ()
         kwargs = {"target": labels, "losses": []} if self.last else {}
         self.schedule.step(*args, **kwargs)
@@ -222,6 +223,22 @@ def _mark_phases(stage, mark) -> None:
             return _original(stage, *args, **kwargs)
 
         setattr(stage, name, marked)
+
+
+def _mark_merge(schedule, mark) -> None:
+    """The last stage's step ends by merging its micro-batches' outputs (torch's ``_merge_outputs``: one tensor
+    of all M while the M chunks are held), marked as the loss phase's end of step (plan/parallel.py fits the
+    step's segments apart)."""
+    from .events import Phase
+
+    merge = type(schedule)._merge_outputs
+
+    def merged(*args, **kwargs):
+        if mark is not None:
+            mark(Phase.LOSS)
+        return merge(schedule, *args, **kwargs)
+
+    schedule._merge_outputs = merged
 
 
 def _fake(model: nn.Module) -> bool:
