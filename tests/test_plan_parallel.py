@@ -53,7 +53,9 @@ def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monke
     from memest.pipeline import estimate
     from memest.plan import parallel
 
-    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg) if lay.tp == 1])
+    # FSDP 4 and the pure 4-stage pipeline (pipeline x FSDP layouts have their own tests)
+    monkeypatch.setattr(parallel, "layouts_for",
+                        lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg) if lay.tp == 1 and lay.pp in (1, 4)])
     ref = _deeper(tmp_path, 6)
     result = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "4", "--gpu", "1GB", "--batch", "2", "--seq", "32",
                                       "--target", "cpu", "--json"])
