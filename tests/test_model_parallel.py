@@ -234,3 +234,14 @@ def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(changes):
         one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
         estimated, measured_peak = trace_step(load_source(spec.model), one).peak()[0], real[one.rank]["peak_bytes"]
         assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (changes, stage, estimated, measured_peak)
+
+
+def test_tp_without_fsdp_on_cuda_names_the_foreach_mix_and_the_way_out():
+    """--tp 2 alone on --target cuda: the foreach AdamW step refuses TP's DTensors beside the plain norms and
+    embedding; the error says so and names the layouts that trace, not a model-inputs hint."""
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", target="cuda", world_size=2, tp=2)
+    with pytest.raises(MemestError, match="mixed torch.Tensor and DTensor") as info:
+        trace_step(load_source(spec.model), spec)
+    assert "FSDP2 makes every parameter a DTensor" in str(info.value) and "example_inputs" not in str(info.value)
+    sharded = RunSpec(**{**spec.to_dict(), "world_size": 4, "shard": "zero3"})
+    assert trace_step(load_source(sharded.model), sharded).peak()[0] > 0

@@ -259,6 +259,19 @@ def _cuda_hint(exc: Exception) -> str:
     )
 
 
+def _dtensor_mix_hint(exc: Exception) -> str:
+    """The hint for a foreach optimizer step over tensor-parallel DTensors mixed with plain parameters, else ''."""
+    if "mixed torch.Tensor and DTensor" not in str(exc):
+        return ""
+    return (
+        " — the optimizer's foreach step (torch's default on CUDA; DTensor is among its foreach-supported types, "
+        "torch/distributed/tensor/__init__.py) refuses one list of tensor-parallel DTensors and the plain parameters "
+        "the TP plan leaves whole (norms, embeddings, a MoE router); a real run with that optimizer is expected to "
+        "fail the same way (not run on a GPU here). Layouts with --shard zero3 over dp > 1 ranks trace: FSDP2 makes "
+        "every parameter a DTensor"
+    )
+
+
 def _cast_floats(inputs, dtype):
     from torch.utils._pytree import tree_map
 
@@ -549,7 +562,7 @@ def _step_errors(step: _Step):
     except MemestError:
         raise
     except Exception as exc:
-        fix = _cuda_hint(exc) or f"; {step.source.inputs_hint}"
+        fix = _cuda_hint(exc) or _dtensor_mix_hint(exc) or f"; {step.source.inputs_hint}"
         raise TraceError(
             f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
             f"{_first_line(exc)}{fix}"
