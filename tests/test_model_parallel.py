@@ -8,6 +8,10 @@ they measure the same except when gloo's worker thread frees a collective's buff
 2-core machine (seen on one rank of four, now and then, rank 0 included: +6 to +14%; docs/sharding.md
 describes the race). So the traced peak is compared with the lower median of the ranks' measured peaks:
 one late-freeing rank of four cannot fail the test, and an estimate low or high on every rank still does.
+With two ranks both can be lifted in one launch (seen once in a clean-clone CI run: TP 2 + SP, bf16-mixed, both
+ranks +192,000 B, one rank's bf16 vocab-parallel logits; the same case read the trace to the byte in three
+other runs). A late free only ever lifts a measurement, so where the ranks read above the trace the case is run
+for real once more and each rank's lower peak of the two runs is compared; a low estimate still fails.
 """
 
 import pytest
@@ -73,6 +77,11 @@ def test_traced_rank_peak_matches_real_tensor_parallel_run(case, measured):
     ranks = measured(case)
     peaks = sorted(r["peak_bytes"] for r in ranks)
     real = peaks[(len(peaks) - 1) // 2]  # the lower median (see the module's docstring)
+    if (estimated - real) / real < -REL_TOL:  # read above the trace: once more (module docstring)
+        ranks = [min(a, b, key=lambda r: r["peak_bytes"])
+                 for a, b in zip(ranks, measure_distributed_peaks([spec])[0], strict=True)]
+        peaks = sorted(r["peak_bytes"] for r in ranks)
+        real = peaks[(len(peaks) - 1) // 2]
     error = (estimated - real) / real
     assert abs(error) <= REL_TOL, (
         f"{_id(case)}: traced {estimated} B, ranks' lower median {real} B ({100 * error:+.3f}%); "
