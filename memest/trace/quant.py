@@ -158,13 +158,19 @@ def quantize_linears(model: nn.Module, quant_type: str, double_quant: bool, comp
     """Replace every nn.Linear (and transformers' Conv1D) but the output head with the stand-in, as
     transformers' bitsandbytes integration (``replace_with_bnb_linear``) replaces them with Linear4bit (embeddings and norms are not linear and stay as they are).
     Returns the number of layers replaced."""
+    return replace_linears(model, lambda child: Linear4bitModel(child, quant_type, double_quant, compute_dtype))
+
+
+def replace_linears(model: nn.Module, make) -> int:
+    """Replace every nn.Linear (and transformers' Conv1D) but the output head with ``make(layer)``, as
+    transformers' ``replace_with_bnb_linear`` walks the model. Returns the number of layers replaced."""
     keep = output_linear(model)
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if (type(child) is nn.Linear or _is_conv1d(child)) and full not in keep:
-                setattr(module, child_name, Linear4bitModel(child, quant_type, double_quant, compute_dtype))
+                setattr(module, child_name, make(child))
                 replaced += 1
     return replaced
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import _is_conv1d, output_linear
+from .quant import replace_linears
 
 THRESHOLD = 6.0  # transformers BitsAndBytesConfig(llm_int8_threshold=6.0) -> Linear8bitLt(threshold=...)
 
@@ -103,6 +103,19 @@ def _input_gradient(ctx, grad_output: torch.Tensor) -> torch.Tensor:
     return torch.matmul(grad_output.to(ctx.dtype_A), cb).view(ctx.grad_shape)
 
 
+def _keep_for_backward(ctx, layer: Linear8bitModel, input_shape, dtype, bias) -> None:
+    """What both matmuls' backward reads (the frozen base: the input gradient, and the bias's)."""
+    ctx.layer, ctx.grad_shape, ctx.dtype_A = layer, input_shape, dtype
+    ctx.bias_grad = bias is not None and bias.requires_grad
+
+
+def _frozen_backward(ctx, grad_output):
+    """Both matmuls' backward: the input's gradient through the dequantised weight, the bias's, none for the weight."""
+    grad_bias = grad_output.sum(0) if ctx.bias_grad else None
+    grad_a = _input_gradient(ctx, grad_output) if ctx.needs_input_grad[0] else None
+    return grad_a, None, grad_bias, None
+
+
 class _MatMul8bitLt(torch.autograd.Function):
     """MatMul8bitLt.forward with a frozen weight (bitsandbytes' CUDA ops), no outlier column traced."""
 
@@ -115,18 +128,13 @@ class _MatMul8bitLt(torch.autograd.Function):
         sub_a = torch.empty(0, dtype=A.dtype, device=A.device)  # int8_mixed_scaled_mm: no outlier columns
         output = _int8_scaled_mm(ca, layer, sca, bias, A.dtype)
         del ca, sca
-        ctx.layer, ctx.grad_shape, ctx.dtype_A = layer, input_shape, A.dtype
-        ctx.bias_grad = bias is not None and bias.requires_grad
+        _keep_for_backward(ctx, layer, input_shape, A.dtype, bias)
         ctx.tensors = (None, sub_a, A)  # held by the node, not saved: checkpointing leaves them alive
         if len(input_shape) == 3:
             return output.reshape(*input_shape[:-1], layer.out_features)
         return output
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_bias = grad_output.sum(0) if ctx.bias_grad else None
-        grad_a = _input_gradient(ctx, grad_output) if ctx.needs_input_grad[0] else None
-        return grad_a, None, grad_bias, None
+    backward = staticmethod(_frozen_backward)
 
 
 def _int8_vectorwise_quant(a16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,27 +164,14 @@ class _MatMul8bitFp(torch.autograd.Function):
     def forward(ctx, A, weight, bias, layer: Linear8bitModel):
         cb = layer.dequantized(A.dtype)
         output = F.linear(A, cb, bias)
-        ctx.layer, ctx.grad_shape, ctx.dtype_A = layer, A.shape, A.dtype
-        ctx.bias_grad = bias is not None and bias.requires_grad
+        _keep_for_backward(ctx, layer, A.shape, A.dtype, bias)
         ctx.A = A
         return output
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_bias = grad_output.sum(0) if ctx.bias_grad else None
-        grad_a = _input_gradient(ctx, grad_output) if ctx.needs_input_grad[0] else None
-        return grad_a, None, grad_bias, None
+    backward = staticmethod(_frozen_backward)
 
 
 def quantize_linears(model: nn.Module, cuda_kernels: bool) -> int:
     """Replace every nn.Linear (and transformers' Conv1D) but the output head with the stand-in, as
     transformers' replace_with_bnb_linear does for load_in_8bit. Returns the number of layers replaced."""
-    keep = output_linear(model)
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if (type(child) is nn.Linear or _is_conv1d(child)) and full not in keep:
-                setattr(module, child_name, Linear8bitModel(child, cuda_kernels))
-                replaced += 1
-    return replaced
+    return replace_linears(model, lambda child: Linear8bitModel(child, cuda_kernels))
