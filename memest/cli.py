@@ -84,6 +84,17 @@ Strict = Annotated[bool, typer.Option(
     "--strict", help="A tight verdict (expected fits, the high end of the range does not) counts as not fitting.")]
 
 
+# The options of the traced step that estimate, whatif, max-batch and advise share; each is the RunSpec field
+# of the same name (spec.py), so a command's spec is these values plus its own (``_spec``).
+STEP_OPTIONS = ("model", "optim", "precision", "target", "grad_accum", "checkpointing", "outputs", "loss_head", "lora",
+                "freeze", "quant", "double_quant", "prepare_kbit", "compile", "data_dependent")
+
+
+def _spec(options: dict, *own: str) -> dict:
+    """The RunSpec fields from a command's parsed options (its ``locals()``): the shared step options + its own."""
+    return {name: options[name] for name in (*STEP_OPTIONS, *own)}
+
+
 def _progress(on: bool = True):
     from .app import stderr_progress
 
@@ -137,13 +148,9 @@ def estimate(
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
-    spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target, attention=attention,
-                fused=fused, grad_accum=grad_accum, checkpointing=checkpointing, zero_grad=zero_grad, mode=mode,
-                new_tokens=new_tokens, cache=cache, world_size=world_size, shard=shard, offload=offload,
-                cudnn_benchmark=cudnn_benchmark, outputs=outputs, loss_head=loss_head, tp=tp, sp=sp, pp=pp, ep=ep,
-                pp_schedule=pp_schedule, pp_virtual=pp_virtual, microbatches=microbatches, pp_split=pp_split, lora=lora,
-                freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
-                data_dependent=data_dependent)
+    spec = _spec(locals(), "batch", "seq", "attention", "fused", "zero_grad", "mode", "new_tokens", "cache", "world_size",
+                 "shard", "offload", "cudnn_benchmark", "tp", "sp", "pp", "ep", "pp_schedule", "pp_virtual",
+                 "microbatches", "pp_split")
 
     def work():
         from .app import run_estimate
@@ -226,14 +233,12 @@ def whatif(
 ) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
     the largest seq and batch that fit."""
+    spec = _spec(locals())
+
     def work():
         from .app import run_whatif
         from .report.views import whatif_view
 
-        spec = dict(model=model, optim=optim, precision=precision, target=target, grad_accum=grad_accum,
-                    checkpointing=checkpointing, outputs=outputs, loss_head=loss_head, lora=lora, freeze=freeze,
-                    quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
-                    data_dependent=data_dependent)
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress(),
                          calibration=calibration)
         return whatif_view(run), EXIT_OK
@@ -255,14 +260,12 @@ def max_batch(
 ) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
     exact at the boundary."""
+    spec = _spec(locals(), "batch", "seq")
+
     def work():
         from .app import run_max_batch
         from .report.views import max_batch_view
 
-        spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
-                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
-                    data_dependent=data_dependent)
         run = run_max_batch(spec, gpu, seq_search, limit, progress=_progress(), calibration=calibration)
         return max_batch_view(run), EXIT_OK
 
@@ -282,14 +285,12 @@ def advise(
 ) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
     fits, with its command line."""
+    spec = _spec(locals(), "batch", "seq")
+
     def work():
         from .app import run_advise
         from .report.views import advise_view
 
-        spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                    grad_accum=grad_accum, checkpointing=checkpointing, outputs=outputs, loss_head=loss_head,
-                    lora=lora, freeze=freeze, quant=quant, double_quant=double_quant, prepare_kbit=prepare_kbit, compile=compile,
-                    data_dependent=data_dependent)
         return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration, gpus=gpus)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
