@@ -103,6 +103,36 @@ ROWS = [
 ]
 
 
+# Published start-up logs found while looking for V1-era ones (issue 14) and not used, with the reason.
+NOT_USED = [
+    ("https://github.com/vllm-project/vllm/pull/17122",
+     "meta-llama/Llama-3.1-8B-Instruct, 1x L40S, V1 Apr 2025 (before PR #19312): 'Model loading took 14.9889 GiB', "
+     "'GPU KV cache size: 158,656 tokens', max-model-len 32,768",
+     "the GPU total and utilization are not in the log; that V1 build's non-torch term is the pre-#19312 arithmetic"),
+    ("https://github.com/LMCache/LMCache/issues/1739",
+     "Qwen3-14B, V1 (Oct 2025): 'Available KV cache memory: 6.51 GiB', 'GPU KV cache size: 42,656 tokens'",
+     "no bundled config for Qwen3-14B; GPU total, weights and utilization not in the log"),
+    ("https://github.com/vllm-project/vllm/issues/25350",
+     "--kv-cache-dtype fp8, V1 (Sep 2025): 'Available KV cache memory: 10.55 GiB', 'GPU KV cache size: 230,528 "
+     "tokens', 'Model loading took 29.09 GiB'", "the model and GPU are not named in the log"),
+    (LLMD, "gpt-oss-20b, gpt-oss-120b, Qwen3-0.6B, Qwen3-32B (TP 1 and 2) on H100, V1 (v0.11.0 image)",
+     "no bundled config (gpt-oss also MXFP4 weights); their non-torch figures are in section 2"),
+    ("https://github.com/noonghunna/club-3090/issues/612",
+     "Qwen3.6-35B-A3B NVFP4 on an RTX 5090, V1 v0.24.0: 'Available KV cache memory: 5.98 GiB', '567,978 tokens'",
+     "4-bit weights and linear-attention (hybrid) layers, which memest does not model"),
+    ("https://myoceane.fr/index.php/ai-vllm-a100-gemma-4/",
+     "gpt-oss-20b (v0.19.0) and Gemma-4-26B-A4B on an A100: 'Available KV cache memory: 36.56 GiB' / '21.5 GiB'",
+     "MXFP4 / no bundled config"),
+    ("https://github.com/vllm-project/vllm/issues/17469",
+     "a Qwen3 model on 4 GPUs, V1 v0.8.5: 'Model loading took 14.2474 GiB' per rank", "an OOM report; no KV figures"),
+    ("(code index, no citable address)",
+     "llava-v1.6-mistral-7b on H100 79.19 GiB, V1 v0.10.2: 14.08 / 1.97 / 0.07 GiB, 'Available KV cache memory: "
+     "55.15 GiB', 451,744 tokens; Llama-3.1-8B-Instruct on an A100, vLLM v0.31.0 image: 'Available KV cache memory: "
+     "56.21 GiB', 460,496 tokens, utilization 0.92 by default",
+     "the index holds them without the repository they come from, so they cannot be cited"),
+]
+
+
 # SGLang: "Load weight end. ... avail mem=A GB, mem usage=W GB" (GiB despite the label), then the pool.
 SGLANG_ROWS = [
     dict(id="sglang PR #18263", url="https://github.com/sgl-project/sglang/pull/18263",
@@ -342,8 +372,11 @@ def render(results: list[dict], times: list[dict], sglang: list[dict], timing_no
               "high: what the first GEMMs load outside torch's allocator on this project's H100 with eager kernel "
               f"loading, profiles/h100-cuda13.0-torch2.11-eager.json); TP > 1 {tp[0] / GiB:.2f} / {tp[1] / GiB:.2f} / "
               f"{tp[2] / GiB:.2f} GiB (+ this project's measured NCCL 0.55 GiB; high: + the 1.79 GiB that TP 2 added "
-              "over TP 1 in PR #10511's build). The pre-0.7 values are outside on purpose: they count the context or "
-              "the allocator cache, which today's vLLM does not subtract there. `--non-torch-memory GiB` (or "
+              "over TP 1 in PR #10511's build). The V1 values llm-d logged on H100s (0.13-0.14 GiB at TP 1 over six "
+              "models, 0.54-0.55 GiB at TP 2) lie inside these ranges; the expected values sit 0.02-0.03 GiB (TP 1) and "
+              "0.16-0.17 GiB (TP 2) above them, 0.05% and 0.5% of those logs' KV caches, and were left as they are (they "
+              "did not come from, and are not fitted to, the logs section 3 predicts). The pre-0.7 values are outside on "
+              "purpose: they count the context or the allocator cache, which today's vLLM does not subtract there. `--non-torch-memory GiB` (or "
               "`non_torch_memory:` in a `serve:` config) takes a user's own logged figure, `--calibration FILE` a "
               "`memest calibrate` profile; both replace the range, and the report says which value was used and "
               "where it came from."]
@@ -388,6 +421,11 @@ def render(results: list[dict], times: list[dict], sglang: list[dict], timing_no
     def verdict(rows: list[dict]) -> str:
         return "**met**" if worst(rows) <= 0.01 else "**not met**"
 
+    from memest.serve.profile import sampler_sort_extra
+
+    sort_bytes = 2 + 4 + sampler_sort_extra(1024)
+    qwen06 = 1024 * 151936 * sort_bytes + 8192 * 1024 * 2 + 2 * 1024 * 1024 * 2
+    pr10511 = next(r for r in preds if r["id"] == "vllm PR #10511 (TP 1)")
     v1_errors = ", ".join(f"{r['id']} {pct(r['prediction']['error'])}" for r in v1)
     lines += ["", f"The goal (KV within 1% of vLLM's report), **uncalibrated**: {verdict(v1)} on the V1-era log"
               f"{'s' if len(v1) > 1 else ''} ({v1_errors}: the current non-torch "
@@ -402,13 +440,22 @@ def render(results: list[dict], times: list[dict], sglang: list[dict], timing_no
                  "non-torch figure is outside the current-arithmetic range (see section 2), so a user of such a build "
                  "must pass the logged figure. ")
               + "The activation column is the traced profile run: the sampler phase (1024 requests x the vocabulary "
-              "on the V1 row) is priced with the PyTorch sort path's peak inside the sort, its outputs plus the "
-              "reverse-index and cub alternate buffers PyTorch's CUDA sort allocates (memest/serve/profile.py "
-              "`sampler_sort_extra`, from aten/src/ATen/native/cuda/SortStable.cu). That term was added after this "
-              "V1 log showed memest's earlier sampler model (the sort's outputs only: 3.01 GiB, KV +3.5%) short of "
-              "the logged 4.76 GiB; its bytes come from PyTorch's source, not from the log. An independent check on "
-              "the same page: Qwen3-0.6B (a model memest has no config for here) logged 5.56 GiB, the sort-path "
-              "formula gives 1024 x 151,936 x 38 B + its 8192 x 1024 hidden states = 5.52 GiB."]
+              "on the V1 row, 256 on the V0 rows) is priced with the PyTorch sort path's peak inside the sort, its "
+              "outputs plus the reverse-index and cub alternate buffers PyTorch's CUDA sort allocates "
+              f"({sort_bytes} B per logit with the bf16 and fp32 logits; memest/serve/profile.py `sampler_sort_extra`, "
+              "from aten/src/ATen/native/cuda/SortStable.cu). That term was added after the V1 log showed memest's "
+              "earlier sampler model (the sort's outputs only: 3.01 GiB, KV +3.5%) short of the logged 4.76 GiB; its "
+              "bytes come from PyTorch's source, not from the log. Two checks it was not built on: the PR #10511 row's "
+              "activation (256 sampled rows) went from 0.88 to "
+              f"{pr10511['prediction']['activation_gib']:.2f} GiB against the logged 1.26; and Qwen3-0.6B on the "
+              "llm-d page (a model memest has no config for here; its config's vocab_size 151,936, hidden_size 1,024) "
+              f"logged 5.56 GiB where the same formula gives 1024 x 151,936 x {sort_bytes} B + the 8192 x 1,024 "
+              f"hidden states = {qwen06 / GiB:.2f} GiB (its forward of 8192 tokens is far smaller)."]
+    lines += ["", "Published start-up logs found while looking for V1-era ones and not used:", "",
+              "| where | what it logs | why not used |", "|---|---|---|"]
+    for url, what, why in NOT_USED:
+        where = f"[{url.replace('https://', '').split('/blob/')[0]}]({url})" if url.startswith("https://") else url
+        lines.append(f"| {where} | {what} | {why} |")
     lines += ["", "## 4. Speed", "",
               "Wall time of the whole command (a fresh process: imports, config, trace, arithmetic, JSON) and its CPU "
               "time (user + sys), medians; the last row is the README's speed yardstick (5.79 s on an idle machine) "

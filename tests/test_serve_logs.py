@@ -66,3 +66,14 @@ def test_uncalibrated_prediction_of_the_v1_llama_log_within_one_percent():
     activation = next(p for p in d["budget"]["parts"] if p["name"].startswith("activation"))["bytes"] / GiB
     assert abs(activation - 4.76) <= 0.1, activation  # DEBUG line 'torch peak memory increase: 4.76GiB'
     assert d["verdict"] == "starts"
+
+
+def test_default_utilization_says_newer_vllm_uses_092():
+    from memest.serve.plan import ServeSpec, plan_serve
+
+    small = dict(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=2048)
+    default = plan_serve(ServeSpec("hf:tinyllama-1.1b", 80 * GiB, "h100", **small))
+    assert default.utilization == 0.9
+    assert any("0.92" in n and "cache.py" in n for n in default.notes)
+    given = plan_serve(ServeSpec("hf:tinyllama-1.1b", 80 * GiB, "h100", utilization=0.92, **small))
+    assert not any("0.92" in n and "cache.py" in n for n in given.notes)

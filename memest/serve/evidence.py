@@ -67,7 +67,7 @@ NON_TORCH_PUBLISHED = (
      "https://github.com/vllm-project/vllm/pull/21429"),
     (0.13, "H100 (79.18 GiB)", "V1 (v0.11.0 image), gpt-oss-20b, gpt-oss-120b, Qwen3-0.6B, Llama-3.1-8B: current "
      "arithmetic", 1, LLMD_MEMORY),
-    (0.14, "H100 (79.18 GiB)", "V1 (v0.11.0 image), Qwen3-32B, Mistral-Small-3.2-24B, Llama-3.3-70B-FP8: current "
+    (0.14, "H100 (79.18-79.19 GiB)", "V1 (v0.11.0 image), Qwen3-32B, Mistral-Small-3.2-24B, Llama-3.3-70B-FP8: current "
      "arithmetic", 1, LLMD_MEMORY),
     (0.54, "H100 (79.18 GiB)", "V1 (v0.11.0 image), Qwen3-32B: current arithmetic", 2, LLMD_MEMORY),
     (0.55, "H100 (79.18 GiB)", "V1 (v0.11.0 image), Llama-3.3-70B-FP8: current arithmetic", 2, LLMD_MEMORY),
@@ -151,6 +151,12 @@ def default_batching(total: int, card: str | None) -> tuple[int, int, str]:
 
 
 DEFAULT_UTILIZATION = 0.9  # vllm/config/cache.py CacheConfig.gpu_memory_utilization
+# vLLM's main branch has since raised that default to 0.92 (vllm/config/cache.py CacheConfig.gpu_memory_utilization
+# ``Field(default=0.92, ...)`` at commit 002f10e0cfa1373a19a0d2756598a34b700d20e5); the release that changed it is not
+# pinned here, so memest keeps 0.9 (the value of every published log it is checked against) and says so.
+DEFAULT_UTILIZATION_NEWER = ("--gpu-memory-utilization not given: memest uses 0.9, vLLM's default up to at least v0.11 "
+                             "(the published logs in benchmarks/serve.md); vLLM's main branch now defaults to 0.92 "
+                             "(vllm/config/cache.py at commit 002f10e0): pass the value your build uses")
 DEFAULT_BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.block_size default on CUDA
 
 
