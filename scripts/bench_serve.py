@@ -444,7 +444,7 @@ def render(results: list[dict], times: list[dict], sglang: list[dict], timing_no
               "outputs plus the reverse-index and cub alternate buffers PyTorch's CUDA sort allocates "
               f"({sort_bytes} B per logit with the bf16 and fp32 logits; memest/serve/profile.py `sampler_sort_extra`, "
               "from aten/src/ATen/native/cuda/SortStable.cu). That term was added after the V1 log showed memest's "
-              "earlier sampler model (the sort's outputs only: 3.01 GiB, KV +3.5%) short of the logged 4.76 GiB; its "
+              "earlier sampler model (the sort's outputs only, at commit 19f5220: 3.01 GiB, KV +3.4%) short of the logged 4.76 GiB; its "
               "bytes come from PyTorch's source, not from the log. Two checks it was not built on: the PR #10511 row's "
               "activation (256 sampled rows) went from 0.88 to "
               f"{pr10511['prediction']['activation_gib']:.2f} GiB against the logged 1.26; and Qwen3-0.6B on the "
