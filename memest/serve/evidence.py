@@ -46,6 +46,11 @@ TOTALS: dict[str, tuple[int, str]] = {
 # "non-torch forward increase memory"), inside it.
 NON_TORCH_TP1 = (int(0.03 * GiB), int(0.16 * GiB), 610_271_232)
 NON_TORCH_TP = (int(0.20 * GiB), int(0.16 * GiB) + 589_299_712, 610_271_232 + int(1.79 * GiB))
+# DEBUG-level vLLM V1 start-up logs of several models on H100s, collected by llm-d ("non-torch forward increase
+# memory" per model); they fall inside the ranges above and did not set them (the Llama-3.1-8B row is also one of
+# the logs scripts/bench_serve.py predicts).
+LLMD_MEMORY = ("https://github.com/llm-d/llm-d-benchmark/blob/4f4d44943c39b76b28e30dfa1fb0dfaf1ee894b5/"
+               "config_explorer/empirical-vllm-memory-results.md")
 NON_TORCH_PUBLISHED = (
     # (GiB, GPU, build and what it counts, TP, address)
     (0.03, "RTX 4060 8 GB", "vLLM 0.7.x V0: current arithmetic", 1, "https://github.com/vllm-project/vllm/issues/13882"),
@@ -60,6 +65,12 @@ NON_TORCH_PUBLISHED = (
     (0.20, "RTX 3090", "vLLM 0.8.x V0: current arithmetic", "> 1", "https://github.com/vllm-project/vllm/pull/14447"),
     (2.04, "H200 (139 GiB)", "V1 July 2025 (after PR #19312), Qwen3-235B-A22B-FP8: current arithmetic", 4,
      "https://github.com/vllm-project/vllm/pull/21429"),
+    (0.13, "H100 (79.18 GiB)", "V1 (v0.11.0 image), gpt-oss-20b, gpt-oss-120b, Qwen3-0.6B, Llama-3.1-8B: current "
+     "arithmetic", 1, LLMD_MEMORY),
+    (0.14, "H100 (79.18-79.19 GiB)", "V1 (v0.11.0 image), Qwen3-32B, Mistral-Small-3.2-24B, Llama-3.3-70B-FP8: current "
+     "arithmetic", 1, LLMD_MEMORY),
+    (0.54, "H100 (79.18 GiB)", "V1 (v0.11.0 image), Qwen3-32B: current arithmetic", 2, LLMD_MEMORY),
+    (0.55, "H100 (79.18 GiB)", "V1 (v0.11.0 image), Llama-3.3-70B-FP8: current arithmetic", 2, LLMD_MEMORY),
 )
 NON_TORCH_NAME = "non-torch increase"
 
@@ -140,6 +151,12 @@ def default_batching(total: int, card: str | None) -> tuple[int, int, str]:
 
 
 DEFAULT_UTILIZATION = 0.9  # vllm/config/cache.py CacheConfig.gpu_memory_utilization
+# vLLM's main branch has since raised that default to 0.92 (vllm/config/cache.py CacheConfig.gpu_memory_utilization
+# ``Field(default=0.92, ...)`` at commit 002f10e0cfa1373a19a0d2756598a34b700d20e5); the release that changed it is not
+# pinned here, so memest keeps 0.9 (the value of every published log it is checked against) and says so.
+DEFAULT_UTILIZATION_NEWER = ("--gpu-memory-utilization not given: memest uses 0.9, vLLM's default up to at least v0.11 "
+                             "(the published logs in benchmarks/serve.md); vLLM's main branch now defaults to 0.92 "
+                             "(vllm/config/cache.py at commit 002f10e0): pass the value your build uses")
 DEFAULT_BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.block_size default on CUDA
 
 

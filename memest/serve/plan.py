@@ -160,6 +160,8 @@ def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dty
     parts = [Part.exact("weights", weights.bytes, f"{weights.parameters:,} parameters as {dtype} on one of {spec.tp} "
                         "rank(s), + rotary cache (serve/weights.py)"), profile.activation,
              spec.non_torch or evidence.non_torch(spec.tp)]
+    if spec.utilization is None:
+        notes.append(evidence.DEFAULT_UTILIZATION_NEWER)
     if spec.non_torch is None:
         notes.append(evidence.NON_TORCH_OLDER)
     graphs = evidence.cuda_graphs(spec.cuda_graphs)

@@ -24,11 +24,36 @@ from .kv import DTYPE_BYTES
 # The sampler phase's bytes per logit element (R rows x vocab), from the tensors vLLM's sampler holds at
 # once. compute_logits output in the model dtype (held by the caller) + the fp32 copy Sampler.forward makes
 # (vllm/v1/sample/sampler.py ``logits.to(torch.float32)``) + top-k/top-p on the PyTorch sort path
-# (vllm/v1/sample/ops/topk_topp_sampler.py ``apply_top_k_top_p``: logits.sort -> fp32 values + int64
-# indices, a bool top-k mask, softmax into fp32 probs_sort with cumsum in place, a bool top-p mask).
+# (vllm/v1/sample/ops/topk_topp_sampler.py ``apply_top_k_top_p``: ``logits.sort`` -> fp32 values + int64
+# indices; then a bool top-k mask, softmax into fp32 probs_sort with cumsum in place, a bool top-p mask and the
+# scatter's fp32 output). The peak is inside the sort, whose CUDA implementation allocates beside its two outputs
+# (PyTorch aten/src/ATen/native/cuda/SortStable.cu ``launch_stable_sort_kernel``):
+#   - >= 128 rows: ``segmented_sort_pairs``: an int64 reverse-index input (8 B per element) and cub's
+#     DeviceSegmentedRadixSort::SortPairs, whose non-DoubleBuffer form keeps alternate key and value buffers in its
+#     temporary storage (4 + 8 B; nvidia.github.io/cccl/cub/api/structcub_1_1DeviceSegmentedRadixSort.html);
+#   - 2-127 rows: ``segmented_sort_pairs_by_full_sort``: two int2 index-and-segment buffers (8 + 8 B), the keys
+#     output radix_sort_pairs allocates when given none (4 B) and cub's alternate key and int2 value buffers (4 + 8 B);
+#   - 1 row: ``segmented_sort_large_segments``: one row of indices (negligible) and cub's alternates (4 + 8 B).
+# After the sort these are freed; what apply_top_k_top_p holds at its scatter (sorted values 4, indices 8, top-k
+# mask 1, probs 4, top-p mask 1, output 4 = 22 B) is less than the sort's peak.
 # Low end: a fused top-k/top-p kernel (FlashInfer, or the Triton path newer releases take for >= 8
 # requests) that keeps only the fp32 probabilities beside the logits.
-SAMPLER_SORT_EXTRA = 4 + 8 + 1 + 4 + 1  # sorted values, indices, top-k mask, probs, top-p mask
+SAMPLER_SORT_OUTPUTS = 4 + 8  # sorted fp32 values, int64 indices
+SAMPLER_AFTER_SORT = 4 + 8 + 1 + 4 + 1 + 4  # sorted values, indices, top-k mask, probs, top-p mask, scatter output
+
+
+def sampler_sort_extra(rows: int) -> int:
+    """Bytes per logit element the PyTorch sort path holds at its peak beyond the model-dtype and fp32 logits
+    (the sort's outputs and transients, by which of PyTorch's CUDA sort paths ``rows`` rows take; see above)."""
+    if rows >= 128:
+        transient = 8 + (4 + 8)  # reverse indices + cub's alternate keys and values
+    elif rows >= 2:
+        transient = 8 + 8 + 4 + (4 + 8)  # two int2 buffers + keys output + cub's alternate keys and int2 values
+    else:
+        transient = 4 + 8  # cub's alternate keys and values
+    return max(SAMPLER_SORT_OUTPUTS + transient, SAMPLER_AFTER_SORT)
+
+
 SAMPLER_FUSED_EXTRA = 4  # probabilities
 
 
@@ -132,7 +157,7 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     vocab = int(config.vocab_size)
     held = tokens * hidden * size + 2 * rows * hidden * size  # hidden states of the forward, last rows, rand_like
     logits = rows * vocab * (size + 4)  # model-dtype logits + the sampler's fp32 copy
-    sampler = held + logits + rows * vocab * SAMPLER_SORT_EXTRA
+    sampler = held + logits + rows * vocab * sampler_sort_extra(rows)
     sampler_low = held + logits + rows * vocab * SAMPLER_FUSED_EXTRA
     expected = max(forward, sampler)
     low = max(forward, sampler_low)
