@@ -130,6 +130,14 @@ class PipelineSchedule(Choice):
         return {"1f1b": 1, "gpipe": 1}.get(self.value)
 
 
+class CpRotate(Choice):
+    """--cp-rotate: how context parallel's ring attention passes key/value blocks between the cp ranks
+    (torch's ``set_rotate_method``, torch/distributed/tensor/experimental/_context_parallel/_attention.py)."""
+
+    ALLGATHER = "allgather"  # _AllGatherRotater (torch's default): every rank's k/v gathered once per attention
+    ALLTOALL = "alltoall"  # _AllToAllRotater: the next block received while this one is used
+
+
 class Offload(Choice):
     NONE = "none"
     OPTIMIZER = "optimizer"

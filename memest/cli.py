@@ -10,6 +10,7 @@ import typer
 from .choices import (
     Attention,
     Cache,
+    CpRotate,
     CudaGraphs,
     DataDependent,
     Engine,
@@ -124,6 +125,11 @@ def estimate(
                                     "reported.")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel ranks for MoE models (experts over ep of the "
                                     "--world-size data-parallel ranks; with --shard zero3|zero2).")] = 1,
+    cp: Annotated[int, typer.Option("--cp", help="Context-parallel ranks (--world-size = dp x cp; torch's ring "
+                                    "attention, hf: decoders on SDPA, with --shard zero3|zero2); every one is "
+                                    "reported.")] = 1,
+    cp_rotate: Annotated[CpRotate, typer.Option("--cp-rotate", help="--cp: allgather | alltoall (torch's "
+                                                "set_rotate_method).")] = CpRotate.ALLGATHER,
     pp_schedule: Annotated[PipelineSchedule, typer.Option("--pp-schedule", help="1f1b | gpipe | interleaved | looped-bfs "
                                                           "(torch.distributed.pipelining's schedules).")]
     = PipelineSchedule.ONE_F_ONE_B,
@@ -149,8 +155,8 @@ def estimate(
 ) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
     spec = _spec(locals(), "batch", "seq", "attention", "fused", "zero_grad", "mode", "new_tokens", "cache", "world_size",
-                 "shard", "offload", "cudnn_benchmark", "tp", "sp", "pp", "ep", "pp_schedule", "pp_virtual",
-                 "microbatches", "pp_split")
+                 "shard", "offload", "cudnn_benchmark", "tp", "sp", "pp", "ep", "cp", "cp_rotate", "pp_schedule",
+                 "pp_virtual", "microbatches", "pp_split")
 
     def work():
         from .app import run_estimate

@@ -46,7 +46,7 @@ from .errors import MemestError
 from .spec import RunSpec
 
 _SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
-_INTERNAL = {"iterations", "lr", "compute_capability", "pp_stage", "ep_routing"}  # not run-config keys
+_INTERNAL = {"iterations", "lr", "compute_capability", "pp_stage", "ep_routing", "cp_rank"}  # not run-config keys
 SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
 EXTRA_KEYS = ("gpu", "margin", "name", "calibration", "serve", "colocate")
 SERVE_KEYS = {"max_model_len": int, "gpu_memory_utilization": float, "tp": int, "kv_dtype": str, "block_size": int,
@@ -55,7 +55,7 @@ SERVE_KEYS = {"max_model_len": int, "gpu_memory_utilization": float, "tp": int, 
 COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int, "tp": int, "non_torch_memory": float}
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
 
-_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches", "ep"}
+_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches", "ep", "cp"}
 _BOOL_KEYS = {"fused", "cudnn_benchmark", "sp", "double_quant", "prepare_kbit", "compile"}
 
 

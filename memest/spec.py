@@ -8,6 +8,7 @@ from .choices import (
     Attention,
     Cache,
     CheckpointPolicy,
+    CpRotate,
     DataDependent,
     ExpertRouting,
     LossHead,
@@ -40,6 +41,7 @@ _CHOICE_FIELDS = {
     "quant": (Quant, "--quant"),
     "data_dependent": (DataDependent, "--data-dependent"),
     "ep_routing": (ExpertRouting, "ep_routing"),
+    "cp_rotate": (CpRotate, "--cp-rotate"),
 }
 
 
@@ -86,6 +88,9 @@ class RunSpec:
     pp_stage: int = 0  # the stage traced (every stage is traced for a report; not a user option)
     ep: int = 1  # expert-parallel ranks (trace/expert_parallel.py): MoE experts divided over ep of the dp ranks
     ep_routing: ExpertRouting = ExpertRouting.UNIFORM  # --ep: the routing split traced (both are; not a user option)
+    cp: int = 1  # context-parallel ranks (trace/context_parallel.py); --world-size = dp x cp
+    cp_rotate: CpRotate = CpRotate.ALLGATHER  # --cp: how the ring passes key/value blocks
+    cp_rank: int = 0  # --cp: the context-parallel rank traced (every one is traced for a report; not a user option)
     # fine-tuning (trace/finetune.py): peft LoRA ('' off; canonical r=..,alpha=..,dropout=..,targets=a,b),
     # parameters frozen by name pattern, the base's linear weights quantized as bitsandbytes stores them
     lora: str = ""
@@ -151,6 +156,7 @@ class RunSpec:
                               "tensor parallel")
         self._check_pipeline()
         self._check_expert_parallel()
+        self._check_context_parallel()
         if self.tp < 1:
             raise MemestError(f"--tp must be at least 1, got {self.tp}")
         if self.sp and self.tp < 2:
@@ -235,6 +241,39 @@ class RunSpec:
                 "--shard zero3 (or zero2)"
             )
 
+    def _check_context_parallel(self) -> None:
+        if self.cp < 1:
+            raise MemestError(f"--cp must be at least 1, got {self.cp}")
+        if self.cp == 1:
+            if self.cp_rotate != CpRotate.ALLGATHER:
+                raise MemestError("--cp-rotate describes context parallel's ring; add --cp N (N >= 2)")
+            return
+        if self.tp > 1 or self.pp > 1 or self.ep > 1:
+            raise MemestError("--cp with --tp, --pp or --ep is not traced yet (context parallel x FSDP2 is)")
+        if not 0 <= self.cp_rank < self.cp:
+            raise MemestError(f"context-parallel rank {self.cp_rank} is not one of the {self.cp} ranks")
+        if self.world_size % self.cp:
+            raise MemestError(
+                f"--world-size {self.world_size} is not a multiple of --cp {self.cp}: the world is dp x cp ranks "
+                f"(e.g. --world-size {self.cp} for context parallel alone, {2 * self.cp} for 2-way data parallel)"
+            )
+        if not self.training:
+            raise MemestError(f"--cp is traced for training steps; drop it with --mode {self.mode}")
+        if self.shard not in ("zero2", "zero3"):
+            raise MemestError(
+                f"--cp {self.cp}: each rank's gradients cover its part of the sequence and are reduced over dp x cp "
+                "ranks; torchtitan shards the model with FSDP2 over all of them; add --shard zero3 (or zero2)"
+            )
+        if self.offload != "none":
+            raise MemestError("--offload with --cp is not traced (not validated against a real run)")
+        if self.seq is not None and self.seq % (2 * self.cp):
+            raise MemestError(
+                f"--seq {self.seq} does not divide into {2 * self.cp} chunks: context parallel's head-tail load "
+                f"balance gives each of the {self.cp} ranks two equal chunks of the sequence"
+            )
+        if LossHead.of(self.loss_head)[0] != LossHead.STANDARD:
+            raise MemestError("--cp with --loss-head is not traced (the head runs on the rank's shard of the sequence)")
+
     @property
     def microbatches_per_step(self) -> int:
         return self.microbatches or self.pp
@@ -247,13 +286,14 @@ class RunSpec:
 
     @property
     def rank(self) -> int:
-        """The global rank traced: the first of ``pp_stage``'s ranks on the ("pp", "dp", "tp") mesh."""
-        return self.pp_stage * self.dp * self.tp
+        """The global rank traced: the first of ``pp_stage``'s ranks on the ("pp", "dp", "tp") mesh; with --cp,
+        ``cp_rank`` of the first data-parallel group on the ("dp", "cp") mesh."""
+        return self.pp_stage * self.dp * self.tp + self.cp_rank
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: --world-size / (--tp x --pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel ranks: --world-size / (--tp x --pp x --cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     def _check_finetune(self) -> None:
         from .lora import freeze_patterns, parse_lora

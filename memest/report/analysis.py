@@ -69,6 +69,7 @@ class Report:
     sharding: dict | None = None  # --world-size/--shard/--offload: trace.distributed.sharding_summary
     pipeline_stages: list | None = None  # --pp: every stage's peak and need (pipeline.estimate)
     expert_routing: list | None = None  # --ep: the peak and need at each routing assumption traced (pipeline.estimate)
+    context_parallel_ranks: list | None = None  # --cp: every cp rank's peak and need (pipeline.estimate)
     notes: list[str] = field(default_factory=list)
     # --outputs kept: bytes of model outputs alive at the peak only because the loop still references them
     # (past the point where a loop that frees outputs drops them); 0 with --outputs freed

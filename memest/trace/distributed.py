@@ -30,8 +30,9 @@ import contextlib
 import gc
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,9 @@ class Parallel:
     units: list[str] = field(default_factory=list)  # fully_shard units ('' = the root)
     ddp_buckets: list = field(default_factory=list)  # storages of DDP's gradient buckets (traces only)
     stage: nn.Module | None = None  # --pp: the module the pipeline stage calls (its .module is ``model``)
+    # --cp: this rank's share of the inputs (applied once, before the step) and the context the step runs in
+    shard_inputs: Callable[[Any], Any] | None = None
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def wrapper(self) -> nn.Module | None:
@@ -135,6 +139,8 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         return _tensor_parallel(model, spec, fake)
     if spec.ep > 1:
         return _expert_parallel(model, spec, fake)
+    if spec.cp > 1:
+        return _context_parallel(model, spec)
     if spec.shard in ("zero2", "zero3"):
         return _fsdp(model, spec)
     return _ddp(model, spec, fake)
@@ -223,6 +229,24 @@ def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         fsdp = _fsdp(model, spec, experts=lambda kw: expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kw))
     fsdp.units = names + fsdp.units
     fsdp.description = f"{expert_parallel.describe(spec, names)} x {fsdp.description} (+ {len(names)} expert units)"
+    return fsdp
+
+
+def _context_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
+    """--cp: FSDP2 over every rank (dp x cp, torchtitan's dp_shard_cp), the inputs cut on the sequence and the
+    attention run as torch's ring over the "cp" dimension (trace/context_parallel.py)."""
+    from . import context_parallel as cp
+
+    cp.check_model(model, spec)
+    with _real_values():  # meshes read their rank tables
+        cp_mesh = cp.mesh(spec)["cp"]
+    fsdp = _fsdp(model, spec)
+    fsdp.description = (
+        f"context parallel {spec.cp} (torch's ring attention, head-tail load balance, {spec.cp_rotate} rotation) x "
+        f"{fsdp.description} over dp {spec.dp} x cp {spec.cp}"
+    )
+    fsdp.shard_inputs = lambda inputs: cp.shard_inputs(inputs, cp_mesh, spec)
+    fsdp.step_context = lambda: cp.ring_attention(cp_mesh, spec)
     return fsdp
 
 

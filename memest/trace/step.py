@@ -484,6 +484,8 @@ def _built(step: _Step):
             if step.data_parallel and _trainable(step.model):
                 step.parallel = _wrap_parallel(step.source, spec, step.model)
                 trace.parallel, trace.shard_units = step.parallel.description, list(step.parallel.units)
+                if step.parallel.shard_inputs is not None:  # --cp: this rank's part of the sequence
+                    step.inputs = step.parallel.shard_inputs(step.inputs)
             elif step.data_parallel:  # frozen: no gradients to synchronise, plain replicas (DDP refuses it)
                 trace.notes.append(
                     f"every parameter is frozen: the {spec.world_size} ranks are plain replicas"
@@ -612,6 +614,8 @@ def _instrumented(step: _Step):
             from . import distributed
 
             hooks.enter_context(distributed.instrument(tracker, spec, step.owner_of_param))
+            if step.parallel.step_context is not None:  # --cp: the ring attention
+                hooks.enter_context(step.parallel.step_context())
         hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t))
         yield
 

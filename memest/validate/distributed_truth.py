@@ -9,6 +9,7 @@ not an interpreter start; every rank runs all the cases it is given, one after a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import glob
@@ -140,6 +141,8 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
     replicas = not any(p.requires_grad for p in model.parameters())
     parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None
+    if parallel is not None and parallel.shard_inputs is not None:  # --cp: this rank's part of the sequence
+        inputs = parallel.shard_inputs(inputs)
     # alive before profiling: parameters (this rank's shards under FSDP), buffers, inputs
     held = [getattr(t, "_local_tensor", t) for t in model.parameters()] + list(model.buffers()) + tree_flatten(inputs)[0]
     baseline = _distinct_storage_bytes(held)
@@ -155,8 +158,10 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
         marker = torch.empty(SENTINEL_BYTES, dtype=torch.uint8)
         del marker
         loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
-        for _ in range(spec.iterations):
-            run_step(module, inputs, optimizer, source.compute_loss, spec, loop=loop)
+        context = parallel.step_context() if parallel is not None and parallel.step_context else contextlib.nullcontext()
+        with context:
+            for _ in range(spec.iterations):
+                run_step(module, inputs, optimizer, source.compute_loss, spec, loop=loop)
     dist.barrier()
     return _peak(_allocation_events(prof), baseline, rank)
 

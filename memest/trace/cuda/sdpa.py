@@ -131,6 +131,14 @@ class CudaSdpa:
             heads_kv=key.shape[-3] if key.dim() >= 3 else 1,
         )
         backend = select_backend(call, self.sm, self.requested)
+        if backend == "math" and _sequence_sharded(query):
+            raise MemestError(
+                "--cp: this attention runs on the math SDPA path on the modelled GPU, and torch's context parallel has "
+                "ring handlers for the flash, memory-efficient and cuDNN kernels only (torch/distributed/tensor/"
+                f"experimental/_context_parallel/_attention.py, _sdpa_handler); flash: "
+                f"{flash_rejects(call, self.sm) or 'not requested'}; memory-efficient: "
+                f"{efficient_rejects(call, self.sm) or 'not requested'}"
+            )
         self.choices[backend] += 1
         if backend == "flash":
             return _flash(query, key, value, dropout_p, is_causal, scale)
@@ -139,6 +147,12 @@ class CudaSdpa:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
+
+
+def _sequence_sharded(t) -> bool:
+    """A DTensor: context parallel's patched SDPA hands the kernels sequence-sharded q/k/v."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None) if torch.distributed.is_available() else None
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _flash(query, key, value, dropout_p, is_causal, scale):
