@@ -157,6 +157,14 @@ def test_layouts_that_are_not_traced_are_refused(changes, match):
         RunSpec(model="hf:llama-2-7b", **changes)
 
 
+def test_attention_dropout_on_cpu_is_refused_with_the_reason():
+    """CPU SDPA takes the math path with dropout (sdp_utils_cpp.cpp, check_for_dropout), and torch's CP has no ring for
+    it: a real gloo run of torch's patched SDPA with dropout 0.1 raises "got mixed torch.Tensor and DTensor"."""
+    spec = RunSpec(model=model_ref("hf:gpt2-tiny"), batch=1, seq=32, target="cpu", world_size=2, cp=2, shard="zero3")
+    with pytest.raises(MemestError, match="attention dropout 0.1 makes CPU SDPA take the math path"):
+        trace_step(load_source(spec.model), spec)
+
+
 def test_a_model_not_on_sdpa_attention_is_refused():
     spec = RunSpec(model=model_ref("mlp"), batch=2, target="cpu", world_size=2, cp=2, shard="zero3")
     with pytest.raises(MemestError, match="must use SDPA attention"):

@@ -31,6 +31,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MemestError
@@ -94,13 +95,34 @@ def ring_attention(cp_mesh, spec: RunSpec) -> Iterator[None]:
     )
     try:
         cp._enable_context_parallel_dispatcher_impl(seq_dim=SEQ_DIM, mesh=cp_mesh)
+        ring_sdpa = F.scaled_dot_product_attention  # torch's patch: q, k, v become sequence-sharded DTensors
+        if spec.target == "cpu":
+            F.scaled_dot_product_attention = _cpu_flash_only(ring_sdpa)
         try:
             with cpu_ring_attention(), _one_sequence_per_row():
                 yield
         finally:
+            F.scaled_dot_product_attention = ring_sdpa  # torch restores the original by its own patch
             cp._disable_context_parallel_dispatcher_impl()
     finally:
         cp._dispatch_mode, cp._cp_options.enable_load_balance, cp._cp_options.rotate_method = saved
+
+
+def _cpu_flash_only(ring_sdpa):
+    """The CPU ring runs where SDPA picks the CPU flash kernel; where it would pick the math path (dropout, which
+    ``use_flash_attention_cpp`` rejects: aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, check_for_dropout),
+    torch has no ring for it and a real run fails inside DTensor ("got mixed torch.Tensor and DTensor")."""
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        if dropout_p > 0:
+            raise MemestError(
+                f"--cp on --target cpu: attention dropout {dropout_p} makes CPU SDPA take the math path, which torch's "
+                "context parallel has no ring for (a real run raises 'got mixed torch.Tensor and DTensor'); set the "
+                "model's attention dropout to 0 (attention_dropout / attn_pdrop), or use --target cuda"
+            )
+        return ring_sdpa(query, key, value, attn_mask, dropout_p, *args, **kwargs)
+
+    return sdpa
 
 
 @contextlib.contextmanager
