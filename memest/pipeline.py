@@ -105,6 +105,18 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
         f"context parallel: every cp rank traced ({rows}); the report shows cp rank {ranks.index(worst)}, the one that "
         "needs the most (the verdict is its); data-parallel groups repeat these ranks"
     ))
+    kernel = (
+        "the CPU flash-attention op inside each ring step (memest's handler: torch registers ring handlers for the "
+        "CUDA SDPA ops only), as measured against real gloo runs" if spec.target == "cpu" else
+        "torch's own handler around the CUDA flash / memory-efficient op of each ring step, with that kernel's scratch "
+        "as memest models it (not measured on a GPU)"
+    )
+    worst.report.notes.insert(1, (
+        "context parallel: the step transformers' Trainer + accelerate run: input_ids, labels, shift_labels and "
+        "position_ids cut by torch's head-tail load balancer; attention by torch's ring (torch/distributed/tensor/"
+        f"experimental/_context_parallel/_attention.py, {spec.cp_rotate} rotation) with {kernel}; the causal mask is "
+        "left to SDPA's is_causal (a mask transformers builds and accelerate's pre-hook drops is not counted)"
+    ))
     return worst
 
 
