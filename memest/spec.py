@@ -196,8 +196,6 @@ class RunSpec:
                 f"--world-size {self.world_size} is not a multiple of --pp {self.pp} x --tp {self.tp}: the world is pp x dp x tp "
                 f"ranks (e.g. --world-size {self.pp * self.tp} for the pipeline alone)"
             )
-        if self.sp or self.offload != "none":
-            raise MemestError("--pp with --sp or --offload is not traced yet (pipeline x FSDP2 and x TP are)")
         if self.dp > 1 and self.shard not in ("zero2", "zero3"):
             raise MemestError(
                 f"--world-size {self.world_size} with --pp {self.pp} is {self.dp}-way data parallel per stage: each stage is "

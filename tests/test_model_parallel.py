@@ -202,7 +202,7 @@ def test_pipeline_report_lists_every_stage_and_judges_the_worst():
     [
         ({"world_size": 4, "pp": 2}, "add --shard zero3"),
         ({"world_size": 2, "pp": 2, "sp": True, "tp": 2}, "not a multiple"),
-        ({"world_size": 4, "pp": 2, "tp": 2, "sp": True}, "not traced yet"),
+        ({"world_size": 2, "pp": 2, "sp": True}, "needs --tp 2"),
         ({"world_size": 2, "pp": 2, "pp_virtual": 3}, "runs 1 stage"),
         ({"microbatches": 4}, "add --pp"),
         ({"world_size": 2, "pp": 2, "pp_split": "1,1,1"}, None),  # checked against the model's layers at trace time
@@ -230,13 +230,23 @@ def test_run_configs_take_the_model_parallel_keys(tmp_path):
     assert (spec.tp, spec.sp, spec.dp) == (2, True, 2)
 
 
-@pytest.mark.parametrize("changes", [{"shard": "zero3"}, {"tp": 2}], ids=["pp2xfsdp2", "pp2xtp2"])
-def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(changes):
-    """Pipeline 2 x FSDP2 2 and pipeline 2 x TP 2: four real gloo processes, each running its stage with
-    FSDP2's / TP's collectives on real gloo groups; the pipeline dimension's group is a fake one in both (its
+PP_GLOO = {  # id -> (model, RunSpec changes)
+    "pp2xfsdp2": ("hf:llama-tiny", {"world_size": 4, "shard": "zero3"}),
+    "pp2xtp2": ("hf:llama-tiny", {"world_size": 4, "tp": 2}),
+    # sequence parallel inside each stage: the stages send their rank's sequence shard (measured to the byte,
+    # benchmarks/parallel.md); with FSDP2 too, 8 gloo processes
+    "pp2xtp2-sp": ("hf:llama-tiny", {"world_size": 4, "tp": 2, "sp": True}),
+    "pp2xfsdp2xtp2-sp": ("hf:llama-tiny-tp", {"world_size": 8, "tp": 2, "sp": True, "shard": "zero3"}),
+}
+
+
+@pytest.mark.parametrize("case", list(PP_GLOO))
+def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case):
+    """Pipeline 2 x FSDP2 2, pipeline 2 x TP 2 (+ SP, and x FSDP2): real gloo processes, each running its stage with
+    FSDP2's / TP's collectives on real gloo groups; the pipeline dimension's group is a fake one in all (its
     transfers move no data: pytorch#132644). Each stage's first rank traced against its measured peak."""
-    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", target="cpu", world_size=4, pp=2,
-                   microbatches=4, **changes)
+    model, changes = PP_GLOO[case]
+    spec = RunSpec(model=model_ref(model), batch=2, seq=32, optim="adamw", target="cpu", pp=2, microbatches=4, **changes)
     real = measure_distributed_peaks([spec])[0]
     for stage in range(spec.pp):
         one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
@@ -244,7 +254,7 @@ def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(changes):
         if estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: once more (conftest.lower_of_two_runs)
             real = lower_of_two_runs(spec, real)
             measured_peak = real[one.rank]["peak_bytes"]
-        assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (changes, stage, estimated, measured_peak)
+        assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (case, stage, estimated, measured_peak)
 
 
 def test_tp_without_fsdp_on_cuda_names_the_foreach_mix_and_the_way_out():

@@ -125,7 +125,12 @@ def _shallow(module: nn.Module) -> nn.Module:
 def _static_args(model: nn.Module, spec: RunSpec, stage: int, n_stages: int, seq: int, dtype):
     """Example (input, output) of one micro-batch for the stage, shapes only (no exchange)."""
     config = model.config
-    hidden = torch.empty(spec.batch, seq, config.hidden_size, dtype=dtype)
+    # with --sp the residual stream between stages is this rank's sequence shard (torchtitan's plan: the o/down
+    # projections reduce-scatter to Shard(1) local tensors), the LM head's output the whole sequence
+    if spec.sp and seq % spec.tp:
+        raise MemestError(f"--pp with --sp: --seq {seq} must divide by --tp {spec.tp} (each stage sends its rank's "
+                          "sequence shard; uneven shards are not traced)")
+    hidden = torch.empty(spec.batch, seq // spec.tp if spec.sp else seq, config.hidden_size, dtype=dtype)
     x = torch.empty(spec.batch, seq, dtype=torch.long) if stage == 0 else hidden
     out = hidden if stage < n_stages - 1 else torch.empty(spec.batch, seq, config.vocab_size, dtype=dtype)
     return (x,), (out.requires_grad_(),)
