@@ -76,7 +76,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     worst = max(stages, key=lambda e: e.needed_bytes)
     worst.report.pipeline_stages = [
         {"stage": i, "rank": e.trace.rank, "traced": e.trace.parallel, "peak_allocated_bytes": e.report.peak_allocated_bytes,
-         "needed_bytes": e.needed_bytes, "trace_seconds": e.report.trace_seconds}
+         "needed_bytes": e.needed_bytes, "host_peak_bytes": e.trace.host_peak(), "trace_seconds": e.report.trace_seconds}
         for i, e in enumerate(stages)
     ]
     worst.report.trace_seconds = sum(e.report.trace_seconds for e in stages)

@@ -237,6 +237,11 @@ PP_GLOO = {  # id -> (model, RunSpec changes)
     # benchmarks/parallel.md); with FSDP2 too, 8 gloo processes
     "pp2xtp2-sp": ("hf:llama-tiny", {"world_size": 4, "tp": 2, "sp": True}),
     "pp2xfsdp2xtp2-sp": ("hf:llama-tiny-tp", {"world_size": 8, "tp": 2, "sp": True, "shard": "zero3"}),
+    # CPU offload per stage (FSDP2's CPUOffloadPolicy; the optimizer step on the host); on a CPU the host is the
+    # same memory, so device + host together are compared (as tests/test_sharding.py does)
+    "pp2xfsdp2-offload-params": ("hf:llama-tiny", {"world_size": 4, "shard": "zero3", "offload": "params"}),
+    "pp2xfsdp2-offload-optimizer": ("hf:llama-tiny", {"world_size": 4, "shard": "zero2", "offload": "optimizer"}),
+    "pp2-offload-optimizer": ("hf:llama-tiny", {"world_size": 2, "offload": "optimizer"}),  # stages in this process
 }
 
 
@@ -247,14 +252,34 @@ def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case):
     transfers move no data: pytorch#132644). Each stage's first rank traced against its measured peak."""
     model, changes = PP_GLOO[case]
     spec = RunSpec(model=model_ref(model), batch=2, seq=32, optim="adamw", target="cpu", pp=2, microbatches=4, **changes)
-    real = measure_distributed_peaks([spec])[0]
+    gloo = spec.world_size > spec.pp
+    real = measure_distributed_peaks([spec])[0] if gloo else measure_pipeline_stage_peaks(spec)
     for stage in range(spec.pp):
         one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
-        estimated, measured_peak = trace_step(load_source(spec.model), one).peak()[0], real[one.rank]["peak_bytes"]
-        if estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: once more (conftest.lower_of_two_runs)
+        trace = trace_step(load_source(spec.model), one)
+        estimated = trace.combined_peak() if spec.offload != "none" else trace.peak()[0]
+        measured_peak = real[one.rank if gloo else stage]["peak_bytes"]
+        if spec.offload != "none":
+            _check_offloaded_stage(trace, spec)
+        if gloo and estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: once more (conftest.lower_of_two_runs)
             real = lower_of_two_runs(spec, real)
             measured_peak = real[one.rank]["peak_bytes"]
         assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (case, stage, estimated, measured_peak)
+
+
+def _check_offloaded_stage(trace, spec: RunSpec) -> None:
+    """What a stage keeps on the host, as the non-pipeline offload path splits it (trace/distributed.mark_host):
+    the optimizer state and step always; with --offload params the sharded parameters and gradients too."""
+    from memest.trace.distributed import model_state_bytes
+
+    state = model_state_bytes(trace)
+    assert state["device"]["optimizer_state"] == 0 and state["host"]["optimizer_state"] > 0
+    assert all(trace.storages[sid].phase is not Phase.OPTIMIZER for sid, _ in trace.events)
+    if spec.offload == "params":
+        assert state["device"]["parameters"] == state["device"]["gradients"] == 0
+        assert state["host"]["parameters"] > 0 and state["host"]["gradients"] > 0
+    else:
+        assert state["host"]["parameters"] == state["host"]["gradients"] == 0
 
 
 def test_tp_without_fsdp_on_cuda_names_the_foreach_mix_and_the_way_out():
