@@ -197,6 +197,9 @@ class PipelineStep:
             raise MemestError(f"--pp-schedule {spec.pp_schedule} with --pp {spec.pp}, --microbatches {self.microbatches}: {exc}") from exc
         if _fake(model) or dist.get_backend(self.group) == "fake":
             schedule._warmup_p2p = _static_vote
+        if not _fake(model) and dist.get_backend(self.group) == "fake":
+            for stage in stages:
+                _received_values(stage)
         return schedule, stages
 
     def __call__(self, inputs: dict, mark=None) -> None:
@@ -244,6 +247,27 @@ def _mark_merge(schedule, mark) -> None:
         return merge(schedule, *args, **kwargs)
 
     schedule._merge_outputs = merged
+
+
+def _received_values(stage) -> None:
+    """The real ground truth on a fake "pp" group (pytorch#132644): nothing arrives, so a received activation or
+    gradient would hold whatever its buffer's memory held. A MoE router decides on those values how many rows each
+    expert rank receives (trace/expert_parallel.py), so they are set in place (no allocation) to what a stage of
+    ``route_as``'s model sends: activations of ones (dimension 0 positive, as the embedding's output there; the router
+    reads dimension 0 only) and zero gradients (the earlier stage's weights, routers included, keep their routing)."""
+
+    def filled(retrieve, infos, value):
+        def run(chunk):
+            with torch.no_grad():
+                for info in infos[chunk]:
+                    if getattr(info, "buffer", None) is not None and not info.is_root_arg:
+                        info.buffer.fill_(value)
+            return retrieve(chunk)
+
+        return run
+
+    stage._retrieve_recv_activations = filled(stage._retrieve_recv_activations, stage.args_recv_info, 1.0)
+    stage._retrieve_recv_grads = filled(stage._retrieve_recv_grads, stage.grad_recv_info, 0.0)
 
 
 def _fake(model: nn.Module) -> bool:
