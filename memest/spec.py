@@ -146,9 +146,6 @@ class RunSpec:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
     def _check_model_parallel(self) -> None:
-        if self.ep > 1 and self.pp > 1 and self.tp > 1:  # before the pipeline's own checks, which would ask for other flags
-            raise MemestError("--ep with --pp and --tp is not traced (expert x pipeline parallel runs on a (pp, dp) mesh); "
-                              "drop --tp, or --pp")
         self._check_pipeline()
         self._check_expert_parallel()
         if self.tp < 1:
@@ -213,10 +210,10 @@ class RunSpec:
             raise MemestError(f"--ep must be at least 1, got {self.ep}")
         if self.ep == 1:
             return
-        if self.pp > 1 and self.dp % self.ep:
+        if self.pp > 1 and (self.world_size // self.pp) % self.ep:
             raise MemestError(
-                f"--ep {self.ep} with --pp {self.pp}: each stage's {self.dp} data-parallel ranks (--world-size / --pp) must be a "
-                f"multiple of --ep (the experts are divided over ep of them; e.g. --world-size {self.pp * self.ep})"
+                f"--ep {self.ep} with --pp {self.pp}: each stage's {self.world_size // self.pp} ranks (--world-size / --pp) must be "
+                f"a multiple of --ep (the experts are divided over ep of them; e.g. --world-size {self.pp * self.ep})"
             )
         if self.world_size % self.ep:
             raise MemestError(

@@ -89,6 +89,12 @@ TINY = [  # (label, config, RunSpec changes)
      dict(world_size=8, pp=2, microbatches=4, ep=2, shard="zero3")),
     ("Mixtral PP 2 x EP 2 x 2 copies (dp 4), all to each stage's rank 0, M 4", "mixtral-tiny",
      dict(world_size=8, pp=2, microbatches=4, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Mixtral PP 2 x FSDP 2 x TP 2 x EP 2, uniform, M 4", "mixtral-tiny",
+     dict(world_size=8, pp=2, microbatches=4, tp=2, ep=2, shard="zero3")),
+    ("Mixtral PP 2 x FSDP 2 x TP 2 x EP 2, all to each stage's rank 0, M 4", "mixtral-tiny",
+     dict(world_size=8, pp=2, microbatches=4, tp=2, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("PP 2 x TP 2 + SP, bf16-mixed, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, tp=2, sp=True,
+                                                                  precision="bf16-mixed")),
 ]
 PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
 

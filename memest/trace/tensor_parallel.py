@@ -86,7 +86,22 @@ def _transformers_plan(model: nn.Module, spec: RunSpec) -> TransformersPlan:
         raise MemestError(f"--tp {spec.tp}: {type(model).__name__} is not a transformers model with parallel plans")
     # with --ep, transformers drops the TP rules of the experts (its EP rules take precedence)
     plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp, ep_size=spec.ep))
-    return TransformersPlan(plan)
+    return TransformersPlan({k: v for k, v in plan.items() if _held(model, k)})
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether a plan entry (a module or parameter name) is held by ``model``: a --pp stage holds the embedding only on
+    the first stage, the head on the last (elsewhere None or nn.Identity; torchtitan's plan entries then match nothing)."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            return False
+        return isinstance(getattr(module, leaf, None), nn.Parameter)
+    return module is not None and not isinstance(module, nn.Identity)
 
 
 def _check_heads(config, tp: int) -> None:
