@@ -282,6 +282,27 @@ def _check_offloaded_stage(trace, spec: RunSpec) -> None:
         assert state["host"]["parameters"] == state["host"]["gradients"] == 0
 
 
+def test_pipeline_offload_on_cuda_keeps_the_host_part_out_of_the_device_peak():
+    """--target cuda, pipeline 2 x FSDP2 2 with --offload params: what each stage's FSDP2 keeps on the host (sharded
+    parameters, gradients, optimizer state and step) is counted apart, as without a pipeline; each shard is copied to
+    the device before its all-gather (trace/distributed.instrument)."""
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", precision="bf16-mixed", target="cuda",
+                   world_size=4, pp=2, microbatches=4, shard="zero3", offload="params")
+    for stage in range(spec.pp):
+        one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
+        trace = trace_step(load_source(spec.model), one)
+        _check_offloaded_stage(trace, one)
+        assert any(rec.op == "host-to-device copy of offloaded shards" for rec in trace.storages)
+        plain = trace_step(load_source(spec.model), RunSpec(**{**one.to_dict(), "offload": "none"}))
+        assert trace.peak()[0] < plain.peak()[0]
+
+
+def test_pipeline_sequence_parallel_needs_a_sequence_that_divides():
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=33, target="cpu", world_size=4, pp=2, tp=2, sp=True)
+    with pytest.raises(MemestError, match="must divide by --tp 2"):
+        trace_step(load_source(spec.model), spec)
+
+
 def test_tp_without_fsdp_on_cuda_names_the_foreach_mix_and_the_way_out():
     """--tp 2 alone on --target cuda: the foreach AdamW step refuses TP's DTensors beside the plain norms and
     embedding; the error says so and names the layouts that trace, not a model-inputs hint."""
