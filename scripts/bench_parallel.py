@@ -95,6 +95,10 @@ TINY = [  # (label, config, RunSpec changes)
      dict(world_size=8, pp=2, microbatches=4, tp=2, ep=2, shard="zero3", ep_routing="one-rank")),
     ("PP 2 x TP 2 + SP, bf16-mixed, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, tp=2, sp=True,
                                                                   precision="bf16-mixed")),
+    ("PP 2 x 2 virtual x TP 2 + SP, interleaved 1F1B, M 4", "llama-tiny-4l",
+     dict(world_size=4, pp=2, microbatches=4, tp=2, sp=True, pp_schedule="interleaved")),
+    ("Mixtral PP 2 x 2 virtual x EP 2 (dp 2), interleaved 1F1B, all to each stage's rank 0, M 4", "mixtral-tiny-4l",
+     dict(world_size=4, pp=2, microbatches=4, ep=2, shard="zero3", pp_schedule="interleaved", ep_routing="one-rank")),
 ]
 PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
 
