@@ -72,13 +72,18 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
         return _routing_range(spec, calibration, source)
     if spec.cp > 1:
         return _context_parallel_ranks(spec, calibration, source)
+    return _pipeline_ranks(spec, calibration, source)
+
+
+def _pipeline_ranks(spec: RunSpec, calibration: dict | None, source) -> Estimate:
+    """The step of one rank, or with --pp every pipeline rank's, the one that needs the most returned."""
     if spec.pp == 1:
         return _estimate_one(spec, calibration, source)
     stages = [_estimate_one(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
     worst = max(stages, key=lambda e: e.needed_bytes)
     worst.report.pipeline_stages = [
         {"stage": i, "rank": e.trace.rank, "traced": e.trace.parallel, "peak_allocated_bytes": e.report.peak_allocated_bytes,
-         "needed_bytes": e.needed_bytes, "trace_seconds": e.report.trace_seconds}
+         "needed_bytes": e.needed_bytes, "host_peak_bytes": e.trace.host_peak(), "trace_seconds": e.report.trace_seconds}
         for i, e in enumerate(stages)
     ]
     worst.report.trace_seconds = sum(e.report.trace_seconds for e in stages)
@@ -126,7 +131,8 @@ def _routing_range(spec: RunSpec, calibration: dict | None, source) -> Estimate:
     (the high end of the range); trace/expert_parallel.py."""
     from .units import format_bytes
 
-    runs = {r: _estimate_one(dataclasses.replace(spec, ep_routing=r), calibration, source) for r in ("uniform", "one-rank")}
+    # with --pp each routing's estimate is its worst pipeline rank's (every rank traced at both routings)
+    runs = {r: _pipeline_ranks(dataclasses.replace(spec, ep_routing=r), calibration, source) for r in ("uniform", "one-rank")}
     expected, high = runs["uniform"], runs["one-rank"]
     expected.report.expert_routing = [
         {"routing": r, "peak_allocated_bytes": e.report.peak_allocated_bytes, "needed_bytes": e.needed_bytes,

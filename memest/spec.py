@@ -151,9 +151,6 @@ class RunSpec:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
     def _check_model_parallel(self) -> None:
-        if self.ep > 1 and self.pp > 1:  # before the pipeline's own checks, which would ask for other flags
-            raise MemestError("--ep with --pp is not traced yet (expert x pipeline parallel); use --ep with data or "
-                              "tensor parallel")
         self._check_pipeline()
         self._check_expert_parallel()
         self._check_context_parallel()
@@ -202,8 +199,6 @@ class RunSpec:
                 f"--world-size {self.world_size} is not a multiple of --pp {self.pp} x --tp {self.tp}: the world is pp x dp x tp "
                 f"ranks (e.g. --world-size {self.pp * self.tp} for the pipeline alone)"
             )
-        if self.sp or self.offload != "none":
-            raise MemestError("--pp with --sp or --offload is not traced yet (pipeline x FSDP2 and x TP are)")
         if self.dp > 1 and self.shard not in ("zero2", "zero3"):
             raise MemestError(
                 f"--world-size {self.world_size} with --pp {self.pp} is {self.dp}-way data parallel per stage: each stage is "
@@ -221,6 +216,11 @@ class RunSpec:
             raise MemestError(f"--ep must be at least 1, got {self.ep}")
         if self.ep == 1:
             return
+        if self.pp > 1 and (self.world_size // self.pp) % self.ep:
+            raise MemestError(
+                f"--ep {self.ep} with --pp {self.pp}: each stage's {self.world_size // self.pp} ranks (--world-size / --pp) must be "
+                f"a multiple of --ep (the experts are divided over ep of them; e.g. --world-size {self.pp * self.ep})"
+            )
         if self.world_size % self.ep:
             raise MemestError(
                 f"--world-size {self.world_size} is not a multiple of --ep {self.ep}: expert parallel divides the experts "
@@ -234,7 +234,7 @@ class RunSpec:
             raise MemestError(f"--ep is traced for training steps; drop it with --mode {self.mode}")
         if self.offload != "none":
             raise MemestError("--offload with --ep is not traced (not validated against a real run)")
-        if self.tp == 1 and self.shard not in ("zero2", "zero3"):  # with --tp, _check_model_parallel decides
+        if self.tp == 1 and self.shard not in ("zero2", "zero3") and self.pp == 1:  # --tp, --pp: their checks decide
             raise MemestError(
                 f"--ep {self.ep} runs as transformers shards it (DistributedConfig(fsdp_size=world, ep_size={self.ep})): the "
                 "dense weights with FSDP2 over every rank, each expert group's copies with FSDP2 over the rest; add "
@@ -294,6 +294,11 @@ class RunSpec:
     def dp(self) -> int:
         """Data-parallel ranks: --world-size / (--tp x --pp x --cp)."""
         return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_copies(self) -> int:
+        """--ep: copies of each expert group (transformers' efsdp mesh dimension): a stage's ranks / ep."""
+        return self.world_size // (self.pp * self.ep)
 
     def _check_finetune(self) -> None:
         from .lora import freeze_patterns, parse_lora

@@ -1,7 +1,8 @@
 """Issue 13's benchmark -> benchmarks/parallel.md.
 
 1. Tiny layouts measured for real on this CPU (TP 2, TP 2 + SP, TP 4, FSDP x TP 2 x 2, 2-rank pipelines
-   under 1F1B, GPipe, interleaved 1F1B and looped BFS, pipeline x FSDP2, x TP, x FSDP2 x TP): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
+   under 1F1B, GPipe, interleaved 1F1B and looped BFS, pipeline x FSDP2, x TP, x FSDP2 x TP, x TP + SP, x FSDP2 with
+   CPU offload, x EP; MoE TP and EP): each rank's measured peak (validate/distributed_truth.py), memest's traced peak, and
    Megatron-LM's published per-rank formula on the same configuration, as a peer.
 2. llama-2-70b and mixtral-8x7b planned on 8 and 64 GPUs (`memest plan-parallel`, H100 80 GB,
    bf16-mixed AdamW, batch 1, seq 4096), with the wall time of each plan, and Megatron's formula for the
@@ -48,6 +49,16 @@ TINY = [  # (label, config, RunSpec changes)
     ("PP 2 x 2 virtual x FSDP 2, interleaved 1F1B, M 4", "llama-tiny-4l",
      dict(world_size=4, pp=2, microbatches=4, pp_schedule="interleaved", shard="zero3")),
     ("PP 2 x FSDP 2 x TP 2, 1F1B, M 4", "llama-tiny-tp", dict(world_size=8, pp=2, microbatches=4, tp=2, shard="zero3")),
+    # issue 13's pipeline combinations: sequence parallel and CPU offload inside each stage (offload rows: device + host,
+    # one memory on a CPU)
+    ("PP 2 x TP 2 + SP, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, tp=2, sp=True)),
+    ("PP 2 x FSDP 2 x TP 2 + SP, 1F1B, M 4", "llama-tiny-tp",
+     dict(world_size=8, pp=2, microbatches=4, tp=2, sp=True, shard="zero3")),
+    ("PP 2 x FSDP 2, offload params, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, shard="zero3",
+                                                                   offload="params")),
+    ("PP 2 x FSDP 2 (zero2), offload optimizer, 1F1B, M 4", "llama-tiny",
+     dict(world_size=4, pp=2, microbatches=4, shard="zero2", offload="optimizer")),
+    ("PP 2, offload optimizer, 1F1B, M 4", "llama-tiny", dict(world_size=2, pp=2, microbatches=4, offload="optimizer")),
     # MoE (transformers' own parallel code): TP with its MoE styles, EP at each routing assumption, the real run's
     # router weights set to make that split (trace/expert_parallel.route_as)
     ("Mixtral TP 2 (packed_colwise, moe_tp_experts)", "mixtral-tiny", dict(world_size=2, tp=2)),
@@ -70,6 +81,24 @@ TINY = [  # (label, config, RunSpec changes)
     ("Qwen3-MoE EP 2, bf16-mixed, uniform", "qwen3-moe-tiny", dict(world_size=2, ep=2, shard="zero2", precision="bf16-mixed")),
     ("Qwen3-MoE EP 2, bf16-mixed, all to rank 0", "qwen3-moe-tiny",
      dict(world_size=2, ep=2, shard="zero2", precision="bf16-mixed", ep_routing="one-rank")),
+    # expert x pipeline parallel: EP over each stage's dp ranks
+    ("Mixtral PP 2 x EP 2 (dp 2), uniform, M 4", "mixtral-tiny", dict(world_size=4, pp=2, microbatches=4, ep=2, shard="zero3")),
+    ("Mixtral PP 2 x EP 2 (dp 2), all to each stage's rank 0, M 4", "mixtral-tiny",
+     dict(world_size=4, pp=2, microbatches=4, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Mixtral PP 2 x EP 2 x 2 copies (dp 4), uniform, M 4", "mixtral-tiny",
+     dict(world_size=8, pp=2, microbatches=4, ep=2, shard="zero3")),
+    ("Mixtral PP 2 x EP 2 x 2 copies (dp 4), all to each stage's rank 0, M 4", "mixtral-tiny",
+     dict(world_size=8, pp=2, microbatches=4, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("Mixtral PP 2 x FSDP 2 x TP 2 x EP 2, uniform, M 4", "mixtral-tiny",
+     dict(world_size=8, pp=2, microbatches=4, tp=2, ep=2, shard="zero3")),
+    ("Mixtral PP 2 x FSDP 2 x TP 2 x EP 2, all to each stage's rank 0, M 4", "mixtral-tiny",
+     dict(world_size=8, pp=2, microbatches=4, tp=2, ep=2, shard="zero3", ep_routing="one-rank")),
+    ("PP 2 x TP 2 + SP, bf16-mixed, 1F1B, M 4", "llama-tiny", dict(world_size=4, pp=2, microbatches=4, tp=2, sp=True,
+                                                                  precision="bf16-mixed")),
+    ("PP 2 x 2 virtual x TP 2 + SP, interleaved 1F1B, M 4", "llama-tiny-4l",
+     dict(world_size=4, pp=2, microbatches=4, tp=2, sp=True, pp_schedule="interleaved")),
+    ("Mixtral PP 2 x 2 virtual x EP 2 (dp 2), interleaved 1F1B, all to each stage's rank 0, M 4", "mixtral-tiny-4l",
+     dict(world_size=4, pp=2, microbatches=4, ep=2, shard="zero3", pp_schedule="interleaved", ep_routing="one-rank")),
 ]
 PLANS = [("llama-2-70b", 8), ("llama-2-70b", 64), ("mixtral-8x7b", 8), ("mixtral-8x7b", 64)]
 
@@ -117,7 +146,7 @@ def tiny_rows(only: str = "") -> list[str]:
 
     rows = []
     for label, name, changes in TINY:
-        if only and only not in label:
+        if only and not any(o in label for o in only.split("|")):
             continue
         spec = RunSpec(model=f"hf:{ROOT / 'tests' / 'configs' / (name + '.json')}", batch=2, seq=32, optim="adamw",
                        target="cpu", **changes)
@@ -129,9 +158,12 @@ def tiny_rows(only: str = "") -> list[str]:
         weights, act = megatron_bytes(cfg, spec.tp, spec.pp, spec.dp, spec.batch, spec.seq, spec.microbatches or None,
                                       distributed_optimizer=spec.dp > 1, virtual=spec.stages_per_rank if spec.pp > 1 else 1)
         formula = f"{weights + act:,.0f} ({{:+.0f}}%)" if spec.ep == 1 else "- (not re-implemented for EP)"
+        if spec.offload != "none":
+            formula = "- (no offload in the formula)"
         for stage in range(spec.pp):  # each pipeline rank's first rank (the only rank without a pipeline)
             one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
-            traced = trace_step(load_source(spec.model), one).peak()[0]
+            trace = trace_step(load_source(spec.model), one)
+            traced = trace.combined_peak() if spec.offload != "none" else trace.peak()[0]  # offload: device + host
             rank = one.rank if len(real) == spec.world_size else stage
             measured = real[rank]["peak_bytes"]
             per_stage = spec.world_size // spec.pp
@@ -269,7 +301,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--skip-plans", action="store_true")
-    parser.add_argument("--only", default="", help="measure only the tiny layouts whose label contains this text")
+    parser.add_argument("--only", default="", help="measure only the tiny layouts whose label contains this text "
+                        "(several: separated by |)")
     parser.add_argument("--plan-model", default="", help="plan only this model (llama-2-70b or mixtral-8x7b)")
     parser.add_argument("--skip-unpruned", action="store_true")
     parser.add_argument("--skip-full-depth", action="store_true")

@@ -202,7 +202,7 @@ def test_pipeline_report_lists_every_stage_and_judges_the_worst():
     [
         ({"world_size": 4, "pp": 2}, "add --shard zero3"),
         ({"world_size": 2, "pp": 2, "sp": True, "tp": 2}, "not a multiple"),
-        ({"world_size": 4, "pp": 2, "tp": 2, "sp": True}, "not traced yet"),
+        ({"world_size": 2, "pp": 2, "sp": True}, "needs --tp 2"),
         ({"world_size": 2, "pp": 2, "pp_virtual": 3}, "runs 1 stage"),
         ({"microbatches": 4}, "add --pp"),
         ({"world_size": 2, "pp": 2, "pp_split": "1,1,1"}, None),  # checked against the model's layers at trace time
@@ -230,21 +230,77 @@ def test_run_configs_take_the_model_parallel_keys(tmp_path):
     assert (spec.tp, spec.sp, spec.dp) == (2, True, 2)
 
 
-@pytest.mark.parametrize("changes", [{"shard": "zero3"}, {"tp": 2}], ids=["pp2xfsdp2", "pp2xtp2"])
-def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(changes):
-    """Pipeline 2 x FSDP2 2 and pipeline 2 x TP 2: four real gloo processes, each running its stage with
-    FSDP2's / TP's collectives on real gloo groups; the pipeline dimension's group is a fake one in both (its
+PP_GLOO = {  # id -> (model, RunSpec changes)
+    "pp2xfsdp2": ("hf:llama-tiny", {"world_size": 4, "shard": "zero3"}),
+    "pp2xtp2": ("hf:llama-tiny", {"world_size": 4, "tp": 2}),
+    # sequence parallel inside each stage: the stages send their rank's sequence shard (measured to the byte,
+    # benchmarks/parallel.md); with FSDP2 too, 8 gloo processes
+    "pp2xtp2-sp": ("hf:llama-tiny", {"world_size": 4, "tp": 2, "sp": True}),
+    "pp2xfsdp2xtp2-sp": ("hf:llama-tiny-tp", {"world_size": 8, "tp": 2, "sp": True, "shard": "zero3"}),
+    # CPU offload per stage (FSDP2's CPUOffloadPolicy; the optimizer step on the host); on a CPU the host is the
+    # same memory, so device + host together are compared (as tests/test_sharding.py does)
+    "pp2xfsdp2-offload-params": ("hf:llama-tiny", {"world_size": 4, "shard": "zero3", "offload": "params"}),
+    "pp2xfsdp2-offload-optimizer": ("hf:llama-tiny", {"world_size": 4, "shard": "zero2", "offload": "optimizer"}),
+    "pp2-offload-optimizer": ("hf:llama-tiny", {"world_size": 2, "offload": "optimizer"}),  # stages in this process
+}
+
+
+@pytest.mark.parametrize("case", list(PP_GLOO))
+def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case):
+    """Pipeline 2 x FSDP2 2, pipeline 2 x TP 2 (+ SP, and x FSDP2): real gloo processes, each running its stage with
+    FSDP2's / TP's collectives on real gloo groups; the pipeline dimension's group is a fake one in all (its
     transfers move no data: pytorch#132644). Each stage's first rank traced against its measured peak."""
-    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", target="cpu", world_size=4, pp=2,
-                   microbatches=4, **changes)
-    real = measure_distributed_peaks([spec])[0]
+    model, changes = PP_GLOO[case]
+    spec = RunSpec(model=model_ref(model), batch=2, seq=32, optim="adamw", target="cpu", pp=2, microbatches=4, **changes)
+    gloo = spec.world_size > spec.pp
+    real = measure_distributed_peaks([spec])[0] if gloo else measure_pipeline_stage_peaks(spec)
     for stage in range(spec.pp):
         one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
-        estimated, measured_peak = trace_step(load_source(spec.model), one).peak()[0], real[one.rank]["peak_bytes"]
-        if estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: once more (conftest.lower_of_two_runs)
+        trace = trace_step(load_source(spec.model), one)
+        estimated = trace.combined_peak() if spec.offload != "none" else trace.peak()[0]
+        measured_peak = real[one.rank if gloo else stage]["peak_bytes"]
+        if spec.offload != "none":
+            _check_offloaded_stage(trace, spec)
+        if gloo and estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: once more (conftest.lower_of_two_runs)
             real = lower_of_two_runs(spec, real)
             measured_peak = real[one.rank]["peak_bytes"]
-        assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (changes, stage, estimated, measured_peak)
+        assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (case, stage, estimated, measured_peak)
+
+
+def _check_offloaded_stage(trace, spec: RunSpec) -> None:
+    """What a stage keeps on the host, as the non-pipeline offload path splits it (trace/distributed.mark_host):
+    the optimizer state and step always; with --offload params the sharded parameters and gradients too."""
+    from memest.trace.distributed import model_state_bytes
+
+    state = model_state_bytes(trace)
+    assert state["device"]["optimizer_state"] == 0 and state["host"]["optimizer_state"] > 0
+    assert all(trace.storages[sid].phase is not Phase.OPTIMIZER for sid, _ in trace.events)
+    if spec.offload == "params":
+        assert state["device"]["parameters"] == state["device"]["gradients"] == 0
+        assert state["host"]["parameters"] > 0 and state["host"]["gradients"] > 0
+    else:
+        assert state["host"]["parameters"] == state["host"]["gradients"] == 0
+
+
+def test_pipeline_offload_on_cuda_keeps_the_host_part_out_of_the_device_peak():
+    """--target cuda, pipeline 2 x FSDP2 2 with --offload params: what each stage's FSDP2 keeps on the host (sharded
+    parameters, gradients, optimizer state and step) is counted apart, as without a pipeline; each shard is copied to
+    the device before its all-gather (trace/distributed.instrument)."""
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, optim="adamw", precision="bf16-mixed", target="cuda",
+                   world_size=4, pp=2, microbatches=4, shard="zero3", offload="params")
+    for stage in range(spec.pp):
+        one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
+        trace = trace_step(load_source(spec.model), one)
+        _check_offloaded_stage(trace, one)
+        assert any(rec.op == "host-to-device copy of offloaded shards" for rec in trace.storages)
+        plain = trace_step(load_source(spec.model), RunSpec(**{**one.to_dict(), "offload": "none"}))
+        assert trace.peak()[0] < plain.peak()[0]
+
+
+def test_pipeline_sequence_parallel_needs_a_sequence_that_divides():
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=33, target="cpu", world_size=4, pp=2, tp=2, sp=True)
+    with pytest.raises(MemestError, match="must divide by --tp 2"):
+        trace_step(load_source(spec.model), spec)
 
 
 def test_tp_without_fsdp_on_cuda_names_the_foreach_mix_and_the_way_out():

@@ -134,7 +134,7 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """Wrap ``model`` as ``spec.shard`` (and ``spec.tp``) say; ``fake``: under a fake process group on
     fake tensors."""
     if spec.pp > 1:
-        return _pipeline(model, spec)
+        return _pipeline(model, spec, fake)
     if spec.tp > 1:
         return _tensor_parallel(model, spec, fake)
     if spec.ep > 1:
@@ -146,10 +146,12 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     return _ddp(model, spec, fake)
 
 
-def _pipeline(model: nn.Module, spec: RunSpec) -> Parallel:
+def _pipeline(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """--pp: this rank's stages (trace/pipeline_parallel.py); with dp or tp ranks per stage, each stage
     module parallelised on its sub-mesh of the ("pp", "dp", "tp") mesh (TP, then FSDP2), as torchtitan
-    does; the optimizer covers the rank's parameters."""
+    does; with --ep the experts by transformers' expert parallel over ep of the stage's dp ranks first, their
+    experts modules FSDP2 units on the stage's efsdp mesh (trace/expert_parallel.py); the optimizer covers the
+    rank's parameters."""
     from .pipeline_parallel import PipelineStep, describe
 
     group, parallelize, what = None, None, []
@@ -157,18 +159,32 @@ def _pipeline(model: nn.Module, spec: RunSpec) -> Parallel:
         mesh = _pipeline_mesh(spec)
         with _real_values():
             group, dp_mesh, tp_mesh = mesh["pp"].get_group(), mesh["dp"], mesh["tp"]
+        if spec.ep > 1:
+            from . import expert_parallel
+
+            with _real_values():
+                ep_mesh, efsdp_mesh, _ = expert_parallel.meshes(spec)
 
         def parallelize(stage: nn.Module) -> None:
             from . import tensor_parallel
 
             if spec.tp > 1:
                 what.append(tensor_parallel.apply(stage.module, spec, tp_mesh))
+            experts = None
+            if spec.ep > 1:
+                names = expert_parallel.apply(stage.module, spec, ep_mesh, tp_mesh, fake)
+                what.append(expert_parallel.describe(spec, names) + " per stage")
+
+                def experts(kwargs):
+                    expert_parallel.fsdp_experts(stage.module, names, spec, efsdp_mesh, kwargs)
             if spec.dp > 1:
                 with _real_mesh_concatenation():
                     # each decoder layer a unit, as torchtitan shards a stage (a stage of one layer too)
                     base = getattr(stage.module, "base_model_prefix", "model")
                     units = [f"module.{base}.layers.{k}" for k in range(len(getattr(stage.module, base).layers))]
-                    what.append(f"{_fsdp(stage, spec, dp_mesh, units).description} per stage over DP {spec.dp}")
+                    fsdp = _fsdp(stage, spec, dp_mesh, units, experts=experts)
+                    units_more = f" (+ {len(names)} expert units on EFSDP {spec.expert_copies})" if spec.ep > 1 else ""
+                    what.append(f"{fsdp.description}{units_more} per stage over DP {spec.dp}")
 
     step = PipelineStep(model, spec, parallelize, group)
     params = list({id(p): p for m in step.modules for p in m.parameters() if p.requires_grad}.values())

@@ -39,6 +39,15 @@ from ..spec import RunSpec
 IMPLEMENTATION = "memest_assumed_routing"  # registered with transformers' EPImplementationInterface for the trace
 
 
+def expert_counts(config) -> tuple[int, int]:
+    """(routed experts per MoE layer, experts per token) of a transformers config object or its dict (config.json): the
+    names the MoE families use (Mixtral ``num_local_experts``, Qwen-MoE / OLMoE ``num_experts``, DeepSeek-V3
+    ``n_routed_experts``; ``num_experts_per_tok`` for all). (0, 0) for a dense model."""
+    get = config.get if isinstance(config, dict) else (lambda name: getattr(config, name, None))
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
+    return int(experts), int(get("num_experts_per_tok") or 0)
+
+
 def ep_plan(model: nn.Module, spec: RunSpec) -> dict[str, str]:
     """transformers' resolved expert-parallel plan (one entry per module or parameter), as from_pretrained with
     ``DistributedConfig(tp_size=tp, fsdp_size=dp, ep_size=ep)`` resolves it (DistributedMixin._resolve_parallel_plans)."""
@@ -51,7 +60,7 @@ def ep_plan(model: nn.Module, spec: RunSpec) -> dict[str, str]:
             f"--ep {spec.ep}: {type(model).__name__} has no expert-parallel plan (transformers MoE models whose config has "
             "base_model_ep_plan: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...)"
         )
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    experts, _ = expert_counts(config)
     if experts and experts % spec.ep:
         raise MemestError(f"--ep {spec.ep}: the model has {experts} experts per layer, not divisible by {spec.ep}")
     _, resolved, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp, ep_size=spec.ep))
@@ -60,10 +69,16 @@ def ep_plan(model: nn.Module, spec: RunSpec) -> dict[str, str]:
 
 def meshes(spec: RunSpec):
     """(ep mesh, efsdp mesh, tp mesh of size 1): transformers' expert mesh (efsdp, ep) and the dense mesh's tp
-    dimension, which AllToAllEP asks for (ranks sharing one batch)."""
+    dimension, which AllToAllEP asks for (ranks sharing one batch). With --pp, the expert mesh of each pipeline
+    stage's data-parallel ranks: ("pp", "efsdp", "ep"), its pipeline dimension a fake group as the pipeline's own
+    mesh (trace/distributed._pipeline_mesh, pytorch#132644), the tp mesh the caller's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = spec.world_size
+    if spec.pp > 1:
+        experts = init_device_mesh("cpu", (spec.pp, spec.expert_copies, spec.ep), mesh_dim_names=("pp", "efsdp", "ep"),
+                                   backend_override={"pp": "fake"})
+        return experts["ep"], experts["efsdp"], None
     experts = init_device_mesh("cpu", (world // spec.ep, spec.ep), mesh_dim_names=("efsdp", "ep"))
     dense = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
     return experts["ep"], experts["efsdp"], dense["tp"]
@@ -140,12 +155,12 @@ def fsdp_experts(model: nn.Module, names: list[str], spec: RunSpec, efsdp_mesh, 
         module = modules[name]
         fully_shard(module, **{**kwargs, "mesh": efsdp_mesh})
         module.set_gradient_divide_factor(float(spec.dp))
-        if spec.world_size // spec.ep > 1:
+        if spec.expert_copies > 1:
             module.set_force_sum_reduction_for_comms(True)
 
 
 def describe(spec: RunSpec, names: list[str]) -> str:
-    copies = spec.world_size // spec.ep
+    copies = spec.expert_copies
     return (f"transformers' expert parallel (base_model_ep_plan, AllToAllEP) EP {spec.ep} over {len(names)} MoE layers, "
             f"{copies} cop{'ies' if copies > 1 else 'y'} of each expert group, routing traced {spec.ep_routing}")
 
@@ -157,9 +172,8 @@ def route_as(model: nn.Module, spec: RunSpec) -> None:
     every MoE layer sees the embedding (dimension 0 positive after the norm); the router reads dimension 0 only,
     with a positive weight for the chosen experts: uniform, expert ``i`` of the top-k on rank ``i % ep``; one-rank,
     the top-k experts all on rank 0. Values change no allocation but the all-to-all's split sizes."""
-    config = model.config
-    experts = getattr(config, "num_local_experts", None) or config.num_experts
-    top_k, per_rank = config.num_experts_per_tok, experts // spec.ep
+    experts, top_k = expert_counts(model.config)
+    per_rank = experts // spec.ep
     if spec.ep_routing == "one-rank":
         chosen = list(range(top_k))
     else:

@@ -125,7 +125,12 @@ def _shallow(module: nn.Module) -> nn.Module:
 def _static_args(model: nn.Module, spec: RunSpec, stage: int, n_stages: int, seq: int, dtype):
     """Example (input, output) of one micro-batch for the stage, shapes only (no exchange)."""
     config = model.config
-    hidden = torch.empty(spec.batch, seq, config.hidden_size, dtype=dtype)
+    # with --sp the residual stream between stages is this rank's sequence shard (torchtitan's plan: the o/down
+    # projections reduce-scatter to Shard(1) local tensors), the LM head's output the whole sequence
+    if spec.sp and seq % spec.tp:
+        raise MemestError(f"--pp with --sp: --seq {seq} must divide by --tp {spec.tp} (each stage sends its rank's "
+                          "sequence shard; uneven shards are not traced)")
+    hidden = torch.empty(spec.batch, seq // spec.tp if spec.sp else seq, config.hidden_size, dtype=dtype)
     x = torch.empty(spec.batch, seq, dtype=torch.long) if stage == 0 else hidden
     out = hidden if stage < n_stages - 1 else torch.empty(spec.batch, seq, config.vocab_size, dtype=dtype)
     return (x,), (out.requires_grad_(),)
@@ -192,6 +197,9 @@ class PipelineStep:
             raise MemestError(f"--pp-schedule {spec.pp_schedule} with --pp {spec.pp}, --microbatches {self.microbatches}: {exc}") from exc
         if _fake(model) or dist.get_backend(self.group) == "fake":
             schedule._warmup_p2p = _static_vote
+        if not _fake(model) and dist.get_backend(self.group) == "fake":
+            for stage in stages:
+                _received_values(stage)
         return schedule, stages
 
     def __call__(self, inputs: dict, mark=None) -> None:
@@ -239,6 +247,27 @@ def _mark_merge(schedule, mark) -> None:
         return merge(schedule, *args, **kwargs)
 
     schedule._merge_outputs = merged
+
+
+def _received_values(stage) -> None:
+    """The real ground truth on a fake "pp" group (pytorch#132644): nothing arrives, so a received activation or
+    gradient would hold whatever its buffer's memory held. A MoE router decides on those values how many rows each
+    expert rank receives (trace/expert_parallel.py), so they are set in place (no allocation) to what a stage of
+    ``route_as``'s model sends: activations of ones (dimension 0 positive, as the embedding's output there; the router
+    reads dimension 0 only) and zero gradients (the earlier stage's weights, routers included, keep their routing)."""
+
+    def filled(retrieve, infos, value):
+        def run(chunk):
+            with torch.no_grad():
+                for info in infos[chunk]:
+                    if getattr(info, "buffer", None) is not None and not info.is_root_arg:
+                        info.buffer.fill_(value)
+            return retrieve(chunk)
+
+        return run
+
+    stage._retrieve_recv_activations = filled(stage._retrieve_recv_activations, stage.args_recv_info, 1.0)
+    stage._retrieve_recv_grads = filled(stage._retrieve_recv_grads, stage.grad_recv_info, 0.0)
 
 
 def _fake(model: nn.Module) -> bool:

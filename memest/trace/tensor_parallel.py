@@ -86,7 +86,22 @@ def _transformers_plan(model: nn.Module, spec: RunSpec) -> TransformersPlan:
         raise MemestError(f"--tp {spec.tp}: {type(model).__name__} is not a transformers model with parallel plans")
     # with --ep, transformers drops the TP rules of the experts (its EP rules take precedence)
     plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=spec.tp, fsdp_size=spec.dp, ep_size=spec.ep))
-    return TransformersPlan(plan)
+    return TransformersPlan({k: v for k, v in plan.items() if _held(model, k)})
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether a plan entry (a module or parameter name) is held by ``model``: a --pp stage holds the embedding only on
+    the first stage, the head on the last (elsewhere None or nn.Identity; torchtitan's plan entries then match nothing)."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            return False
+        return isinstance(getattr(module, leaf, None), nn.Parameter)
+    return module is not None and not isinstance(module, nn.Identity)
 
 
 def _check_heads(config, tp: int) -> None:
@@ -145,17 +160,21 @@ def _titan_plan(model: nn.Module, where: str, config) -> dict:
     needed = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     missing = [f"{layers[0]}.{n}" for n in needed if layers and f"{layers[0]}.{n}" not in modules]
-    if not layers or missing or f"{where}embed_tokens" not in modules or f"{where}norm" not in modules:
+    base = getattr(model, where.rstrip("."), model) if where else model
+    if not layers or missing or not hasattr(base, "embed_tokens") or f"{where}norm" not in modules:
         raise MemestError(
             f"--sp: {type(model).__name__} is not a Llama-style decoder (embed_tokens, layers.N.{{input_layernorm, self_attn."
             f"q/k/v/o_proj, post_attention_layernorm, mlp.gate/up/down_proj}}, norm); missing: {', '.join(missing) or 'layers'}"
         )
-    plan = {
-        f"{where}embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        f"{where}norm": SequenceParallel(),
-    }
+    # a --pp stage holds the embedding only on the first stage and the final norm and head on the last (elsewhere
+    # None or nn.Identity, as torchtitan's pruned stages, whose plan entries then match nothing)
+    plan = {}
+    if base.embed_tokens is not None:
+        plan[f"{where}embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if not isinstance(base.norm, nn.Identity):
+        plan[f"{where}norm"] = SequenceParallel()
     head = _untied_head(model)
-    if head is None and hasattr(model, "lm_head"):
+    if head is None and isinstance(getattr(model, "lm_head", None), nn.Linear):
         raise MemestError("--sp: the LM head is tied to the embedding; torchtitan's plan shards them differently")
     if head:
         plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
@@ -190,22 +209,29 @@ def apply(model: nn.Module, spec: RunSpec, mesh) -> str:
         return f"{what}, TP {spec.tp}"
     parallelize_module(model, mesh, plan)
     if spec.sp:
-        _whole_positions(model)
+        _whole_positions(model, mesh)
     return f"{what}, TP {spec.tp}"
 
 
-def _whole_positions(model: nn.Module) -> None:
+def _whole_positions(model: nn.Module, mesh) -> None:
     """With the embedding's output sharded on the sequence, transformers would number positions by the
     local shard's length (``arange(inputs_embeds.shape[1])``) and rotate queries of the whole sequence
-    with the shard's cos/sin; torchtitan passes the whole sequence's positions, and so does this hook."""
+    with the shard's cos/sin; torchtitan passes the whole sequence's positions, and so does this hook (a later
+    pipeline stage, given its sequence shard as ``inputs_embeds``: the shard's length x tp)."""
     import torch
 
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    tp = mesh.size()
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if kwargs.get("position_ids") is None and ids is not None:
+        if kwargs.get("position_ids") is not None:
+            return args, kwargs
+        if ids is not None:
             kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        elif kwargs.get("inputs_embeds") is not None:  # --pp: a later stage gets this rank's sequence shard
+            embeds = kwargs["inputs_embeds"]
+            kwargs["position_ids"] = torch.arange(embeds.shape[1] * tp, device=embeds.device).unsqueeze(0)
         return args, kwargs
 
     base.register_forward_pre_hook(hook, with_kwargs=True)
