@@ -345,12 +345,6 @@ def _trace_point(spec: RunSpec, depth: int, calibration, source=None) -> _Point:
 _WORKER_SOURCES: dict[str, object] = {}
 
 
-def _warm_up() -> None:
-    """A worker's imports, before its first trace."""
-    from .. import pipeline  # noqa: F401
-    from ..sources import hf  # noqa: F401
-
-
 class _Tracer:
     """Traces of the cut models: one source per depth (built once, shared by every layout), cached by
     (layout, stage, depth, m). ``workers`` > 1: a batch of traces (one stage's grid) runs in this process
@@ -362,14 +356,17 @@ class _Tracer:
         self.cache: dict[tuple, _Point] = {}
         self.traces = 0
         self.pool, self.workers = None, workers
-        if workers > 1:
+
+    def _pool(self):
+        """The worker processes, started at the first batch (a plan that traces nothing starts none)."""
+        if self.pool is None:
             import concurrent.futures
             import multiprocessing
 
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(["memest.pipeline", "memest.sources.hf"])  # imported once per process
-            self.pool = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=context)
-            self.pool.submit(_warm_up)
+            self.pool = concurrent.futures.ProcessPoolExecutor(self.workers - 1, mp_context=context)
+        return self.pool
 
     def close(self) -> None:
         if self.pool is not None:
@@ -438,10 +435,10 @@ class _Tracer:
         A trace that fails raises its error once every trace of the batch has ended."""
         todo = [pt for pt in points if self._key(layout, stage, *pt) not in self.cache]
         remote = {}
-        if self.pool is not None and len(todo) > 1:
+        if self.workers > 1 and len(todo) > 1:
             n = len(todo) - -(-len(todo) // self.workers)  # this process takes its share, the workers the rest
             for depth, micro in todo[:n]:
-                remote[(depth, micro)] = self.pool.submit(_trace_point, self._spec(layout, stage, depth, micro), depth,
+                remote[(depth, micro)] = self._pool().submit(_trace_point, self._spec(layout, stage, depth, micro), depth,
                                                           self.calibration)
         error = None
         for pt in todo:
