@@ -200,3 +200,33 @@ def test_pruned_search_recommends_what_the_exhaustive_search_does_and_its_bounds
             assert 0.3 * lay.peak_bytes < floor <= lay.peak_bytes, lay.name
             checked += 1
     assert checked == 3
+
+
+def test_expert_x_tensor_parallel_layouts_are_searched_and_traced_as_estimate_traces_them(monkeypatch):
+    """MoE: ep x tp layouts (ep a multiple of tp); FSDP 2 x TP 2 x EP 2 of a tiny Mixtral planned at its real depth
+    (2 layers) needs what `memest estimate` traces for that layout at uniform routing."""
+    from memest.pipeline import estimate
+    from memest.plan import parallel
+
+    mixtral = {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "hidden_size": 4096,
+               "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2}
+    pairs = [(lay.tp, lay.ep) for lay in layouts_for(8, mixtral) if lay.ep > 1]
+    assert pairs == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]
+    assert all(lay.dp * lay.tp == 8 and not lay.sp for lay in layouts_for(8, mixtral) if lay.ep > 1)
+    # TP 2 x EP 2 on 8 GPUs: each TP rank dispatches half the tokens; the experts' FSDP over 8 / 2 = 4 copies
+    base = RunSpec(model="hf:mixtral-8x7b", batch=1, seq=100, precision="bf16-mixed")
+    experts = 32 * 8 * 3 * 4096 * 14336
+    psi = experts + 1_000_000
+    lay = Layout(dp=4, tp=2, pp=1, sp=False, ep=2)
+    a2a = 32 * 4 * 50 * 2 * 4096 * 2 / 2
+    tp = 32 * 4 * 2 * 1 / 2 * 100 * 4096 * 2
+    assert abs(comm_bytes(lay, mixtral, base, psi) - (a2a + 3 / 4 * experts / 2 * 8 + 3 / 4 * 1_000_000 / 2 * 8 + tp)) <= 1
+
+    ref = model_ref("hf:mixtral-tiny")
+    spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw")
+    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [x for x in layouts_for(gpus, cfg) if (x.tp, x.ep) == (2, 2)])
+    plan = parallel.plan_parallel(ref, 4, 2**30, "1 GiB", spec, check=False, workers=1)
+    (got,) = plan.layouts
+    assert got.name == "dp 2 x tp 2 x pp 1 (ep 2)" and got.fits and not got.error, got.error
+    direct = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw", world_size=4, tp=2, ep=2, shard="zero3"))
+    assert got.peak_bytes == direct.report.peak_allocated_bytes

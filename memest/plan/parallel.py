@@ -26,7 +26,17 @@ more than DIRECT_ABOVE the layout is traced at its full depth (its direct need r
 Before any trace, a layout is left out when the model state alone cannot fit: every parameter lives on
 at least one rank with its gradient and optimizer state at the optimizer step, so a rank holds at least
 (parameters x bytes of parameter + gradient + optimizer state) / G (the optimizer table, trace/optim.py);
-when that exceeds the budget the layout is reported with that lower bound, not traced.
+when that exceeds the budget the layout is reported with that lower bound, not traced. A pipeline is also
+left out when its first stage's activations in flight (measured per layer and micro-batch on a traced
+pipeline of the same tp, parallel_bounds.py) with its layers' state exceed the budget.
+
+The search. The ranking (bytes sent per step) is known before any trace, so layouts are taken in that
+order and the search stops once ``top`` of them fit (``--top``, default 1: the recommended layout; every
+layout that sends less was traced or bounded, so the best ``top`` are those of the exhaustive search); the
+rest are listed as not traced. A pipeline's first stage (the worst in every plan measured) is traced
+first; when its need alone exceeds the budget the layout does not fit and its last stage is not traced
+(its need is reported as a lower bound). A stage's 2 to 4 grid points are traced in this process and a
+worker process at once (WORKERS); the traces, and so the plan, are the same either way.
 
 Layouts: tp in 1, 2, 4, 8 (within one NVLink node; it must divide the attention and key/value heads),
 dp = G / tp with FSDP2 full shard (--shard zero3) when dp > 1, TP with sequence parallel where the
@@ -186,20 +196,27 @@ def _experts(config: dict) -> tuple[int, int]:
 
 
 def expert_layouts(gpus: int, config: dict) -> list[Layout]:
-    """MoE models: FSDP over every GPU with the experts divided over ep of them (--ep; trace/expert_parallel.py)."""
+    """MoE models: FSDP over dp with the experts divided over ep of the GPUs (--ep; trace/expert_parallel.py),
+    alone (tp 1) or with TP over tp as for the dp x tp layouts (transformers' plan, without sequence parallel):
+    ep a multiple of tp (transformers' DistributedConfig; spec.py), within one node as tp is."""
     experts, _ = _experts(config)
-    return [Layout(dp=gpus, tp=1, pp=1, sp=False, ep=ep) for ep in EP_SIZES if experts and not experts % ep and not gpus % ep]
+    heads = config.get("num_attention_heads", 1)
+    kv = config.get("num_key_value_heads") or heads
+    return [Layout(dp=gpus // tp, tp=tp, pp=1, sp=False, ep=ep) for tp in TP_SIZES for ep in EP_SIZES
+            if experts and not experts % ep and not gpus % ep and not gpus % tp and not heads % tp and not kv % tp
+            and not ep % tp]
 
 
 def expert_comm_bytes(layout: Layout, config: dict, base: RunSpec, act: int) -> tuple[int, int]:
     """(bytes each rank sends per step in the all-to-alls, the routed experts' parameters). Per MoE layer 4
     all-to-alls (dispatch and combine in the forward, their two in the backward) of tokens x top-k rows of the
-    hidden size, (ep - 1) / ep of them leaving the rank at uniform routing (transformers' AllToAllEP)."""
+    hidden size, (ep - 1) / ep of them leaving the rank at uniform routing (transformers' AllToAllEP); with TP each
+    rank of a TP group dispatches its 1 / tp slice of the group's tokens (trace/expert_parallel.py)."""
     experts, top_k = _experts(config)
     h = config["hidden_size"]
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
     moe_layers = config["num_hidden_layers"] - (config.get("first_k_dense_replace") or 0)
-    tokens = base.batch * (base.seq or 1)
+    tokens = base.batch * (base.seq or 1) / layout.tp
     sent = moe_layers * 4 * tokens * top_k * h * act * (layout.ep - 1) / layout.ep
     return int(sent), moe_layers * experts * 3 * h * inter
 
@@ -210,9 +227,9 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
     act = 2 if base.precision in ("bf16", "fp16", "bf16-mixed", "fp16-mixed") else 4
     tokens = base.batch * (base.seq or 1)
     total = 0
-    if layout.ep > 1:  # the experts' FSDP runs over dp / ep copies of each expert group, the rest over dp
+    if layout.ep > 1:  # the experts' FSDP runs over world / ep copies of each expert group, the rest over dp
         sent, expert_params = expert_comm_bytes(layout, config, base, act)
-        copies = layout.dp // layout.ep
+        copies = layout.world_size // layout.ep
         total += sent + (copies - 1) / copies * expert_params / layout.ep * (2 * act + 4)
         param_count = max(param_count - expert_params, 0)
     if layout.dp > 1:  # a pipeline rank holds its stage's 1/pp of the parameters
