@@ -476,13 +476,19 @@ class _Tracer:
             stage.points[pt] = self.cache[self._key(layout, stage, *pt)]
 
 
-def _derive(layout: Layout, tracer: _Tracer, layers: int, stop_above: int | None = None) -> list[_Stage]:
+def _derive(layout: Layout, tracer: _Tracer, layers: int, stop_above: int | None = None, floor=None) -> list[_Stage]:
     """The layout's stages traced and extrapolated, the first stage first; with ``stop_above``, a pipeline
     whose first stage alone needs more is left there (its need, a lower bound of the layout's, marked so).
-    Returns the stages traced."""
+    ``floor(layout, stage)``: asked once a pipeline's first stage is traced at its first depth (both
+    micro-batch counts); True when that rules the layout out (it says so in the layout), and the rest is not
+    traced. Returns the stages traced in full."""
     stages, done = _stages(layout, layers), []
     worst = None
     for st in stages:
+        if floor is not None and st.index == 0 and len(st.depths) > 1 and len(st.micros) > 1:
+            tracer.trace_all(layout, st, [(st.depths[0], m) for m in st.micros])
+            if floor(layout, st):
+                return []
         tracer.trace_all(layout, st, [(d, m) for d in st.depths for m in st.micros])
         done.append(st)
         peak, needed = st.predict(st.depth, st.micro)
@@ -564,13 +570,15 @@ def _search(plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, pe
             progress(f"plan-parallel {i + 1}: {layout.name}")
         try:
             try:
-                derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None)
+                derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None,
+                                              search.own_floor if prune else None)
             except MemestError:
                 if not layout.sp:
                     raise
                 layout.sp = False  # not a Llama-style decoder: transformers' own plan, without SP
                 layout.lower_bound = False
-                derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None)
+                derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None,
+                                              search.own_floor if prune else None)
         except MemestError as exc:
             layout.error = str(exc)
             continue
@@ -578,7 +586,7 @@ def _search(plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, pe
         layout.verdict = "fits" if layout.fits else "does-not-fit"
         search.learn(layout, derived[id(layout)])
     plan.layouts.sort(key=_rank)
-    best = next((lay for lay in plan.layouts if id(lay) in derived), None)
+    best = next((lay for lay in plan.layouts if derived.get(id(lay))), None)
     if check and best is not None:
         plan.check = _check(best, derived[id(best)], tracer)
         if plan.check and abs(plan.check["needed_error"]) > DIRECT_ABOVE:
@@ -626,21 +634,42 @@ class _Search:
             self.stopped += 1
             return True
         if self.prune and act is not None and act[0] > budget:
-            floor, per_layer, depth, micro = act
-            layout.traced, layout.lower_bound, layout.needed_bytes, layout.verdict = False, True, floor, "does-not-fit"
-            layout.derived_from = (f"not traced: its first stage holds at least {format_bytes(floor)} before its first backward "
-                                   f"({micro} micro-batches x {depth} layers x {format_bytes(per_layer.bytes_per_layer)} a layer "
-                                   f"and micro-batch, measured on {per_layer.source}, + its layers' parameters and optimizer state)")
-            self.bounded += 1
+            self._ruled_out(layout, act, "not traced")
             return True
         return False
+
+    def _ruled_out(self, layout: Layout, act: tuple, how: str) -> None:
+        from ..units import format_bytes
+
+        floor, per_layer, depth, micro = act
+        layout.lower_bound, layout.needed_bytes, layout.verdict = True, floor, "does-not-fit"
+        layout.traced = how != "not traced"
+        layout.derived_from = (f"{how}: its first stage holds at least {format_bytes(floor)} before its first backward "
+                               f"({micro} micro-batches x {depth} layers x {format_bytes(per_layer.bytes_per_layer)} a layer "
+                               f"and micro-batch, measured on {per_layer.source}, + its layers' parameters and optimizer state)")
+        self.bounded += 1
+
+    def own_floor(self, layout: Layout, stage: _Stage) -> bool:
+        """A pipeline's first stage traced at its first depth (m = 2 and 3): the activation floor from its own
+        bytes per layer and micro-batch; True (the layout marked) where that is over the budget."""
+        measured = parallel_bounds.layer_bytes(stage.points, stage.depths[0], stage.micros, f"its own first {len(stage.micros)} traces")
+        if measured is None:
+            return False
+        layout.layer_bytes = measured.bytes_per_layer
+        self.layer_bytes.setdefault(self._key(layout), measured)
+        act = self._activation_floor(layout, measured)
+        if act is None or act[0] <= self.plan.budget_bytes:
+            return False
+        self._ruled_out(layout, act, f"stage 0 traced at {stage.depths[0]} layers only")
+        return True
 
     def _key(self, layout: Layout) -> tuple:
         return (layout.tp, layout.dp > 1, layout.schedule)
 
-    def _activation_floor(self, layout: Layout):
-        """(floor, LayerBytes, layers, micro-batches) of a pipeline's first stage, or None (parallel_bounds)."""
-        per_layer = self.layer_bytes.get(self._key(layout))
+    def _activation_floor(self, layout: Layout, per_layer: parallel_bounds.LayerBytes | None = None):
+        """(floor, LayerBytes, layers, micro-batches) of a pipeline's first stage, or None (parallel_bounds);
+        ``per_layer``: measured on the layout itself, else on the first traced layout of its kind."""
+        per_layer = per_layer or self.layer_bytes.get(self._key(layout))
         if per_layer is None or self.per_param is None or layout.pp == 1 or layout.schedule not in MICRO_PROXY_SCHEDULES:
             return None
         if layout.microbatches not in (0, layout.pp):
@@ -656,6 +685,8 @@ class _Search:
     def learn(self, layout: Layout, stages: list[_Stage]) -> None:
         if layout.fits:
             self.fitting += 1
+        if not stages:  # ruled out by its own activation floor (own_floor measured it)
+            return
         first = stages[0]
         if layout.pp == 1 or first.index != 0:
             return
@@ -665,16 +696,21 @@ class _Search:
             self.layer_bytes.setdefault(self._key(layout), measured)
 
     def notes(self) -> list[str]:
-        out = []
-        if any(not lay.traced and lay.needed_bytes and "model state" in lay.derived_from for lay in self.plan.layouts):
+        out, how = [], " ".join(lay.derived_from for lay in self.plan.layouts)
+        if "model state alone" in how:
             out.append(
                 "layouts marked 'not traced' with '>=' cannot fit: every parameter, its gradient and its optimizer state "
-                "are on some rank at the optimizer step, so the most loaded rank holds at least the model state / GPUs, "
-                "or (pipelines) the first stage holds its micro-batches' activations, measured per layer on a traced "
-                "pipeline of the same tensor parallel degree, before its first backward (lower bounds; "
-                "memest/plan/parallel_bounds.py)"
+                "are on some rank at the optimizer step, so the most loaded rank holds at least the model state / GPUs "
+                "(a lower bound)"
             )
-        if any(lay.lower_bound and lay.traced for lay in self.plan.layouts):
+        if "first stage holds" in how:
+            out.append(
+                "pipelines whose first stage 'holds at least' cannot fit: before its first backward the first stage holds its "
+                "M micro-batches' activations (the bytes per layer and micro-batch measured on a traced pipeline of the same "
+                "tensor parallel degree, or on the layout's own first traces) and its layers' parameters and optimizer "
+                "state (a lower bound; memest/plan/parallel_bounds.py)"
+            )
+        if "stage 0 alone" in how:
             out.append("pipelines marked 'stage 0 alone': the first stage's derived need already exceeds the budget; the "
                        "layout's need (the worst stage's) is at least that")
         if self.stopped:
