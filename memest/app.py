@@ -534,18 +534,22 @@ class ParallelPlanRun:
 
 
 def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress | None = None,
-                      calibration: str | Path | None = None) -> ParallelPlanRun:
+                      calibration: str | Path | None = None, top: int = 1) -> ParallelPlanRun:
     """`memest plan-parallel`: layouts of ``gpus`` GPUs for one model, each rank's need against ``gpu``;
-    ``calibration`` as estimate's (a profile file, whose GPU generation is then modelled)."""
+    ``calibration`` as estimate's (a profile file, whose GPU generation is then modelled); the search stops
+    once ``top`` layouts fit (0: every layout traced)."""
     from .plan.parallel import plan_parallel
 
     if gpus < 1:
         raise MemestError(f"--gpus must be at least 1, got {gpus}")
+    if top < 0:
+        raise MemestError(f"--top must be 0 (every layout) or more, got {top}")
     ctx = resolve_gpu(gpu, need_budget=True, target=spec_args.get("target", Target.CUDA), calibration=calibration)
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
     with user_code(spec.model), ticker("plan-parallel", progress):
         plan = plan_parallel(spec.model, gpus, ctx.capacity_bytes, ctx.budget_label, spec,
-                             calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
+                             calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress,
+                             top=top or None)
     if ctx.calibration_note and spec.target == Target.CUDA:
         plan.notes.append(ctx.calibration_note)
     return ParallelPlanRun(plan, ctx)

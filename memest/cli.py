@@ -352,6 +352,8 @@ def plan_parallel(
     batch: Batch = 1, seq: Seq = None, optim: Optim = Optimizer.ADAM, precision: Prec = Precision.FP32,
     target: Tgt = Target.CUDA, checkpointing: Ckpt = "none", outputs: Outs = Outputs.KEPT,
     calibration: Calibration = None,
+    top: Annotated[int, typer.Option("--top", help="Stop once this many layouts fit, searched least communication first "
+                                     "(0: trace every layout).")] = 1,
     format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False,
 ) -> None:
     """dp x tp (x pp) layouts of --gpus GPUs: each rank's need, those that fit ranked by communication per step."""
@@ -361,7 +363,8 @@ def plan_parallel(
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     checkpointing=checkpointing, outputs=outputs)
-        return plan_parallel_view(run_plan_parallel(spec, gpus, gpu, progress=_progress(), calibration=calibration)), EXIT_OK
+        return plan_parallel_view(run_plan_parallel(spec, gpus, gpu, progress=_progress(), calibration=calibration,
+                                                     top=top)), EXIT_OK
 
     run_command(work, lambda: output_format(format, json, markdown), debug)
 

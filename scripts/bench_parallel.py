@@ -205,7 +205,9 @@ def _megatron_row(name: str, gpus: int, cfg: dict, lay: dict, extra: str) -> str
     layout = f"dp {lay['dp']} x tp {lay['tp']}{' + sp' if lay['sp'] else ''} x pp {lay['pp']}" + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "")
     if lay["error"]:
         return f"| {name} | {gpus} | {layout} | not traced: {lay['error']} | | | | |"
-    need = ("" if lay["traced"] else ">= ") + f"{lay['needed_bytes'] / 2**30:.1f}"
+    if lay["verdict"] == "not-traced":  # the search stopped before it (plan_parallel's top)
+        return f"| {name} | {gpus} | {layout} | - | not traced | {lay['comm_bytes'] / 2**30:.1f} | | {extra} |"
+    need = (">= " if lay.get("lower_bound") or not lay["traced"] else "") + f"{lay['needed_bytes'] / 2**30:.1f}"
     formula = f"{(weights + act) / 2**30:.1f}" if lay.get("ep", 1) == 1 else "-"  # not re-implemented for EP
     return (f"| {name} | {gpus} | {layout} | {need} | {lay['verdict']} | {lay['comm_bytes'] / 2**30:.1f} | "
             f"{formula} | {extra} |")
@@ -249,7 +251,7 @@ def unpruned_rows() -> list[str]:
         base = RunSpec(model=f"hf:{name}", batch=1, seq=4096, optim="adamw", precision="bf16-mixed", target="cuda",
                        compute_capability=ctx.compute_capability)
         start = time.process_time()
-        plan = plan_parallel(base.model, gpus, ctx.capacity_bytes, ctx.budget_label, base, prune=False)
+        plan = plan_parallel(base.model, gpus, ctx.capacity_bytes, ctx.budget_label, base, prune=False, top=None)
         cpu = time.process_time() - start
         cfg = _config(name)
         for lay in plan.to_dict()["layouts"]:

@@ -58,7 +58,7 @@ def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monke
                         lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg) if lay.tp == 1 and lay.pp in (1, 4)])
     ref = _deeper(tmp_path, 6)
     result = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "4", "--gpu", "1GB", "--batch", "2", "--seq", "32",
-                                      "--target", "cpu", "--json"])
+                                      "--target", "cpu", "--top", "0", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     layouts = {lay["pp"]: lay for lay in doc["layouts"]}
@@ -121,7 +121,8 @@ def test_plan_parallel_takes_calibration_and_advise_offers_its_layouts(tmp_path)
     path = write_profile(profile_entry(), tmp_path / "rtx2080ti.json")
     ref = model_ref("hf:llama-tiny-4l")
     args = ["--batch", "2", "--seq", "32", "--optim", "adamw", "--json"]
-    plan = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "2", "--gpu", "11GB", *args, "--calibration", str(path)])
+    plan = CliRunner().invoke(app, ["plan-parallel", ref, "--gpus", "2", "--gpu", "11GB", *args, "--calibration", str(path),
+                                    "--top", "3"])
     assert plan.exit_code == 0, plan.output
     doc = json.loads(plan.stdout)
     assert any("RTX 2080 Ti" in n for n in doc["notes"])
@@ -151,3 +152,81 @@ def test_a_need_the_check_misses_is_traced_at_full_depth(monkeypatch, tmp_path):
     direct = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw", world_size=2, shard="zero3"))
     assert lay.derived_from.startswith("traced at its full depth") and lay.needed_bytes == direct.needed_bytes
     assert plan.check["full_depth_needed_bytes"] == direct.needed_bytes and plan.traces == 4
+
+
+def test_pruned_search_recommends_what_the_exhaustive_search_does_and_its_bounds_hold(monkeypatch, tmp_path):
+    """An 8-layer tiny Llama on 8 GPUs (five of its layouts), 9.5 MB a rank: every layout traced (one process)
+    against the search as plan-parallel runs it (lower bounds, stage 0 first, stopped at the first layout that
+    fits, two processes). The same recommendation and need; every bound at or below the traced peak."""
+    from memest.plan import parallel
+    from memest.plan.parallel_bounds import LayerBytes, activation_floor
+
+    keep = {(1, 1, 8), (2, 1, 4), (4, 1, 2), (1, 2, 4), (8, 1, 1)}
+    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg)
+                                                                    if (lay.dp, lay.tp, lay.pp) in keep])
+    ref = _deeper(tmp_path, 8)
+    base = RunSpec(model=ref, batch=2, seq=128, target="cpu", optim="adamw")
+    budget = 9_500_000
+    full = parallel.plan_parallel(ref, 8, budget, "9.5 MB", base, check=False, prune=False, top=None, workers=1)
+    fast = parallel.plan_parallel(ref, 8, budget, "9.5 MB", base, check=False, workers=2)
+    by_name = {lay.name: lay for lay in full.layouts}
+    assert all(lay.traced and not lay.lower_bound and not lay.error for lay in full.layouts)
+    fits = [lay.name for lay in full.layouts if lay.fits]
+    assert fits and [lay.name for lay in fast.layouts if lay.fits] == fits[:1] == ["dp 1 x tp 2 x pp 4"]
+    assert fast.traces < full.traces
+    how = {}
+    for lay in fast.layouts:
+        ref_lay = by_name[lay.name]
+        if lay.fits:  # traced alike: the same need
+            assert (lay.needed_bytes, lay.peak_bytes) == (ref_lay.needed_bytes, ref_lay.peak_bytes)
+        elif lay.verdict == "does-not-fit":  # a lower bound, or the need (both below the budget's complement)
+            assert not ref_lay.fits and lay.needed_bytes <= ref_lay.needed_bytes
+            assert lay.lower_bound
+        else:
+            assert lay.verdict == "not-traced" and lay.comm_bytes > by_name[fits[0]].comm_bytes
+        how[lay.name] = lay.derived_from
+    assert how["dp 4 x tp 1 x pp 2"].startswith("not traced: its first stage holds")  # the activation bound
+    assert "stage 0 alone" in how["dp 2 x tp 1 x pp 4"] and "search stopped" in how["dp 8 x tp 1 x pp 1"]
+    # every bound below the traced peak: the one used (dp 4 x pp 2, measured on dp 2 x pp 4), and each pipeline's
+    # own measured bytes per layer and micro-batch as a floor of itself
+    bounded = next(lay for lay in fast.layouts if lay.name == "dp 4 x tp 1 x pp 2")
+    assert budget < bounded.needed_bytes <= by_name[bounded.name].peak_bytes
+    layer_params = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64  # q, k, v, o; gate, up, down; two norms
+    checked = 0
+    for lay in full.layouts:
+        assert lay.floor_bytes <= lay.peak_bytes
+        if lay.layer_bytes:  # fp32 AdamW: 4 B of weight + 8 of state a parameter before the first backward
+            floor = activation_floor(LayerBytes(lay.layer_bytes, lay.name), 8 // lay.pp, lay.pp, layer_params, 12, lay.dp, lay.tp)
+            assert 0.3 * lay.peak_bytes < floor <= lay.peak_bytes, lay.name
+            checked += 1
+    assert checked == 3
+
+
+def test_expert_x_tensor_parallel_layouts_are_searched_and_traced_as_estimate_traces_them(monkeypatch):
+    """MoE: ep x tp layouts (ep a multiple of tp); FSDP 2 x TP 2 x EP 2 of a tiny Mixtral planned at its real depth
+    (2 layers) needs what `memest estimate` traces for that layout at uniform routing."""
+    from memest.pipeline import estimate
+    from memest.plan import parallel
+
+    mixtral = {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "hidden_size": 4096,
+               "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2}
+    pairs = [(lay.tp, lay.ep) for lay in layouts_for(8, mixtral) if lay.ep > 1]
+    assert pairs == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]
+    assert all(lay.dp * lay.tp == 8 and not lay.sp for lay in layouts_for(8, mixtral) if lay.ep > 1)
+    # TP 2 x EP 2 on 8 GPUs: each TP rank dispatches half the tokens; the experts' FSDP over 8 / 2 = 4 copies
+    base = RunSpec(model="hf:mixtral-8x7b", batch=1, seq=100, precision="bf16-mixed")
+    experts = 32 * 8 * 3 * 4096 * 14336
+    psi = experts + 1_000_000
+    lay = Layout(dp=4, tp=2, pp=1, sp=False, ep=2)
+    a2a = 32 * 4 * 50 * 2 * 4096 * 2 / 2
+    tp = 32 * 4 * 2 * 1 / 2 * 100 * 4096 * 2
+    assert abs(comm_bytes(lay, mixtral, base, psi) - (a2a + 3 / 4 * experts / 2 * 8 + 3 / 4 * 1_000_000 / 2 * 8 + tp)) <= 1
+
+    ref = model_ref("hf:mixtral-tiny")
+    spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw")
+    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [x for x in layouts_for(gpus, cfg) if (x.tp, x.ep) == (2, 2)])
+    plan = parallel.plan_parallel(ref, 4, 2**30, "1 GiB", spec, check=False, workers=1)
+    (got,) = plan.layouts
+    assert got.name == "dp 2 x tp 2 x pp 1 (ep 2)" and got.fits and not got.error, got.error
+    direct = estimate(RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="adamw", world_size=4, tp=2, ep=2, shard="zero3"))
+    assert got.peak_bytes == direct.report.peak_allocated_bytes

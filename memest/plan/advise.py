@@ -206,10 +206,10 @@ def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: st
         return []
     base = dataclasses.replace(runner.base, seq=runner.base.seq or runner.source.default_seq)
     plan = plan_parallel(base.model, gpus, capacity, budget_label, base, calibration=runner.calibration,
-                         progress=runner.progress)
+                         progress=runner.progress, top=PARALLEL_LAYOUTS)
     advice.parallel = {"gpus": gpus, "seconds": plan.seconds, "traces": plan.traces, "check": plan.check, "notes": plan.notes}
     out = []
-    for i, lay in enumerate([lay for lay in plan.layouts if lay.traced and not lay.error][:PARALLEL_LAYOUTS]):
+    for i, lay in enumerate([lay for lay in plan.layouts if lay.traced and not lay.error and not lay.lower_bound][:PARALLEL_LAYOUTS]):
         out.append(Remedy(
             f"{lay.name} on {gpus} GPUs (plan-parallel)", lay.changes(), lay.needed_bytes, lay.fits,
             f"~{format_bytes(lay.comm_bytes)} sent per step per rank; needs {gpus} GPUs; per-rank need from {lay.derived_from}",

@@ -26,7 +26,17 @@ more than DIRECT_ABOVE the layout is traced at its full depth (its direct need r
 Before any trace, a layout is left out when the model state alone cannot fit: every parameter lives on
 at least one rank with its gradient and optimizer state at the optimizer step, so a rank holds at least
 (parameters x bytes of parameter + gradient + optimizer state) / G (the optimizer table, trace/optim.py);
-when that exceeds the budget the layout is reported with that lower bound, not traced.
+when that exceeds the budget the layout is reported with that lower bound, not traced. A pipeline is also
+left out when its first stage's activations in flight (measured per layer and micro-batch on a traced
+pipeline of the same tp, parallel_bounds.py) with its layers' state exceed the budget.
+
+The search. The ranking (bytes sent per step) is known before any trace, so layouts are taken in that
+order and the search stops once ``top`` of them fit (``--top``, default 1: the recommended layout; every
+layout that sends less was traced or bounded, so the best ``top`` are those of the exhaustive search); the
+rest are listed as not traced. A pipeline's first stage (the worst in every plan measured) is traced
+first; when its need alone exceeds the budget the layout does not fit and its last stage is not traced
+(its need is reported as a lower bound). A stage's 2 to 4 grid points are traced in this process and a
+worker process at once (WORKERS); the traces, and so the plan, are the same either way.
 
 Layouts: tp in 1, 2, 4, 8 (within one NVLink node; it must divide the attention and key/value heads),
 dp = G / tp with FSDP2 full shard (--shard zero3) when dp > 1, TP with sequence parallel where the
@@ -48,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -55,6 +66,7 @@ from pathlib import Path
 
 from ..errors import MemestError
 from ..spec import RunSpec
+from . import parallel_bounds
 
 LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
 MICRO = (2, 3)  # pipelines: traced in m-stage pipelines of m micro-batches
@@ -64,6 +76,8 @@ MICRO_PROXY_SCHEDULES = ("1f1b", "gpipe")
 # exactly, the allocator's fragmentation does not (mixtral-8x7b FSDP 64: -19% at 5 layers, -8% at 32;
 # benchmarks/parallel.md)
 DIRECT_ABOVE = 0.02  # schedules whose end stages' peak is affine in m (module docstring)
+TOP = 1  # the search stops once this many layouts fit (the recommended one); advise asks for its three
+WORKERS = min(2, os.cpu_count() or 1)  # processes tracing at once: a stage's grid has 2 to 4 points
 
 
 @dataclass
@@ -80,7 +94,10 @@ class Layout:
     derived_from: str = ""
     error: str = ""
     ep: int = 1  # expert parallel (MoE): experts over ep of the dp ranks (expert_layouts)
-    traced: bool = True  # False: left out before tracing, needed_bytes is the model state's lower bound
+    traced: bool = True  # False: left out before tracing (needed_bytes a lower bound, or 0 where ranked below)
+    lower_bound: bool = False  # needed_bytes is a lower bound (a floor, or the first stage's need alone)
+    floor_bytes: int = 0  # the lower bound known before tracing it (model state; pipelines: + activations in flight)
+    layer_bytes: int = 0  # pipelines: bytes each micro-batch holds per layer on the first stage (parallel_bounds)
     schedule: str = "1f1b"
     microbatches: int = 0  # pipelines: micro-batches per step (0 = pp)
 
@@ -179,20 +196,27 @@ def _experts(config: dict) -> tuple[int, int]:
 
 
 def expert_layouts(gpus: int, config: dict) -> list[Layout]:
-    """MoE models: FSDP over every GPU with the experts divided over ep of them (--ep; trace/expert_parallel.py)."""
+    """MoE models: FSDP over dp with the experts divided over ep of the GPUs (--ep; trace/expert_parallel.py),
+    alone (tp 1) or with TP over tp as for the dp x tp layouts (transformers' plan, without sequence parallel):
+    ep a multiple of tp (transformers' DistributedConfig; spec.py), within one node as tp is."""
     experts, _ = _experts(config)
-    return [Layout(dp=gpus, tp=1, pp=1, sp=False, ep=ep) for ep in EP_SIZES if experts and not experts % ep and not gpus % ep]
+    heads = config.get("num_attention_heads", 1)
+    kv = config.get("num_key_value_heads") or heads
+    return [Layout(dp=gpus // tp, tp=tp, pp=1, sp=False, ep=ep) for tp in TP_SIZES for ep in EP_SIZES
+            if experts and not experts % ep and not gpus % ep and not gpus % tp and not heads % tp and not kv % tp
+            and not ep % tp]
 
 
 def expert_comm_bytes(layout: Layout, config: dict, base: RunSpec, act: int) -> tuple[int, int]:
     """(bytes each rank sends per step in the all-to-alls, the routed experts' parameters). Per MoE layer 4
     all-to-alls (dispatch and combine in the forward, their two in the backward) of tokens x top-k rows of the
-    hidden size, (ep - 1) / ep of them leaving the rank at uniform routing (transformers' AllToAllEP)."""
+    hidden size, (ep - 1) / ep of them leaving the rank at uniform routing (transformers' AllToAllEP); with TP each
+    rank of a TP group dispatches its 1 / tp slice of the group's tokens (trace/expert_parallel.py)."""
     experts, top_k = _experts(config)
     h = config["hidden_size"]
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
     moe_layers = config["num_hidden_layers"] - (config.get("first_k_dense_replace") or 0)
-    tokens = base.batch * (base.seq or 1)
+    tokens = base.batch * (base.seq or 1) / layout.tp
     sent = moe_layers * 4 * tokens * top_k * h * act * (layout.ep - 1) / layout.ep
     return int(sent), moe_layers * experts * 3 * h * inter
 
@@ -203,9 +227,9 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
     act = 2 if base.precision in ("bf16", "fp16", "bf16-mixed", "fp16-mixed") else 4
     tokens = base.batch * (base.seq or 1)
     total = 0
-    if layout.ep > 1:  # the experts' FSDP runs over dp / ep copies of each expert group, the rest over dp
+    if layout.ep > 1:  # the experts' FSDP runs over world / ep copies of each expert group, the rest over dp
         sent, expert_params = expert_comm_bytes(layout, config, base, act)
-        copies = layout.dp // layout.ep
+        copies = layout.world_size // layout.ep
         total += sent + (copies - 1) / copies * expert_params / layout.ep * (2 * act + 4)
         param_count = max(param_count - expert_params, 0)
     if layout.dp > 1:  # a pipeline rank holds its stage's 1/pp of the parameters
@@ -256,10 +280,10 @@ class _Stage:
         u = (depth - d[0]) / (d[-1] - d[0]) if len(d) > 1 else 0.0
         v = (micro - m[0]) / (m[-1] - m[0]) if len(m) > 1 else 0.0
         corners = [(d[i], m[j]) for i in (0, -1) for j in (0, -1)]
-        segs = [segment_peaks(self.points[c].trace) for c in corners]
+        segs = [self.points[c].segments for c in corners]
         labels = set.intersection(*(set(seg) for seg in segs))
-        if any(max(seg[k] for k in labels) != self.points[c].report.peak_allocated_bytes for seg, c in zip(segs, corners, strict=True)):
-            segs, labels = [{"step": self.points[c].report.peak_allocated_bytes} for c in corners], {"step"}
+        if any(max(seg[k] for k in labels) != self.points[c].peak for seg, c in zip(segs, corners, strict=True)):
+            segs, labels = [{"step": self.points[c].peak} for c in corners], {"step"}
 
         def at(label: str) -> float:
             p00, p01, p10, p11 = (seg[label] for seg in segs)
@@ -267,7 +291,7 @@ class _Stage:
 
         peak = int(max(at(label) for label in labels))
         top = self.points[(d[-1], m[-1])]
-        return peak, peak + top.needed_bytes - top.report.peak_allocated_bytes
+        return peak, peak + top.needed - top.peak
 
 
 def segment_peaks(trace) -> dict[tuple, int]:
@@ -309,15 +333,61 @@ def _stages(layout: Layout, layers: int) -> list[_Stage]:
     return [_Stage(i, c, m, grid(c, (LOW, HIGH)), micros) for i, c in zip((0, layout.pp - 1), counts, strict=True)]
 
 
+@dataclass
+class _Point:
+    """What the planner keeps of one traced point (a trace summarised where it ran, in a worker or here)."""
+
+    peak: int  # peak allocated bytes
+    needed: int
+    segments: dict  # segment_peaks of its trace
+    in_flight: int | None  # pipelines: parallel_bounds.in_flight_layer_bytes at its depth
+    seconds: float
+
+
+def _trace_point(spec: RunSpec, depth: int, calibration, source=None) -> _Point:
+    """One cut model's step traced (``source`` or loaded here, once per process and model) and summarised."""
+    from ..pipeline import _estimate_one
+
+    start = time.perf_counter()
+    if source is None:
+        from ..sources import load_source
+
+        source = _WORKER_SOURCES.get(spec.model) or _WORKER_SOURCES.setdefault(spec.model, load_source(spec.model))
+    est = _estimate_one(spec, calibration, source)
+    in_flight = parallel_bounds.in_flight_layer_bytes(est.trace, depth) if spec.pp > 1 else None
+    return _Point(est.report.peak_allocated_bytes, est.needed_bytes, segment_peaks(est.trace), in_flight,
+                  time.perf_counter() - start)
+
+
+_WORKER_SOURCES: dict[str, object] = {}
+
+
 class _Tracer:
     """Traces of the cut models: one source per depth (built once, shared by every layout), cached by
-    (layout, stage, depth, m)."""
+    (layout, stage, depth, m). ``workers`` > 1: a batch of traces (one stage's grid) runs in this process
+    and in ``workers - 1`` worker processes at once (forkserver: fresh processes, no state of this one)."""
 
-    def __init__(self, config: dict, base: RunSpec, calibration, tmp: Path, progress=None):
+    def __init__(self, config: dict, base: RunSpec, calibration, tmp: Path, progress=None, workers: int = 1):
         self.config, self.base, self.calibration, self.tmp, self.progress = config, base, calibration, tmp, progress
         self.sources: dict[int, object] = {}
-        self.cache: dict[tuple, object] = {}
+        self.cache: dict[tuple, _Point] = {}
         self.traces = 0
+        self.pool, self.workers = None, workers
+
+    def _pool(self):
+        """The worker processes, started at the first batch (a plan that traces nothing starts none)."""
+        if self.pool is None:
+            import concurrent.futures
+            import multiprocessing
+
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["memest.pipeline", "memest.sources.hf"])  # imported once per process
+            self.pool = concurrent.futures.ProcessPoolExecutor(self.workers - 1, mp_context=context)
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
 
     def source(self, depth: int):
         from ..sources import load_source
@@ -338,14 +408,14 @@ class _Tracer:
             with torch.device("meta"):
                 model = self.source(depth).build_model()
             counts.append(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
+        self.counts = counts
         return int(counts[0] + (counts[1] - counts[0]) / (HIGH - LOW) * (layers - LOW))
 
-    def trace(self, layout: Layout, stage: _Stage, depth: int, micro: int):
-        from ..pipeline import _estimate_one
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (meta-device builds at LOW and HIGH layers)."""
+        return self.counts[1] - self.counts[0]
 
-        key = (layout.dp, layout.tp, layout.sp, layout.pp, layout.ep, layout.schedule, stage.index, depth, micro)
-        if key in self.cache:
-            return self.cache[key]
+    def _spec(self, layout: Layout, stage: _Stage, depth: int, micro: int) -> RunSpec:
         src = self.source(depth)
         changes = dict(model=f"hf:{self.tmp / f'depth{depth}' / 'config.json'}", seq=self.base.seq or src.default_seq,
                        **layout.changes())
@@ -356,26 +426,77 @@ class _Tracer:
             split[index] = str(depth)
             changes.update(pp=pp, world_size=layout.dp * layout.tp * pp, microbatches=micro, pp_split=",".join(split),
                            pp_stage=index, pp_schedule=layout.schedule)
-        start = time.perf_counter()
-        result = _estimate_one(dataclasses.replace(self.base, **changes), self.calibration, src)
+        return dataclasses.replace(self.base, **changes)
+
+    @staticmethod
+    def _key(layout: Layout, stage: _Stage, depth: int, micro: int) -> tuple:
+        return (layout.dp, layout.tp, layout.sp, layout.pp, layout.ep, layout.schedule, stage.index, depth, micro)
+
+    def _done(self, layout: Layout, stage: _Stage, depth: int, micro: int, point: _Point) -> _Point:
         self.traces += 1
         if self.progress:
             self.progress(f"traced {layout.name}, stage {stage.index}, {depth} layers"
-                          + (f", {micro} micro-batches" if micro else "") + f" in {time.perf_counter() - start:.1f} s")
-        self.cache[key] = result
-        return result
+                          + (f", {micro} micro-batches" if micro else "") + f" in {point.seconds:.1f} s")
+        self.cache[self._key(layout, stage, depth, micro)] = point
+        return point
+
+    def trace(self, layout: Layout, stage: _Stage, depth: int, micro: int) -> _Point:
+        key = self._key(layout, stage, depth, micro)
+        if key in self.cache:
+            return self.cache[key]
+        point = _trace_point(self._spec(layout, stage, depth, micro), depth, self.calibration, self.source(depth))
+        return self._done(layout, stage, depth, micro, point)
+
+    def trace_all(self, layout: Layout, stage: _Stage, points: list[tuple[int, int]]) -> None:
+        """``points`` ((depth, m)) of one stage, into ``stage.points``: the first ones in the workers, the rest here.
+        A trace that fails raises its error once every trace of the batch has ended."""
+        todo = [pt for pt in points if self._key(layout, stage, *pt) not in self.cache]
+        remote = {}
+        if self.workers > 1 and len(todo) > 1:
+            n = len(todo) - -(-len(todo) // self.workers)  # this process takes its share, the workers the rest
+            for depth, micro in todo[:n]:
+                remote[(depth, micro)] = self._pool().submit(_trace_point, self._spec(layout, stage, depth, micro), depth,
+                                                          self.calibration)
+        error = None
+        for pt in todo:
+            if pt in remote:
+                continue
+            try:
+                self.trace(layout, stage, *pt)
+            except MemestError as exc:
+                error = error or exc
+        for pt, future in remote.items():
+            try:
+                self._done(layout, stage, *pt, future.result())
+            except MemestError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        for pt in points:
+            stage.points[pt] = self.cache[self._key(layout, stage, *pt)]
 
 
-def _derive(layout: Layout, tracer: _Tracer, layers: int) -> list[_Stage]:
-    stages = _stages(layout, layers)
+def _derive(layout: Layout, tracer: _Tracer, layers: int, stop_above: int | None = None, floor=None) -> list[_Stage]:
+    """The layout's stages traced and extrapolated, the first stage first; with ``stop_above``, a pipeline
+    whose first stage alone needs more is left there (its need, a lower bound of the layout's, marked so).
+    ``floor(layout, stage)``: asked once a pipeline's first stage is traced at its first depth (both
+    micro-batch counts); True when that rules the layout out (it says so in the layout), and the rest is not
+    traced. Returns the stages traced in full."""
+    stages, done = _stages(layout, layers), []
     worst = None
     for st in stages:
-        for d in st.depths:
-            for m in st.micros:
-                st.points[(d, m)] = tracer.trace(layout, st, d, m)
+        if floor is not None and st.index == 0 and len(st.depths) > 1 and len(st.micros) > 1:
+            tracer.trace_all(layout, st, [(st.depths[0], m) for m in st.micros])
+            if floor(layout, st):
+                return []
+        tracer.trace_all(layout, st, [(d, m) for d in st.depths for m in st.micros])
+        done.append(st)
         peak, needed = st.predict(st.depth, st.micro)
         if worst is None or needed > layout.needed_bytes:
             worst, layout.peak_bytes, layout.needed_bytes = st, peak, needed
+        if stop_above is not None and len(done) < len(stages) and layout.needed_bytes > stop_above:
+            layout.lower_bound = True
+            break
     how = []
     if len(worst.depths) > 1:
         how.append(f"{LOW} and {HIGH} layers per stage, affine in layers")
@@ -383,57 +504,32 @@ def _derive(layout: Layout, tracer: _Tracer, layers: int) -> list[_Stage]:
         how.append(f"its {worst.depth} layer{'s' if worst.depth != 1 else ''} traced")
     if layout.pp > 1:
         how.append(f"{'m = 2, 3 stages x micro-batches, affine in m' if len(worst.micros) > 1 else f'{worst.micro} micro-batches traced'}")
-        how.insert(0, f"stage {worst.index} (worst of first and last)")
+        how.insert(0, f"stage {worst.index} alone: its need is over the budget, the last stage not traced" if layout.lower_bound
+                   else f"stage {worst.index} (worst of first and last)")
     layout.derived_from = "; ".join(how)
-    return stages
+    return done
 
 
 def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: RunSpec, calibration=None,
-                  progress=None, check: bool = True, prune: bool = True) -> ParallelPlan:
-    """``prune``: leave out, untraced, the layouts whose model state alone exceeds the budget."""
-    from ..units import format_bytes
-
+                  progress=None, check: bool = True, prune: bool = True, top: int | None = TOP,
+                  workers: int | None = None) -> ParallelPlan:
+    """``prune``: leave out, untraced, the layouts a lower bound already rules out (the model state; the
+    activations a pipeline's first stage holds, ``parallel_bounds``), and stop tracing a pipeline whose first
+    stage alone needs more than the budget. ``top``: layouts are searched in their ranking order (bytes sent
+    per step, known before any trace) and the search stops once ``top`` of them fit; the rest are listed as
+    not traced (None or 0: every layout is traced). ``prune=False, top=None`` traces every layout. ``workers``:
+    processes tracing at once (default: WORKERS); the plan is the same with any number."""
     start = time.perf_counter()
     config, _ = _config(model)
     layers = config["num_hidden_layers"]
     plan = ParallelPlan(model, gpus, budget, budget_label, base.to_dict(), layers)
     per_param = state_bytes_per_param(base)
-    derived: dict[int, list[_Stage]] = {}
     with tempfile.TemporaryDirectory(prefix="memest-plan-") as tmp:
-        tracer = _Tracer(config, base, calibration, Path(tmp), progress)
-        plan.param_count = param_count = tracer.param_count(layers)
-        for i, layout in enumerate(layouts_for(gpus, config)):
-            layout.comm_bytes = comm_bytes(layout, config, base, param_count)
-            plan.layouts.append(layout)
-            floor = state_floor(layout, param_count, per_param)
-            if prune and floor > budget:
-                layout.traced, layout.needed_bytes, layout.verdict = False, floor, "does-not-fit"
-                layout.derived_from = (f"not traced: the model state alone is at least {format_bytes(floor)} per rank "
-                                       f"({param_count:,} parameters x {per_param} B / {layout.world_size} ranks)")
-                continue
-            if progress:
-                progress(f"plan-parallel {i + 1}: {layout.name}")
-            try:
-                try:
-                    derived[id(layout)] = _derive(layout, tracer, layers)
-                except MemestError:
-                    if not layout.sp:
-                        raise
-                    layout.sp = False  # not a Llama-style decoder: transformers' own plan, without SP
-                    derived[id(layout)] = _derive(layout, tracer, layers)
-            except MemestError as exc:
-                layout.error = str(exc)
-                continue
-            layout.fits = layout.needed_bytes <= budget
-            layout.verdict = "fits" if layout.fits else "does-not-fit"
-        plan.layouts.sort(key=lambda lay: (bool(lay.error), not lay.fits, not lay.traced,
-                                           lay.comm_bytes if lay.fits else lay.needed_bytes))
-        best = next((lay for lay in plan.layouts if id(lay) in derived), None)
-        if check and best is not None:
-            plan.check = _check(best, derived[id(best)], tracer)
-            if plan.check and abs(plan.check["needed_error"]) > DIRECT_ABOVE:
-                _trace_full_depth(best, tracer, budget, plan)
-        plan.traces = tracer.traces
+        tracer = _Tracer(config, base, calibration, Path(tmp), progress, WORKERS if workers is None else workers)
+        try:
+            search = _search(plan, tracer, config, base, per_param, prune, top, check)
+        finally:
+            tracer.close()
     plan.seconds = time.perf_counter() - start
     plan.notes.append(
         f"per-rank need derived from traces of the model cut to {LOW} and {HIGH} layers per stage (the peak is affine in "
@@ -441,11 +537,7 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
         "the recommended layout checked against a direct trace one step further; communication volume per step from "
         "the ZeRO and Megatron-LM papers' counts (memest/plan/parallel.py)"
     )
-    if any(not lay.traced for lay in plan.layouts):
-        plan.notes.append(
-            "layouts marked 'not traced' cannot fit: every parameter, its gradient and its optimizer state are on some "
-            "rank at the optimizer step, so the most loaded rank holds at least the model state / GPUs (a lower bound)"
-        )
+    plan.notes += search.notes()
     if any(lay.pp > 1 for lay in plan.layouts):
         plan.notes.append(
             "pipeline layouts: 1F1B with M = pp micro-batches of --batch, each stage FSDP2-sharded over dp and TP over tp; "
@@ -459,6 +551,175 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
         )
     plan.notes.append("not searched: pipeline x sequence parallel, expert x pipeline parallel, context parallel (not traced yet)")
     return plan
+
+
+def _search(plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, per_param: int | None, prune: bool,
+            top: int | None, check: bool) -> _Search:
+    """Each layout in ranking order: left out (``_Search``) or traced and derived; then the check."""
+    budget, layers, progress = plan.budget_bytes, plan.layers, tracer.progress
+    derived: dict[int, list[_Stage]] = {}
+    plan.param_count = param_count = tracer.param_count(layers)
+    search = _Search(plan, tracer, config, base, per_param, prune, top)
+    for layout in layouts_for(plan.gpus, config):
+        layout.comm_bytes = comm_bytes(layout, config, base, param_count)
+        plan.layouts.append(layout)
+    for i, layout in enumerate(sorted(plan.layouts, key=lambda lay: lay.comm_bytes)):
+        if search.left_out(layout):
+            continue
+        if progress:
+            progress(f"plan-parallel {i + 1}: {layout.name}")
+        try:
+            try:
+                derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None,
+                                              search.own_floor if prune else None)
+            except MemestError:
+                if not layout.sp:
+                    raise
+                layout.sp = False  # not a Llama-style decoder: transformers' own plan, without SP
+                layout.lower_bound = False
+                derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None,
+                                              search.own_floor if prune else None)
+        except MemestError as exc:
+            layout.error = str(exc)
+            continue
+        layout.fits = layout.needed_bytes <= budget
+        layout.verdict = "fits" if layout.fits else "does-not-fit"
+        search.learn(layout, derived[id(layout)])
+    plan.layouts.sort(key=_rank)
+    best = next((lay for lay in plan.layouts if derived.get(id(lay))), None)
+    if check and best is not None:
+        plan.check = _check(best, derived[id(best)], tracer)
+        if plan.check and abs(plan.check["needed_error"]) > DIRECT_ABOVE:
+            _trace_full_depth(best, tracer, budget, plan)
+    plan.traces = tracer.traces
+    return search
+
+
+def _rank(lay: Layout) -> tuple:
+    """Fitting layouts first, least communication first; then those that do not fit, traced before bounded,
+    least need first; then those the search stopped before (least communication first); errors last."""
+    unknown = not lay.traced and not lay.needed_bytes
+    return (bool(lay.error), unknown, not lay.fits, lay.lower_bound, lay.comm_bytes if lay.fits or unknown else lay.needed_bytes)
+
+
+class _Search:
+    """What ``plan_parallel`` leaves out before tracing a layout (searched in ranking order): the layouts
+    below the ``top`` that fit, and those a lower bound rules out (parallel_bounds)."""
+
+    def __init__(self, plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, per_param: int | None,
+                 prune: bool, top: int | None):
+        self.plan, self.tracer, self.config, self.base = plan, tracer, config, base
+        self.per_param, self.prune, self.top = per_param, prune, top
+        self.fitting = 0
+        self.layer_bytes: dict[tuple, parallel_bounds.LayerBytes] = {}  # (tp, dp > 1, schedule) -> measured
+        self.bounded = self.stopped = 0
+        self.layer_params: int | None = None
+
+    def left_out(self, layout: Layout) -> bool:
+        from ..units import format_bytes
+
+        budget, param_count = self.plan.budget_bytes, self.plan.param_count
+        floor = layout.floor_bytes = state_floor(layout, param_count, self.per_param)
+        if self.prune and floor > budget:
+            layout.traced, layout.lower_bound, layout.needed_bytes, layout.verdict = False, True, floor, "does-not-fit"
+            layout.derived_from = (f"not traced: the model state alone is at least {format_bytes(floor)} per rank "
+                                   f"({param_count:,} parameters x {self.per_param} B / {layout.world_size} ranks)")
+            return True
+        act = self._activation_floor(layout)
+        layout.floor_bytes = max(floor, act[0] if act else 0)
+        if self.top and self.fitting >= self.top:
+            layout.traced, layout.verdict = False, "not-traced"
+            layout.derived_from = (f"not traced: sends more per step than the {self.top} layout{'s' if self.top > 1 else ''} "
+                                   "that fit above it, where the search stopped (--top 0 traces every layout)")
+            self.stopped += 1
+            return True
+        if self.prune and act is not None and act[0] > budget:
+            self._ruled_out(layout, act, "not traced")
+            return True
+        return False
+
+    def _ruled_out(self, layout: Layout, act: tuple, how: str) -> None:
+        from ..units import format_bytes
+
+        floor, per_layer, depth, micro = act
+        layout.lower_bound, layout.needed_bytes, layout.verdict = True, floor, "does-not-fit"
+        layout.traced = how != "not traced"
+        layout.derived_from = (f"{how}: its first stage holds at least {format_bytes(floor)} before its first backward "
+                               f"({micro} micro-batches x {depth} layers x {format_bytes(per_layer.bytes_per_layer)} a layer "
+                               f"and micro-batch, measured on {per_layer.source}, + its layers' parameters and optimizer state)")
+        self.bounded += 1
+
+    def own_floor(self, layout: Layout, stage: _Stage) -> bool:
+        """A pipeline's first stage traced at its first depth (m = 2 and 3): the activation floor from its own
+        bytes per layer and micro-batch; True (the layout marked) where that is over the budget."""
+        measured = parallel_bounds.layer_bytes(stage.points, stage.depths[0], stage.micros, f"its own first {len(stage.micros)} traces")
+        if measured is None:
+            return False
+        layout.layer_bytes = measured.bytes_per_layer
+        self.layer_bytes.setdefault(self._key(layout), measured)
+        act = self._activation_floor(layout, measured)
+        if act is None or act[0] <= self.plan.budget_bytes:
+            return False
+        self._ruled_out(layout, act, f"stage 0 traced at {stage.depths[0]} layers only")
+        return True
+
+    def _key(self, layout: Layout) -> tuple:
+        return (layout.tp, layout.dp > 1, layout.schedule)
+
+    def _activation_floor(self, layout: Layout, per_layer: parallel_bounds.LayerBytes | None = None):
+        """(floor, LayerBytes, layers, micro-batches) of a pipeline's first stage, or None (parallel_bounds);
+        ``per_layer``: measured on the layout itself, else on the first traced layout of its kind."""
+        per_layer = per_layer or self.layer_bytes.get(self._key(layout))
+        if per_layer is None or self.per_param is None or layout.pp == 1 or layout.schedule not in MICRO_PROXY_SCHEDULES:
+            return None
+        if layout.microbatches not in (0, layout.pp):
+            return None
+        if self.layer_params is None:
+            self.layer_params = self.tracer.layer_params()
+        stage = _stages(layout, self.plan.layers)[0]
+        param = 2 if self.base.precision in ("bf16", "fp16") else 4
+        floor = parallel_bounds.activation_floor(per_layer, stage.depth, layout.pp, self.layer_params, self.per_param - param,
+                                                 layout.dp, layout.tp)
+        return floor, per_layer, stage.depth, layout.pp
+
+    def learn(self, layout: Layout, stages: list[_Stage]) -> None:
+        if layout.fits:
+            self.fitting += 1
+        if not stages:  # ruled out by its own activation floor (own_floor measured it)
+            return
+        first = stages[0]
+        if layout.pp == 1 or first.index != 0:
+            return
+        measured = parallel_bounds.layer_bytes(first.points, first.depths[0], first.micros, layout.name)
+        if measured is not None:
+            layout.layer_bytes = measured.bytes_per_layer
+            self.layer_bytes.setdefault(self._key(layout), measured)
+
+    def notes(self) -> list[str]:
+        out, how = [], " ".join(lay.derived_from for lay in self.plan.layouts)
+        if "model state alone" in how:
+            out.append(
+                "layouts marked 'not traced' with '>=' cannot fit: every parameter, its gradient and its optimizer state "
+                "are on some rank at the optimizer step, so the most loaded rank holds at least the model state / GPUs "
+                "(a lower bound)"
+            )
+        if "first stage holds" in how:
+            out.append(
+                "pipelines whose first stage 'holds at least' cannot fit: before its first backward the first stage holds its "
+                "M micro-batches' activations (the bytes per layer and micro-batch measured on a traced pipeline of the same "
+                "tensor parallel degree, or on the layout's own first traces) and its layers' parameters and optimizer "
+                "state (a lower bound; memest/plan/parallel_bounds.py)"
+            )
+        if "stage 0 alone" in how:
+            out.append("pipelines marked 'stage 0 alone': the first stage's derived need already exceeds the budget; the "
+                       "layout's need (the worst stage's) is at least that")
+        if self.stopped:
+            out.append(
+                f"layouts are searched in their ranking order (bytes sent per step, known before tracing); the search "
+                f"stopped once {self.top} fit, so {self.stopped} layout{'s' if self.stopped > 1 else ''} that send more "
+                "are listed as not traced (they may or may not fit); --top 0 traces every layout"
+            )
+        return out
 
 
 def _trace_full_depth(layout: Layout, tracer: _Tracer, budget: int, plan: ParallelPlan) -> None:
@@ -483,8 +744,7 @@ def _trace_full_depth(layout: Layout, tracer: _Tracer, budget: int, plan: Parall
     layout.derived_from = (f"traced at its full depth ({time.perf_counter() - start:.0f} s): the need derived from the cut "
                            f"model, {format_bytes(derived)}, missed by {100 * plan.check['needed_error']:+.1f}% at the check")
     plan.check["full_depth_needed_bytes"] = layout.needed_bytes
-    plan.layouts.sort(key=lambda lay: (bool(lay.error), not lay.fits, not lay.traced,
-                                       lay.comm_bytes if lay.fits else lay.needed_bytes))
+    plan.layouts.sort(key=_rank)
     plan.notes.append(
         f"{layout.name}: its derived need missed the check's direct trace by {100 * plan.check['needed_error']:+.1f}% (the "
         f"caching allocator's fragmentation is not affine in depth, while the peak is), so it was traced at full depth; the "
@@ -504,7 +764,7 @@ def _check(layout: Layout, stages: list[_Stage], tracer: _Tracer) -> dict | None
         return None
     predicted, predicted_needed = stage.predict(depth, micro)
     direct = tracer.trace(layout, stage, depth, micro)
-    real, real_needed = direct.report.peak_allocated_bytes, direct.needed_bytes
+    real, real_needed = direct.peak, direct.needed
     return {"layout": layout.name, "stage": stage.index, "depth_per_stage": depth, "microbatches": micro,
             "predicted_peak_bytes": predicted, "traced_peak_bytes": real, "error": (predicted - real) / real,
             "predicted_needed_bytes": predicted_needed, "traced_needed_bytes": real_needed,

@@ -250,8 +250,8 @@ def plan_parallel_view(run) -> View:
         if lay.error:
             rows.append([lay.name, "-", "-", "not traced", lay.error])
             continue
-        rows.append([lay.name, ("" if lay.traced else ">= ") + format_in(lay.needed_bytes, unit), format_bytes(lay.comm_bytes),
-                     lay.verdict, lay.derived_from])
+        need = (">= " if lay.lower_bound or not lay.traced else "") + format_in(lay.needed_bytes, unit) if lay.needed_bytes else "-"
+        rows.append([lay.name, need, format_bytes(lay.comm_bytes), lay.verdict.replace("not-traced", "not traced"), lay.derived_from])
     blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]
