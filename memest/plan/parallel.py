@@ -190,9 +190,10 @@ EP_SIZES = (2, 4, 8)
 
 
 def _experts(config: dict) -> tuple[int, int]:
-    """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
-    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
-    return experts, config.get("num_experts_per_tok") or 0
+    """(routed experts per MoE layer, experts per token); (0, 0) for a dense model: the trace's own reader."""
+    from ..trace.expert_parallel import expert_counts
+
+    return expert_counts(config)
 
 
 def expert_layouts(gpus: int, config: dict) -> list[Layout]:
