@@ -109,6 +109,8 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
     worst.report.notes.insert(0, (
         f"context parallel: every cp rank traced ({rows}); the report shows cp rank {ranks.index(worst)}, the one that "
         "needs the most (the verdict is its); data-parallel groups repeat these ranks"
+        + (f", and each cp rank's {spec.tp} tensor-parallel ranks run the same shapes (its first is traced)"
+           if spec.tp > 1 else "")
     ))
     kernel = (
         "the CPU flash-attention op inside each ring step (memest's handler: torch registers ring handlers for the "
