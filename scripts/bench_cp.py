@@ -41,6 +41,9 @@ CASES = [  # (label, RunSpec changes)
     ("CP 2 x TP 2 + SP", dict(world_size=4, cp=2, tp=2, sp=True)),
     ("long: CP 2 x TP 2, batch 1, seq 2048", dict(model=LONG, world_size=4, cp=2, tp=2, batch=1, seq=2048)),
     ("long: CP 2 x TP 2 + SP, batch 1, seq 2048", dict(model=LONG, world_size=4, cp=2, tp=2, sp=True, batch=1, seq=2048)),
+    ("FSDP 2 x CP 2 x TP 2", dict(world_size=8, cp=2, tp=2)),
+    ("long: FSDP 2 x CP 2 x TP 2 + SP, zero2, bf16-mixed, batch 1, seq 1024",
+     dict(model=LONG, world_size=8, cp=2, tp=2, sp=True, shard="zero2", precision="bf16-mixed", batch=1, seq=1024)),
 ]
 
 

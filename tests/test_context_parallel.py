@@ -4,7 +4,10 @@ N gloo processes on this CPU, each rank measured with torch.profiler memory even
 per-block kernel (trace/context_parallel.py). Tolerance: 0.5% of the measured per-rank peak (issue 13).
 
 With --tp M the mesh is ("dp", "cp", "tp") (tp innermost, torchtitan's order): the cp rank of global rank g is
-g // M % N; the tp ranks of one cp rank run the same shapes, so the first of them is traced.
+g // M % N; the tp ranks of one cp rank run the same shapes, so the first of them is traced. The first data-parallel
+group is traced: where FSDP2's shards are uneven (llama-tiny's 172-wide MLP, 86 rows per tp rank over 4 dp x cp
+ranks: 22, 22, 22, 20) the last dp x cp rank holds less (FSDP 2 x CP 2 x TP 2: ranks 6, 7 measure 4,096 B,
+0.24%, below cp rank 1's trace, and equal the trace of global rank 6 to the byte).
 
 The cp ranks differ (torch's head-tail load balance gives rank 0 the half-query blocks and the last rank the
 half-key/value ones), so each rank is compared with its own trace (global rank = dp index x cp + cp rank).
@@ -48,6 +51,9 @@ CASES = {
         # --cp x --tp on the (dp, cp, tp) mesh, FSDP2 over dp x cp (torchtitan's dp_shard_cp)
         ("cp2-x-tp2", dict(model="hf:llama-tiny", world_size=4, cp=2, tp=2)),
         ("long-cp2-x-tp2-sp", dict(model="hf:llama-tiny-long", world_size=4, cp=2, tp=2, sp=True, batch=1, seq=1024)),
+    ],
+    8: [  # dp 2 x cp 2 x tp 2: the last dp x cp rank holds FSDP's shorter last shard (module docstring)
+        ("fsdp2-x-cp2-x-tp2", dict(model="hf:llama-tiny", world_size=8, cp=2, tp=2)),
     ],
 }
 PARAMS = [case for cases in CASES.values() for case in cases]
