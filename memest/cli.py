@@ -125,7 +125,7 @@ def estimate(
                                     "reported.")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel ranks for MoE models (experts over ep of the "
                                     "--world-size data-parallel ranks; with --shard zero3|zero2).")] = 1,
-    cp: Annotated[int, typer.Option("--cp", help="Context-parallel ranks (--world-size = dp x cp; torch's ring "
+    cp: Annotated[int, typer.Option("--cp", help="Context-parallel ranks (--world-size = dp x cp, x tp with --tp; torch's ring "
                                     "attention, hf: decoders on SDPA, with --shard zero3|zero2); every one is "
                                     "reported.")] = 1,
     cp_rotate: Annotated[CpRotate, typer.Option("--cp-rotate", help="--cp: allgather | alltoall (torch's "

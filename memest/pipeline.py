@@ -108,7 +108,10 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
     rows = ", ".join(f"cp rank {r} {format_bytes(e.needed_bytes)}" for r, e in enumerate(ranks))
     worst.report.notes.insert(0, (
         f"context parallel: every cp rank traced ({rows}); the report shows cp rank {ranks.index(worst)}, the one that "
-        "needs the most (the verdict is its); data-parallel groups repeat these ranks"
+        "needs the most (the verdict is its); data-parallel groups repeat these ranks (the last can hold FSDP2's "
+        "shorter last shard where a split is uneven: the first group's trace is its upper bound)"
+        + (f", and each cp rank's {spec.tp} tensor-parallel ranks run the same shapes (its first is traced)"
+           if spec.tp > 1 else "")
     ))
     kernel = (
         "the CPU flash-attention op inside each ring step (memest's handler: torch registers ring handlers for the "

@@ -169,6 +169,8 @@ class RunSpec:
             raise MemestError(f"--tp is traced for training steps; drop it with --mode {self.mode}")
         if self.offload != "none":
             raise MemestError("--offload with --tp is not traced (not validated against a real run)")
+        if self.cp > 1:
+            return  # --cp x --tp: FSDP2 over dp x cp, which _check_context_parallel requires
         if self.dp > 1 and self.shard not in ("zero2", "zero3"):
             raise MemestError(
                 f"--world-size {self.world_size} with --tp {self.tp} is {self.dp}-way data parallel x TP {self.tp}: torch's "
@@ -248,14 +250,16 @@ class RunSpec:
             if self.cp_rotate != CpRotate.ALLGATHER:
                 raise MemestError("--cp-rotate describes context parallel's ring; add --cp N (N >= 2)")
             return
-        if self.tp > 1 or self.pp > 1 or self.ep > 1:
-            raise MemestError("--cp with --tp, --pp or --ep is not traced yet (context parallel x FSDP2 is)")
+        if self.pp > 1 or self.ep > 1:
+            raise MemestError("--cp with --pp or --ep is not traced yet (context parallel x FSDP2, and x --tp, are)")
         if not 0 <= self.cp_rank < self.cp:
             raise MemestError(f"context-parallel rank {self.cp_rank} is not one of the {self.cp} ranks")
-        if self.world_size % self.cp:
+        if self.world_size % (self.cp * self.tp):
+            tp = f" x --tp {self.tp}" if self.tp > 1 else ""
             raise MemestError(
-                f"--world-size {self.world_size} is not a multiple of --cp {self.cp}: the world is dp x cp ranks "
-                f"(e.g. --world-size {self.cp} for context parallel alone, {2 * self.cp} for 2-way data parallel)"
+                f"--world-size {self.world_size} is not a multiple of --cp {self.cp}{tp}: the world is dp x cp"
+                f"{' x tp' if self.tp > 1 else ''} ranks (e.g. --world-size {self.cp * self.tp} for context parallel"
+                f"{tp} alone, {2 * self.cp * self.tp} for 2-way data parallel)"
             )
         if not self.training:
             raise MemestError(f"--cp is traced for training steps; drop it with --mode {self.mode}")
@@ -287,8 +291,9 @@ class RunSpec:
     @property
     def rank(self) -> int:
         """The global rank traced: the first of ``pp_stage``'s ranks on the ("pp", "dp", "tp") mesh; with --cp,
-        ``cp_rank`` of the first data-parallel group on the ("dp", "cp") mesh."""
-        return self.pp_stage * self.dp * self.tp + self.cp_rank
+        the first tensor-parallel rank of ``cp_rank`` in the first data-parallel group on the ("dp", "cp", "tp")
+        mesh (tp innermost; ("dp", "cp") without --tp)."""
+        return self.pp_stage * self.dp * self.tp + self.cp_rank * self.tp
 
     @property
     def dp(self) -> int:

@@ -1,8 +1,9 @@
 """Context parallel (--cp) per rank against real gloo runs: the rows of benchmarks/parallel.md's context-parallel
 section. Every cp rank is traced (trace/context_parallel.py) and compared with the ranks that run it in N real gloo
 processes (memest/validate/distributed_truth.py: torch.profiler memory events); the data-parallel groups repeat the cp
-ranks (global rank = dp index x cp + cp rank). Also each rank's traced peak without CP (FSDP2 over the same ranks,
-every rank a whole sequence), for what CP saves at that length.
+ranks (global rank = dp index x cp + cp rank; with --tp M, (dp index x cp + cp rank) x M + tp rank). Also each
+rank's traced peak without CP (FSDP2 over the same ranks, with --tp FSDP2 x TP, every rank a whole sequence), for
+what CP saves at that length.
 
     python scripts/bench_cp.py            # prints the Markdown table
 """
@@ -36,6 +37,13 @@ CASES = [  # (label, RunSpec changes)
     ("long: CP 4, batch 1, seq 2048", dict(model=LONG, world_size=4, cp=4, batch=1, seq=2048)),
     ("long: FSDP 2 x CP 2, batch 1, seq 2048, bf16-mixed", dict(model=LONG, world_size=4, cp=2, batch=1, seq=2048,
                                                              precision="bf16-mixed")),
+    ("CP 2 x TP 2", dict(world_size=4, cp=2, tp=2)),
+    ("CP 2 x TP 2 + SP", dict(world_size=4, cp=2, tp=2, sp=True)),
+    ("long: CP 2 x TP 2, batch 1, seq 2048", dict(model=LONG, world_size=4, cp=2, tp=2, batch=1, seq=2048)),
+    ("long: CP 2 x TP 2 + SP, batch 1, seq 2048", dict(model=LONG, world_size=4, cp=2, tp=2, sp=True, batch=1, seq=2048)),
+    ("FSDP 2 x CP 2 x TP 2", dict(world_size=8, cp=2, tp=2)),
+    ("long: FSDP 2 x CP 2 x TP 2 + SP, zero2, bf16-mixed, batch 1, seq 1024",
+     dict(model=LONG, world_size=8, cp=2, tp=2, sp=True, shard="zero2", precision="bf16-mixed", batch=1, seq=1024)),
 ]
 
 
@@ -57,9 +65,9 @@ def main() -> None:
             no_cp = trace_step(source, dataclasses.replace(spec, cp=1, cp_rotate="allgather")).peak()[0]
             for rank in ranks:
                 r, real = rank["rank"], rank["peak_bytes"]
-                mine = traced[r % spec.cp]
+                mine = traced[r // spec.tp % spec.cp]  # the ("dp", "cp"[, "tp"]) mesh, tp innermost
                 rows.append(
-                    f"| {label} | {r} | {r % spec.cp} | {real:,} | {mine:,} | {100 * (mine - real) / real:+.3f}% | "
+                    f"| {label} | {r} | {r // spec.tp % spec.cp} | {real:,} | {mine:,} | {100 * (mine - real) / real:+.3f}% | "
                     f"{no_cp:,} |"
                 )
         print(f"world {world}: real runs {real_seconds:.1f} s", file=sys.stderr)

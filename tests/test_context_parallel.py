@@ -3,6 +3,12 @@ N gloo processes on this CPU, each rank measured with torch.profiler memory even
 (memest/validate/distributed_truth.py); both run torch's ring attention with the CPU flash op as its
 per-block kernel (trace/context_parallel.py). Tolerance: 0.5% of the measured per-rank peak (issue 13).
 
+With --tp M the mesh is ("dp", "cp", "tp") (tp innermost, torchtitan's order): the cp rank of global rank g is
+g // M % N; the tp ranks of one cp rank run the same shapes, so the first of them is traced. The first data-parallel
+group is traced: where FSDP2's shards are uneven (llama-tiny's 172-wide MLP, 86 rows per tp rank over 4 dp x cp
+ranks: 22, 22, 22, 20) the last dp x cp rank holds less (FSDP 2 x CP 2 x TP 2: ranks 6, 7 measure 4,096 B,
+0.24%, below cp rank 1's trace, and equal the trace of global rank 6 to the byte).
+
 The cp ranks differ (torch's head-tail load balance gives rank 0 the half-query blocks and the last rank the
 half-key/value ones), so each rank is compared with its own trace (global rank = dp index x cp + cp rank).
 gloo's worker thread can free a collective's buffer late on this shared 2-core machine and lift one rank's
@@ -42,6 +48,12 @@ CASES = {
     4: [
         ("fsdp2-x-cp2", dict(model="hf:llama-tiny", world_size=4, cp=2)),
         ("long-cp4", dict(model="hf:llama-tiny-long", world_size=4, cp=4, batch=1, seq=1024)),
+        # --cp x --tp on the (dp, cp, tp) mesh, FSDP2 over dp x cp (torchtitan's dp_shard_cp)
+        ("cp2-x-tp2", dict(model="hf:llama-tiny", world_size=4, cp=2, tp=2)),
+        ("long-cp2-x-tp2-sp", dict(model="hf:llama-tiny-long", world_size=4, cp=2, tp=2, sp=True, batch=1, seq=1024)),
+    ],
+    8: [  # dp 2 x cp 2 x tp 2: the last dp x cp rank holds FSDP's shorter last shard (module docstring)
+        ("fsdp2-x-cp2-x-tp2", dict(model="hf:llama-tiny", world_size=8, cp=2, tp=2)),
     ],
 }
 PARAMS = [case for cases in CASES.values() for case in cases]
@@ -73,10 +85,15 @@ def test_every_cp_rank_matches_its_real_run(case, measured):
     traced = [trace_step(source, dataclasses.replace(spec, cp_rank=r)) for r in range(spec.cp)]
     assert all(f"context parallel {spec.cp}" in t.parallel for t in traced)
     ranks = measured(case)
-    if any(r["peak_bytes"] > traced[r["rank"] % spec.cp].peak()[0] * (1 + REL_TOL) for r in ranks):
+    assert [t.rank for t in traced] == [r * spec.tp for r in range(spec.cp)]
+
+    def cp_rank(rank: int) -> int:  # the ("dp", "cp", "tp") mesh, tp innermost
+        return rank // spec.tp % spec.cp
+
+    if any(r["peak_bytes"] > traced[cp_rank(r["rank"])].peak()[0] * (1 + REL_TOL) for r in ranks):
         ranks = lowest_of_runs(spec, ranks)  # a late gloo free lifted a rank (module docstring)
     for r in ranks:
-        estimated, real = traced[r["rank"] % spec.cp].peak()[0], r["peak_bytes"]
+        estimated, real = traced[cp_rank(r["rank"])].peak()[0], r["peak_bytes"]
         assert abs(estimated - real) <= REL_TOL * real, (
             f"{case[0]} rank {r['rank']}: traced {estimated} B, measured {real} B "
             f"({100 * (estimated - real) / real:+.3f}%); all ranks: {[x['peak_bytes'] for x in ranks]}"
@@ -146,7 +163,9 @@ def test_cuda_math_path_is_refused_with_the_reason():
     [
         ({"world_size": 2, "cp": 2}, "add --shard zero3"),
         ({"world_size": 3, "cp": 2, "shard": "zero3"}, "not a multiple"),
-        ({"world_size": 4, "cp": 2, "tp": 2, "shard": "zero3"}, "not traced yet"),
+        ({"world_size": 8, "cp": 2, "pp": 2, "shard": "zero3"}, "not traced yet"),
+        ({"world_size": 4, "cp": 2, "tp": 2}, "add --shard zero3"),
+        ({"world_size": 6, "cp": 2, "tp": 2, "shard": "zero3"}, "not a multiple of --cp 2 x --tp 2"),
         ({"world_size": 2, "cp": 2, "shard": "zero3", "seq": 30}, "does not divide into 4 chunks"),
         ({"world_size": 2, "cp": 2, "shard": "zero3", "mode": "inference"}, "training"),
         ({"cp_rotate": "alltoall"}, "add --cp N"),
@@ -197,8 +216,9 @@ def test_cli_and_run_configs_take_cp(tmp_path):
     assert doc["peak_allocated_bytes"] == max(r["peak_allocated_bytes"] for r in rows)
 
 
-def _real_ring_rank(rank: int, world: int, port: int, out: dict) -> None:
-    """One rank of a real CP 2 forward and backward of llama-tiny-long, beside the whole model on the whole sequence."""
+def _real_ring_rank(rank: int, world: int, tp: int, port: int, out: dict) -> None:
+    """One rank of a real CP 2 (x TP ``tp``) forward and backward of llama-tiny-long, beside the whole model on the
+    whole sequence."""
     import copy
 
     import torch.distributed as dist
@@ -209,8 +229,8 @@ def _real_ring_rank(rank: int, world: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        spec = RunSpec(model=model_ref("hf:llama-tiny-long"), batch=2, seq=64, target="cpu", world_size=world, cp=world,
-                       shard="zero3")
+        spec = RunSpec(model=model_ref("hf:llama-tiny-long"), batch=2, seq=64, target="cpu", world_size=world,
+                       cp=world // tp, tp=tp, shard="zero3")
         torch.manual_seed(0)
         built = build(load_source(spec.model), spec)
         model, inputs = built.model, built.inputs
@@ -226,7 +246,7 @@ def _real_ring_rank(rank: int, world: int, port: int, out: dict) -> None:
             logits.pow(2).sum().backward()
         positions = local["position_ids"][0]
         name = "model.layers.0.self_attn.k_proj.weight"
-        grad = dict(model.named_parameters())[name].grad.full_tensor() * world  # FSDP averages over the ranks
+        grad = dict(model.named_parameters())[name].grad.full_tensor() * spec.cp  # FSDP averages over dp x cp
         reference = dict(whole.named_parameters())[name].grad
         if rank == 0:
             out["logits"] = (logits - expected[:, positions]).abs().max().item()
@@ -235,9 +255,11 @@ def _real_ring_rank(rank: int, world: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def test_the_cpu_ring_handlers_compute_attention_over_the_whole_sequence():
+@pytest.mark.parametrize("tp", [1, 2], ids=["cp2", "cp2-x-tp2"])
+def test_the_cpu_ring_handlers_compute_attention_over_the_whole_sequence(tp):
     """What makes the ground truth a context-parallel run: the ring's logits equal the whole model's at each rank's
-    positions, and its key-projection gradient (summed over the ranks) the whole model's."""
+    positions, and its key-projection gradient (summed over the ranks) the whole model's; with --tp 2 too (each
+    rank's ring over its tensor-parallel share of the heads)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -245,7 +267,7 @@ def test_the_cpu_ring_handlers_compute_attention_over_the_whole_sequence():
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_real_ring_rank, args=(2, port, out), nprocs=2, start_method="forkserver")
+        mp.start_processes(_real_ring_rank, args=(2 * tp, tp, port, out), nprocs=2 * tp, start_method="forkserver")
         logits, grad = out["logits"], out["grad"]
     assert logits < 1e-5
     assert grad < 1e-5

@@ -135,12 +135,12 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     fake tensors."""
     if spec.pp > 1:
         return _pipeline(model, spec, fake)
+    if spec.cp > 1:
+        return _context_parallel(model, spec)
     if spec.tp > 1:
         return _tensor_parallel(model, spec, fake)
     if spec.ep > 1:
         return _expert_parallel(model, spec, fake)
-    if spec.cp > 1:
-        return _context_parallel(model, spec)
     if spec.shard in ("zero2", "zero3"):
         return _fsdp(model, spec)
     return _ddp(model, spec, fake)
@@ -250,17 +250,28 @@ def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
 
 def _context_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
     """--cp: FSDP2 over every rank (dp x cp, torchtitan's dp_shard_cp), the inputs cut on the sequence and the
-    attention run as torch's ring over the "cp" dimension (trace/context_parallel.py)."""
+    attention run as torch's ring over the "cp" dimension (trace/context_parallel.py). With --tp: the --tp plan on
+    the "tp" dimension of the ("dp", "cp", "tp") mesh first, then FSDP2 over its flattened dp x cp dimensions, as
+    torchtitan applies TP, CP and FSDP (parallelize_llama); the colwise q/k/v hand SDPA local tensors of the rank's
+    heads, so the ring runs on the 1-D cp mesh as without TP."""
     from . import context_parallel as cp
 
     cp.check_model(model, spec)
     with _real_values():  # meshes read their rank tables
-        cp_mesh = cp.mesh(spec)["cp"]
-    fsdp = _fsdp(model, spec)
-    fsdp.description = (
-        f"context parallel {spec.cp} (torch's ring attention, head-tail load balance, {spec.cp_rotate} rotation) x "
-        f"{fsdp.description} over dp {spec.dp} x cp {spec.cp}"
-    )
+        mesh = cp.mesh(spec)
+        cp_mesh = mesh["cp"]
+        if spec.tp > 1:  # torchtitan's dp_shard_cp: FSDP2 over the flattened dp x cp ranks, TP on "tp"
+            tp_mesh, dp_cp_mesh = mesh["tp"], mesh["dp", "cp"]._flatten("dp_cp")
+    what = f"context parallel {spec.cp} (torch's ring attention, head-tail load balance, {spec.cp_rotate} rotation)"
+    if spec.tp > 1:
+        from . import tensor_parallel
+
+        what = f"{what} x TP {spec.tp}: {tensor_parallel.apply(model, spec, tp_mesh)}"
+        with _real_mesh_concatenation():
+            fsdp = _fsdp(model, spec, dp_cp_mesh)
+    else:
+        fsdp = _fsdp(model, spec)
+    fsdp.description = f"{what} x {fsdp.description} over dp {spec.dp} x cp {spec.cp}"
     fsdp.shard_inputs = lambda inputs: cp.shard_inputs(inputs, cp_mesh, spec)
     fsdp.step_context = lambda: cp.ring_attention(cp_mesh, spec)
     return fsdp
