@@ -550,7 +550,8 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
             "expert-parallel layouts (ep): traced with uniform routing, the expected need; all tokens routed to one rank "
             "needs more (memest estimate --ep shows that range); all-to-all volume at uniform routing"
         )
-    plan.notes.append("not searched: pipeline x sequence parallel, expert x pipeline parallel, context parallel (not traced yet)")
+    plan.notes.append("not searched (each traced by `memest estimate`, not yet by the planner): pipeline x sequence "
+                      "parallel, expert x pipeline parallel, context parallel (--cp)")
     return plan
 
 
