@@ -11,7 +11,7 @@ one late-freeing rank of four cannot fail the test, and an estimate low or high 
 With two ranks both can be lifted in one launch (seen once in a clean-clone CI run: TP 2 + SP, bf16-mixed, both
 ranks +192,000 B, one rank's bf16 vocab-parallel logits; the same case read the trace to the byte in three
 other runs). A late free only ever lifts a measurement, so where the ranks read above the trace the case is run
-for real twice more and each rank's lowest peak of the three runs is compared (conftest.lowest_of_runs); a low estimate still fails.
+for real again (up to four more runs) and each rank's lowest peak is compared (conftest.lowest_of_runs); a low estimate still fails.
 """
 
 import pytest
@@ -261,7 +261,7 @@ def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case):
         measured_peak = real[one.rank if gloo else stage]["peak_bytes"]
         if spec.offload != "none":
             _check_offloaded_stage(trace, spec)
-        if gloo and estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: twice more (conftest.lowest_of_runs)
+        if gloo and estimated < (1 - REL_TOL) * measured_peak:  # read above the trace: again, up to four more runs (conftest.lowest_of_runs)
             real = lowest_of_runs(spec, real)
             measured_peak = real[one.rank]["peak_bytes"]
         assert abs(estimated - measured_peak) <= REL_TOL * measured_peak, (case, stage, estimated, measured_peak)
