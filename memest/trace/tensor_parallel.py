@@ -166,13 +166,10 @@ def _titan_plan(model: nn.Module, where: str, config) -> dict:
             f"--sp: {type(model).__name__} is not a Llama-style decoder (embed_tokens, layers.N.{{input_layernorm, self_attn."
             f"q/k/v/o_proj, post_attention_layernorm, mlp.gate/up/down_proj}}, norm); missing: {', '.join(missing) or 'layers'}"
         )
-    # a --pp stage holds the embedding only on the first stage and the final norm and head on the last (elsewhere
-    # None or nn.Identity, as torchtitan's pruned stages, whose plan entries then match nothing)
-    plan = {}
-    if base.embed_tokens is not None:
-        plan[f"{where}embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if not isinstance(base.norm, nn.Identity):
-        plan[f"{where}norm"] = SequenceParallel()
+    plan = {
+        f"{where}embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        f"{where}norm": SequenceParallel(),
+    }
     head = _untied_head(model)
     if head is None and isinstance(getattr(model, "lm_head", None), nn.Linear):
         raise MemestError("--sp: the LM head is tied to the embedding; torchtitan's plan shards them differently")
@@ -194,7 +191,9 @@ def _titan_plan(model: nn.Module, where: str, config) -> dict:
             f"{layer}.mlp.up_proj": ColwiseParallel(),
             f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         })
-    return plan
+    # a --pp stage holds the embedding only on the first stage and the final norm and head on the last: the entries
+    # it does not hold are left out, as for transformers' plans (_held)
+    return {k: v for k, v in plan.items() if _held(model, k)}
 
 
 def apply(model: nn.Module, spec: RunSpec, mesh) -> str:
