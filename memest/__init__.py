@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-from .api import estimate, serve_capacity  # noqa: E402  (the Python API; torch is imported only when it runs)
-from .errors import MemestError  # noqa: E402
+from memest.api import estimate, serve_capacity  # noqa: E402  (the Python API; torch is imported only when it runs)
+from memest.errors import MemestError  # noqa: E402
 
 __all__ = ["estimate", "serve_capacity", "MemestError", "__version__"]

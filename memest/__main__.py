@@ -1,3 +1,3 @@
-from .cli import main
+from memest.cli import main
 
 main()

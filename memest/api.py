@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import MemestError
+from memest.errors import MemestError
 
 
 def estimate(
@@ -42,27 +42,27 @@ def estimate(
     ``fits()``. ``calibration``: a profile file from ``memest calibrate --out`` (or its dict): its
     measured costs replace the defaults, and its GPU generation is modelled unless ``gpu`` names a card.
     Returns a pipeline.Estimate."""
-    from .app import user_code
-    from .device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
-    from .pipeline import estimate as run
-    from .spec import RunSpec
+    from memest.app import user_code
+    from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
+    from memest.estimator import estimate as run
+    from memest.spec import RunSpec
 
     if isinstance(model, str):
         if inputs is not None or loss is not None:
             raise MemestError("inputs= and loss= go with a model factory; a model file defines its own")
-        from .sources import load_source
+        from memest.sources import load_source
 
         with user_code(model, quiet_stdout=False):
             source = load_source(model)
         ref = model
     else:
-        from .sources.callables import callable_source
+        from memest.sources.callables import callable_source
 
         source = callable_source(model, inputs, loss)
         ref = source.origin
     profile = None
     if calibration is not None:
-        from .app import load_calibration
+        from memest.app import load_calibration
 
         profile = load_calibration(calibration)
     cc = options.pop("compute_capability", None)
@@ -87,8 +87,8 @@ def serve_capacity(model: str, gpu: str, **options: Any) -> dict:
     calibration (a profile file or dict from `memest calibrate --out`). Returns the command's JSON document as a dict (``kv_tokens``,
     ``blocks``, ``concurrency``, ``sequences``, ``longest_context``, ``verdict``, ``reasons``, ``fixes``, the
     budget steps under ``budget``)."""
-    from .app import run_serve
-    from .report.views import serve_view
+    from memest.app import run_serve
+    from memest.report.views import serve_view
 
     known = {"max_model_len", "utilization", "tp", "kv_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
              "engine", "cuda_graphs", "non_torch_memory", "calibration"}

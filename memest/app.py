@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .choices import Target
-from .errors import MemestError, ModelLoadError
-from .spec import RunSpec
-from .units import format_bytes
+from memest.errors import MemestError, ModelLoadError
+from memest.spec import RunSpec
+from memest.spec.choices import Target
+from memest.units import format_bytes
 
 Progress = Callable[[str], None]
 
@@ -98,7 +98,7 @@ class GpuContext:
 
     @property
     def calibration_note(self) -> str | None:
-        from .device.calibration import describe
+        from memest.device.calibration import describe
 
         return describe(self.calibration) if self.calibration else None
 
@@ -120,7 +120,7 @@ class GpuContext:
                  needed_range: tuple[int, int, int] | None = None) -> list:
         """One FitRow per target; ``fits(capacity)`` decides when given (else needed <= capacity);
         ``needed_range`` (low, expected, high) gives each row its three-way verdict."""
-        from .device.fit import FitRow, verdict
+        from memest.device.fit import FitRow, verdict
 
         low, _, high = needed_range or (needed, needed, needed)
         rows = []
@@ -147,9 +147,9 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
     budget (max-batch, advise, --fail-if-not-fits) fails here, before any trace. ``calibration``: a
     profile (file or dict, `memest calibrate --out`): its GPU generation is the one modelled, and its
     measurements replace the defaults; without one, a cached calibration of the local GPU applies."""
-    from .device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
-    from .device.fit import resolve_budget
-    from .device.nvml import query_gpus
+    from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
+    from memest.device.fit import resolve_budget
+    from memest.device.nvml import query_gpus
 
     flag = gpu.strip() if isinstance(gpu, str) else (str(gpu) if gpu is not None else None)
     if flag == "":
@@ -205,7 +205,7 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
 
 def load_calibration(calibration: str | Path | dict) -> dict:
     """A calibration profile from a file (checked, device/calibration.load_profile) or a dict."""
-    from .device.calibration import load_profile
+    from memest.device.calibration import load_profile
 
     if isinstance(calibration, dict):
         return {**calibration, "compute_capability": tuple(calibration["compute_capability"])}
@@ -215,7 +215,7 @@ def load_calibration(calibration: str | Path | dict) -> dict:
 def _calibration(gpu_name: str, driver: str) -> dict | None:
     import torch
 
-    from .device.calibration import lookup
+    from memest.device.calibration import lookup
 
     return lookup(gpu_name, driver, torch.__version__)
 
@@ -244,13 +244,13 @@ class EstimateResult:
     @property
     def verdict(self) -> str | None:
         """The worst three-way verdict over the budgets compared: fits | tight | does-not-fit."""
-        from .device.fit import worst
+        from memest.device.fit import worst
 
         return worst([f.verdict for f in self.fits] + ([self.colocate.verdict] if self.colocate else []))
 
     def passes(self, strict: bool = False) -> bool | None:
         """For exit codes: fits, or tight unless ``strict``; None without a budget."""
-        from .device.fit import passes
+        from memest.device.fit import passes
 
         return passes(self.verdict, strict) if self.fits else None
 
@@ -259,7 +259,7 @@ def check_plot_path(path: str | None) -> Path | None:
     """--plot: a known file type in a folder memest can write to, checked before any trace."""
     if path is None:
         return None
-    from .report.plot import FORMATS
+    from memest.report.plot import FORMATS
 
     out = Path(path)
     if out.suffix.lower() not in FORMATS:
@@ -292,8 +292,8 @@ def run_estimate(
     """``spec_args``: RunSpec fields (strings or enums); compute_capability comes from ``gpu`` (or the
     calibration profile's GPU). ``colocate``: a rollout engine on the same GPU (``utilization``,
     ``max_model_len``, ``max_num_seqs``, ``tp``; serve/colocate.py)."""
-    from .pipeline import estimate
-    from .sources import load_source
+    from memest.estimator import estimate
+    from memest.sources import load_source
 
     plot_path = check_plot_path(plot)
     ctx = resolve_gpu(gpu, need_budget=False, target=spec_args.get("target", Target.CUDA), calibration=calibration)
@@ -319,11 +319,11 @@ def run_estimate(
         with user_code(spec.model), ticker("colocated rollout engine", progress):
             out.colocate = colocated_engine(spec, ctx, result.needed_range, colocate)
     if timeline or plot_path is not None:
-        from .report.timeline import category_timeline
+        from memest.report.timeline import category_timeline
 
         out.timeline = category_timeline(result.trace)
     if plot_path is not None:
-        from .report.plot import plot_timeline
+        from memest.report.plot import plot_timeline
 
         out.plot_path = plot_timeline(out.timeline, result.report, plot_path)
     return out
@@ -331,8 +331,8 @@ def run_estimate(
 
 def colocated_engine(spec: RunSpec, ctx: GpuContext, needed_range, block: dict):
     """The training step plus a vLLM engine at ``block['utilization']`` on the GPU of ``ctx``."""
-    from .serve.colocate import TRL_BATCHED_TOKENS, TRL_MAX_MODEL_LEN, TRL_UTILIZATION, colocate
-    from .serve.plan import ServeSpec, plan_serve
+    from memest.serve.colocate import TRL_BATCHED_TOKENS, TRL_MAX_MODEL_LEN, TRL_UTILIZATION, colocate
+    from memest.serve.plan import ServeSpec, plan_serve
 
     if not spec.model.startswith("hf:"):
         raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
@@ -363,7 +363,7 @@ class CheckResult:
 
     @property
     def verdict(self) -> str | None:
-        from .device.fit import worst
+        from memest.device.fit import worst
 
         return worst([r.verdict for r in self.rows])
 
@@ -379,9 +379,9 @@ def run_check(
     """Every config is read, validated, its budget resolved and its model loaded before any is traced;
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
     file) overrides each config's ``calibration:``."""
-    from .config import load_config, parse_margin
-    from .plan.check import check_config, check_serve_config
-    from .sources import load_source
+    from memest.plan.check import check_config, check_serve_config
+    from memest.sources import load_source
+    from memest.spec.config import load_config, parse_margin
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
@@ -429,7 +429,7 @@ class PlannerContext:
 
 def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progress | None,
             calibration: str | Path | None = None) -> PlannerContext:
-    from .plan.runner import Runner
+    from memest.plan.runner import Runner
 
     ctx = resolve_gpu(gpu, need_budget=need_budget, target=spec_args.get("target", Target.CUDA),
                       calibration=calibration)
@@ -459,7 +459,7 @@ class WhatifResult:
 
 def run_whatif(spec_args: dict, batches: list[int] | None, seqs: list[int] | None, gpu: str | None,
                progress: Progress | None = None, calibration: str | Path | None = None) -> WhatifResult:
-    from .plan.whatif import sweep
+    from memest.plan.whatif import sweep
 
     if seqs is None and batches is None:
         raise MemestError("whatif needs sizes to sweep: --seq 256,512,1024 and/or --batch 1,2,4,8")
@@ -487,7 +487,7 @@ def _loop(spec: RunSpec) -> str:
 
 def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
                   progress: Progress | None = None, calibration: str | Path | None = None) -> SearchRun:
-    from .plan.search import largest_fitting
+    from memest.plan.search import largest_fitting
 
     if limit < 1:
         raise MemestError(f"--limit must be at least 1, got {limit}")
@@ -514,7 +514,7 @@ class AdviseRun:
 def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
                calibration: str | Path | None = None, gpus: int | None = None) -> AdviseRun:
     """``gpus``: also the best layouts of that many GPUs from plan-parallel's planner (hf: models)."""
-    from .plan.advise import advise
+    from memest.plan.advise import advise
 
     if gpus is not None and gpus < 2:
         raise MemestError(f"--gpus lays the model out on several GPUs; give at least 2, got {gpus}")
@@ -538,7 +538,7 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
     """`memest plan-parallel`: layouts of ``gpus`` GPUs for one model, each rank's need against ``gpu``;
     ``calibration`` as estimate's (a profile file, whose GPU generation is then modelled); the search stops
     once ``top`` layouts fit (0: every layout traced)."""
-    from .plan.parallel import plan_parallel
+    from memest.plan.parallel import plan_parallel
 
     if gpus < 1:
         raise MemestError(f"--gpus must be at least 1, got {gpus}")
@@ -559,7 +559,7 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
 
 
 def run_gpus():
-    from .device.nvml import query_gpus
+    from memest.device.nvml import query_gpus
 
     return query_gpus()
 
@@ -574,7 +574,7 @@ class CalibrationRun:
 def run_calibrate(device: int, out: str | None = None, nccl: bool = True) -> CalibrationRun:
     """Measure on the GPU (calibration.measure, which checks for one through torch and NVML); save to
     the cache for this machine and, with ``out``, to a portable profile file."""
-    from .device.calibration import cache_file, measure, save, write_profile
+    from memest.device.calibration import cache_file, measure, save, write_profile
 
     path = cache_file()
     _check_writable(path, "the calibration cache", "set XDG_CACHE_HOME to a writable folder")  # before measuring
@@ -611,8 +611,8 @@ class ServeRun:
 def serve_total(ctx: GpuContext) -> tuple[int, str]:
     """The GPU's total memory as the engine sees it (cudaMemGetInfo): a logged figure for known cards,
     else the nominal size, a budget as given, or NVML's total for a local GPU."""
-    from .device.catalogue import normalise
-    from .serve.evidence import TOTALS
+    from memest.device.catalogue import normalise
+    from memest.serve.evidence import TOTALS
 
     flag = ctx.flag or ""
     known = TOTALS.get(normalise(flag))
@@ -628,7 +628,7 @@ def serve_total(ctx: GpuContext) -> tuple[int, str]:
 def serve_measured(ctx: GpuContext, tp: int, non_torch_memory: float | None) -> dict:
     """ServeSpec's measured terms: the non-torch increase from ``non_torch_memory`` (GiB, the user's vLLM log's
     figure) or else the calibration profile of ``ctx``, and the profile's CUDA context; {} when neither applies."""
-    from .serve.evidence import measured_context, measured_non_torch
+    from memest.serve.evidence import measured_context, measured_non_torch
 
     out = {}
     non_torch = measured_non_torch(tp, non_torch_memory, ctx.calibration)
@@ -645,7 +645,7 @@ def run_serve(args: dict, gpu: str, progress: Progress | None = None,
     """``args``: serve.plan.ServeSpec fields but model's total and generation, which come from ``gpu``, plus
     ``non_torch_memory`` (GiB: a measured non-torch increase, e.g. from the user's own vLLM log). ``calibration``:
     a profile (`memest calibrate --out`) whose measured costs replace the evidence (non-torch, CUDA context)."""
-    from .serve.plan import ServeSpec, plan_serve
+    from memest.serve.plan import ServeSpec, plan_serve
 
     ctx = resolve_gpu(gpu, need_budget=True, calibration=calibration)
     total, source = serve_total(ctx)

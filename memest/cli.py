@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from .choices import (
+from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK
+from memest.exits import OneLineErrors, output_format, run_command
+from memest.spec.choices import (
     Attention,
     Cache,
     CpRotate,
@@ -27,8 +29,6 @@ from .choices import (
     Target,
     ZeroGrad,
 )
-from .errors import EXIT_DOES_NOT_FIT, EXIT_OK
-from .exits import OneLineErrors, output_format, run_command
 
 app = typer.Typer(
     name="memest", cls=OneLineErrors,
@@ -97,7 +97,7 @@ def _spec(options: dict, *own: str) -> dict:
 
 
 def _progress(on: bool = True):
-    from .app import stderr_progress
+    from memest.app import stderr_progress
 
     return stderr_progress if on else None
 
@@ -159,8 +159,8 @@ def estimate(
                  "pp_virtual", "microbatches", "pp_split")
 
     def work():
-        from .app import run_estimate
-        from .report.views import estimate_view
+        from memest.app import run_estimate
+        from memest.report.views import estimate_view
 
         fmt = output_format(format, json, markdown)
         result = run_estimate(spec, gpu, fail_if_not_fits=fail_if_not_fits, plot=plot,
@@ -207,8 +207,8 @@ def check(
                      data_dependent=data_dependent)
 
     def work():
-        from .app import run_check
-        from .report.views import check_view
+        from memest.app import run_check
+        from memest.report.views import check_view
 
         result = run_check(configs, overrides, gpu, margin, progress=_progress(), strict=strict, calibration=calibration)
         if result.tight and not strict:
@@ -220,7 +220,7 @@ def check(
 
 
 def _sizes(text: Optional[str], flag: str):
-    from .plan.whatif import parse_sizes
+    from memest.plan.whatif import parse_sizes
 
     return parse_sizes(text, flag)
 
@@ -242,8 +242,8 @@ def whatif(
     spec = _spec(locals())
 
     def work():
-        from .app import run_whatif
-        from .report.views import whatif_view
+        from memest.app import run_whatif
+        from memest.report.views import whatif_view
 
         run = run_whatif(spec, _sizes(batch, "--batch"), _sizes(seq, "--seq"), gpu, progress=_progress(),
                          calibration=calibration)
@@ -269,8 +269,8 @@ def max_batch(
     spec = _spec(locals(), "batch", "seq")
 
     def work():
-        from .app import run_max_batch
-        from .report.views import max_batch_view
+        from memest.app import run_max_batch
+        from memest.report.views import max_batch_view
 
         run = run_max_batch(spec, gpu, seq_search, limit, progress=_progress(), calibration=calibration)
         return max_batch_view(run), EXIT_OK
@@ -294,8 +294,8 @@ def advise(
     spec = _spec(locals(), "batch", "seq")
 
     def work():
-        from .app import run_advise
-        from .report.views import advise_view
+        from memest.app import run_advise
+        from memest.report.views import advise_view
 
         return advise_view(run_advise(spec, gpu, progress=_progress(), calibration=calibration, gpus=gpus)), EXIT_OK
 
@@ -332,8 +332,8 @@ def serve(
     """Serving capacity: the engine's start-up arithmetic (vLLM or SGLang), KV tokens and blocks, how many
     sequences fit at --max-model-len, the longest context, and whether it starts (with fixes)."""
     def work():
-        from .app import run_serve
-        from .report.views import serve_view
+        from memest.app import run_serve
+        from memest.report.views import serve_view
 
         args = dict(model=model, max_model_len=max_model_len, utilization=utilization, tp=tp, kv_dtype=str(kv_dtype),
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -358,8 +358,8 @@ def plan_parallel(
 ) -> None:
     """dp x tp (x pp) layouts of --gpus GPUs: each rank's need, those that fit ranked by communication per step."""
     def work():
-        from .app import run_plan_parallel
-        from .report.views import plan_parallel_view
+        from memest.app import run_plan_parallel
+        from memest.report.views import plan_parallel_view
 
         spec = dict(model=model, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                     checkpointing=checkpointing, outputs=outputs)
@@ -373,8 +373,8 @@ def plan_parallel(
 def gpus(format: Fmt = OutputFormat.TABLE, json: Json = False, markdown: Markdown = False, debug: Debug = False) -> None:
     """Live table of NVIDIA GPUs and their processes (NVML)."""
     def work():
-        from .app import run_gpus
-        from .report.views import gpus_view
+        from memest.app import run_gpus
+        from memest.report.views import gpus_view
 
         return gpus_view(run_gpus()), EXIT_OK
 
@@ -393,8 +393,8 @@ def calibrate(
     command does use the GPU, briefly, ~1 GiB); later estimates on the same GPU, driver and torch version
     use the measurements, and --out FILE makes them portable."""
     def work():
-        from .app import run_calibrate
-        from .report.views import calibrate_view
+        from memest.app import run_calibrate
+        from memest.report.views import calibrate_view
 
         return calibrate_view(run_calibrate(device, out, nccl)), EXIT_OK
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import MemestError
+from memest.errors import MemestError
 
 KiB = 2**10
 MiB = 2**20

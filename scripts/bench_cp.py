@@ -1,5 +1,5 @@
 """Context parallel (--cp) per rank against real gloo runs: the rows of benchmarks/parallel.md's context-parallel
-section. Every cp rank is traced (trace/context_parallel.py) and compared with the ranks that run it in N real gloo
+section. Every cp rank is traced (parallel/context_parallel.py) and compared with the ranks that run it in N real gloo
 processes (memest/validate/distributed_truth.py: torch.profiler memory events); the data-parallel groups repeat the cp
 ranks (global rank = dp index x cp + cp rank; with --tp M, (dp index x cp + cp rank) x M + tp rank). Also each
 rank's traced peak without CP (FSDP2 over the same ranks, with --tp FSDP2 x TP, every rank a whole sequence), for

@@ -2,7 +2,7 @@
 
 1. Estimates: Llama-3.1-8B, Qwen2.5-7B and Mistral-7B with LoRA (bf16 base, r=16 on every linear layer,
    peft), QLoRA (the same adapters on an NF4 base with double quantization, bitsandbytes' layout) and LoRA on an
-   LLM.int8 base (bitsandbytes' Linear8bitLt, trace/quant_int8.py), batch 1,
+   LLM.int8 base (bitsandbytes' Linear8bitLt, features/quant_int8.py), batch 1,
    seq 512 / 2048 / 4096, gradient checkpointing, AdamW, HF Trainer's loop (--outputs freed), --target cuda
    (H100 kernels, flash attention): needed device memory with its range.
 2. Published: unsloth's README table "Llama 3.1 (8B) max. context length" (QLoRA, all linear layers, rank 32,
@@ -114,9 +114,10 @@ def unsloth_rows(grid: list[int]) -> dict:
 def cpu_truth() -> list[dict]:
     """tests/test_finetune.py's cases, and tests/test_quant_int8.py's (--quant int8 against real bitsandbytes
     Linear8bitLt layers under peft's own bnb LoRA layer: the real run swaps memest's stand-in for them)."""
+    from memest.features import quant_int8
     from memest.sources import load_source
     from memest.spec import RunSpec
-    from memest.trace import quant_int8, trace_step
+    from memest.trace import trace_step
     from memest.validate.cpu_truth import measure_cpu_peak
     from tests.conftest import model_ref
     from tests.test_finetune import CASES
@@ -242,7 +243,7 @@ def write_markdown(doc: dict, path: Path) -> None:
              f"(H100 kernels, flash attention), LoRA `{LORA16}` (peft), QLoRA: the same on an NF4 base with double "
              "quantization (bitsandbytes' layout, modelled); LoRA int8: the same on an LLM.int8 base (`--quant int8`, "
              "bitsandbytes' Linear8bitLt as transformers' load_in_8bit builds it, threshold 6.0, modelled: "
-             "trace/quant_int8.py; outlier columns are data-dependent and traced as none, each adds one input column "
+             "features/quant_int8.py; outlier columns are data-dependent and traced as none, each adds one input column "
              "per layer held until backward). Needed = the smallest budget the step runs in "
              "(expected, and the range's low-high).", "",
              "| model | method | trainable | seq | needed | range | peak allocated |", "|---|---|---:|---:|---:|---|---:|"]

@@ -47,7 +47,7 @@ PRECISIONS = {
 def _era_lora_layer() -> None:
     from peft.tuners.lora import bnb as peft_bnb
 
-    from memest.trace import quant
+    from memest.features import quant
 
     quant.lora_layer_class = lambda clone=True: peft_bnb.Linear4bit  # the era's own LoRA layer for Linear4bit
 

@@ -220,7 +220,7 @@ def score(row: Row) -> dict:
     from memest.device.fit import verdict
     from memest.device.measured_runs import MEASURED_RUNS
     from memest.device.usage import device_usage
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
     from memest.spec import RunSpec
 
     start = time.perf_counter()

@@ -278,7 +278,7 @@ def full_depth_rows(docs: list[dict]) -> list[str]:
 
 def _direct_row(name: str, lay: dict, ctx) -> str:
     """A pipeline: its first and last stage traced directly (M = pp), the worst of them."""
-    from memest.pipeline import _estimate_one, estimate
+    from memest.estimator import _estimate_one, estimate
     from memest.plan.parallel import Layout
     from memest.sources import load_source
     from memest.spec import RunSpec

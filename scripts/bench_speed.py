@@ -185,8 +185,8 @@ def step_contexts(source, spec) -> list:
     SDPA kernels and (mixed precision) the CUDA autocast emulation."""
     contexts = [source.trace_context() if source.trace_context else contextlib.nullcontext()]
     if spec.target == "cuda":
-        from memest.trace.cuda.autocast import cuda_autocast_scope
-        from memest.trace.cuda.sdpa import CudaSdpa
+        from memest.targets.cuda.autocast import cuda_autocast_scope
+        from memest.targets.cuda.sdpa import CudaSdpa
 
         contexts.append(CudaSdpa(spec.attention, spec.compute_capability))
         if spec.mixed:
@@ -201,7 +201,7 @@ def memtracker_trace(source, spec) -> tuple[int, float]:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils._pytree import tree_flatten
 
-    from memest.trace.optim import make_optimizer
+    from memest.features.optim import make_optimizer
     from memest.trace.step import LoopState, build, run_iteration
     from memest.trace.values import PlaceholderScalars
 

@@ -45,7 +45,7 @@ CAUSES = {
     "--target cpu; the kept loop peaks elsewhere and is exact.",
     "diffusers-unet2d": "the real peak is in a convolution_backward (the estimate is 42,288 B low there); the live "
     "storages at the two peaks differ by oneDNN-sized buffers of several convolutions, so the miss is in the "
-    "--target cpu convolution scratch rules (trace/cpu/onednn_conv.py, whose known gap is brgemm scratchpads, "
+    "--target cpu convolution scratch rules (targets/cpu/onednn_conv.py, whose known gap is brgemm scratchpads, "
     "README limitations); not isolated to one kernel call yet.",
 }
 
@@ -57,7 +57,7 @@ FIXED = [
     "without keeping them (trace/modules.py; tests/test_trace_stages.py).",
     "hf-swin +1.207% (both loops): ATen's CPU layer-norm backward makes dX contiguous whatever dY's strides, the meta "
     "kernel copied dY's, and a transposed gradient (Swin's pooler) then cost a reshape copy in the next Linear's "
-    "backward that the real run does not make; memest now follows layer_norm_backward_cpu (trace/cpu/aten_norms.py, "
+    "backward that the real run does not make; memest now follows layer_norm_backward_cpu (targets/cpu/aten_norms.py, "
     "with its contiguous copies and per-thread reduction buffer; tests/test_cpu_scratch.py).",
     "diffusers-vae +0.203% (both loops) reads exact after these two changes and the main branch's dropped-output "
     "fix merged meanwhile; which of them it took was not isolated.",

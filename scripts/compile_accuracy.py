@@ -131,7 +131,7 @@ def _write(machine: dict, rows: list[dict], out: Path) -> None:
         f"`python scripts/compile_accuracy.py` on {machine['cpu']}, torch {machine['torch']}, "
         f"{machine['threads']} threads. Real: the same loop through the real `torch.compile` (Inductor, C++ kernels "
         "built with gcc), peak from torch.profiler memory events (memest/validate/cpu_truth.py). Errors are against "
-        "the real compiled run. memest compiled: `--compile` (trace/compiled.py: Inductor run under fake tensors, "
+        "the real compiled run. memest compiled: `--compile` (features/compiled.py: Inductor run under fake tensors, "
         "kernels not compiled). Eager trace: what the eager step reads (`--no-compile`). aot_eager_decomp_partition: "
         "Inductor's decompositions and partitioner with every graph op run, unfused.",
         "",

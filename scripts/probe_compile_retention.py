@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from memest.features.compiled import dynamo_session  # noqa: E402
 from memest.sources import load_source  # noqa: E402
 from memest.spec import RunSpec  # noqa: E402
-from memest.trace.compiled import dynamo_session  # noqa: E402
 from memest.trace.devices import traced_device  # noqa: E402
 from memest.trace.step import LoopState, build, run_step, step_optimizer  # noqa: E402
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes, _step_peak  # noqa: E402

@@ -1,5 +1,5 @@
 """Which aten op allocates what on a real GPU: the per-op ground truth behind memest's CUDA kernel
-semantics (trace/cuda/kernels.py, docs/cuda-kernels.md).
+semantics (targets/cuda/kernels.py, docs/cuda-kernels.md).
 
 A TorchDispatchMode sees each aten op at the level memest's tracker sees it (below autograd, one call
 per op, composites already decomposed). For every op it records the memory allocated before and after

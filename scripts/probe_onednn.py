@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from memest.trace.cpu import conv_modelled, cpu_kernels  # noqa: E402
+from memest.targets.cpu import conv_modelled, cpu_kernels  # noqa: E402
 from memest.validate.op_truth import measure_ops  # noqa: E402
 
 # (input, hidden, layers, bidirectional, batch_first, seq, batch, bias)

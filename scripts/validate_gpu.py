@@ -203,7 +203,7 @@ def run_real(case) -> dict:
 def run_memest(case, compute_capability) -> dict:
     """memest's side: the freed loop (as the main real numbers were measured) and the kept loop (the
     plain loop, real.kept_outputs_max_memory_allocated)."""
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
 
     spec = _spec(case, compute_capability)
     start = time.perf_counter()

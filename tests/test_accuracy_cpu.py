@@ -5,15 +5,15 @@ import pytest
 
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.targets.cpu import conv_modelled
 from memest.trace import trace_step
-from memest.trace.cpu import conv_modelled
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref
 
 REL_TOL = 0.02
 
-# Convolution nets: oneDNN's layout buffers and scratchpads, modelled by trace/cpu/onednn_conv.py for
+# Convolution nets: oneDNN's layout buffers and scratchpads, modelled by targets/cpu/onednn_conv.py for
 # AVX-512 CPUs (error without them, measured: ConvNeXt-like -24.0%, weight-norm Conv1d -10.3%, patch
 # embedding -17.1%, U-Net -5.3%)
 AVX512 = pytest.mark.skipif(not conv_modelled(), reason="memest's oneDNN convolution rules are for AVX-512 CPUs")
@@ -27,7 +27,7 @@ CASES = [
     ("cnn", 8, None, "adamw", "fp32"),
     ("inplace_relu", 16, None, "adam", "fp32"),
     # nn.LSTM runs oneDNN's mkldnn_rnn_layer: its training workspace and backward scratch are not
-    # visible on fake tensors and are modelled by trace/cpu/onednn_rnn.py (-47.9% / -67.8% without)
+    # visible on fake tensors and are modelled by targets/cpu/onednn_rnn.py (-47.9% / -67.8% without)
     ("lstm", 8, 32, "adam", "fp32"),
     ("lstm", 8, 32, "sgd", "fp32"),
     ("rnn_variants:lstm_bidir", 8, 24, "adam", "fp32"),  # 2 layers, bidirectional, batch_first (-48.6% without)

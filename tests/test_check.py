@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from memest.cli import app
-from memest.config import load_config
 from memest.errors import MemestError
+from memest.spec.config import load_config
 
 from .conftest import ROOT, model_ref
 

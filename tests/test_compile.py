@@ -1,4 +1,4 @@
-"""torch.compile (trace/compiled.py): a model file that returns ``torch.compile(model)`` (nanoGPT's default) and
+"""torch.compile (features/compiled.py): a model file that returns ``torch.compile(model)`` (nanoGPT's default) and
 ``--compile`` on an eager model file, traced on fake tensors and compared with the same compiled loop run for real on
 CPU (validate/cpu_truth.py runs the identical loop through the real ``torch.compile``: Inductor generates and
 compiles its C++ kernels with gcc). Tolerance: 2% of the true peak, as the other accuracy tests; measured: exact.
@@ -141,7 +141,7 @@ def test_compile_flag_cli_yaml_and_api(tmp_path):
     doc = json.loads(result.stdout)
     assert doc["spec"]["compile"] is True
     assert any("compiled step (torch.compile, Inductor, by --compile)" in n for n in doc["notes"])
-    from memest.config import load_config
+    from memest.spec.config import load_config
 
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {path}\nbatch: 8\ncompile: false\n")

@@ -1,7 +1,7 @@
 """--cp N (context parallel): every cp rank's traced peak (--target cpu) against the same step run for real as
 N gloo processes on this CPU, each rank measured with torch.profiler memory events
 (memest/validate/distributed_truth.py); both run torch's ring attention with the CPU flash op as its
-per-block kernel (trace/context_parallel.py). Tolerance: 0.5% of the measured per-rank peak (issue 13).
+per-block kernel (parallel/context_parallel.py). Tolerance: 0.5% of the measured per-rank peak (issue 13).
 
 With --tp M the mesh is ("dp", "cp", "tp") (tp innermost, torchtitan's order): the cp rank of global rank g is
 g // M % N; the tp ranks of one cp rank run the same shapes, so the first of them is traced. The first data-parallel
@@ -103,7 +103,7 @@ def test_every_cp_rank_matches_its_real_run(case, measured):
 def test_the_ring_attention_runs_and_context_parallel_saves_memory_at_length():
     """The trace runs the CPU ring handlers (one forward and one backward per layer and iteration), and a rank
     of CP 2 holds less than a rank of FSDP 2 that runs the whole sequence."""
-    from memest.trace import context_parallel as cp
+    from memest.parallel import context_parallel as cp
 
     spec = _spec(CASES[2][2])
     calls = []
@@ -135,7 +135,7 @@ def test_every_patch_is_undone_after_the_trace():
 
 
 def test_cuda_target_runs_torchs_own_ring_handlers_for_flash():
-    """--target cuda: memest calls the CUDA SDPA op on the fake tensors (trace/cuda/sdpa.py), and torch's own CP
+    """--target cuda: memest calls the CUDA SDPA op on the fake tensors (targets/cuda/sdpa.py), and torch's own CP
     handler (``_sdpa_handler``) runs the ring around it."""
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
@@ -151,7 +151,7 @@ def test_cuda_target_runs_torchs_own_ring_handlers_for_flash():
 
 
 def test_cuda_math_path_is_refused_with_the_reason():
-    """fp32 with grouped-query attention takes the math path on CUDA (trace/cuda/sdpa.py), which torch's CP does
+    """fp32 with grouped-query attention takes the math path on CUDA (targets/cuda/sdpa.py), which torch's CP does
     not handle."""
     spec = dataclasses.replace(_spec(CASES[2][0]), target="cuda")
     with pytest.raises(MemestError, match="ring handlers for the flash, memory-efficient and cuDNN kernels only"):
@@ -196,7 +196,7 @@ def test_cli_and_run_configs_take_cp(tmp_path):
     from typer.testing import CliRunner
 
     from memest.cli import app
-    from memest.config import load_config
+    from memest.spec.config import load_config
 
     path = tmp_path / "run.yaml"
     path.write_text("model: hf:llama-2-7b\nworld_size: 8\ncp: 4\ncp_rotate: alltoall\nshard: zero3\n")
@@ -223,7 +223,7 @@ def _real_ring_rank(rank: int, world: int, tp: int, port: int, out: dict) -> Non
 
     import torch.distributed as dist
 
-    from memest.trace.distributed import wrap
+    from memest.parallel.distributed import wrap
     from memest.trace.step import build
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,4 +1,4 @@
-"""--target cpu kernel scratch (trace/cpu/), kernel by kernel: every call of a modelled aten op run for
+"""--target cpu kernel scratch (targets/cpu/), kernel by kernel: every call of a modelled aten op run for
 real under torch.profiler (memest.validate.op_truth) against the rule for the same call."""
 
 import pytest
@@ -7,8 +7,8 @@ from torch import nn
 
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.targets.cpu import conv_modelled, cpu_kernels
 from memest.trace import trace_step
-from memest.trace.cpu import conv_modelled, cpu_kernels
 from memest.trace.events import Category
 from memest.validate.op_truth import measure_ops
 
@@ -172,7 +172,7 @@ LAYER_NORMS = [  # (dtype, threads, x transposed, dY transposed)
 
 @pytest.mark.parametrize("case", LAYER_NORMS, ids=[f"{c[0]}-n{c[1]}-x{int(c[2])}-dy{int(c[3])}" for c in LAYER_NORMS])
 def test_layer_norm_kernels_match_real_allocations(case):
-    """ATen's CPU layer norm (trace/cpu/aten_norms.py): contiguous copies of strided inputs and gradients,
+    """ATen's CPU layer norm (targets/cpu/aten_norms.py): contiguous copies of strided inputs and gradients,
     the dgamma/dbeta reduction buffer (per thread) and a contiguous dX, call by call against the profiler."""
     dtype, threads, x_t, dy_t = case
     before = torch.get_num_threads()
@@ -197,7 +197,7 @@ def test_layer_norm_kernels_match_real_allocations(case):
 def test_layer_norm_input_gradient_is_contiguous():
     """The real kernel makes dX contiguous whatever dY's strides (the meta kernel copies dY's), so the
     next Linear's backward reshapes it without a copy."""
-    from memest.trace.cpu import aten_norms
+    from memest.targets.cpu import aten_norms
 
     with torch.device("meta"):
         x, w = torch.randn(2, 64, 32), torch.randn(32)

@@ -34,8 +34,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-import memest.trace.cuda.autocast as ca
-from memest.trace.cuda.autocast import cuda_autocast, cuda_autocast_scope
+import memest.targets.cuda.autocast as ca
+from memest.targets.cuda.autocast import cuda_autocast, cuda_autocast_scope
 
 # torch's lists call deprecated ops (chain_matmul, frobenius_norm, cross without dim)
 pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated:UserWarning")

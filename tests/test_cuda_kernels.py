@@ -1,4 +1,4 @@
-"""--target cuda kernel semantics beyond attention (trace/cuda/kernels.py, conv.py, rnn.py): the bytes
+"""--target cuda kernel semantics beyond attention (targets/cuda/kernels.py, conv.py, rnn.py): the bytes
 each CUDA kernel saves or allocates, hand-worked from PyTorch's sources, and cross-checked against the
 per-op measurements taken on an H100 (benchmarks/gpu-probe.json from scripts/probe_cuda.py and
 benchmarks/gpu-kernels.json from scripts/probe_cuda_kernels.py; torch 2.11.0+cu130, cuDNN 9.19)."""
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memest.errors import MemestError
-from memest.pipeline import estimate
+from memest.estimator import estimate
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
+from memest.targets.cuda.rnn import RnnShape
 from memest.trace import Category, trace_step
-from memest.trace.cuda.rnn import RnnShape
 
 from .conftest import model_ref
 
@@ -294,7 +294,7 @@ def test_cudnn_benchmark_from_the_cli_and_a_config(tmp_path):
     from typer.testing import CliRunner
 
     from memest.cli import app
-    from memest.config import load_config
+    from memest.spec.config import load_config
 
     result = CliRunner().invoke(app, ["estimate", model_ref("cnn"), "--batch", "4", "--optim", "sgd",
                                       "--cudnn-benchmark", "--json"])

@@ -10,8 +10,8 @@ from memest.errors import MemestError
 from memest.report.analysis import analyse
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
+from memest.targets.cuda.sdpa import SdpaCall, select_backend
 from memest.trace import Category, trace_step
-from memest.trace.cuda.sdpa import SdpaCall, select_backend
 
 from .conftest import model_ref
 

@@ -179,7 +179,7 @@ def test_debug_prints_the_traceback_beside_the_error():
 
 
 def test_an_unexpected_exception_is_exit_2_never_0_or_1(monkeypatch):
-    from memest import pipeline
+    from memest import estimator as pipeline
 
     def boom(*a, **k):
         raise RuntimeError("unexpected")

@@ -1,20 +1,20 @@
 """Fine-tuning (issue 12): --lora through peft's own LoraConfig / get_peft_model, --freeze, --quant nf4|fp4
-(bitsandbytes' Linear4bit layout, trace/quant.py) and paged optimizers.
+(bitsandbytes' Linear4bit layout, features/quant.py) and paged optimizers.
 
 LoRA and --freeze are checked against the same step run for real on CPU (validate/cpu_truth.py: peft runs
 for real there) within 0.5%. The 4-bit layout cannot run for real on CUDA here; its stored bytes are checked
 against bitsandbytes' own quantize_4bit of a real tensor, its dequantisation temporaries against the
-allocations bitsandbytes' source makes (trace/quant.py cites each), and the stand-in's trace against its own
+allocations bitsandbytes' source makes (features/quant.py cites each), and the stand-in's trace against its own
 real CPU run."""
 
 import pytest
 import torch
 
-from memest.config import config_from_dict
 from memest.errors import MemestError
-from memest.lora import lora_settings, parse_lora
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.spec.config import config_from_dict
+from memest.spec.lora import lora_settings, parse_lora
 from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
@@ -95,7 +95,7 @@ def _storage_bytes(t: torch.Tensor) -> int:
 def test_stored_bytes_equal_bitsandbytes_own_quantization(quant_type, double_quant, shape):
     """bitsandbytes' quantize_4bit (its CPU backend) on a real tensor against the stand-in's storages."""
     F = pytest.importorskip("bitsandbytes.functional")
-    from memest.trace.quant import Linear4bitModel, stored_layout
+    from memest.features.quant import Linear4bitModel, stored_layout
 
     weight = torch.randn(shape, dtype=torch.bfloat16)
     packed, state = F.quantize_4bit(weight, quant_type=quant_type, compress_statistics=double_quant)
@@ -130,7 +130,7 @@ def test_dequantisation_temporaries_follow_bitsandbytes_source():
     """Forward (backends/cuda/ops.py _dequant_linear_fallback): float32 absmax_dq and absmax_dq + offset per
     64-element block, then the weight in the compute dtype; backward (functional.dequantize_4bit): float32
     absmax, the weight in its stored dtype, cast to the gradient's dtype when they differ."""
-    from memest.trace.quant import Linear4bitModel
+    from memest.features.quant import Linear4bitModel
 
     out_f, in_f, tokens = 256, 128, 32
     layer = Linear4bitModel(torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.float32), "nf4", True, torch.bfloat16)
@@ -279,7 +279,7 @@ def test_memest_s_4bit_lora_layer_allocates_as_peft_s_own(monkeypatch):
     pytest.importorskip("bitsandbytes")
     from peft.tuners.lora import bnb as peft_bnb
 
-    from memest.trace import quant
+    from memest.features import quant
 
     ref = model_ref("hf:llama-tiny")
     spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", precision="bf16", lora="r=8,targets=all-linear",

@@ -3,7 +3,7 @@ register it, in named_modules order), so the rows add up to the model."""
 
 import pytest
 
-from memest.pipeline import estimate
+from memest.estimator import estimate
 from memest.spec import RunSpec
 
 from .conftest import model_ref

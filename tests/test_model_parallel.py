@@ -1,6 +1,6 @@
 """--tp / --sp (and FSDP x TP): the traced per-rank peak (--target cpu) against the same step run for real
 as N gloo processes on this CPU, each rank measured with torch.profiler memory events
-(memest/validate/distributed_truth.py), both parallelised by the same plan (trace/tensor_parallel.py).
+(memest/validate/distributed_truth.py), both parallelised by the same plan (parallel/tensor_parallel.py).
 Tolerance: 0.5% of the measured per-rank peak (issue 13).
 
 The ranks hold the same bytes (every dimension divides evenly, so the traced rank stands for each), and
@@ -165,9 +165,9 @@ def _activation_peak(trace) -> int:
 @pytest.mark.parametrize(("schedule", "pp", "virtual", "ranks"), [("1f1b", 4, 0, (1, 2)), ("gpipe", 4, 0, (1,))])
 def test_traced_activations_are_the_schedules_micro_batches_in_flight(schedule, pp, virtual, ranks, tmp_path):
     """Stages of one identical layer each (ranks without the LM head), M = 8: the activations a traced rank holds at its peak are the micro-batches
-    in flight that walking torch's own order gives (trace/pipeline_schedule.py), times one micro-batch
+    in flight that walking torch's own order gives (parallel/pipeline_schedule.py), times one micro-batch
     of one layer (measured on a GPipe middle stage)."""
-    from memest.trace.pipeline_schedule import in_flight
+    from memest.parallel.pipeline_schedule import in_flight
 
     ref = model_ref("hf:llama-tiny-4l")
     split = ""
@@ -187,7 +187,7 @@ def test_traced_activations_are_the_schedules_micro_batches_in_flight(schedule, 
 
 
 def test_pipeline_report_lists_every_stage_and_judges_the_worst():
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
 
     spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", world_size=2, pp=2)
     est = estimate(spec)
@@ -219,7 +219,7 @@ def test_pipeline_layouts_that_are_not_traced_are_refused(changes, match):
 
 
 def test_run_configs_take_the_model_parallel_keys(tmp_path):
-    from memest.config import load_config
+    from memest.spec.config import load_config
 
     path = tmp_path / "run.yaml"
     path.write_text("model: hf:llama-2-7b\nworld_size: 2\npp: 2\nmicrobatches: 4\npp_schedule: gpipe\npp_split: '16,16'\n")
@@ -270,7 +270,7 @@ def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case):
 def _check_offloaded_stage(trace, spec: RunSpec) -> None:
     """What a stage keeps on the host, as the non-pipeline offload path splits it (trace/distributed.mark_host):
     the optimizer state and step always; with --offload params the sharded parameters and gradients too."""
-    from memest.trace.distributed import model_state_bytes
+    from memest.parallel.distributed import model_state_bytes
 
     state = model_state_bytes(trace)
     assert state["device"]["optimizer_state"] == 0 and state["host"]["optimizer_state"] > 0

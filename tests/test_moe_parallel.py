@@ -19,10 +19,10 @@ on every run still fails.
 import pytest
 
 from memest.errors import MemestError
+from memest.parallel.expert_parallel import split_sizes
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.trace import Category, Phase, trace_step
-from memest.trace.expert_parallel import split_sizes
 from memest.validate.distributed_truth import measure_distributed_peaks
 
 from .conftest import lowest_of_runs, model_ref
@@ -194,7 +194,7 @@ def test_every_pipeline_rank_matches_real_expert_x_pipeline_run(param, measured_
 
 
 def test_pipeline_estimate_takes_the_worst_rank_at_each_routing():
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
 
     est = estimate(_ep_pp_spec("dp2", "uniform"))
     rows = {r["routing"]: r for r in est.report.expert_routing}
@@ -207,7 +207,7 @@ def test_pipeline_estimate_takes_the_worst_rank_at_each_routing():
 def test_expert_counts_reads_every_family_s_name():
     from transformers import MixtralConfig
 
-    from memest.trace.expert_parallel import expert_counts
+    from memest.parallel.expert_parallel import expert_counts
 
     assert expert_counts(MixtralConfig(num_local_experts=8, num_experts_per_tok=2)) == (8, 2)
     assert expert_counts({"num_experts": 60, "num_experts_per_tok": 4}) == (60, 4)  # Qwen2-MoE, OLMoE
@@ -239,7 +239,7 @@ def test_experts_are_divided_by_ep_and_the_rest_by_the_world():
 
 
 def test_estimate_reports_the_routing_range():
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
 
     spec = RunSpec(model=model_ref("hf:mixtral-tiny"), batch=2, seq=32, optim="adamw", target="cpu", world_size=2, ep=2,
                    shard="zero3")
@@ -301,7 +301,7 @@ def test_run_configs_and_the_cli_take_ep(tmp_path):
     from typer.testing import CliRunner
 
     from memest.cli import app
-    from memest.config import load_config
+    from memest.spec.config import load_config
 
     path = tmp_path / "run.yaml"
     path.write_text("model: hf:mixtral-8x7b\nworld_size: 8\nep: 4\nshard: zero3\n")

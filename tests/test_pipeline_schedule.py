@@ -3,7 +3,7 @@
 
 import pytest
 
-from memest.trace.pipeline_schedule import SCHEDULES, in_flight, pipeline_order, rank_stages
+from memest.parallel.pipeline_schedule import SCHEDULES, in_flight, pipeline_order, rank_stages
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 6])
@@ -37,7 +37,7 @@ def test_stages_are_placed_as_torch_places_them():
 def test_every_forward_is_freed_by_the_end_of_the_step(schedule):
     """The walk's bookkeeping on every schedule torch offers: each of a rank's stages runs M forwards and
     frees them all (M full or weight backwards), and the most it holds lies between 1 and M per stage."""
-    from memest.trace.pipeline_schedule import _compute_actions, walk
+    from memest.parallel.pipeline_schedule import _compute_actions, walk
 
     v = 1 if SCHEDULES[schedule][2] == 1 else 2
     order = pipeline_order(schedule, 4, v, 8)

@@ -50,7 +50,7 @@ def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monke
     """A 6-layer tiny Llama on 4 GPUs: FSDP 4 extrapolated from 3 and 4 layers, the 4-stage pipeline's first and
     last stage from 2- and 3-stage pipelines (m micro-batches); each derived peak against a direct trace of the
     layout at full depth and M = 4."""
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
     from memest.plan import parallel
 
     # FSDP 4 and the pure 4-stage pipeline (pipeline x FSDP layouts have their own tests)
@@ -81,7 +81,7 @@ def test_plan_parallel_cli_ranks_fitting_layouts_and_matches_direct_traces(monke
 def test_segment_fit_follows_the_last_stage_from_its_backward_to_merging_its_outputs(tmp_path):
     """The last stage's peak moves, as M grows, from its last backward to the schedule merging its M outputs
     (torch's _merge_outputs): a line through the step's peaks at m = 2, 3 misses it, the segments' lines do not."""
-    from memest.pipeline import _estimate_one
+    from memest.estimator import _estimate_one
     from memest.plan.parallel import segment_peaks
     from memest.sources import load_source
 
@@ -140,7 +140,7 @@ def test_plan_parallel_takes_calibration_and_advise_offers_its_layouts(tmp_path)
 
 def test_a_need_the_check_misses_is_traced_at_full_depth(monkeypatch, tmp_path):
     """Above DIRECT_ABOVE (here: always) the recommended layout is traced as it runs, its need the direct one."""
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
     from memest.plan import parallel
 
     monkeypatch.setattr(parallel, "DIRECT_ABOVE", -1.0)
@@ -205,7 +205,7 @@ def test_pruned_search_recommends_what_the_exhaustive_search_does_and_its_bounds
 def test_expert_x_tensor_parallel_layouts_are_searched_and_traced_as_estimate_traces_them(monkeypatch):
     """MoE: ep x tp layouts (ep a multiple of tp); FSDP 2 x TP 2 x EP 2 of a tiny Mixtral planned at its real depth
     (2 layers) needs what `memest estimate` traces for that layout at uniform routing."""
-    from memest.pipeline import estimate
+    from memest.estimator import estimate
     from memest.plan import parallel
 
     mixtral = {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "hidden_size": 4096,

@@ -1,4 +1,4 @@
-"""--quant int8 (LLM.int8, bitsandbytes' Linear8bitLt; trace/quant_int8.py).
+"""--quant int8 (LLM.int8, bitsandbytes' Linear8bitLt; features/quant_int8.py).
 
 bitsandbytes runs Linear8bitLt forward + backward on CPU for real (in training it takes MatMul8bitFp there,
 autograd/_functions.py ``matmul``), so the --target cpu stand-in is checked against real bitsandbytes layers
@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from memest.features import quant_int8
+from memest.features.quant import _is_conv1d, output_linear
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import quant_int8, trace_step
-from memest.trace.quant import _is_conv1d, output_linear
+from memest.trace import trace_step
 from memest.validate.cpu_truth import _allocation_events, measure_cpu_peak
 
 from .conftest import model_ref
@@ -231,7 +232,7 @@ def test_int8_keeps_the_model_s_parameter_count_and_is_1_byte_per_weight():
 
 
 def test_planner_keys_accept_int8():
-    from memest.config import config_from_dict
+    from memest.spec.config import config_from_dict
 
     cfg = config_from_dict({"model": "hf:llama-3.1-8b", "lora": "r=16,targets=all-linear", "quant": "int8"})
     assert cfg.spec().quant == "int8"
@@ -244,7 +245,7 @@ def test_peft_s_own_8bit_lora_layer_traces_the_same_step(monkeypatch):
     stand-in traces the same step."""
     from peft.tuners.lora import bnb as peft_bnb
 
-    from memest.trace import quant
+    from memest.features import quant
 
     ref = model_ref("hf:llama-tiny")
     spec = RunSpec(model=ref, batch=2, seq=32, target="cuda", precision="bf16", lora="r=8,targets=all-linear",

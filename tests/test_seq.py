@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from memest.cli import app
 from memest.errors import MemestError
-from memest.pipeline import estimate
+from memest.estimator import estimate
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.trace import trace_step

@@ -229,8 +229,8 @@ def test_check_gates_serving_configs():
 
 
 def test_serve_config_keys_are_checked(tmp_path):
-    from memest.config import load_config as load_run_config
     from memest.errors import MemestError
+    from memest.spec.config import load_config as load_run_config
 
     cfg = tmp_path / "s.yaml"
     cfg.write_text("model: hf:gpt2\ngpu: h100\nserve: {max_model_len: 1024, min_concurency: 4}\n")

@@ -1,4 +1,4 @@
-"""--data-dependent upper-bound (trace/upper_bound.py): size-bounded data-dependent ops traced at their bound,
+"""--data-dependent upper-bound (features/upper_bound.py): size-bounded data-dependent ops traced at their bound,
 against the same step run for real on CPU (validate/cpu_truth.py, torch.profiler memory events).
 
 The model: a graph convolution that inserts self loops as torch_geometric's add_remaining_self_loops does
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import memest
-from memest.config import config_from_dict
 from memest.errors import TraceError
 from memest.sources import load_source
 from memest.sources.callables import callable_source
 from memest.spec import RunSpec
+from memest.spec.config import config_from_dict
 from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 

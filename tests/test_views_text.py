@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from memest.device.fit import FitRow
-from memest.pipeline import estimate
+from memest.estimator import estimate
 from memest.report.console import fit_table, layer_table, print_estimate
 from memest.report.layers import select_layers
 from memest.report.markdown import estimate_markdown

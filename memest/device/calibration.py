@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..errors import MemestError
+from memest.errors import MemestError
 
 SCHEMA = "memest-calibration/1"
 REQUIRED = ("gpu_name", "compute_capability", "driver", "torch_version", "context_bytes")
@@ -168,7 +168,7 @@ def measure(device_index: int = 0, nccl: bool = True) -> dict:
     del a, b, x, w, bias, img, kernel
     reference = _reference_step(handle, pid)
     props = torch.cuda.get_device_properties(device_index)
-    from .. import __version__
+    from memest import __version__
 
     def delta(later: str, earlier: str) -> int | None:
         if outside.get(later) is None or outside.get(earlier) is None:

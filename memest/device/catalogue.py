@@ -6,7 +6,7 @@ little for itself, so ``memest gpus`` shows a slightly smaller total on the real
 
 from __future__ import annotations
 
-from ..units import GiB
+from memest.units import GiB
 
 # name -> (nominal memory bytes, CUDA compute capability)
 CARDS: dict[str, tuple[int, tuple[int, int]]] = {

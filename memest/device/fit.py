@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..errors import MemestError
-from ..units import parse_bytes
-from .catalogue import CARDS, DEFAULT_COMPUTE_CAPABILITY, card_bytes, compute_capability
-from .nvml import GpuQuery
+from memest.device.catalogue import CARDS, DEFAULT_COMPUTE_CAPABILITY, card_bytes, compute_capability
+from memest.device.nvml import GpuQuery
+from memest.errors import MemestError
+from memest.units import parse_bytes
 
 FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does-not-fit"
 VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)  # best to worst

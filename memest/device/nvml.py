@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..units import MiB
+from memest.units import MiB
 
 
 @dataclass

@@ -24,8 +24,8 @@ import re
 import statistics
 from dataclasses import asdict, dataclass
 
-from ..units import MiB
-from .measured_runs import H100_STACK, MEASURED_RUNS, PROBE_SOURCE, PROBE_STAGES, VALIDATION_SOURCE, Run
+from memest.device.measured_runs import H100_STACK, MEASURED_RUNS, PROBE_SOURCE, PROBE_STAGES, VALIDATION_SOURCE, Run
+from memest.units import MiB
 
 # name: (bytes, source)
 CONSTANTS: dict[str, tuple[int, str]] = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .measured_runs import MEASURED_RUNS, VALIDATION_SOURCE, Run
+from memest.device.measured_runs import MEASURED_RUNS, VALIDATION_SOURCE, Run
 
 ALLOCATED_WITHIN = 0.03  # the allocated peak within 3%: the replay was given the real step's tensors
 

@@ -14,7 +14,7 @@ measured error band on reserved memory (slack.py). ``device_bytes`` and ``min_bu
 expected values; the verdict against a budget (device/fit.py) uses the needed range.
 
 Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
-trace/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
+targets/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
 low and at its high bound (high None: cuDNN's benchmark search may take all free device memory).
 """
 
@@ -23,11 +23,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from ..errors import MemestError
-from ..trace.events import Phase, Trace
-from .allocator import min_device_limit, parse_alloc_conf, replay
-from .overheads import FixedCost, fixed_costs, outside_allocator
-from .slack import slack_band
+from memest.device.allocator import min_device_limit, parse_alloc_conf, replay
+from memest.device.overheads import FixedCost, fixed_costs, outside_allocator
+from memest.device.slack import slack_band
+from memest.errors import MemestError
+from memest.trace.events import Phase, Trace
 
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
 

@@ -6,7 +6,7 @@ communication volume per step for sharding, PCIe volume for offload; "0% FLOPs" 
 and precision swaps (they change numerics or dynamics, not work), for accumulation (same work in
 smaller kernels), for freeing the outputs before backward (a loop change) and for the chunked and
 fused loss heads of causal LMs (the same matmuls in chunks; Liger computes the head's gradients in
-forward instead of recomputing, trace/loss_head.py).
+forward instead of recomputing, features/loss_head.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import math
 import shlex
 from dataclasses import asdict, dataclass, field
 
-from ..spec import RunSpec
-from ..trace.checkpointing import repeated_blocks
-from ..units import format_bytes
-from .runner import Runner
+from memest.features.checkpointing import repeated_blocks
+from memest.plan.runner import Runner
+from memest.spec import RunSpec
+from memest.units import format_bytes
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Advice:
         return asdict(self)
 
 
-# the remedies that change the training method (trace/finetune.py): adapters on every linear layer, as
+# the remedies that change the training method (features/finetune.py): adapters on every linear layer, as
 # QLoRA (Dettmers et al. 2023, arXiv:2305.14314) found needed to match 16-bit fine-tuning
 LORA = "r=16,alpha=32,dropout=0.05,targets=all-linear"
 LORA_CAVEAT = ("trains only the adapters: a different method from full fine-tuning, whose quality can trail it on "
@@ -74,10 +74,10 @@ def _model_traits(runner: Runner) -> tuple[bool, bool, bool]:
     --loss-head can replace, the step is torch.compile'd), from one build of the model on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..errors import MemestError
-    from ..trace.compiled import unwrap
-    from ..trace.loss_head import causal_lm_head
-    from ..trace.values import PlaceholderScalars
+    from memest.errors import MemestError
+    from memest.features.compiled import unwrap
+    from memest.features.loss_head import causal_lm_head
+    from memest.trace.values import PlaceholderScalars
 
     with FakeTensorMode(), PlaceholderScalars():
         model, request = unwrap(runner.source.build_model())
@@ -112,7 +112,7 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.optim in ("adam", "adamw"):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
         out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
-    # a compiled step is traced without checkpointing and data parallelism (trace/compiled.py)
+    # a compiled step is traced without checkpointing and data parallelism (features/compiled.py)
     if base.checkpointing == "none" and base.training and blocks and not compiled:
         out.append(("activation checkpointing", {"checkpointing": "blocks"}, 0.2))
     k = 2
@@ -199,7 +199,7 @@ PARALLEL_LAYOUTS = 3  # the planner's best layouts offered as remedies
 def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: str, advice: Advice) -> list[Remedy]:
     """The planner's best layouts of ``gpus`` GPUs (plan/parallel.py: the same traces and extrapolation as
     `memest plan-parallel`), each priced in memory per rank and in bytes each rank sends per step."""
-    from .parallel import plan_parallel
+    from memest.plan.parallel import plan_parallel
 
     if not runner.base.model.startswith("hf:"):
         advice.parallel = {"gpus": gpus, "error": "--gpus: plan-parallel lays out hf: models (their depth is cut)"}

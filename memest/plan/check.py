@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..config import RunConfig
-from ..spec import RunSpec
+from memest.spec import RunSpec
+from memest.spec.config import RunConfig
 
 
 @dataclass
@@ -38,8 +38,8 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     """``gpu``: the app layer's GpuContext for this config (budget, GPU generation, calibration);
     ``source``: the loaded model. The verdict compares needed x (1 + margin), expected and high, with
     the budget; ``strict``: tight counts as not fitting."""
-    from ..device.fit import passes, verdict
-    from ..pipeline import estimate
+    from memest.device.fit import passes, verdict
+    from memest.estimator import estimate
 
     margin = margin if margin is not None else config.margin
     result = estimate(spec, gpu.calibration if spec.target == "cuda" else None, source=source)
@@ -47,7 +47,7 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     budget, label = gpu.capacity_bytes, gpu.budget_label
     fits = result.fits(budget)
     if config.colocate is not None:  # a rollout engine keeps total x utilization of the same GPU
-        from ..app import colocated_engine
+        from memest.app import colocated_engine
 
         c = colocated_engine(spec, gpu, result.needed_range, config.colocate)
         low, needed, high = low + c.engine_bytes, needed + c.engine_bytes, None if high is None else high + c.engine_bytes
@@ -82,9 +82,9 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
     ``min_concurrency`` (default 1) full-length sequences; budget = what it may use (vLLM: total x
     utilization; SGLang: mem_fraction_static x free memory). Will not start: does not fit; may not start: at best
     tight. ``non_torch_memory`` (GiB) or the config's calibration profile replace the non-torch evidence."""
-    from ..app import serve_measured, serve_total
-    from ..device.fit import passes, verdict
-    from ..serve.plan import ServeSpec, plan_serve
+    from memest.app import serve_measured, serve_total
+    from memest.device.fit import passes, verdict
+    from memest.serve.plan import ServeSpec, plan_serve
 
     margin = margin if margin is not None else config.margin
     s = config.serve

@@ -25,7 +25,7 @@ more than DIRECT_ABOVE the layout is traced at its full depth (its direct need r
 
 Before any trace, a layout is left out when the model state alone cannot fit: every parameter lives on
 at least one rank with its gradient and optimizer state at the optimizer step, so a rank holds at least
-(parameters x bytes of parameter + gradient + optimizer state) / G (the optimizer table, trace/optim.py);
+(parameters x bytes of parameter + gradient + optimizer state) / G (the optimizer table, features/optim.py);
 when that exceeds the budget the layout is reported with that lower bound, not traced. A pipeline is also
 left out when its first stage's activations in flight (measured per layer and micro-batch on a traced
 pipeline of the same tp, parallel_bounds.py) with its layers' state exceed the budget.
@@ -64,9 +64,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MemestError
-from ..spec import RunSpec
-from . import parallel_bounds
+from memest.errors import MemestError
+from memest.plan import parallel_bounds
+from memest.spec import RunSpec
 
 LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
 MICRO = (2, 3)  # pipelines: traced in m-stage pipelines of m micro-batches
@@ -148,7 +148,7 @@ class ParallelPlan:
 
 
 def _config(model: str) -> tuple[dict, Path]:
-    from ..sources.hf import _config_path
+    from memest.sources.hf import _config_path
 
     if not model.startswith("hf:"):
         raise MemestError("plan-parallel takes hf: models (their depth is cut to trace each layout in seconds)")
@@ -191,13 +191,13 @@ EP_SIZES = (2, 4, 8)
 
 def _experts(config: dict) -> tuple[int, int]:
     """(routed experts per MoE layer, experts per token); (0, 0) for a dense model: the trace's own reader."""
-    from ..trace.expert_parallel import expert_counts
+    from memest.parallel.expert_parallel import expert_counts
 
     return expert_counts(config)
 
 
 def expert_layouts(gpus: int, config: dict) -> list[Layout]:
-    """MoE models: FSDP over dp with the experts divided over ep of the GPUs (--ep; trace/expert_parallel.py),
+    """MoE models: FSDP over dp with the experts divided over ep of the GPUs (--ep; parallel/expert_parallel.py),
     alone (tp 1) or with TP over tp as for the dp x tp layouts (transformers' plan, without sequence parallel):
     ep a multiple of tp (transformers' DistributedConfig; spec.py), within one node as tp is."""
     experts, _ = _experts(config)
@@ -212,7 +212,7 @@ def expert_comm_bytes(layout: Layout, config: dict, base: RunSpec, act: int) -> 
     """(bytes each rank sends per step in the all-to-alls, the routed experts' parameters). Per MoE layer 4
     all-to-alls (dispatch and combine in the forward, their two in the backward) of tokens x top-k rows of the
     hidden size, (ep - 1) / ep of them leaving the rank at uniform routing (transformers' AllToAllEP); with TP each
-    rank of a TP group dispatches its 1 / tp slice of the group's tokens (trace/expert_parallel.py)."""
+    rank of a TP group dispatches its 1 / tp slice of the group's tokens (parallel/expert_parallel.py)."""
     experts, top_k = _experts(config)
     h = config["hidden_size"]
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
@@ -246,9 +246,9 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
 
 def state_bytes_per_param(base: RunSpec) -> int | None:
     """Bytes of parameter + gradient + optimizer state per parameter that a step's optimizer step holds
-    on the device (the optimizer table's params x n, trace/optim.py; paged optimizers keep their state on
+    on the device (the optimizer table's params x n, features/optim.py; paged optimizers keep their state on
     the host). None where the step holds less than that (frozen or quantized weights, offload)."""
-    from ..trace.optim import OPTIMIZERS
+    from memest.features.optim import OPTIMIZERS
 
     if not base.training or base.lora or base.freeze or base.quant != "none" or base.offload != "none":
         return None
@@ -347,11 +347,11 @@ class _Point:
 
 def _trace_point(spec: RunSpec, depth: int, calibration, source=None) -> _Point:
     """One cut model's step traced (``source`` or loaded here, once per process and model) and summarised."""
-    from ..pipeline import _estimate_one
+    from memest.estimator import _estimate_one
 
     start = time.perf_counter()
     if source is None:
-        from ..sources import load_source
+        from memest.sources import load_source
 
         source = _WORKER_SOURCES.get(spec.model) or _WORKER_SOURCES.setdefault(spec.model, load_source(spec.model))
     est = _estimate_one(spec, calibration, source)
@@ -382,7 +382,7 @@ class _Tracer:
             import multiprocessing
 
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["memest.pipeline", "memest.sources.hf"])  # imported once per process
+            context.set_forkserver_preload(["memest.estimator", "memest.sources.hf"])  # imported once per process
             self.pool = concurrent.futures.ProcessPoolExecutor(self.workers - 1, mp_context=context)
         return self.pool
 
@@ -391,7 +391,7 @@ class _Tracer:
             self.pool.shutdown(cancel_futures=True)
 
     def source(self, depth: int):
-        from ..sources import load_source
+        from memest.sources import load_source
 
         if depth not in self.sources:
             path = self.tmp / f"depth{depth}" / "config.json"
@@ -618,7 +618,7 @@ class _Search:
         self.layer_params: int | None = None
 
     def left_out(self, layout: Layout) -> bool:
-        from ..units import format_bytes
+        from memest.units import format_bytes
 
         budget, param_count = self.plan.budget_bytes, self.plan.param_count
         floor = layout.floor_bytes = state_floor(layout, param_count, self.per_param)
@@ -641,7 +641,7 @@ class _Search:
         return False
 
     def _ruled_out(self, layout: Layout, act: tuple, how: str) -> None:
-        from ..units import format_bytes
+        from memest.units import format_bytes
 
         floor, per_layer, depth, micro = act
         layout.lower_bound, layout.needed_bytes, layout.verdict = True, floor, "does-not-fit"
@@ -727,9 +727,9 @@ class _Search:
 def _trace_full_depth(layout: Layout, tracer: _Tracer, budget: int, plan: ParallelPlan) -> None:
     """The layout traced as it runs (full depth; a pipeline's first and last stage with M micro-batches),
     its need replacing the derived one; the layouts re-ranked."""
-    from ..pipeline import _estimate_one
-    from ..sources import load_source
-    from ..units import format_bytes
+    from memest.estimator import _estimate_one
+    from memest.sources import load_source
+    from memest.units import format_bytes
 
     src = load_source(plan.model)
     spec = dataclasses.replace(tracer.base, seq=tracer.base.seq or src.default_seq, **layout.changes(),

@@ -39,7 +39,7 @@ def in_flight_layer_bytes(trace, depth: int) -> int | None:
     """Live bytes allocated inside the ``depth`` decoder layers just before the last iteration's first
     backward (a pipeline stage's micro-batches in flight); None where the trace has no such instant or no
     module list of ``depth`` layers."""
-    from ..trace.events import Phase
+    from memest.trace.events import Phase
 
     iteration = max((it for _, it, _ in trace.phase_marks), default=None)
     start = next((i for i, it, phase in trace.phase_marks if it == iteration and phase == Phase.BACKWARD), None)

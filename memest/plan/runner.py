@@ -7,9 +7,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from ..pipeline import Estimate, estimate
-from ..sources import load_source
-from ..spec import RunSpec
+from memest.estimator import Estimate, estimate
+from memest.sources import load_source
+from memest.spec import RunSpec
 
 
 class Runner:

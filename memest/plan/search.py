@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .runner import Runner
+from memest.plan.runner import Runner
 
 
 @dataclass

@@ -19,9 +19,9 @@ import dataclasses
 import itertools
 from dataclasses import asdict, dataclass, field
 
-from ..errors import MemestError
-from ..trace.events import Trace
-from .runner import Runner
+from memest.errors import MemestError
+from memest.plan.runner import Runner
+from memest.trace.events import Trace
 
 MAX_GRID_POINTS = 400
 FIT_TOLERANCE = 0.01
@@ -214,7 +214,7 @@ def _rebuild(runner: Runner):
         peak = trace.peak()[0]
         if base.target != "cuda":
             return peak, peak, lambda cap: peak <= cap
-        from ..device.usage import device_usage
+        from memest.device.usage import device_usage
 
         usage = device_usage(trace, base.compute_capability, world_size=base.world_size, calibration=runner.calibration)
         needed = usage.min_budget_bytes
@@ -238,7 +238,7 @@ def _largest(fits, limit: int) -> int:
 
 def _plain_words(model: SizeModel, batch: int, seqs: list) -> list[str]:
     """Marginal costs at the peak of the largest swept size, from the fitted storage sizes."""
-    from ..units import format_bytes
+    from memest.units import format_bytes
 
     seq = seqs[-1] or 0
     peak, index = model.trace(batch, seq).peak()

@@ -9,7 +9,7 @@ __all__ = ["LayerRow", "Report", "analyse"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import analysis
+        from memest.report import analysis
 
         return getattr(analysis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from ..device.usage import DeviceUsage
-from ..spec import RunSpec
-from ..trace.checkpointing import within
-from ..trace.events import Category, Phase, Trace
-from ..trace.optim import FOLKLORE_N
-from ..trace.step import TRACED_MICRO_STEPS
+from memest.device.usage import DeviceUsage
+from memest.features.checkpointing import within
+from memest.features.optim import FOLKLORE_N
+from memest.spec import RunSpec
+from memest.trace.events import Category, Phase, Trace
+from memest.trace.step import TRACED_MICRO_STEPS
 
 # The JSON contract's categories (design.md §5); buffers and inputs are reported as "other".
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
@@ -178,8 +178,8 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
 
 def _loop_notes(trace: Trace, spec: RunSpec, peak_i: int) -> list[str]:
     """Which training loop was traced (--outputs), what its outputs hold at the peak, and the loss head."""
-    from ..trace.loss_head import describe
-    from ..units import format_bytes
+    from memest.features.loss_head import describe
+    from memest.units import format_bytes
 
     if not spec.training:
         return []

@@ -5,10 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ..device.fit import FitRow
-from ..device.nvml import GpuQuery
-from ..units import format_bound, format_bytes, format_count
-from .analysis import BREAKDOWN_KEYS, Report
+from memest.device.fit import FitRow
+from memest.device.nvml import GpuQuery
+from memest.report.analysis import BREAKDOWN_KEYS, Report
+from memest.units import format_bound, format_bytes, format_count
 
 # per-layer columns: (header, justify, drop order: higher goes first when the terminal is too narrow;
 # 0 never goes). Numbers are never truncated: columns are left out instead, and the caption says which.
@@ -45,7 +45,7 @@ def _layer_cells(line) -> dict[str, str]:
 def layer_table(report: Report, depth: int, expand: bool = False, width: int | None = None) -> Table:
     """The per-layer table to ``depth``, repeated blocks collapsed unless ``expand``, fitted to ``width``
     (the console's) by leaving out low-priority columns, never by truncating a number."""
-    from .layers import collapse_note, select_layers
+    from memest.report.layers import collapse_note, select_layers
 
     lines = select_layers(report.layers, depth, expand)
     cells = [_layer_cells(line) for line in lines]
@@ -167,7 +167,7 @@ def _names(names: list[str]) -> str:
 
 def fit_table(rows: list[FitRow], width: int | None = None) -> Table:
     """Numbers in full: at a narrow width the total and used columns go first."""
-    from .markdown import FIT_HEADERS, fit_cells
+    from memest.report.markdown import FIT_HEADERS, fit_cells
 
     cells = fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]", tight="[yellow]tight[/yellow]")
     plain = fit_cells(rows)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ..choices import OutputFormat
+from memest.spec.choices import OutputFormat
 
 SCHEMA_VERSION = 1
 
@@ -35,7 +35,7 @@ class View:
 
 
 def json_text(doc: dict) -> str:
-    from .. import __version__
+    from memest import __version__
 
     full = {"schema_version": SCHEMA_VERSION, "memest_version": __version__, **doc}
     return json.dumps(full, indent=2, default=_jsonable)
@@ -56,7 +56,7 @@ def emit(view: View, fmt: OutputFormat, out: IO[str]) -> None:
     if fmt == OutputFormat.MARKDOWN:
         out.write(_markdown(view) + "\n")
         return
-    from .console import make_console
+    from memest.report.console import make_console
 
     console = make_console()  # writes to sys.stdout, which is ``out`` for the CLI
     if view.rich is not None:
@@ -72,7 +72,7 @@ def emit(view: View, fmt: OutputFormat, out: IO[str]) -> None:
 def _markdown(view: View) -> str:
     if view.markdown is not None:
         return view.markdown()
-    from .markdown import table_markdown
+    from memest.report.markdown import table_markdown
 
     parts = []
     for block in view.blocks:

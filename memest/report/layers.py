@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .analysis import LayerRow
+from memest.report.analysis import LayerRow
 
 _INDEXED = re.compile(r"^(?P<prefix>.*?)(?P<index>[0-9]+)$")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from ..device.fit import FitRow
-from ..units import format_bound, format_bytes, format_count
-from .analysis import BREAKDOWN_KEYS, Report
+from memest.device.fit import FitRow
+from memest.report.analysis import BREAKDOWN_KEYS, Report
+from memest.units import format_bound, format_bytes, format_count
 
 _NUMERIC = re.compile(r"^[-+]?[0-9][0-9.,]*(\s|%|[A-Za-z]|$)")
 
@@ -96,7 +96,7 @@ def breakdown_rows(report: Report) -> list[list[str]]:
 
 
 def layer_rows(report: Report, depth: int, expand: bool = False) -> tuple[list[str], list[list[str]]]:
-    from .layers import select_layers
+    from memest.report.layers import select_layers
 
     headers = ["module", "type", "output shape", "params", "weights+grads+optim", "saved for bwd",
                "alive at peak", "% of peak"]
@@ -152,7 +152,7 @@ def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_re
     parts = [f"### memest: {escape_cell(report.model)} ({escape_cell(report.model_type)})", ""]
     parts += [f"- **{label}**: {value}" for label, value in summary_items(report)]
     parts += ["", table_markdown(["alive at the peak", "bytes", "share"], breakdown_rows(report))]
-    from .layers import collapse_note, select_layers
+    from memest.report.layers import collapse_note, select_layers
 
     headers, rows = layer_rows(report, depth, expand)
     parts += ["", f"#### Per layer (depth {depth})", "", table_markdown(headers, rows)]

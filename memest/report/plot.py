@@ -11,10 +11,10 @@ import html
 import math
 from pathlib import Path
 
-from ..errors import MemestError
-from ..units import format_bytes
-from .analysis import Report
-from .timeline import PHASE_NAMES, Timeline, peak_label
+from memest.errors import MemestError
+from memest.report.analysis import Report
+from memest.report.timeline import PHASE_NAMES, Timeline, peak_label
+from memest.units import format_bytes
 
 # bottom to top: what stays (weights, buffers, optimizer state) under what comes and goes
 STACK_ORDER = ("parameters", "other", "optimizer_state", "gradients", "activations", "temporaries")

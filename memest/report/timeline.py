@@ -12,9 +12,9 @@ from bisect import bisect_left, bisect_right
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 
-from ..trace.events import Phase, Trace
-from ..units import format_bytes
-from .analysis import _TO_BREAKDOWN, BREAKDOWN_KEYS
+from memest.report.analysis import _TO_BREAKDOWN, BREAKDOWN_KEYS
+from memest.trace.events import Phase, Trace
+from memest.units import format_bytes
 
 # one letter per phase for the terminal view
 PHASE_LETTERS = {

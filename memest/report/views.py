@@ -4,8 +4,8 @@ keeps its own text beside the binary value."""
 
 from __future__ import annotations
 
-from ..units import format_bytes, format_in, table_unit
-from .emit import Table, View
+from memest.report.emit import Table, View
+from memest.units import format_bytes, format_in, table_unit
 
 
 def _yes(ok: bool | None) -> str:
@@ -38,8 +38,8 @@ def estimate_doc(result) -> dict:
 
 
 def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
-    from .console import print_estimate
-    from .markdown import estimate_markdown
+    from memest.report.console import print_estimate
+    from memest.report.markdown import estimate_markdown
 
     report, fits, reason = result.report, result.fits, result.gpu.no_gpu_reason
 
@@ -48,7 +48,7 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
     def rich(console) -> None:
         print_estimate(console, report, fits, reason, depth, **_expand_kw(print_estimate, expand))
         if result.timeline is not None:
-            from .timeline import terminal_timeline
+            from memest.report.timeline import terminal_timeline
 
             for line in terminal_timeline(result.timeline):
                 console.print(line, markup=False, highlight=False)
@@ -259,7 +259,7 @@ def plan_parallel_view(run) -> View:
     if best is None:
         blocks.append("no layout searched fits")
     else:
-        from ..spec import RunSpec
+        from memest.spec import RunSpec
 
         blocks.append(f"best: {best.name}\n  {best.command(p.model, RunSpec(**p.base))} --gpu {run.gpu.budget_label}")
     if p.check:
@@ -325,7 +325,7 @@ SERVE_VERDICT = {"starts": "STARTS (one full-length sequence fits even with ever
 
 
 def serve_view(run) -> View:
-    from ..serve.plan import plan_doc
+    from memest.serve.plan import plan_doc
 
     p = run.plan
     doc = {**plan_doc(p), "total_source": run.total_source, "gpu_arch": {"arch": run.gpu.arch, "why": run.gpu.arch_reason}}

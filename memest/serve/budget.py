@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .kv import ModelKV, cdiv
+from memest.serve.kv import ModelKV, cdiv
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def sglang_budget(total: int, fraction: float, fraction_source: str, context: Pa
                   max_model_len: int) -> SglangBudget:
     """``profile_max_num_token``: total_gpu_memory there is the free memory after distributed init
     (the CUDA context is gone from it); available_gpu_memory the free memory after loading the weights."""
-    from .kv import sglang_cell_bytes
+    from memest.serve.kv import sglang_cell_bytes
 
     cell = sglang_cell_bytes(kv)
 

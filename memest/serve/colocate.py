@@ -45,7 +45,7 @@ class Colocate:
 def colocate(needed_range: tuple[int, int, int | None], total: int, utilization: float, engine_plan) -> Colocate:
     """``needed_range``: the training step's (low, expected, high) needed bytes; ``engine_plan``: the
     serve plan of the rollout engine at ``utilization`` (serve/plan.py)."""
-    from ..device.fit import verdict
+    from memest.device.fit import verdict
 
     low, expected, high = needed_range
     engine = int(total * utilization)

@@ -5,8 +5,8 @@ Sizes in the vLLM logs are GiB rounded to two decimals; a value read from one ca
 
 from __future__ import annotations
 
-from ..errors import MemestError
-from .budget import Part
+from memest.errors import MemestError
+from memest.serve.budget import Part
 
 GiB = 2**30
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..errors import MemestError
+from memest.errors import MemestError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 FULL, SLIDING, MLA = "full", "sliding", "mla"

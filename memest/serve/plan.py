@@ -8,12 +8,20 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..errors import MemestError
-from . import evidence
-from .budget import Part, SglangBudget, VllmBudget, longest_context, sglang_budget, sglang_default_fraction, vllm_budget
-from .kv import ModelKV, model_dtype, model_kv
-from .profile import ProfileRun, trace_profile_run
-from .weights import Weights, weights_per_rank
+from memest.errors import MemestError
+from memest.serve import evidence
+from memest.serve.budget import (
+    Part,
+    SglangBudget,
+    VllmBudget,
+    longest_context,
+    sglang_budget,
+    sglang_default_fraction,
+    vllm_budget,
+)
+from memest.serve.kv import ModelKV, model_dtype, model_kv
+from memest.serve.profile import ProfileRun, trace_profile_run
+from memest.serve.weights import Weights, weights_per_rank
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ def load_config(model: str):
     collector paused, as load_hf_source does)."""
     import sys
 
-    from ..trace.step import imports_without_gc
+    from memest.trace.step import imports_without_gc
 
     if not model.startswith("hf:"):
         raise MemestError(f"memest serve takes an hf: model (hf:NAME, hf:path/config.json, hf:org/name), not {model!r}")
@@ -95,7 +103,7 @@ def load_config(model: str):
     with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():
         import transformers
 
-        from ..sources.hf import _config_path, _from_file, _from_hub
+        from memest.sources.hf import _config_path, _from_file, _from_hub
 
         transformers.logging.set_verbosity_error()
         path = _config_path(name)
@@ -185,7 +193,7 @@ def _vllm(spec, config, kv, max_len, positions, batched, num_seqs, batching, dty
 
 
 def _context(spec: ServeSpec) -> Part:
-    from ..device.overheads import context_spread
+    from memest.device.overheads import context_spread
 
     if spec.context is not None:
         return spec.context
@@ -257,7 +265,7 @@ def _verdict_vllm(plan: ServePlan) -> None:
 def _kv_fixes(plan: ServePlan, available: int, non_kv: int, longest: int, surely: str = "") -> None:
     """What would make one max_model_len sequence fit in ``available`` KV bytes (``non_kv``: what is subtracted
     before it): a shorter length, a larger share, fp8 KV, more GPUs."""
-    from .budget import request_bytes
+    from memest.serve.budget import request_bytes
 
     b, spec = plan.vllm, plan.spec
     need_util = (non_kv + b.layout.request_bytes) / spec.total_bytes

@@ -18,8 +18,8 @@ import copy
 import re
 from dataclasses import dataclass, field
 
-from .budget import Part
-from .kv import DTYPE_BYTES
+from memest.serve.budget import Part
+from memest.serve.kv import DTYPE_BYTES
 
 # The sampler phase's bytes per logit element (R rows x vocab), from the tensors vLLM's sampler holds at
 # once. compute_logits output in the model dtype (held by the caller) + the fp32 copy Sampler.forward makes
@@ -105,10 +105,10 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     import torch
     import transformers
 
-    from ..pipeline import estimate
-    from ..sources.base import ModelSource
-    from ..sources.hf_masks import real_mask_branches
-    from ..spec import RunSpec
+    from memest.estimator import estimate
+    from memest.sources.base import ModelSource
+    from memest.sources.hf_masks import real_mask_branches
+    from memest.spec import RunSpec
 
     rank, notes = rank_config(config, tp)
     split = tp == 1 or rank is not config

@@ -12,8 +12,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ModelLoadError
-from .base import ModelSource
+from memest.errors import ModelLoadError
+from memest.sources.base import ModelSource
 
 
 def _name(fn: Callable) -> str:

@@ -19,12 +19,12 @@ import re
 import sys
 from pathlib import Path
 
-from ..errors import ModelLoadError
-from .base import ModelSource
-from .hf_experts import cuda_experts_dispatch
-from .hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params, head_of, make_inputs, value_ranges
-from .hf_masks import real_mask_branches
-from .hf_values import known_values
+from memest.errors import ModelLoadError
+from memest.sources.base import ModelSource
+from memest.sources.hf_experts import cuda_experts_dispatch
+from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params, head_of, make_inputs, value_ranges
+from memest.sources.hf_masks import real_mask_branches
+from memest.sources.hf_values import known_values
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "models"
 # huggingface_hub's repo id rule (utils/_validators.py, validate_repo_id): org/name of letters, digits, - _ .
@@ -63,7 +63,7 @@ def _config_path(name: str) -> Path | None:
 
 
 def load_hf_source(name: str) -> ModelSource:
-    from ..trace.step import imports_without_gc
+    from memest.trace.step import imports_without_gc
 
     path = _config_path(name)
     # transformers imports its modules lazily: the config class here, the model's module on getattr

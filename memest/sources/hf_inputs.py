@@ -25,7 +25,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ModelLoadError
+from memest.errors import ModelLoadError
 
 DEFAULT_SEQ = 512  # tokens when --seq is not given (capped by the model's maximum positions)
 DEFAULT_AUDIO_SAMPLES = 160_000  # CTC without --seq: 10 s at 16 kHz, the rate wav2vec2-style models are trained on

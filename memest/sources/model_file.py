@@ -8,8 +8,8 @@ import inspect
 import sys
 from pathlib import Path
 
-from ..errors import ModelLoadError
-from .base import ModelSource
+from memest.errors import ModelLoadError
+from memest.sources.base import ModelSource
 
 
 def _split_ref(ref: str) -> tuple[Path, str]:

@@ -5,7 +5,7 @@ need it. A size-bounded op has an output whose size depends on values but cannot
 from its inputs — ``nonzero`` (and boolean-mask indexing, which runs it) at most one row per input
 element, ``unique`` at most the input's elements, CTC's alignment table at most the targets' padded
 width. For those the message says the bound and how to write the step so that it is traced at that
-bound, and names ``--data-dependent upper-bound`` (trace/upper_bound.py), which traces those ops at their
+bound, and names ``--data-dependent upper-bound`` (features/upper_bound.py), which traces those ops at their
 bound (nonzero, boolean-mask indexing, masked_select, unique; not CTC, whose fake kernel is in
 trace/fake_kernels.py).
 """

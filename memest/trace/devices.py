@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .dtype import convertible_fake_parameters
+from memest.trace.dtype import convertible_fake_parameters
 
 CPU = torch.device("cpu")
 

@@ -93,7 +93,7 @@ class Trace:
     host_events: list[tuple[int, int, int]] = field(default_factory=list)
     host_marks: list[int] = field(default_factory=list)  # per phase mark: host events before it
     notes: list[str] = field(default_factory=list)  # facts of the trace for the report (one line each)
-    # --data-dependent upper-bound: op -> calls answered at their bound (trace/upper_bound.py)
+    # --data-dependent upper-bound: op -> calls answered at their bound (features/upper_bound.py)
     bounded_ops: dict[str, int] = field(default_factory=dict)
     # kernel scratch whose size the CUDA library picks at run time (cuDNN workspaces): storage id ->
     # (low bytes, high bytes or None = up to the free device memory, what it is); events hold the expected

@@ -12,9 +12,9 @@ import inspect
 
 import torch
 
-from ..errors import MemestError
-from ..spec import RunSpec
-from .events import Phase
+from memest.errors import MemestError
+from memest.spec import RunSpec
+from memest.trace.events import Phase
 
 
 def run_inference(model, inputs, call_model, mark) -> None:

@@ -9,7 +9,7 @@ from torch.distributed._tools import mod_tracker as _mod_tracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten
 
-from .events import ModuleRecord, Trace
+from memest.trace.events import ModuleRecord, Trace
 
 
 def describe_modules(model: torch.nn.Module, trace: Trace) -> dict[int, str]:

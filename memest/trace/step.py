@@ -50,31 +50,31 @@ with imports_without_gc():
     )
     from torch.utils._pytree import tree_flatten
 
-    from ..choices import DataDependent, Outputs
-    from ..errors import MemestError, TraceError
-    from ..sources.base import ModelSource, default_loss
-    from ..sources.hf_masks import holds_transformers_model, real_mask_branches
-    from ..spec import RunSpec
-    from .checkpointing import apply_checkpointing
-    from .compiled import CompileRequest, compile_note, compiled_forward, is_compiled, unwrap
-    from .cpu import cpu_kernels, cpu_notes
-    from .cuda.autocast import cuda_autocast_scope
-    from .cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
-    from .cuda.sdpa import CudaSdpa
-    from .data_dependent import explain
-    from .devices import DeviceRequests, traced_device
-    from .dtype import cast_floating
-    from .events import Category, Phase, Trace
-    from .fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
-    from .fake_kernels import chained_outputs, real_fake_kernels
-    from .finetune import apply_finetune
-    from .inference import check_generate, run_generate, run_inference
-    from .loss_head import loss_head_scope
-    from .modules import ModuleStack, describe_modules
-    from .optim import make_optimizer
-    from .tracker import StorageTracker, TrackingFakeMode
-    from .upper_bound import BoundedOps
-    from .values import PlaceholderScalars
+    from memest.errors import MemestError, TraceError
+    from memest.features.checkpointing import apply_checkpointing
+    from memest.features.compiled import CompileRequest, compile_note, compiled_forward, is_compiled, unwrap
+    from memest.features.finetune import apply_finetune
+    from memest.features.loss_head import loss_head_scope
+    from memest.features.optim import make_optimizer
+    from memest.features.upper_bound import BoundedOps
+    from memest.sources.base import ModelSource, default_loss
+    from memest.sources.hf_masks import holds_transformers_model, real_mask_branches
+    from memest.spec import RunSpec
+    from memest.spec.choices import DataDependent, Outputs
+    from memest.targets.cpu import cpu_kernels, cpu_notes
+    from memest.targets.cuda.autocast import cuda_autocast_scope
+    from memest.targets.cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
+    from memest.targets.cuda.sdpa import CudaSdpa
+    from memest.trace.data_dependent import explain
+    from memest.trace.devices import DeviceRequests, traced_device
+    from memest.trace.dtype import cast_floating
+    from memest.trace.events import Category, Phase, Trace
+    from memest.trace.fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
+    from memest.trace.fake_kernels import chained_outputs, real_fake_kernels
+    from memest.trace.inference import check_generate, run_generate, run_inference
+    from memest.trace.modules import ModuleStack, describe_modules
+    from memest.trace.tracker import StorageTracker, TrackingFakeMode
+    from memest.trace.values import PlaceholderScalars
 
 
 class _FakeMode(TrackingFakeMode):
@@ -99,7 +99,7 @@ def autocast_context(spec: RunSpec, device_type: str = "cpu"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
     if device_type == "cpu" and spec.target == "cuda":  # tracing a CUDA run on CPU tensors
-        from .cuda.autocast import cuda_autocast
+        from memest.targets.cuda.autocast import cuda_autocast
 
         return cuda_autocast(dtype)
     return torch.autocast(device_type=device_type, dtype=dtype)
@@ -111,7 +111,7 @@ class Built:
     inputs: Any
     checkpointed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the model code did that the report should say
-    compiled: CompileRequest | None = None  # the step runs torch.compile'd (trace/compiled.py)
+    compiled: CompileRequest | None = None  # the step runs torch.compile'd (features/compiled.py)
 
     @property
     def runnable(self) -> torch.nn.Module:
@@ -425,7 +425,7 @@ class _Step:
     # the build stage
     model: Any = None
     inputs: Any = None
-    parallel: Any = None  # data parallelism (trace/distributed.py): rank 0 of --world-size ranks
+    parallel: Any = None  # data parallelism (parallel/distributed.py): rank 0 of --world-size ranks
     params: list = field(default_factory=list)  # parameters that require grad
     owner_of_param: dict[int, str] = field(default_factory=dict)
     trainable_count: int = 0  # elements of the parameters that require grad
@@ -438,7 +438,7 @@ class _Step:
     kernels: Any = None  # --target cuda: CudaKernels (dropout, cuDNN RNNs)
     loop: LoopState = field(default_factory=LoopState)  # what the user's loop keeps between steps
     held_loss: set = field(default_factory=set)  # storage ids of the kept loss, until its backward ends
-    cpu_conv: Any = None  # --target cpu: the convolution scratch model (trace/cpu/onednn_conv.py)
+    cpu_conv: Any = None  # --target cpu: the convolution scratch model (targets/cpu/onednn_conv.py)
     bounded: Any = None  # --data-dependent upper-bound: trace/upper_bound.BoundedOps
 
     @property
@@ -462,7 +462,7 @@ def _fake_world(step: _Step):
         if not step.data_parallel:
             yield
             return
-        from . import distributed
+        from memest.parallel import distributed
 
         with distributed.fake_process_group(step.spec.world_size, rank=step.spec.rank):
             yield
@@ -519,17 +519,17 @@ def _track_storages(step: _Step) -> None:
     step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
     if step.cuda:
         kernels = {"scratch": cuda_scratch(step.spec.cudnn_benchmark), "outputs": CUDA_OUTPUTS}
-    else:  # --target cpu: oneDNN's workspaces and scratch (trace/cpu/)
+    else:  # --target cpu: oneDNN's workspaces and scratch (targets/cpu/)
         scratch, outputs, step.cpu_conv = cpu_kernels()
         kernels = {"scratch": scratch, "outputs": outputs}
     kernels["outputs"] = {**FAKE_KERNEL_OUTPUTS, **kernels["outputs"]}  # both targets: autograd's subclass-only paths
-    if step.spec.data_dependent == DataDependent.UPPER_BOUND:  # size-bounded ops at their bound (trace/upper_bound.py)
+    if step.spec.data_dependent == DataDependent.UPPER_BOUND:  # size-bounded ops at their bound (features/upper_bound.py)
         step.bounded = BoundedOps(in_backward=lambda: step.tracker.phase is Phase.BACKWARD)
         kernels["scratch"] = {**kernels["scratch"], **step.bounded.scratch(str(step.spec.target))}
         kernels["outputs"] = chained_outputs(kernels["outputs"], step.bounded.outputs(str(step.spec.target)))
     step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, **kernels)
     if parallel is not None:
-        from . import distributed
+        from memest.parallel import distributed
 
         distributed.attach(step.tracker, parallel, step.spec)
 
@@ -600,7 +600,7 @@ def _instrumented(step: _Step):
         elif holds_transformers_model(step.model):  # a transformers model built by a model file
             hooks.enter_context(real_mask_branches())
         if not step.cuda and step.spec.checkpointing != "none":
-            from .cpu.rng_state import tracked_cpu_rng_state
+            from memest.targets.cpu.rng_state import tracked_cpu_rng_state
 
             hooks.enter_context(tracked_cpu_rng_state())
         if step.cuda:
@@ -611,7 +611,7 @@ def _instrumented(step: _Step):
         hooks.enter_context(step.stack)
         hooks.enter_context(tracker)
         if step.parallel is not None:
-            from . import distributed
+            from memest.parallel import distributed
 
             hooks.enter_context(distributed.instrument(tracker, spec, step.owner_of_param))
             if step.parallel.step_context is not None:  # --cp: the ring attention
@@ -689,14 +689,14 @@ def _classify(step: _Step) -> None:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
     if spec.world_size > 1 or spec.offload != "none":
-        from . import distributed
+        from memest.parallel import distributed
 
         trace.world_size, trace.rank = spec.world_size, spec.rank
         distributed.mark_host(trace, spec)
     if any(rec.host for rec in trace.storages) and not trace.host_events:  # paged optimizer state
         paged = sum(rec.nbytes for rec in trace.storages if rec.host)
         trace.split_host()
-        from ..units import format_bytes
+        from memest.units import format_bytes
 
         trace.notes.append(
             f"--optim {spec.optim}: {format_bytes(paged)} of optimizer state in CUDA unified memory (bitsandbytes "
@@ -706,7 +706,7 @@ def _classify(step: _Step) -> None:
 
 
 def logical_numel(p: torch.Tensor) -> int:
-    """Elements of the weight a parameter stores (a 4-bit packed weight holds two per byte: trace/quant.py)."""
+    """Elements of the weight a parameter stores (a 4-bit packed weight holds two per byte: features/quant.py)."""
     return getattr(p, "logical_numel", None) or p.numel()
 
 
@@ -715,7 +715,7 @@ def _trainable(model: torch.nn.Module) -> bool:
 
 
 def _frozen_note(trace: Trace, trainable: int) -> str:
-    from ..units import format_count
+    from memest.units import format_count
 
     frozen = trace.param_count - trainable
     if trainable:
@@ -733,8 +733,8 @@ def _frozen_note(trace: Trace, trainable: int) -> str:
 
 
 def _wrap_parallel(source: ModelSource, spec: RunSpec, model):
-    """The model wrapped for --world-size/--shard (trace/distributed.py), as a TraceError if it cannot be."""
-    from . import distributed
+    """The model wrapped for --world-size/--shard (parallel/distributed.py), as a TraceError if it cannot be."""
+    from memest.parallel import distributed
 
     try:
         return distributed.wrap(model, spec, fake=True)

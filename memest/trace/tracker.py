@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
 
-from .events import Category, Phase, StorageRecord, Trace
-from .values import ITEM, placeholder_scalar
+from memest.trace.events import Category, Phase, StorageRecord, Trace
+from memest.trace.values import ITEM, placeholder_scalar
 
 
 class TrackingFakeMode(FakeTensorMode):
@@ -57,7 +57,7 @@ class StorageTracker:
         self._fake_mode = fake_mode
         # aten op -> fn(args, kwargs) -> byte sizes of kernel-internal buffers (allocated before the
         # op's outputs, freed after them) that the fake kernel does not show; a size may be a
-        # trace/cuda/workspace.Workspace (expected bytes with a low/high range)
+        # targets/cuda/workspace.Workspace (expected bytes with a low/high range)
         self.scratch = scratch or {}
         # aten op -> fn(args, kwargs, out, make) -> out: the real kernel makes outputs differently from the
         # fake one. Two kinds: (a) without ``fn.late`` (CUDA kernels: another dtype or storage size), fn runs
@@ -75,7 +75,7 @@ class StorageTracker:
         self._ids: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._closed = False
-        # data parallelism (trace/distributed.py) only; off for a single-device step:
+        # data parallelism (parallel/distributed.py) only; off for a single-device step:
         self.subclass_types: tuple[type, ...] = ()  # wrapper subclasses (DTensor): their local tensors are tracked
         self.ignoring = 0  # > 0: ops run only to compute metadata (DTensor sharding propagation), not recorded
         self.label: str | None = None  # appended to the op name of allocations (e.g. "FSDP all-gather")

@@ -11,11 +11,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
-from ..sources.base import ModelSource
-from ..spec import RunSpec
-from ..trace.compiled import dynamo_session
-from ..trace.devices import traced_device
-from ..trace.step import LoopState, build, run_step, step_optimizer
+from memest.features.compiled import dynamo_session
+from memest.sources.base import ModelSource
+from memest.spec import RunSpec
+from memest.trace.devices import traced_device
+from memest.trace.step import LoopState, build, run_step, step_optimizer
 
 
 def _allocation_events(prof) -> list:

@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
-from ..sources import load_source
-from ..spec import RunSpec
-from ..trace.distributed import wrap
-from ..trace.step import LoopState, build, run_step
-from .cpu_truth import _allocation_events, _distinct_storage_bytes
+from memest.parallel.distributed import wrap
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace.step import LoopState, build, run_step
+from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
 
 PRELOAD = ["memest.validate.distributed_truth"]
 
@@ -66,7 +66,7 @@ def measure_pipeline_stage_peaks(spec: RunSpec, seed: int = 0) -> list[dict]:
     allocated). torch.distributed.pipelining hangs on gloo (pytorch/pytorch#132644: batch_isend_irecv
     is not stable on gloo; reproduced with torch 2.13 on a 2-layer Sequential, Schedule1F1B and
     ScheduleGPipe), so no multi-process run exists; the allocations do not depend on the values sent."""
-    from ..trace.distributed import fake_process_group
+    from memest.parallel.distributed import fake_process_group
 
     out = []
     for stage in range(spec.pp):
@@ -133,7 +133,7 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     model, inputs = built.model, built.inputs
     del built
     if spec.ep > 1:  # weights that make the router split the pairs as the traced assumption says
-        from ..trace.expert_parallel import route_as
+        from memest.parallel.expert_parallel import route_as
 
         route_as(model, spec)
     # wrapped before: FSDP and TP replace the parameters, a pipeline stage drops the other stages' layers

@@ -1,5 +1,5 @@
 """Ground truth per kernel: run a function for real under torch.profiler memory events and, for every
-call of the aten ops memest models kernel scratch for (trace/cpu/), compare the bytes the real kernel
+call of the aten ops memest models kernel scratch for (targets/cpu/), compare the bytes the real kernel
 held with what memest's rule gives for the same call.
 
 For each call: ``real_peak`` (the most bytes allocated inside the op at once, outputs included) and

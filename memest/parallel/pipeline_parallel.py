@@ -1,6 +1,6 @@
 """--pp N: one pipeline rank's step, run by torch's own pipelining schedules
 (``torch.distributed.pipelining``: PipelineStage + the schedule class of --pp-schedule,
-trace/pipeline_schedule.py) on the rank's stages. Shared by the trace (a fake process group, rank =
+parallel/pipeline_schedule.py) on the rank's stages. Shared by the trace (a fake process group, rank =
 ``spec.rank``) and validate/distributed_truth.py, so both run the same schedule.
 
 A stage: a transformers decoder (embed_tokens, layers, norm, lm_head) with the layers of other stages
@@ -14,7 +14,7 @@ M x --batch), and the schedule decides how many micro-batches' activations a sta
 
 Pipeline x data / tensor parallel (torchtitan's recipe, torchtitan/distributed/pipeline_parallel.py):
 the world is a ("pp", "dp", "tp") DeviceMesh; each stage's model is parallelised with TP on "tp"
-(trace/tensor_parallel.py), then FSDP2 ``fully_shard`` on "dp" (each layer and the stage module as
+(parallel/tensor_parallel.py), then FSDP2 ``fully_shard`` on "dp" (each layer and the stage module as
 units, so PipelineStage sees an FSDPModule and defers the gradient reduce-scatter to the last
 micro-batch, as torch's stage.py does), then wrapped in a PipelineStage on the "pp" group.
 
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import MemestError
-from ..spec import RunSpec
+from memest.errors import MemestError
+from memest.spec import RunSpec
 
 
 def split_layers(n_layers: int, spec: RunSpec) -> list[tuple[int, int]]:
@@ -82,7 +82,7 @@ def stage_modules(model: nn.Module, spec: RunSpec) -> list[tuple[int, StageModul
     """This rank's stages (one; two or more for the interleaved and V schedules): (stage index, module,
     layers). ``model`` is pruned in place to this rank's layers (what the rank holds); a rank with several
     stages runs shallow copies of it, one per stage."""
-    from .pipeline_schedule import rank_stages
+    from memest.parallel.pipeline_schedule import rank_stages
 
     base = _decoder_parts(model)
     bounds = split_layers(len(base.layers), spec)
@@ -139,7 +139,7 @@ def _static_args(model: nn.Module, spec: RunSpec, stage: int, n_stages: int, seq
 def _stream_dtype(model: nn.Module, spec: RunSpec):
     """The residual stream's dtype between stages: the weights' (fp32 under autocast's -mixed), or the
     16-bit compute dtype when FSDP2's MixedPrecisionPolicy casts the weights (dp > 1)."""
-    from .distributed import HALF
+    from memest.parallel.distributed import HALF
 
     if spec.dp > 1 and spec.mixed:
         return HALF[spec.precision]
@@ -174,7 +174,7 @@ class PipelineStep:
         """The stages and their schedule, built at the first step (static shapes need the sequence length)."""
         from torch.distributed.pipelining import PipelineStage
 
-        from .pipeline_schedule import torch_class
+        from memest.parallel.pipeline_schedule import torch_class
 
         model, spec = self.model, self.spec
         stages = []
@@ -219,7 +219,7 @@ class PipelineStep:
 
 
 def _mark_phases(stage, mark) -> None:
-    from .events import Phase
+    from memest.trace.events import Phase
 
     for name, phase in (("forward_one_chunk", Phase.FORWARD), ("backward_one_chunk", Phase.BACKWARD),
                         ("backward_weight_one_chunk", Phase.BACKWARD)):
@@ -237,7 +237,7 @@ def _mark_merge(schedule, mark) -> None:
     """The last stage's step ends by merging its micro-batches' outputs (torch's ``_merge_outputs``: one tensor
     of all M while the M chunks are held), marked as the loss phase's end of step (plan/parallel.py fits the
     step's segments apart)."""
-    from .events import Phase
+    from memest.trace.events import Phase
 
     merge = type(schedule)._merge_outputs
 
@@ -252,7 +252,7 @@ def _mark_merge(schedule, mark) -> None:
 def _received_values(stage) -> None:
     """The real ground truth on a fake "pp" group (pytorch#132644): nothing arrives, so a received activation or
     gradient would hold whatever its buffer's memory held. A MoE router decides on those values how many rows each
-    expert rank receives (trace/expert_parallel.py), so they are set in place (no allocation) to what a stage of
+    expert rank receives (parallel/expert_parallel.py), so they are set in place (no allocation) to what a stage of
     ``route_as``'s model sends: activations of ones (dimension 0 positive, as the embedding's output there; the router
     reads dimension 0 only) and zero gradients (the earlier stage's weights, routers included, keep their routing)."""
 
@@ -286,7 +286,7 @@ def _static_vote(stages, has_backward, p2p_done) -> None:
 
 
 def describe(step: PipelineStep, spec: RunSpec) -> str:
-    from .pipeline_schedule import SCHEDULES, describe_in_flight, in_flight
+    from memest.parallel.pipeline_schedule import SCHEDULES, describe_in_flight, in_flight
 
     parts = []
     for index, _, (lo, hi) in step.parts:

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import MemestError
-from .spec import RunSpec
+from memest.errors import MemestError
+from memest.spec.run import RunSpec
 
 _SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
 _INTERNAL = {"iterations", "lr", "compute_capability", "pp_stage", "ep_routing", "cp_rank"}  # not run-config keys
@@ -176,7 +176,7 @@ def _block(data: dict, key: str, schema: dict, where: str) -> dict | None:
 
 
 def _serve_choices(block: dict, where: str) -> None:
-    from .choices import CudaGraphs, Engine, KvDtype
+    from memest.spec.choices import CudaGraphs, Engine, KvDtype
 
     try:
         for k, cls in (("engine", Engine), ("kv_dtype", KvDtype), ("cuda_graphs", CudaGraphs)):

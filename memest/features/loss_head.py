@@ -40,8 +40,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..choices import LossHead
-from ..errors import MemestError
+from memest.errors import MemestError
+from memest.spec.choices import LossHead
 
 IGNORE_INDEX = -100  # transformers' and torch's label ignore_index
 TORCHTUNE_CHUNKS = 8  # torchtune LinearCrossEntropyLoss(num_output_chunks=8)

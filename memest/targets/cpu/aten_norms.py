@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..cuda.workspace import Workspace
+from memest.targets.cuda.workspace import Workspace
 
 
 def _bytes(t: torch.Tensor) -> int:

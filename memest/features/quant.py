@@ -180,7 +180,7 @@ def lora_layer_class(clone: bool = True):
     0.21), on memest's stand-in: defined only where peft imports bitsandbytes, so memest carries its
     forward: the base result cloned ("As per Tim Dettmers, for 4bit, we need to defensively clone here"),
     the input cast to the adapter's dtype and the adapter's output cast back when autocast is off.
-    ``clone=False``: peft's Linear8bitLt.forward (the same, without the clone; trace/quant_int8.py)."""
+    ``clone=False``: peft's Linear8bitLt.forward (the same, without the clone; features/quant_int8.py)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     class LoraBnbLinear(LoraLinear):

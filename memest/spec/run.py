@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .choices import (
+from memest.errors import MemestError
+from memest.spec.choices import (
     Attention,
     Cache,
     CheckpointPolicy,
@@ -23,7 +24,6 @@ from .choices import (
     Target,
     ZeroGrad,
 )
-from .errors import MemestError
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
@@ -77,31 +77,31 @@ class RunSpec:
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
-    loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (trace/loss_head.py)
-    tp: int = 1  # tensor-parallel ranks (trace/tensor_parallel.py); --world-size = dp x tp
+    loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
+    tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
-    pp: int = 1  # pipeline ranks (trace/pipeline_parallel.py); --world-size = pp x dp x tp
+    pp: int = 1  # pipeline ranks (parallel/pipeline_parallel.py); --world-size = pp x dp x tp
     pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     pp_virtual: int = 0  # --pp: stages per rank of the interleaved schedules (0 = the schedule's default)
     microbatches: int = 0  # --pp: micro-batches (of --batch) per step; 0 = --pp
     pp_split: str = ""  # --pp: layers per stage, e.g. "3,3,2" ("" = even)
     pp_stage: int = 0  # the stage traced (every stage is traced for a report; not a user option)
-    ep: int = 1  # expert-parallel ranks (trace/expert_parallel.py): MoE experts divided over ep of the dp ranks
+    ep: int = 1  # expert-parallel ranks (parallel/expert_parallel.py): MoE experts divided over ep of the dp ranks
     ep_routing: ExpertRouting = ExpertRouting.UNIFORM  # --ep: the routing split traced (both are; not a user option)
-    cp: int = 1  # context-parallel ranks (trace/context_parallel.py); --world-size = dp x cp
+    cp: int = 1  # context-parallel ranks (parallel/context_parallel.py); --world-size = dp x cp
     cp_rotate: CpRotate = CpRotate.ALLGATHER  # --cp: how the ring passes key/value blocks
     cp_rank: int = 0  # --cp: the context-parallel rank traced (every one is traced for a report; not a user option)
-    # fine-tuning (trace/finetune.py): peft LoRA ('' off; canonical r=..,alpha=..,dropout=..,targets=a,b),
+    # fine-tuning (features/finetune.py): peft LoRA ('' off; canonical r=..,alpha=..,dropout=..,targets=a,b),
     # parameters frozen by name pattern, the base's linear weights quantized as bitsandbytes stores them
     lora: str = ""
     freeze: str = ""
     quant: Quant = Quant.NONE
     double_quant: bool = True  # --quant: bitsandbytes' compress_statistics (bnb_4bit_use_double_quant)
     prepare_kbit: bool = False  # --quant: peft's prepare_model_for_kbit_training (non-quantized weights to fp32)
-    # torch.compile (trace/compiled.py): None = as the model code does (a model file may return torch.compile(model));
+    # torch.compile (features/compiled.py): None = as the model code does (a model file may return torch.compile(model));
     # True = compile an eager model as torch.compile(model) does (Inductor); False = trace a compiled model eager
     compile: bool | None = None
-    # ops whose output size depends on values: refuse (the error), or upper-bound (trace/upper_bound.py)
+    # ops whose output size depends on values: refuse (the error), or upper-bound (features/upper_bound.py)
     data_dependent: DataDependent = DataDependent.REFUSE
 
     def __post_init__(self) -> None:
@@ -284,7 +284,7 @@ class RunSpec:
 
     @property
     def stages_per_rank(self) -> int:
-        """Pipeline stages each rank runs (trace/pipeline_schedule.py): 1, or --pp-virtual (default 2)."""
+        """Pipeline stages each rank runs (parallel/pipeline_schedule.py): 1, or --pp-virtual (default 2)."""
         fixed = self.pp_schedule.stages_per_rank
         return fixed if fixed is not None else (self.pp_virtual or 2)
 
@@ -306,7 +306,7 @@ class RunSpec:
         return self.world_size // (self.pp * self.ep)
 
     def _check_finetune(self) -> None:
-        from .lora import freeze_patterns, parse_lora
+        from memest.spec.lora import freeze_patterns, parse_lora
 
         object.__setattr__(self, "lora", parse_lora(self.lora))
         object.__setattr__(self, "freeze", ",".join(freeze_patterns(self.freeze)))

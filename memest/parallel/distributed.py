@@ -40,11 +40,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..errors import MemestError
-from ..spec import RunSpec
-from .checkpointing import repeated_blocks
-from .events import Category, Phase, Trace
-from .optim import make_optimizer, optimizer_class
+from memest.errors import MemestError
+from memest.features.checkpointing import repeated_blocks
+from memest.features.optim import make_optimizer, optimizer_class
+from memest.spec import RunSpec
+from memest.trace.events import Category, Phase, Trace
 
 HALF = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -147,12 +147,12 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
 
 
 def _pipeline(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
-    """--pp: this rank's stages (trace/pipeline_parallel.py); with dp or tp ranks per stage, each stage
+    """--pp: this rank's stages (parallel/pipeline_parallel.py); with dp or tp ranks per stage, each stage
     module parallelised on its sub-mesh of the ("pp", "dp", "tp") mesh (TP, then FSDP2), as torchtitan
     does; with --ep the experts by transformers' expert parallel over ep of the stage's dp ranks first, their
-    experts modules FSDP2 units on the stage's efsdp mesh (trace/expert_parallel.py); the optimizer covers the
+    experts modules FSDP2 units on the stage's efsdp mesh (parallel/expert_parallel.py); the optimizer covers the
     rank's parameters."""
-    from .pipeline_parallel import PipelineStep, describe
+    from memest.parallel.pipeline_parallel import PipelineStep, describe
 
     group, parallelize, what = None, None, []
     if spec.world_size > spec.pp:
@@ -160,13 +160,13 @@ def _pipeline(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         with _real_values():
             group, dp_mesh, tp_mesh = mesh["pp"].get_group(), mesh["dp"], mesh["tp"]
         if spec.ep > 1:
-            from . import expert_parallel
+            from memest.parallel import expert_parallel
 
             with _real_values():
                 ep_mesh, efsdp_mesh, _ = expert_parallel.meshes(spec)
 
         def parallelize(stage: nn.Module) -> None:
-            from . import tensor_parallel
+            from memest.parallel import tensor_parallel
 
             if spec.tp > 1:
                 what.append(tensor_parallel.apply(stage.module, spec, tp_mesh))
@@ -207,9 +207,9 @@ def _pipeline_mesh(spec: RunSpec):
 
 def _tensor_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """--tp: torch's parallelize_module on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension
-    when there is one (torch's 2-D FSDP x TP recipe; trace/tensor_parallel.py). With --ep, the experts by
+    when there is one (torch's 2-D FSDP x TP recipe; parallel/tensor_parallel.py). With --ep, the experts by
     transformers' expert parallel between the two (as transformers' maybe_distribute_model orders them)."""
-    from . import expert_parallel, tensor_parallel
+    from memest.parallel import expert_parallel, tensor_parallel
 
     mesh = _mesh(spec.world_size, spec.tp)
     with _real_values():  # slicing reads the rank table
@@ -235,8 +235,8 @@ def _tensor_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
 
 def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     """--ep: transformers' expert parallel on its expert mesh, its experts modules FSDP2 units on the efsdp mesh,
-    then FSDP2 on every rank for the rest (trace/expert_parallel.py)."""
-    from . import expert_parallel
+    then FSDP2 on every rank for the rest (parallel/expert_parallel.py)."""
+    from memest.parallel import expert_parallel
 
     with _real_values():  # meshes read their rank tables
         ep_mesh, efsdp_mesh, tp_mesh = expert_parallel.meshes(spec)
@@ -250,11 +250,11 @@ def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
 
 def _context_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
     """--cp: FSDP2 over every rank (dp x cp, torchtitan's dp_shard_cp), the inputs cut on the sequence and the
-    attention run as torch's ring over the "cp" dimension (trace/context_parallel.py). With --tp: the --tp plan on
+    attention run as torch's ring over the "cp" dimension (parallel/context_parallel.py). With --tp: the --tp plan on
     the "tp" dimension of the ("dp", "cp", "tp") mesh first, then FSDP2 over its flattened dp x cp dimensions, as
     torchtitan applies TP, CP and FSDP (parallelize_llama); the colwise q/k/v hand SDPA local tensors of the rank's
     heads, so the ring runs on the 1-D cp mesh as without TP."""
-    from . import context_parallel as cp
+    from memest.parallel import context_parallel as cp
 
     cp.check_model(model, spec)
     with _real_values():  # meshes read their rank tables
@@ -264,7 +264,7 @@ def _context_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
             tp_mesh, dp_cp_mesh = mesh["tp"], mesh["dp", "cp"]._flatten("dp_cp")
     what = f"context parallel {spec.cp} (torch's ring attention, head-tail load balance, {spec.cp_rotate} rotation)"
     if spec.tp > 1:
-        from . import tensor_parallel
+        from memest.parallel import tensor_parallel
 
         what = f"{what} x TP {spec.tp}: {tensor_parallel.apply(model, spec, tp_mesh)}"
         with _real_mesh_concatenation():

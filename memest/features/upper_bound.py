@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .fake_kernels import registered_fake_kernels
+from memest.trace.fake_kernels import registered_fake_kernels
 
 aten = torch.ops.aten
 _INDEX_BYTES = 8  # int64 indices (nonzero's output dtype)

@@ -15,7 +15,7 @@ import difflib
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import MemestError
+from memest.errors import MemestError
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:

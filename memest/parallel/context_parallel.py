@@ -16,7 +16,7 @@ What a rank runs, as transformers' Trainer + accelerate run it (trainer.py ``_pr
              them for the CUDA SDPA ops only (``_sdpa_handler``: flash, efficient, cuDNN); ``cpu_ring_attention``
              adds the same template with the CPU flash op as its per-block kernel
              (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), which ``--target cpu`` and the
-             CPU ground truth run. ``--target cuda`` traces torch's own CUDA handlers (memest's trace/cuda/sdpa.py
+             CPU ground truth run. ``--target cuda`` traces torch's own CUDA handlers (memest's targets/cuda/sdpa.py
              calls the CUDA backend's op on the fake tensors). Key/value blocks rotate by all-gather (torch's
              default) or all-to-all (``--cp-rotate``, torch's ``set_rotate_method``); gradients of k/v always by
              all-to-all (torch's backward).
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import MemestError
-from ..spec import RunSpec
+from memest.errors import MemestError
+from memest.spec import RunSpec
 
 SEQ_DIM = 2  # q, k, v are (batch, heads, seq, head dim); torch's CP hard-codes it (``seq_dim = 2``)
 ROUND_ROBIN = 2  # head-tail: each rank holds 2 chunks of the sequence (_HeadTailLoadBalancer)

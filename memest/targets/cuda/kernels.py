@@ -24,9 +24,9 @@ import warnings
 
 import torch
 
-from .conv import ConvWorkspaces
-from .rnn import CudaRnn, backward_scratch, fix_reserve, forward_scratch
-from .sdpa import CUDA_SCRATCH as SDPA_SCRATCH
+from memest.targets.cuda.conv import ConvWorkspaces
+from memest.targets.cuda.rnn import CudaRnn, backward_scratch, fix_reserve, forward_scratch
+from memest.targets.cuda.sdpa import CUDA_SCRATCH as SDPA_SCRATCH
 
 aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)

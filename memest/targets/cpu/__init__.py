@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from ...units import format_bytes
-from . import aten_losses, aten_norms, onednn_rnn
-from .onednn_conv import ConvScratch
+from memest.targets.cpu import aten_losses, aten_norms, onednn_rnn
+from memest.targets.cpu.onednn_conv import ConvScratch
+from memest.units import format_bytes
 
 aten = torch.ops.aten
 

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from .workspace import Workspace
+from memest.targets.cuda.workspace import Workspace
 
 CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}  # cudnnRNNMode_t (RNN.cpp)
 RESERVE_PER_STEP = {0: 1, 1: 1, 2: 5, 3: 6}  # H-sized slots per step per layer in the reserve (measured)

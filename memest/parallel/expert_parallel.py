@@ -13,7 +13,7 @@ innermost). Shared by the trace and validate/distributed_truth.py, so both run o
               each experts module ``fully_shard``-ed on the efsdp mesh (world / ep copies of each expert group),
               gradient divide factor = the data-parallel size, sum reduction when efsdp > 1; then memest's FSDP2
               units (the blocks, the root) on every data-parallel rank.
-  with --tp   transformers' TP plan without the experts' rules (trace/tensor_parallel.py), then EP (ep a multiple
+  with --tp   transformers' TP plan without the experts' rules (parallel/tensor_parallel.py), then EP (ep a multiple
               of tp: each rank of a TP group dispatches its slice of the shared batch), then FSDP over dp, the
               order of transformers' DistributedMixin.maybe_distribute_model.
 
@@ -21,7 +21,7 @@ Activations are not divided by ep: each rank runs its own batch. What each rank 
 (the router's choices). The trace answers AllToAllEP's one value read (the split sizes, ``tolist()``) with an
 assumption (``spec.ep_routing``): ``uniform`` (each rank gets 1/ep of every rank's pairs, the expected balanced
 router) or ``one-rank`` (every rank sends all its pairs to the traced rank: ep x tokens x top-k rows arrive and
-run through its experts, the high end). The estimate traces both (pipeline.py) and reports them as a range.
+run through its experts, the high end). The estimate traces both (estimator.py) and reports them as a range.
 The real CPU runs of a routing (``route_as``) set router weights that make exactly that split for every token.
 """
 
@@ -33,8 +33,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..errors import MemestError
-from ..spec import RunSpec
+from memest.errors import MemestError
+from memest.spec import RunSpec
 
 IMPLEMENTATION = "memest_assumed_routing"  # registered with transformers' EPImplementationInterface for the trace
 

@@ -7,12 +7,12 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from .report.analysis import Report, analyse
-from .result import EstimateViews, budget_bytes
-from .sources import load_source
-from .spec import RunSpec
-from .trace.events import Trace
-from .trace.step import trace_step
+from memest.report.analysis import Report, analyse
+from memest.result import EstimateViews, budget_bytes
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace.events import Trace
+from memest.trace.step import trace_step
 
 
 @dataclass(repr=False)
@@ -50,7 +50,7 @@ class Estimate(EstimateViews):
     def verdict(self, capacity: int | str) -> str:
         """"fits" (the high end of the needed range fits), "tight" (expected fits, high does not) or
         "does-not-fit" (expected does not)."""
-        from .device.fit import verdict
+        from memest.device.fit import verdict
 
         _, expected, high = self.needed_range
         return verdict(expected, high, budget_bytes(capacity))
@@ -95,7 +95,7 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
     """--cp: the ring attention's work differs by rank (torch's head-tail load balance: rank r attends to half
     of the key/value blocks of lower ranks' chunks and with half its queries to the others'), so every cp rank
     is traced; the estimate is the one that needs the most, every rank listed (``report.context_parallel_ranks``)."""
-    from .units import format_bytes
+    from memest.units import format_bytes
 
     ranks = [_estimate_one(dataclasses.replace(spec, cp_rank=r), calibration, source) for r in range(spec.cp)]
     worst = max(ranks, key=lambda e: e.needed_bytes)
@@ -131,8 +131,8 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
 def _routing_range(spec: RunSpec, calibration: dict | None, source) -> Estimate:
     """--ep: what reaches a rank's experts depends on the router. Traced at the balanced split (every rank gets 1/ep
     of every rank's (token, expert) pairs: the expected need) and with every rank sending all its pairs to this one
-    (the high end of the range); trace/expert_parallel.py."""
-    from .units import format_bytes
+    (the high end of the range); parallel/expert_parallel.py."""
+    from memest.units import format_bytes
 
     # with --pp each routing's estimate is its worst pipeline rank's (every rank traced at both routings)
     runs = {r: _pipeline_ranks(dataclasses.replace(spec, ep_routing=r), calibration, source) for r in ("uniform", "one-rank")}
@@ -159,7 +159,7 @@ def _routing_range(spec: RunSpec, calibration: dict | None, source) -> Estimate:
 
 
 def _stages_note(stages: list[Estimate], worst: Estimate) -> str:
-    from .units import format_bytes
+    from memest.units import format_bytes
 
     rows = ", ".join(f"pipeline rank {i} {format_bytes(e.needed_bytes)}" for i, e in enumerate(stages))
     k = stages.index(worst)
@@ -172,7 +172,7 @@ def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
     trace = trace_step(source, spec)
     report = analyse(trace, spec, source.name)
     if spec.target == "cuda":
-        from .device.usage import device_usage
+        from memest.device.usage import device_usage
 
         report.device = device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration)
     report.trace_seconds = time.perf_counter() - start
@@ -204,8 +204,8 @@ def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
 
 def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
     """--world-size/--shard/--offload: what the trace is (details: trace.distributed.sharding_summary)."""
-    from .trace.distributed import sharding_summary
-    from .units import format_bytes
+    from memest.parallel.distributed import sharding_summary
+    from memest.units import format_bytes
 
     report.sharding = sharding_summary(trace)
     report.effective_batch *= spec.dp  # tensor-parallel ranks share one batch, pipeline stages too

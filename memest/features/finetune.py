@@ -1,17 +1,17 @@
-"""Fine-tuning applied to the built model: ``--freeze PATTERN``, ``--quant nf4|fp4|int8`` (trace/quant.py, trace/quant_int8.py) and
+"""Fine-tuning applied to the built model: ``--freeze PATTERN``, ``--quant nf4|fp4|int8`` (features/quant.py, features/quant_int8.py) and
 ``--lora`` through peft's own ``LoraConfig`` / ``get_peft_model`` (so adapter shapes, their fp32 dtype
 (peft's ``autocast_adapter_dtype``), the input casts and dropout are peft's). Applied in the order a QLoRA
 script applies them: the model in its dtype, its linear layers quantized, then LoRA; the real CPU ground
 truth runs the same function on real tensors.
 
-What the flags say is parsed in memest/lora.py."""
+What the flags say is parsed in memest/spec/lora.py."""
 
 from __future__ import annotations
 
 import fnmatch
 
-from ..errors import MemestError
-from ..lora import LoraSettings, freeze_patterns, lora_settings
+from memest.errors import MemestError
+from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -49,12 +49,12 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
     try:
         config = LoraConfig(**kwargs)
         if quant == "int8":
-            from .quant import lora_layer_class
-            from .quant_int8 import Linear8bitModel
+            from memest.features.quant import lora_layer_class
+            from memest.features.quant_int8 import Linear8bitModel
 
             config._register_custom_module({Linear8bitModel: lora_layer_class(clone=False)})
         elif quant != "none":
-            from .quant import Linear4bitModel, lora_layer_class
+            from memest.features.quant import Linear4bitModel, lora_layer_class
 
             config._register_custom_module({Linear4bitModel: lora_layer_class()})
         return get_peft_model(model, config)
@@ -86,27 +86,27 @@ def _quantize(model, spec, dtype, where: str) -> str:
     import torch
 
     if spec.quant == "int8":
-        from . import quant_int8
+        from memest.features import quant_int8
 
         n = quant_int8.quantize_linears(model, cuda_kernels=spec.target == "cuda")
         kernels = ("MatMul8bitLt with bitsandbytes' CUDA ops: the input cast to float16 and quantised to int8, an "
                    "int32 product dequantised to float16 then to the input's dtype" if spec.target == "cuda" else
                    "MatMul8bitFp, bitsandbytes' CPU training path: the weight dequantised, F.linear")
         note = (f"--quant int8: {n} linear layers stored as bitsandbytes' Linear8bitLt stores them (LLM.int8: int8 "
-                f"weight + a float32 scale per output row; modelled: trace/quant_int8.py), the output head and "
+                f"weight + a float32 scale per output row; modelled: features/quant_int8.py), the output head and "
                 f"non-linear modules unquantized; forward: {kernels}; each layer keeps its input for backward as a "
                 "ctx attribute, which activation checkpointing does not drop; backward dequantises the whole weight "
                 f"in the input's dtype. Outlier columns (inputs with |x| >= {quant_int8.THRESHOLD}, data-dependent) are traced as "
                 "none: each adds one input column per layer held until backward (at most one more copy of the "
                 "layer's input)")
     else:
-        from .quant import quantize_linears
+        from memest.features.quant import quantize_linears
 
         compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
         n = quantize_linears(model, str(spec.quant), spec.double_quant, compute)
         note = (
             f"--quant {spec.quant}: {n} linear layers stored as bitsandbytes' Linear4bit stores them (packed 4-bit, "
-            f"block-wise absmax{', double quantization' if spec.double_quant else ''}; modelled: trace/quant.py), "
+            f"block-wise absmax{', double quantization' if spec.double_quant else ''}; modelled: features/quant.py), "
             "the output head and non-linear modules unquantized; each layer's weight dequantised whole in forward "
             "and backward (bitsandbytes' dequant + F.linear path; at <= 1536 tokens per step bitsandbytes may pick a "
             "fused kernel on some GPUs that skips the forward copy)"

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import replace_linears
+from memest.features.quant import replace_linears
 
 THRESHOLD = 6.0  # transformers BitsAndBytesConfig(llm_int8_threshold=6.0) -> Linear8bitLt(threshold=...)
 

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .workspace import Workspace
+from memest.targets.cuda.workspace import Workspace
 
 HIGH_OVER_OPERANDS = 10  # measured maximum 9.06x the operand bytes (H100, cuDNN 9.19): see the module doc
 CHANNEL_ALIGN_16BIT = 8  # 16-bit operands are staged with channels padded to 8 (16 bytes): stem and patch convs

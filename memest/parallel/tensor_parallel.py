@@ -1,6 +1,6 @@
 """--tp N / --sp: the model parallelised with torch's own tensor-parallel API
 (``torch.distributed.tensor.parallel.parallelize_module``), on the tensor-parallel dimension of the
-rank's DeviceMesh (trace/distributed.py builds the mesh: a fake process group while tracing, gloo in
+rank's DeviceMesh (parallel/distributed.py builds the mesh: a fake process group while tracing, gloo in
 the real ground truth). Shared by the trace and validate/distributed_truth.py, so both run one plan.
 
 Plans (module name -> parallel style), for transformers decoder models:
@@ -34,8 +34,8 @@ import re
 
 from torch import nn
 
-from ..errors import MemestError
-from ..spec import RunSpec
+from memest.errors import MemestError
+from memest.spec import RunSpec
 
 # transformers' plan strings (transformers/integrations/tensor_parallel.py, ParallelInterface) that
 # have a torch parallel style of the same meaning

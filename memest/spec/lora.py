@@ -1,5 +1,5 @@
 """What --lora and --freeze say, parsed without importing torch (RunSpec validates with it; the
-application to a model is trace/finetune.py).
+application to a model is features/finetune.py).
 
 ``--lora`` is ``r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj`` (``targets=all-linear``:
 peft's every linear layer but the output head); keys left out take peft's defaults (r=8, alpha=8,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import MemestError
+from memest.errors import MemestError
 
 _KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
 _ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "targets", "rank": "r"}

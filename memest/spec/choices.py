@@ -11,7 +11,7 @@ import difflib
 import re
 from enum import Enum
 
-from .errors import MemestError
+from memest.errors import MemestError
 
 
 class Choice(str, Enum):
@@ -68,12 +68,12 @@ class Precision(Choice):
 
 
 class Quant(Choice):
-    """--quant: the base model's linear weights as bitsandbytes stores them (QLoRA; trace/quant.py, quant_int8.py)."""
+    """--quant: the base model's linear weights as bitsandbytes stores them (QLoRA; features/quant.py, quant_int8.py)."""
 
     NONE = "none"
     NF4 = "nf4"  # 4-bit NormalFloat (QLoRA's default)
     FP4 = "fp4"  # 4-bit float
-    INT8 = "int8"  # LLM.int8: bitsandbytes' Linear8bitLt (trace/quant_int8.py)
+    INT8 = "int8"  # LLM.int8: bitsandbytes' Linear8bitLt (features/quant_int8.py)
 
 
 class Target(Choice):
@@ -112,7 +112,7 @@ class Shard(Choice):
 
 
 class PipelineSchedule(Choice):
-    """--pp-schedule: torch.distributed.pipelining's schedules (trace/pipeline_schedule.py); how many
+    """--pp-schedule: torch.distributed.pipelining's schedules (parallel/pipeline_schedule.py); how many
     micro-batches each stage holds comes from walking the schedule's own action order."""
 
     ONE_F_ONE_B = "1f1b"  # Schedule1F1B
@@ -121,7 +121,7 @@ class PipelineSchedule(Choice):
     LOOPED_BFS = "looped-bfs"  # ScheduleLoopedBFS: --pp-virtual stages per rank, breadth first
     # not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
     # ScheduleDualPipeV) fail in a real CPU run of a transformers decoder in torch 2.13: their split
-    # backward (stage_backward_input) raises "Can't detach views in-place" (trace/pipeline_schedule.py
+    # backward (stage_backward_input) raises "Can't detach views in-place" (parallel/pipeline_schedule.py
     # still walks their order)
 
     @property
@@ -159,7 +159,7 @@ class DataDependent(Choice):
 
 
 class LossHead(Choice):
-    """--loss-head: standard | chunked[:N] | fused (the kind of a value; trace/loss_head.py)."""
+    """--loss-head: standard | chunked[:N] | fused (the kind of a value; features/loss_head.py)."""
 
     STANDARD = "standard"  # the model's own LM head and loss: whole logits
     CHUNKED = "chunked"  # torchtune's LinearCrossEntropyLoss: head + cross-entropy per chunk, autograd as usual
@@ -199,7 +199,7 @@ class CudaGraphs(Choice):
 
 
 class ExpertRouting(Choice):
-    """--ep: how many of the routed (token, expert) pairs reach the traced rank (trace/expert_parallel.py). The real
+    """--ep: how many of the routed (token, expert) pairs reach the traced rank (parallel/expert_parallel.py). The real
     split is data-dependent; an estimate traces both and reports them as its range. Not a user option."""
 
     UNIFORM = "uniform"  # every rank receives 1/ep of every rank's pairs (the expected, balanced router)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...errors import MemestError
+from memest.errors import MemestError
 
 ATTENTION_CHOICES = ("auto", "flash", "efficient", "math")
 FLASH_MAX_HEAD_DIM = 256  # check_head_dim_size_flash

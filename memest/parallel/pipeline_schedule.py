@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 # schedule -> (torch class, placement of stages on ranks: torch's generate_stage_to_rank_mapping style,
 # stages per rank or None where --pp-virtual sets it). The zero-bubble ones are walked, not offered as
-# --pp-schedule: their split backward fails on a transformers decoder in a real run (choices.py)
+# --pp-schedule: their split backward fails on a transformers decoder in a real run (spec/choices.py)
 SCHEDULES: dict[str, tuple[str, str, int | None]] = {
     "1f1b": ("Schedule1F1B", "loop", 1),
     "gpipe": ("ScheduleGPipe", "loop", 1),

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..choices import Optimizer, Target
-from ..spec import RunSpec
+from memest.spec import RunSpec
+from memest.spec.choices import Optimizer, Target
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def optimizer_class(spec: RunSpec) -> tuple[type, dict]:
         else:
             kwargs["foreach"] = True
     if info.cls == "adam8bit":
-        from .adam8bit import Adam8bitModel
+        from memest.features.adam8bit import Adam8bitModel
 
         if spec.target == Target.CPU:
             kwargs.pop("paged", None)  # bitsandbytes falls back to non-paged buffers on CPU (get_state_buffer)
