@@ -79,6 +79,12 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     )
 
 
+# a serving config's ``serve:`` keys that are ServeSpec fields (YAML key -> field)
+SERVE_SPEC_KEYS = {"max_model_len": "max_model_len", "gpu_memory_utilization": "utilization", "tp": "tp",
+                   "kv_dtype": "kv_dtype", "block_size": "block_size", "max_num_seqs": "max_num_seqs",
+                   "max_num_batched_tokens": "max_num_batched_tokens", "engine": "engine", "cuda_graphs": "cuda_graphs"}
+
+
 def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: bool = False) -> CheckRow:
     """A serving config (``serve:``): needed = what the engine subtracts before its KV cache + the KV of
     ``min_concurrency`` (default 1) full-length sequences; budget = what it may use (vLLM: total x
@@ -89,11 +95,8 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
     margin = margin if margin is not None else config.margin
     s = config.serve
     total, _ = serve_total(gpu)
-    spec = ServeSpec(config.values["model"], total, gpu.flag, max_model_len=s.get("max_model_len"),
-                     utilization=s.get("gpu_memory_utilization"), tp=s.get("tp", 1), kv_dtype=s.get("kv_dtype", "auto"),
-                     block_size=s.get("block_size", 16), max_num_seqs=s.get("max_num_seqs"),
-                     max_num_batched_tokens=s.get("max_num_batched_tokens"), engine=s.get("engine", "vllm"),
-                     cuda_graphs=s.get("cuda_graphs", "profiled"), compute_capability=gpu.compute_capability,
+    settings = {field: s[key] for key, field in SERVE_SPEC_KEYS.items() if key in s}  # ServeSpec's defaults else
+    spec = ServeSpec(config.values["model"], total, gpu.flag, **settings, compute_capability=gpu.compute_capability,
                      **serve_measured(gpu, s.get("tp", 1), s.get("non_torch_memory")))
     plan = plan_serve(spec)
     gate = plan.engine.gate(max(s.get("min_concurrency", 1), 1))
