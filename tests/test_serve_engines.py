@@ -3,11 +3,14 @@ third engine registered there yields a plan, a view, a check row and a colocate 
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import memest
 from memest.app import ServeRun, resolve_gpu
 from memest.errors import MemestError
 from memest.plan.check import check_serve_config
@@ -123,3 +126,21 @@ def test_an_engine_that_does_not_start_is_refused_everywhere(half):
 
 def test_serve_verdict_words_are_the_json_values():
     assert [str(v) for v in ServeVerdict] == ["starts", "may-not-start", "will-not-start"]
+
+
+def _imports(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+
+def test_serve_and_check_never_import_the_app_layer():
+    """No app <-> plan/check circle: the serve helpers live in serve/, which imports neither the app layer nor the
+    planners or views above it; check imports serve, and app imports check only."""
+    root = Path(memest.__file__).parent
+    for path in sorted((root / "serve").glob("*.py")):
+        above = {m for m in _imports(path) if m.startswith(("memest.app", "memest.plan", "memest.report",
+                                                            "memest.cli", "memest.api"))}
+        assert not above, f"{path.name} imports {above}"
+    assert not {m for m in _imports(root / "plan" / "check.py") if m.startswith("memest.app")}
+    assert not {m for m in _imports(root / "report" / "views.py") if m.startswith("memest.serve")}
