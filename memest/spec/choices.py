@@ -238,3 +238,11 @@ class CheckpointPolicy(Choice):
 
 def choices_help(cls: type[Choice]) -> str:
     return " | ".join(cls.values())
+
+
+class ServeVerdict(Choice):
+    """memest serve: does the engine start (serve/engine.py ServePlan.verdict)?"""
+
+    STARTS = "starts"  # one max_model_len sequence fits with every cost at the high end of its range
+    MAY_NOT_START = "may-not-start"  # it fits only with the expected or the low-end costs
+    WILL_NOT_START = "will-not-start"  # not even then, or a refusal that does not depend on the ranges
