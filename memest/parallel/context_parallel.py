@@ -2,7 +2,7 @@
 ``_context_parallel/_attention.py``), on the "cp" dimension of a ("dp", "cp") mesh; the parameters FSDP2-sharded
 over every rank of it (dp x cp), as torchtitan shards them (``dp_shard_cp``); with --tp on a ("dp", "cp", "tp")
 mesh, the --tp plan on "tp" and FSDP2 over the flattened dp x cp (parallel/distributed._context_parallel; the meshes
-from ParallelDims.build_mesh). Shared by the trace (fake process group, fake tensors) and
+from parallel.dims.build_mesh). Shared by the trace (fake process group, fake tensors) and
 validate/distributed_truth.py (gloo), so both run one step.
 
 What a rank runs, as transformers' Trainer + accelerate run it (trainer.py ``_prepare_context_parallel_inputs``):

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.features.optim import make_optimizer, optimizer_class
-from memest.parallel.dims import Meshes, real_values
+from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.spec import RunSpec
 from memest.trace.events import Category, Phase, Trace
 
@@ -112,11 +112,11 @@ def _clear_dtensor_caches() -> None:
 
 # -- wrapping (shared by the trace and the real ground truth) ------------------------------------
 def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
-    """Wrap ``model`` as ``spec``'s layout says (``spec.parallel``: one mesh, ``ParallelDims.build_mesh``; one apply
+    """Wrap ``model`` as ``spec``'s layout says (``spec.parallel``: one mesh, ``parallel.dims.build_mesh``; one apply
     order, ``_parallelize``: TP, then EP, then FSDP2, then the pipeline stage); ``fake``: under a fake process
     group on fake tensors."""
     dims = spec.parallel
-    meshes = dims.build_mesh()
+    meshes = build_mesh(dims)
     if dims.pp_enabled:
         return _pipeline(model, spec, meshes, fake)
     if dims.cp_enabled:

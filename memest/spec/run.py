@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from memest.errors import MemestError
-from memest.parallel.dims import ParallelDims, validate
 from memest.spec.choices import (
     Attention,
     Cache,
@@ -25,6 +24,7 @@ from memest.spec.choices import (
     Target,
     ZeroGrad,
 )
+from memest.spec.parallel_dims import ParallelDims, validate
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
