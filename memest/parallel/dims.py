@@ -18,7 +18,9 @@ def build_mesh(dims: ParallelDims) -> Meshes:
     """The device meshes of this layout (module doc), on the process group this process runs in (the trace's fake
     one, or gloo in validate/distributed_truth.py). Pipeline dimensions are fake groups in both:
     torch.distributed.pipelining's transfers hang on gloo (pytorch#132644), so they complete at once and move no
-    data."""
+    data. DDP and a pipeline of one rank per stage get no mesh (nothing is built)."""
+    if not dims.mesh_dims and not dims.ep_enabled:
+        return Meshes()
     from torch.distributed.device_mesh import init_device_mesh
 
     if dims.pp_enabled:
