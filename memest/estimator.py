@@ -68,16 +68,16 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Est
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
-    if spec.ep > 1:
+    if spec.parallel.ep_enabled:
         return _routing_range(spec, calibration, source)
-    if spec.cp > 1:
+    if spec.parallel.cp_enabled:
         return _context_parallel_ranks(spec, calibration, source)
     return _pipeline_ranks(spec, calibration, source)
 
 
 def _pipeline_ranks(spec: RunSpec, calibration: dict | None, source) -> Estimate:
     """The step of one rank, or with --pp every pipeline rank's, the one that needs the most returned."""
-    if spec.pp == 1:
+    if not spec.parallel.pp_enabled:
         return _estimate_one(spec, calibration, source)
     stages = [_estimate_one(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
     worst = max(stages, key=lambda e: e.needed_bytes)
@@ -111,7 +111,7 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
         "needs the most (the verdict is its); data-parallel groups repeat these ranks (the last can hold FSDP2's "
         "shorter last shard where a split is uneven: the first group's trace is its upper bound)"
         + (f", and each cp rank's {spec.tp} tensor-parallel ranks run the same shapes (its first is traced)"
-           if spec.tp > 1 else "")
+           if spec.parallel.tp_enabled else "")
     ))
     kernel = (
         "the CPU flash-attention op inside each ring step (memest's handler: torch registers ring handlers for the "
@@ -209,7 +209,7 @@ def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
 
     report.sharding = sharding_summary(trace)
     report.effective_batch *= spec.dp  # tensor-parallel ranks share one batch, pipeline stages too
-    if spec.pp > 1:
+    if spec.parallel.pp_enabled:
         report.effective_batch *= spec.microbatches_per_step
     if spec.world_size > 1 and trace.parallel:
         report.notes.append(f"per-rank estimate: rank {spec.rank} of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
