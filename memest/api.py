@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.options import serve_args, serve_names
 
 
 def estimate(
@@ -90,12 +91,10 @@ def serve_capacity(model: str, gpu: str, **options: Any) -> dict:
     from memest.app import run_serve
     from memest.report.views import serve_view
 
-    known = {"max_model_len", "utilization", "tp", "kv_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
-             "engine", "cuda_graphs", "non_torch_memory", "calibration"}
+    known = {*serve_names(), "calibration"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise MemestError(f"memest.serve_capacity(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     calibration = options.pop("calibration", None)
-    args = {"model": model, **{k: (str(v) if k in ("kv_dtype", "engine", "cuda_graphs") else v)
-                               for k, v in options.items()}}
+    args = {"model": model, **serve_args(options)}
     return serve_view(run_serve(args, gpu, calibration=calibration)).doc

@@ -24,6 +24,7 @@ from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
 from memest.spec.choices import Target
+from memest.spec.options import searched_set
 from memest.units import format_bytes
 
 Progress = Callable[[str], None]
@@ -505,9 +506,8 @@ def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
     ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     check_seq_limit(ctx.runner.source, [ctx.runner.base.seq])
     with user_code(spec_args["model"]):
-        advice = advise(ctx.runner, ctx.gpu.capacity_bytes, gpus=gpus, budget_label=ctx.gpu.budget_label)
-    if advice.command:
-        advice.command += f" --gpu {gpu}" + (f" --calibration {calibration}" if calibration else "")
+        advice = advise(ctx.runner, ctx.gpu.capacity_bytes, gpus=gpus, budget_label=ctx.gpu.budget_label,
+                        command_options={"gpu": gpu, "calibration": calibration})
     return AdviseRun(advice, ctx.gpu, spec_args["model"])
 
 
@@ -515,6 +515,7 @@ def run_advise(spec_args: dict, gpu: str, progress: Progress | None = None,
 class ParallelPlanRun:
     plan: object  # plan.parallel.ParallelPlan
     gpu: GpuContext
+    calibration: str | None = None  # --calibration, for the layouts' command lines
 
 
 def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress | None = None,
@@ -528,15 +529,24 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
         raise MemestError(f"--gpus must be at least 1, got {gpus}")
     if top < 0:
         raise MemestError(f"--top must be 0 (every layout) or more, got {top}")
+    searched = searched_set(spec_args)
+    if searched:
+        raise MemestError(f"plan-parallel sets {', '.join(searched)} itself for each layout it searches; drop them "
+                          "(memest estimate traces one layout)")
     ctx = resolve_gpu(gpu, need_budget=True, target=spec_args.get("target", Target.CUDA), calibration=calibration)
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
+    if not spec.training:
+        raise MemestError(f"plan-parallel lays out training steps; drop --mode {spec.mode}")
+    if spec.compile and gpus > 1:
+        raise MemestError("--compile: plan-parallel's layouts run under FSDP/DDP, where a compiled model is not "
+                          "modelled; drop --compile")
     with user_code(spec.model), ticker("plan-parallel", progress):
         plan = plan_parallel(spec.model, gpus, ctx.capacity_bytes, ctx.budget_label, spec,
                              calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress,
                              top=top or None)
     if ctx.calibration_note and spec.target == Target.CUDA:
         plan.notes.append(ctx.calibration_note)
-    return ParallelPlanRun(plan, ctx)
+    return ParallelPlanRun(plan, ctx, None if calibration is None else str(calibration))
 
 
 # ------------------------------------------------------------------------------- gpus, calibrate

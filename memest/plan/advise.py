@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shlex
 from dataclasses import asdict, dataclass, field
 
+from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.plan.runner import Runner
 from memest.spec import RunSpec
+from memest.spec.options import command_line
 from memest.units import format_bytes
 
 
@@ -33,6 +34,7 @@ class Remedy:
     note: str = ""  # for a change that does not lower the need: why (what grows at its peak)
     lowers_need: bool = True  # False: needs as much as the base or more; listed, never recommended
     derived: bool = False  # a layout from plan-parallel's planner (need derived from cut-depth traces); not combined
+    command: str = ""  # the `memest estimate` command line that reproduces it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,18 +164,25 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
     return "0% FLOPs (same work in smaller kernels)"
 
 
-def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label: str = "") -> Advice:
+def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label: str = "",
+           command_options: dict | None = None) -> Advice:
     """Every saver re-traced. A change that does not lower the need is listed with why, never ranked
     as a remedy; when the base already fits nothing is recommended. ``gpus``: also the best layouts of
-    that many GPUs from plan-parallel's planner (hf: models), priced per rank and in bytes sent per step."""
+    that many GPUs from plan-parallel's planner (hf: models), priced per rank and in bytes sent per step.
+    ``command_options``: estimate's own options (gpu=, calibration=) every remedy's command line adds."""
+    extra = command_options or {}
     base = runner.run()
     advice = Advice(base.needed_bytes, capacity, base.fits(capacity))
     if gpus:
-        advice.remedies += parallel_remedies(runner, capacity, gpus, budget_label, advice)
+        advice.remedies += parallel_remedies(runner, capacity, gpus, budget_label, advice, extra)
     for name, changes, rank in candidates(runner):
+        try:
+            spec = dataclasses.replace(runner.base, **changes)
+        except MemestError:
+            continue  # the saver contradicts the base's own options (e.g. ZeRO-3 over 2 GPUs of a --tp 2 run)
         result = runner.run(**changes)
         remedy = Remedy(name, changes, result.needed_bytes, result.fits(capacity),
-                        _time_cost(name, changes, result, runner.base), rank)
+                        _time_cost(name, changes, result, runner.base), rank, command=command_line(spec, **extra))
         if result.needed_bytes >= base.needed_bytes:
             remedy.lowers_need = False
             remedy.note = why_not_lower(base, result)
@@ -187,8 +196,10 @@ def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label:
         usable = [r for r in advice.remedies if r.lowers_need and (r.fits or not r.derived)]
         advice.combination = _cheapest_combination(runner, capacity, usable)
     if advice.combination is not None:
-        spec = dataclasses.replace(runner.base, **advice.combination.changes)
-        advice.command = command_line(spec)
+        if not advice.combination.command:  # a combination of several remedies
+            spec = dataclasses.replace(runner.base, **advice.combination.changes)
+            advice.combination.command = command_line(spec, **extra)
+        advice.command = advice.combination.command
     advice.traces = runner.traces + (advice.parallel or {}).get("traces", 0)
     return advice
 
@@ -196,7 +207,8 @@ def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label:
 PARALLEL_LAYOUTS = 3  # the planner's best layouts offered as remedies
 
 
-def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: str, advice: Advice) -> list[Remedy]:
+def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: str, advice: Advice,
+                      extra: dict | None = None) -> list[Remedy]:
     """The planner's best layouts of ``gpus`` GPUs (plan/parallel.py: the same traces and extrapolation as
     `memest plan-parallel`), each priced in memory per rank and in bytes each rank sends per step."""
     from memest.plan.parallel import plan_parallel
@@ -213,7 +225,7 @@ def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: st
         out.append(Remedy(
             f"{lay.name} on {gpus} GPUs (plan-parallel)", lay.changes(), lay.needed_bytes, lay.fits,
             f"~{format_bytes(lay.comm_bytes)} sent per step per rank; needs {gpus} GPUs; per-rank need from {lay.derived_from}",
-            0.3 + 0.05 * gpus + 0.001 * i, derived=True,
+            0.3 + 0.05 * gpus + 0.001 * i, derived=True, command=command_line(lay.spec(base), **(extra or {})),
         ))
     return out
 
@@ -251,36 +263,3 @@ def _cheapest_combination(runner: Runner, capacity: int, remedies: list[Remedy])
             return Remedy(" + ".join(names), changes, result.needed_bytes, True, "see the remedies above",
                           sum(r.cost_rank for r in ordered if r.name in names))
     return None
-
-
-def command_line(spec: RunSpec, gpu: str | None = None) -> str:
-    """The `memest estimate` command that reproduces ``spec``."""
-    defaults = RunSpec(model=spec.model)
-    parts = ["memest", "estimate", spec.model]
-    flags = {
-        "batch": "--batch", "seq": "--seq", "optim": "--optim", "precision": "--precision", "target": "--target",
-        "grad_accum": "--grad-accum", "checkpointing": "--checkpointing", "zero_grad": "--zero-grad",
-        "world_size": "--world-size", "shard": "--shard", "offload": "--offload", "attention": "--attention",
-        "mode": "--mode", "new_tokens": "--new-tokens", "cache": "--cache", "outputs": "--outputs",
-        "loss_head": "--loss-head", "lora": "--lora", "freeze": "--freeze", "quant": "--quant", "tp": "--tp", "pp": "--pp", "ep": "--ep",
-        "data_dependent": "--data-dependent",
-    }
-    for field_name, flag in flags.items():
-        value = getattr(spec, field_name)
-        if value != getattr(defaults, field_name) or field_name in ("batch", "seq") and value is not None:
-            parts += [flag, str(value)]
-    if spec.sp:
-        parts.append("--sp")
-    if spec.fused:
-        parts.append("--fused")
-    if spec.cudnn_benchmark:
-        parts.append("--cudnn-benchmark")
-    if not spec.double_quant and spec.quant in ("nf4", "fp4"):
-        parts.append("--no-double-quant")
-    if spec.prepare_kbit:
-        parts.append("--prepare-kbit")
-    if spec.compile is not None:
-        parts.append("--compile" if spec.compile else "--no-compile")
-    if gpu:
-        parts += ["--gpu", gpu]
-    return " ".join(shlex.quote(p) for p in parts)

@@ -69,6 +69,7 @@ from memest.parallel.dims import ParallelDims
 from memest.plan import parallel_bounds
 from memest.spec import RunSpec
 from memest.spec.choices import Shard
+from memest.spec.options import command_line
 
 LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
 MICRO = (2, 3)  # pipelines: traced in m-stage pipelines of m micro-batches
@@ -122,17 +123,18 @@ class Layout:
         return {"world_size": self.world_size, "tp": self.tp, "sp": self.sp, "pp": self.pp, "ep": self.ep,
                 "shard": "zero3" if self.dp > 1 else "none"}
 
-    def command(self, model: str, base: RunSpec) -> str:
-        flags = [f"--world-size {self.world_size}"]
-        if self.tp > 1:
-            flags.append(f"--tp {self.tp}" + (" --sp" if self.sp else ""))
-        if self.dp > 1:
-            flags.append("--shard zero3")
-        if self.pp > 1:
-            flags.append(f"--pp {self.pp}")
-        if self.ep > 1:
-            flags.append(f"--ep {self.ep}")
-        return f"memest estimate {model} --batch {base.batch} --seq {base.seq} --precision {base.precision} --optim {base.optim} " + " ".join(flags)
+    def spec(self, base: RunSpec) -> RunSpec:
+        """``base`` laid out so (a pipeline: its schedule and micro-batches too), as `memest estimate` traces it."""
+        extra = {"microbatches": self.microbatches, "pp_schedule": self.schedule} if self.dims.pp_enabled else {}
+        return dataclasses.replace(base, **self.changes(), **extra)
+
+    def command(self, base: RunSpec, **extra) -> str:
+        """The `memest estimate` command line of this layout (``extra``: estimate's own options, e.g. gpu=); ''
+        where ``base`` cannot be laid out so (its error says why)."""
+        try:
+            return command_line(self.spec(base), **extra)
+        except MemestError:
+            return ""
 
 
 @dataclass

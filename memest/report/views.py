@@ -256,13 +256,15 @@ def plan_parallel_view(run) -> View:
     blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]
-    best = next((lay for lay in p.layouts if lay.fits and not lay.error), None)
+    from memest.spec import RunSpec
+
+    base = RunSpec(**p.base)
+    commands = [lay.command(base, gpu=run.gpu.flag, calibration=run.calibration) for lay in p.layouts]
+    best = next((i for i, lay in enumerate(p.layouts) if lay.fits and not lay.error), None)
     if best is None:
         blocks.append("no layout searched fits")
     else:
-        from memest.spec import RunSpec
-
-        blocks.append(f"best: {best.name}\n  {best.command(p.model, RunSpec(**p.base))} --gpu {run.gpu.budget_label}")
+        blocks.append(f"best: {p.layouts[best].name}\n  {commands[best]}")
     if p.check:
         c = p.check
         where = f"{c['depth_per_stage']} layers per stage" + (f", {c['microbatches']} micro-batches" if c["microbatches"] else "")
@@ -272,7 +274,10 @@ def plan_parallel_view(run) -> View:
                       f"{format_bytes(c['traced_needed_bytes'])} ({100 * c['needed_error']:+.2f}%)")
     blocks += [f"note: {n}" for n in p.notes]
     blocks.append(f"planned in {p.seconds:.1f} s ({p.traces} traces)")
-    return View({"budget": run.gpu.budget_label, **p.to_dict()}, blocks)
+    doc = {"budget": run.gpu.budget_label, **p.to_dict()}
+    for layout, command in zip(doc["layouts"], commands, strict=True):
+        layout["command"] = command
+    return View(doc, blocks)
 
 
 # ---------------------------------------------------------------------------------- gpus, calibrate

@@ -246,3 +246,20 @@ class ServeVerdict(Choice):
     STARTS = "starts"  # one max_model_len sequence fits with every cost at the high end of its range
     MAY_NOT_START = "may-not-start"  # it fits only with the expected or the low-end costs
     WILL_NOT_START = "will-not-start"  # not even then, or a refusal that does not depend on the ranges
+
+
+# --optim's help: the state each optimizer keeps (features/optim.py models it); every member listed
+_OPTIM_STATE = {
+    Optimizer.ADAM: "2 fp32 states", Optimizer.ADAMW: "2 fp32 states", Optimizer.SGD_MOMENTUM: "1",
+    Optimizer.SGD: "none", Optimizer.ADAFACTOR: "factored", Optimizer.ADAM8BIT: "bitsandbytes 8-bit state",
+    Optimizer.PAGED_ADAMW_8BIT: "bitsandbytes paged 8-bit state", Optimizer.PAGED_ADAMW_32BIT: "bitsandbytes paged "
+    "32-bit state",
+}
+
+
+def optim_help() -> str:
+    """--optim's help, from the Optimizer enum: members that keep the same state share an entry."""
+    groups: dict[str, list[str]] = {}
+    for member in Optimizer:
+        groups.setdefault(_OPTIM_STATE[member], []).append(member.value)
+    return "; ".join(f"{'/'.join(names)}: {state}" for state, names in groups.items()) + "."

@@ -36,27 +36,20 @@ A ``colocate:`` mapping on a training config adds a vLLM rollout engine on the s
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec import options
 from memest.spec.run import RunSpec
 
-_SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
-_INTERNAL = {"iterations", "lr", "compute_capability", "pp_stage", "ep_routing", "cp_rank"}  # not run-config keys
-SPEC_KEYS = sorted(k for k in _SPEC_FIELDS if k not in _INTERNAL)
+SPEC_KEYS = sorted(options.spec_options())  # every RunSpec field a user sets (spec/options.py)
 EXTRA_KEYS = ("gpu", "margin", "name", "calibration", "serve", "colocate")
-SERVE_KEYS = {"max_model_len": int, "gpu_memory_utilization": float, "tp": int, "kv_dtype": str, "block_size": int,
-              "max_num_seqs": int, "max_num_batched_tokens": int, "engine": str, "cuda_graphs": str,
-              "min_concurrency": int, "non_torch_memory": float}
+SERVE_KEYS = options.serve_keys()
 COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int, "tp": int, "non_torch_memory": float}
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
-
-_INT_KEYS = {"batch", "seq", "grad_accum", "new_tokens", "world_size", "tp", "pp", "microbatches", "ep", "cp"}
-_BOOL_KEYS = {"fused", "cudnn_benchmark", "sp", "double_quant", "prepare_kbit", "compile"}
 
 
 @dataclass
@@ -202,11 +195,12 @@ def _relative_to(model: str, config_path: str | Path) -> str:
 def _typed(key: str, value: Any, where: str) -> Any:
     if key == "lora" and isinstance(value, (dict, bool)):
         return value  # a mapping (r:, alpha:, dropout:, targets:) or true (peft's defaults); RunSpec parses it
-    if key in _INT_KEYS:
+    kind = options.yaml_kind(key)
+    if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise MemestError(f"{where}{key}: expected a whole number, got {value!r}")
         return value
-    if key in _BOOL_KEYS:
+    if kind is bool:
         if not isinstance(value, bool):
             raise MemestError(f"{where}{key}: expected true or false, got {value!r}")
         return value

@@ -1,0 +1,319 @@
+"""Every command-line option, declared once (torchtitan's model: a config field whose help is read by CLI,
+config file and code alike). One row per option: its name (the command's parameter and, for a step option, the
+RunSpec field), flags, help, type, default, the commands that take it and its YAML key. From this table come
+the typer signatures of every command (cli.py), the YAML schema (spec/config.py), ``to_argv`` (every printed
+reproduction command) and ``check``'s overrides.
+
+An option whose meaning differs between commands has one row per meaning (whatif's ``--batch`` is a list of
+sizes, estimate's one size). A step option's default is RunSpec's (``SPEC``), never a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import typing
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from memest.spec.choices import (
+    Choice,
+    CudaGraphs,
+    Engine,
+    KvDtype,
+    OutputFormat,
+    optim_help,
+)
+from memest.spec.run import RunSpec
+
+SPEC = object()  # default: RunSpec's own default for the field
+REQUIRED = object()  # no default: the user must give it
+
+# the commands that trace one training (or inference) step and share its options; check takes each as an override
+STEP = ("estimate", "whatif", "max-batch", "advise", "plan-parallel", "check")
+OUTPUT = ("estimate", "check", "whatif", "max-batch", "advise", "serve", "plan-parallel", "gpus", "calibrate")
+_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
+
+
+def _field_type(hint) -> tuple[type, bool]:
+    """(type, None allowed) of a RunSpec field's annotation (``int | None`` -> (int, True))."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return (args[0], True) if args else (hint, False)
+
+
+_FIELD_TYPES = {name: _field_type(hint) for name, hint in typing.get_type_hints(RunSpec).items()}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the command's parameter; for a step option, the RunSpec field
+    flags: tuple[str, ...]  # long flag first ("--x/--no-x" for a switch with both forms), short flags after
+    help: str
+    kind: Any = SPEC  # int | float | str | bool | a Choice enum (SPEC: the RunSpec field's type)
+    commands: tuple[str, ...] = STEP
+    default: Any = SPEC
+    optional: bool | None = None  # None is a value (typer: Optional[kind]); None: as the RunSpec field's type says
+    argument: bool = False  # positional
+    searched: bool = False  # plan-parallel sets it per layout (it refuses a value the user gives)
+    grid: bool = False  # a list of sizes (whatif), not the RunSpec field of the same name
+    override: str = ""  # check's help ('' : "Override: " + help)
+    yaml: str | None = None  # the YAML key: a step option's is its name; serve's, in the serve: block
+
+    def __post_init__(self) -> None:
+        kind, optional = _FIELD_TYPES.get(self.name, (str, False)) if self.kind is SPEC or self.optional is None \
+            else (self.kind, self.optional)
+        object.__setattr__(self, "kind", kind if self.kind is SPEC else self.kind)
+        object.__setattr__(self, "optional", optional if self.optional is None else self.optional)
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0].split("/")[0]
+
+    @property
+    def spec_field(self) -> bool:
+        """A RunSpec field (a step option), not a command's own option."""
+        return self.name in _FIELDS and not self.grid
+
+    @property
+    def default_value(self) -> Any:
+        if self.default is SPEC:
+            return _FIELDS[self.name].default
+        return self.default
+
+    def as_override(self) -> Option:
+        """check's form: None keeps the config's value; a switch gets its --no- form."""
+        flags = self.flags
+        if self.kind is bool and "/" not in flags[0]:
+            flags = (f"{flags[0]}/--no-{flags[0][2:]}", *flags[1:])
+        return dataclasses.replace(self, flags=flags, default=None, optional=True, commands=("check",),
+                                   help=self.override or f"Override: {self.help}")
+
+    def argv(self, value) -> list[str]:
+        """The flags that give ``value``."""
+        if self.kind is bool:
+            on, _, off = self.flags[0].partition("/")
+            return [on if value else (off or f"--no-{on[2:]}")]
+        return [self.flag, str(value)]
+
+
+OPTIONS: tuple[Option, ...] = (
+    # --- the model
+    Option("model", ("model",), "model.py[:factory], hf:NAME (bundled config) or hf:path/config.json",
+           commands=STEP[:-1], default=REQUIRED, argument=True),
+    Option("configs", ("configs",), "YAML run configs (see configs/ and README).", list[str], ("check",),
+           REQUIRED, argument=True),
+    Option("model", ("model",), "hf:NAME, hf:path/config.json or hf:org/name (a decoder LM config)", str, ("serve",),
+           REQUIRED, argument=True),
+    # --- the step (RunSpec fields), in the order to_argv writes them
+    Option("batch", ("--batch", "-b"), "Batch size (per step).", commands=("estimate", "advise", "plan-parallel", "check"),
+           override="Override every config's batch."),
+    Option("batch", ("--batch", "-b"), "Batch when searching the sequence length.", commands=("max-batch",)),
+    Option("batch", ("--batch", "-b"), "Batch sizes, e.g. 1,2,4,8.", str, ("whatif",), None, optional=True, grid=True),
+    Option("seq", ("--seq", "-s"), "Sequence length (default: the model's own).",
+           commands=("estimate", "max-batch", "advise", "plan-parallel", "check"), override="Override every config's seq."),
+    Option("seq", ("--seq", "-s"), "Sequence lengths, e.g. 256,512,1024.", str, ("whatif",), None, optional=True,
+           grid=True),
+    Option("optim", ("--optim",), optim_help(), override="Override the optimizer."),
+    Option("precision", ("--precision",), "Weights' dtype, or -mixed: fp32 weights + autocast.",
+           override="Override the precision."),
+    Option("target", ("--target",), "cuda: what a CUDA run allocates; cpu: CPU training."),
+    Option("attention", ("--attention",), "--target cuda SDPA kernel (auto: PyTorch's rules)."),
+    Option("fused", ("--fused",), "--target cuda: fused optimizer kernels instead of foreach."),
+    Option("grad_accum", ("--grad-accum",), "Micro-steps per optimizer step (--batch is the micro-batch).",
+           override="Override accumulation steps."),
+    Option("checkpointing", ("--checkpointing",), "none | blocks | every:N | module.name,other.name",
+           override="Override checkpointing."),
+    Option("cudnn_benchmark", ("--cudnn-benchmark",), "--target cuda: the run sets torch.backends.cudnn.benchmark = "
+           "True (cuDNN's algorithm search: see docs/cuda-kernels.md).",
+           override="Override cuDNN's benchmark mode."),
+    Option("outputs", ("--outputs",), "Your loop: kept (out = model(x) held through backward, the plain loop) | freed "
+           "(dropped before backward: HF Trainer, Lightning).", override="Override the loop: kept | freed."),
+    Option("loss_head", ("--loss-head",), "hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused "
+           "(Liger-Kernel).", override="Override the loss head."),
+    Option("lora", ("--lora",), "peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; "
+           "needs memest[peft]).", override="Override LoRA (none: off)."),
+    Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
+           "(model.embed_tokens,model.layers.[0-9].*)."),
+    Option("quant", ("--quant",), "With --lora (QLoRA): base linear weights as bitsandbytes stores them: nf4 | fp4 | "
+           "int8 (none: as built).", override="Override the base quantization."),
+    Option("double_quant", ("--double-quant/--no-double-quant",), "--quant: bitsandbytes' double quantization of the "
+           "absmax."),
+    Option("prepare_kbit", ("--prepare-kbit",), "--quant: peft's prepare_model_for_kbit_training (trl's SFTTrainer "
+           "calls it): the non-quantized 16-bit weights cast to fp32."),
+    Option("compile", ("--compile/--no-compile",), "torch.compile the step as torch.compile(model) does (Inductor) / "
+           "trace a model file that compiles itself eager; default: as the model code does."),
+    Option("data_dependent", ("--data-dependent",), "Ops whose output size depends on values: refuse (an error naming "
+           "the bound) | upper-bound (nonzero, x[mask], masked_select, unique traced at their bound: the estimate is "
+           "an upper bound).",
+           override="Override: refuse | upper-bound (size-bounded data-dependent ops at their bound)."),
+    Option("zero_grad", ("--zero-grad",), "After the step: none (set to None) | zeros."),
+    Option("mode", ("--mode",), "train | inference | generate (decoders, KV cache)."),
+    Option("new_tokens", ("--new-tokens",), "--mode generate: tokens after a --seq prompt."),
+    Option("cache", ("--cache",), "--mode generate: dynamic | static KV cache."),
+    Option("world_size", ("--world-size",), "Data-parallel ranks (estimates are per rank).", searched=True),
+    Option("shard", ("--shard",), "none | zero1 | zero2 | zero3 (FSDP full shard).", searched=True),
+    Option("offload", ("--offload",), "none | optimizer | params (params: --shard zero3)."),
+    Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
+    Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
+    Option("pp", ("--pp",), "Pipeline ranks (--world-size = pp x dp x tp); every one is reported.", searched=True),
+    Option("ep", ("--ep",), "Expert-parallel ranks for MoE models (experts over ep of the --world-size data-parallel "
+           "ranks; with --shard zero3|zero2).", searched=True),
+    Option("cp", ("--cp",), "Context-parallel ranks (--world-size = dp x cp, x tp with --tp; torch's ring attention, "
+           "hf: decoders on SDPA, with --shard zero3|zero2); every one is reported.", searched=True),
+    Option("cp_rotate", ("--cp-rotate",), "--cp: allgather | alltoall (torch's set_rotate_method).",
+           searched=True),
+    Option("pp_schedule", ("--pp-schedule",), "1f1b | gpipe | interleaved | looped-bfs "
+           "(torch.distributed.pipelining's schedules).", searched=True),
+    Option("pp_virtual", ("--pp-virtual",), "--pp: stages per rank of interleaved and looped-bfs (default 2).",
+           searched=True),
+    Option("microbatches", ("--microbatches",), "--pp: micro-batches of --batch per step (default: --pp).",
+           searched=True),
+    Option("pp_split", ("--pp-split",), "--pp: layers per stage, e.g. 3,3,2 (default even).", searched=True),
+    # --- the GPU and what to compare with
+    Option("gpu", ("--gpu",), "Budget (11GB = 10^9 B, 11GiB = 2^30 B), card (rtx2080ti, a100) or device index (0).",
+           str, ("estimate", "check", "whatif"), None, optional=True),
+    Option("gpu", ("--gpu",), "Budget (24GB, 24GiB), card name or device index.", str,
+           ("max-batch", "advise", "serve", "plan-parallel"), REQUIRED),
+    Option("margin", ("--margin",), "Headroom: 10% (or 0.1): needed x 1.1 must fit.", str, ("check",), None,
+           optional=True),
+    Option("calibration", ("--calibration",), "A profile from `memest calibrate --out FILE`: its measured costs "
+           "replace the defaults.", str, ("estimate", "check", "whatif", "max-batch", "advise", "serve",
+                                          "plan-parallel"), None, optional=True),
+    Option("strict", ("--strict",), "A tight verdict (expected fits, the high end of the range does not) counts as not "
+           "fitting.", bool, ("estimate", "check"), False),
+    # --- each command's own
+    Option("depth", ("--depth",), "Module-tree depth shown in the table.", int, ("estimate",), 3),
+    Option("expand", ("--expand",), "Show every repeated block instead of one row per run.", bool, ("estimate",),
+           False),
+    Option("plot", ("--plot",), "Write memory over the step to FILE.png/.svg/.html.", str, ("estimate",), None,
+           optional=True),
+    Option("fail_if_not_fits", ("--fail-if-not-fits",), "Exit 1 when it does not fit (CI).", bool, ("estimate",),
+           False),
+    Option("colocate_serve", ("--colocate-serve",), "A vLLM rollout engine at this gpu_memory_utilization shares the "
+           "GPU, as in trl's GRPO colocate mode (trl's default: 0.3); needs --gpu.", float, ("estimate",), None,
+           optional=True),
+    Option("seq_search", ("--seq-search",), "Search the longest sequence instead.", bool, ("max-batch",), False),
+    Option("limit", ("--limit",), "Largest size tried.", int, ("max-batch",), 65536),
+    Option("gpus", ("--gpus",), "Also lay the model out on this many GPUs (plan-parallel's layouts; hf: models).", int,
+           ("advise",), None, optional=True),
+    Option("gpus", ("--gpus",), "How many GPUs to lay the model out on.", int, ("plan-parallel",), 8),
+    Option("top", ("--top",), "Stop once this many layouts fit, searched least communication first (0: trace every "
+           "layout).", int, ("plan-parallel",), 1),
+    # --- serve (memest serve's options and a serving config's serve: keys; None: serve.plan.ServeSpec's default)
+    Option("max_model_len", ("--max-model-len",), "Tokens per sequence (default: the model's positions).", int,
+           ("serve",), None, optional=True, yaml="max_model_len"),
+    Option("utilization", ("--gpu-memory-utilization",), "vLLM's share of the GPU (default 0.9); SGLang: "
+           "mem_fraction_static.", float, ("serve",), None, optional=True, yaml="gpu_memory_utilization"),
+    Option("tp", ("--tp",), "Tensor-parallel GPUs (figures are per GPU).", int, ("serve",), None, optional=True,
+           yaml="tp"),
+    Option("kv_dtype", ("--kv-dtype",), "auto (model dtype) | fp8.", KvDtype, ("serve",), None, optional=True,
+           yaml="kv_dtype"),
+    Option("block_size", ("--block-size",), "Tokens per KV block (vLLM default 16).", int, ("serve",), None,
+           optional=True, yaml="block_size"),
+    Option("max_num_seqs", ("--max-num-seqs",), "Default: vLLM's for the GPU.", int, ("serve",), None, optional=True,
+           yaml="max_num_seqs"),
+    Option("max_num_batched_tokens", ("--max-num-batched-tokens",), "Tokens of the profile forward (default: vLLM's "
+           "for the GPU).", int, ("serve",), None, optional=True, yaml="max_num_batched_tokens"),
+    Option("engine", ("--engine",), "vllm | sglang (mem_fraction_static arithmetic).", Engine, ("serve",), None,
+           optional=True, yaml="engine"),
+    Option("cuda_graphs", ("--cuda-graphs",), "profiled (vLLM >= 0.21 subtracts them) | after (older vLLM) | none "
+           "(--enforce-eager).", CudaGraphs, ("serve",), None, optional=True, yaml="cuda_graphs"),
+    Option("non_torch_memory", ("--non-torch-memory",), "Measured non-torch memory in GiB (your vLLM log's "
+           "'non_torch_memory' / 'non-torch' figure): replaces the evidence range.", float, ("serve",), None,
+           optional=True, yaml="non_torch_memory"),
+    Option("min_concurrency", (), "check: full-length sequences that must fit at once.", int, (), None,
+           optional=True, yaml="min_concurrency"),
+    Option("fail_if_not_starts", ("--fail-if-not-starts",), "Exit 1 unless it surely starts (may not start or will "
+           "not start).", bool, ("serve",), False),
+    # --- calibrate
+    Option("device", ("--device",), "NVML/CUDA index of the GPU to measure.", int, ("calibrate",), 0),
+    Option("out", ("--out",), "Also write a portable profile to FILE (for --calibration FILE on machines without this "
+           "GPU).", str, ("calibrate",), None, optional=True),
+    Option("nccl", ("--nccl/--no-nccl",), "Also measure NCCL (a world of one).", bool, ("calibrate",), True),
+    # --- output
+    Option("format", ("--format", "-f"), "table | markdown | json (one document on stdout).", OutputFormat, OUTPUT,
+           OutputFormat.TABLE),
+    Option("json", ("--json",), "Same as --format json.", bool, OUTPUT, False),
+    Option("markdown", ("--markdown",), "Same as --format markdown.", bool,
+           tuple(c for c in OUTPUT if c != "calibrate"), False),
+    Option("debug", ("--debug",), "Also print tracebacks (exit codes stay the same).", bool, OUTPUT, False),
+)
+
+
+def for_command(command: str) -> list[Option]:
+    """The options ``command`` takes, in the table's order; check's step options as overrides."""
+    out = []
+    for opt in OPTIONS:
+        if command in opt.commands:
+            out.append(opt.as_override() if command == "check" and opt.spec_field else opt)
+    return out
+
+
+def annotation(opt: Option) -> Any:
+    """The Python type of the parameter (typer's)."""
+    return Optional[opt.kind] if opt.optional else opt.kind  # noqa: UP045 (typer reads typing.Optional)
+
+
+def step_fields(command: str) -> list[str]:
+    """The RunSpec fields ``command`` takes."""
+    return [o.name for o in for_command(command) if o.spec_field]
+
+
+def step_spec(params: dict, command: str) -> dict:
+    """The RunSpec fields among a command's parsed options."""
+    return {name: params[name] for name in step_fields(command)}
+
+
+def spec_options() -> dict[str, Option]:
+    """field -> its option (estimate's), for every RunSpec field a user sets."""
+    return {o.name: o for o in for_command("estimate") if o.spec_field}
+
+
+def yaml_kind(key: str) -> type:
+    """The type a run config's step key takes (int, bool or str)."""
+    kind = spec_options()[key].kind
+    return kind if kind in (int, bool) else str
+
+
+def serve_keys() -> dict[str, type]:
+    """A serving config's serve: keys and their types (choices as their strings)."""
+    return {o.yaml: (str if issubclass(o.kind, Choice) else o.kind)
+            for o in OPTIONS if o.yaml and (o.commands == ("serve",) or o.commands == ())}
+
+
+def serve_names() -> list[str]:
+    """memest serve's engine options (serve.plan.ServeSpec's fields, and non_torch_memory)."""
+    return [o.name for o in OPTIONS if o.yaml and "serve" in o.commands]
+
+
+def serve_args(params: dict) -> dict:
+    """The engine options among ``params`` (None: the engine's default) as serve.plan.ServeSpec takes them."""
+    return {n: (str(params[n]) if isinstance(params[n], Choice) else params[n]) for n in serve_names() if n in params}
+
+
+def searched_set(values: dict) -> list[str]:
+    """The flags of the options plan-parallel searches that ``values`` sets away from RunSpec's default."""
+    return [o.flag for o in for_command("plan-parallel")
+            if o.searched and o.name in values and values[o.name] != o.default_value]
+
+
+def to_argv(spec: RunSpec, command: str = "estimate", **extra) -> list[str]:
+    """The command line (after ``memest``) that reproduces ``spec``: every step option away from its default
+    (--batch always, --seq when set), then ``extra`` (command options by name, e.g. gpu=, calibration=)."""
+    argv = [command, spec.model]
+    for opt in for_command(command):
+        if not opt.spec_field or opt.argument:
+            continue
+        value = getattr(spec, opt.name)
+        if value != opt.default_value or (opt.name == "batch" or opt.name == "seq" and value is not None):
+            argv += opt.argv(value)
+    known = {o.name: o for o in for_command(command)}
+    for name, value in extra.items():
+        if value is not None:
+            argv += known[name].argv(value)
+    return argv
+
+
+def command_line(spec: RunSpec, command: str = "estimate", **extra) -> str:
+    """``to_argv`` as one shell line, starting with ``memest``."""
+    return shlex.join(["memest", *to_argv(spec, command, **extra)])
