@@ -4,6 +4,7 @@ emit path; ``_run`` maps every error to its exit code."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Annotated
 
@@ -11,8 +12,9 @@ import typer
 
 from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK
 from memest.exits import OneLineErrors, output_format, run_command
+from memest.serve.plan import ServeSpec
 from memest.spec import options
-from memest.spec.choices import OutputFormat
+from memest.spec.choices import Choice, OutputFormat
 
 app = typer.Typer(
     name="memest", cls=OneLineErrors,
@@ -21,12 +23,18 @@ app = typer.Typer(
 )
 
 
+_SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSpec)}
+
+
 def _parameter(opt: options.Option, command: str) -> inspect.Parameter:
     if opt.argument:
         info = typer.Argument(help=opt.help)
     else:  # plan-parallel refuses what it searches (the app layer says why): not in its help
         info = typer.Option(*opt.flags, help=opt.help, hidden=opt.searched and command == "plan-parallel")
     default = inspect.Parameter.empty if opt.default is options.REQUIRED else opt.default_value
+    if default is options.SERVE:
+        default = _SERVE_DEFAULTS[opt.name]
+        default = opt.kind(default) if issubclass(opt.kind, Choice) else default
     return inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[options.annotation(opt), info])
 

@@ -171,3 +171,17 @@ def test_plan_parallel_layouts_carry_their_command():
     assert (spec.world_size, spec.tp, spec.pp, spec.grad_accum) == (2, best["tp"], best["pp"], 2)
     again = runner.invoke(app, [*argv, "--json"])
     assert json.loads(again.stdout)["peak_allocated_bytes"] == best["peak_bytes"]  # 4 layers: traced at full depth
+
+
+def test_serve_defaults_are_the_engine_spec_s_and_yaml_keys_the_table_s():
+    from memest.serve.plan import ServeSpec
+    from memest.spec.config import SERVE_KEYS
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ServeSpec)}
+    serve = params("serve")
+    for name in ("tp", "kv_dtype", "block_size", "engine", "cuda_graphs", "max_model_len", "utilization"):
+        assert serve[name].default == defaults[name], name
+    assert set(SERVE_KEYS) == {"max_model_len", "gpu_memory_utilization", "tp", "kv_dtype", "block_size", "max_num_seqs",
+                               "max_num_batched_tokens", "engine", "cuda_graphs", "min_concurrency", "non_torch_memory"}
+    with pytest.raises(memest.MemestError, match="unknown option"):
+        memest.serve_capacity("hf:gpt2", gpu="h100", block=16)

@@ -28,6 +28,7 @@ from memest.spec.run import RunSpec
 
 SPEC = object()  # default: RunSpec's own default for the field
 REQUIRED = object()  # no default: the user must give it
+SERVE = object()  # default: serve.plan.ServeSpec's own for the field (the CLI reads it; spec/ does not import serve/)
 
 # the commands that trace one training (or inference) step and share its options; check takes each as an override
 STEP = ("estimate", "whatif", "max-batch", "advise", "plan-parallel", "check")
@@ -199,25 +200,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpus", ("--gpus",), "How many GPUs to lay the model out on.", int, ("plan-parallel",), 8),
     Option("top", ("--top",), "Stop once this many layouts fit, searched least communication first (0: trace every "
            "layout).", int, ("plan-parallel",), 1),
-    # --- serve (memest serve's options and a serving config's serve: keys; None: serve.plan.ServeSpec's default)
+    # --- serve (memest serve's options and a serving config's serve: keys)
     Option("max_model_len", ("--max-model-len",), "Tokens per sequence (default: the model's positions).", int,
-           ("serve",), None, optional=True, yaml="max_model_len"),
+           ("serve",), SERVE, optional=True, yaml="max_model_len"),
     Option("utilization", ("--gpu-memory-utilization",), "vLLM's share of the GPU (default 0.9); SGLang: "
-           "mem_fraction_static.", float, ("serve",), None, optional=True, yaml="gpu_memory_utilization"),
-    Option("tp", ("--tp",), "Tensor-parallel GPUs (figures are per GPU).", int, ("serve",), None, optional=True,
-           yaml="tp"),
-    Option("kv_dtype", ("--kv-dtype",), "auto (model dtype) | fp8.", KvDtype, ("serve",), None, optional=True,
-           yaml="kv_dtype"),
-    Option("block_size", ("--block-size",), "Tokens per KV block (vLLM default 16).", int, ("serve",), None,
-           optional=True, yaml="block_size"),
-    Option("max_num_seqs", ("--max-num-seqs",), "Default: vLLM's for the GPU.", int, ("serve",), None, optional=True,
+           "mem_fraction_static.", float, ("serve",), SERVE, optional=True, yaml="gpu_memory_utilization"),
+    Option("tp", ("--tp",), "Tensor-parallel GPUs (figures are per GPU).", int, ("serve",), SERVE, yaml="tp"),
+    Option("kv_dtype", ("--kv-dtype",), "auto (model dtype) | fp8.", KvDtype, ("serve",), SERVE, yaml="kv_dtype"),
+    Option("block_size", ("--block-size",), "Tokens per KV block (vLLM default 16).", int, ("serve",), SERVE,
+           yaml="block_size"),
+    Option("max_num_seqs", ("--max-num-seqs",), "Default: vLLM's for the GPU.", int, ("serve",), SERVE, optional=True,
            yaml="max_num_seqs"),
     Option("max_num_batched_tokens", ("--max-num-batched-tokens",), "Tokens of the profile forward (default: vLLM's "
-           "for the GPU).", int, ("serve",), None, optional=True, yaml="max_num_batched_tokens"),
-    Option("engine", ("--engine",), "vllm | sglang (mem_fraction_static arithmetic).", Engine, ("serve",), None,
-           optional=True, yaml="engine"),
+           "for the GPU).", int, ("serve",), SERVE, optional=True, yaml="max_num_batched_tokens"),
+    Option("engine", ("--engine",), "vllm | sglang (mem_fraction_static arithmetic).", Engine, ("serve",), SERVE, yaml="engine"),
     Option("cuda_graphs", ("--cuda-graphs",), "profiled (vLLM >= 0.21 subtracts them) | after (older vLLM) | none "
-           "(--enforce-eager).", CudaGraphs, ("serve",), None, optional=True, yaml="cuda_graphs"),
+           "(--enforce-eager).", CudaGraphs, ("serve",), SERVE, yaml="cuda_graphs"),
     Option("non_torch_memory", ("--non-torch-memory",), "Measured non-torch memory in GiB (your vLLM log's "
            "'non_torch_memory' / 'non-torch' figure): replaces the evidence range.", float, ("serve",), None,
            optional=True, yaml="non_torch_memory"),
