@@ -58,13 +58,15 @@ class Option:
     searched: bool = False  # plan-parallel sets it per layout (it refuses a value the user gives)
     grid: bool = False  # a list of sizes (whatif), not the RunSpec field of the same name
     override: str = ""  # check's help ('' : "Override: " + help)
-    yaml: str | None = None  # the YAML key: a step option's is its name; serve's, in the serve: block
+    yaml: str | None = None  # its key in a serving config's serve: block (a step option's YAML key is its name)
 
     def __post_init__(self) -> None:
-        kind, optional = _FIELD_TYPES.get(self.name, (str, False)) if self.kind is SPEC or self.optional is None \
-            else (self.kind, self.optional)
-        object.__setattr__(self, "kind", kind if self.kind is SPEC else self.kind)
-        object.__setattr__(self, "optional", optional if self.optional is None else self.optional)
+        """A step option's type, and whether None is a value, are its RunSpec field's."""
+        kind, optional = _FIELD_TYPES[self.name] if self.default is SPEC else (str, False)
+        if self.kind is SPEC:
+            object.__setattr__(self, "kind", kind)
+        if self.optional is None:
+            object.__setattr__(self, "optional", optional)
 
     @property
     def flag(self) -> str:
@@ -275,8 +277,7 @@ def yaml_kind(key: str) -> type:
 
 def serve_keys() -> dict[str, type]:
     """A serving config's serve: keys and their types (choices as their strings)."""
-    return {o.yaml: (str if issubclass(o.kind, Choice) else o.kind)
-            for o in OPTIONS if o.yaml and (o.commands == ("serve",) or o.commands == ())}
+    return {o.yaml: (str if issubclass(o.kind, Choice) else o.kind) for o in OPTIONS if o.yaml}
 
 
 def serve_names() -> list[str]:
@@ -303,7 +304,7 @@ def to_argv(spec: RunSpec, command: str = "estimate", **extra) -> list[str]:
         if not opt.spec_field or opt.argument:
             continue
         value = getattr(spec, opt.name)
-        if value != opt.default_value or (opt.name == "batch" or opt.name == "seq" and value is not None):
+        if value != opt.default_value or opt.name == "batch" or (opt.name == "seq" and value is not None):
             argv += opt.argv(value)
     known = {o.name: o for o in for_command(command)}
     for name, value in extra.items():
