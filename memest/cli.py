@@ -12,7 +12,7 @@ import typer
 
 from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK
 from memest.exits import OneLineErrors, output_format, run_command
-from memest.serve.plan import ServeSpec
+from memest.serve.engine import ServeSpec
 from memest.spec import options
 from memest.spec.choices import Choice, OutputFormat
 

@@ -174,7 +174,7 @@ def test_plan_parallel_layouts_carry_their_command():
 
 
 def test_serve_defaults_are_the_engine_spec_s_and_yaml_keys_the_table_s():
-    from memest.serve.plan import ServeSpec
+    from memest.serve.engine import ServeSpec
     from memest.spec.config import SERVE_KEYS
 
     defaults = {f.name: f.default for f in dataclasses.fields(ServeSpec)}

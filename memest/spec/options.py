@@ -28,7 +28,7 @@ from memest.spec.run import RunSpec
 
 SPEC = object()  # default: RunSpec's own default for the field
 REQUIRED = object()  # no default: the user must give it
-SERVE = object()  # default: serve.plan.ServeSpec's own for the field (the CLI reads it; spec/ does not import serve/)
+SERVE = object()  # default: serve.engine.ServeSpec's own for the field (the CLI reads it; spec/ does not import serve/)
 
 # the commands that trace one training (or inference) step and share its options; check takes each as an override
 STEP = ("estimate", "whatif", "max-batch", "advise", "plan-parallel", "check")
@@ -281,12 +281,12 @@ def serve_keys() -> dict[str, type]:
 
 
 def serve_names() -> list[str]:
-    """memest serve's engine options (serve.plan.ServeSpec's fields, and non_torch_memory)."""
+    """memest serve's engine options (serve.engine.ServeSpec's fields, and non_torch_memory)."""
     return [o.name for o in OPTIONS if o.yaml and "serve" in o.commands]
 
 
 def serve_args(params: dict) -> dict:
-    """The engine options among ``params`` (None: the engine's default) as serve.plan.ServeSpec takes them."""
+    """The engine options among ``params`` (None: the engine's default) as serve.engine.ServeSpec takes them."""
     return {n: (str(params[n]) if isinstance(params[n], Choice) else params[n]) for n in serve_names() if n in params}
 
 
