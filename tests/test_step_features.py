@@ -96,6 +96,35 @@ def test_feature_hooks_reach_the_traced_step():
     assert not any(r.host for r in plain.storages) and plain.host_events == []
 
 
+class Packer(StepFeature):
+    """Sees every tensor saved for backward (as activation offloading would)."""
+
+    packs_saved = True
+
+    def __init__(self) -> None:
+        self.packed = self.unpacked = 0
+
+    def pack(self, step, t):
+        self.packed += 1
+        return ("packed", t)
+
+    def unpack(self, step, packed):
+        self.unpacked += 1
+        assert packed[0] == "packed"
+        return packed[1]
+
+
+def test_saved_tensors_pass_through_packing_features():
+    spec = RunSpec(model="mlp", batch=4, target="cpu", optim="sgd", iterations=1)
+    plain = trace_step(_mlp_source(), spec, features=features_for(spec))
+    packer = Packer()
+    trace = trace_step(_mlp_source(), spec, features=features_for(spec) + [packer])
+    assert packer.packed > 0 and packer.unpacked == packer.packed
+    assert trace.events == plain.events  # still marked as activations, same allocations
+    assert [r.category for r in trace.storages] == [r.category for r in plain.storages]
+    assert any(r.category is Category.ACTIVATIONS for r in trace.storages)
+
+
 def test_trace_core_needs_its_features():
     with pytest.raises(TypeError):
         trace_step(_mlp_source(), RunSpec(model="mlp"))  # no silent trace without the spec's features

@@ -13,6 +13,9 @@ Hooks, in the order the step calls them:
   rules(step)             what the storage tracker must know (TrackerRules), read when it is made
   register(step)          storages that exist before the step, registered before the model's own
   contexts(step)          context managers around the step, entered inside the tracker; each cleans up
+  pack(step, t) / unpack(step, packed)
+                          a tensor saved for backward, as autograd's saved_tensors_hooks see it (activation
+                          offloading); called only for features with ``packs_saved = True``
   loop(model, spec)       context around the user's loop (also in real runs: validate/)
   autocast(spec, device)  the mixed-precision context, where a feature replaces torch.autocast
   after(step, phase)      after the loss, backward and the optimizer step
@@ -35,6 +38,7 @@ class StepFeature:
     """A technique's part of the traced step; every hook a no-op."""
 
     name = "feature"
+    packs_saved = False  # True where pack/unpack are overridden (each saved tensor then goes through them)
 
     def session(self, spec) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -56,6 +60,14 @@ class StepFeature:
 
     def contexts(self, step) -> list[contextlib.AbstractContextManager]:
         return []
+
+    def pack(self, step, t) -> Any:
+        """A tensor saved for backward (already marked an activation): what backward will unpack."""
+        return t
+
+    def unpack(self, step, packed) -> Any:
+        """What ``pack`` returned, as backward uses it."""
+        return packed
 
     def loop(self, model, spec) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

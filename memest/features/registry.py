@@ -36,7 +36,7 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
     features.append(CudaTarget() if spec.target == Target.CUDA else CpuTarget())
     if spec.data_dependent == DataDependent.UPPER_BOUND:
         features.append(UpperBoundFeature())
-    if spec.world_size > 1 or spec.offload != Offload.NONE:
+    if spec.world_size > 1 or spec.offload in (Offload.OPTIMIZER, Offload.PARAMS):  # CPU offload of model state
         features.append(ParallelFeature())
     features.append(OptimizerFeature())
     return features

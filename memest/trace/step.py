@@ -518,6 +518,7 @@ def _instrumented(step: _Step):
         # frees them (an output the model computes and drops)
         return t.detach() if t.grad_fn is not None else t
 
+    pack, unpack = _saved_hooks(step, mark_saved)
     with contextlib.ExitStack() as hooks:
         hooks.enter_context(_quiet_fake_tensor_log())
         hooks.enter_context(real_fake_kernels())
@@ -530,8 +531,29 @@ def _instrumented(step: _Step):
         for feature in step.features:
             for context in feature.contexts(step):
                 hooks.enter_context(context)
-        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t))
+        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         yield
+
+
+def _saved_hooks(step: _Step, mark_saved):
+    """autograd's pack and unpack hooks: the activation mark, then the features' own (StepFeature.pack, in order;
+    unpack in reverse) for the features that pack saved tensors (``packs_saved``)."""
+    own = [feature for feature in step.features if feature.packs_saved]
+    if not own:
+        return mark_saved, lambda t: t
+
+    def pack(t):
+        packed = mark_saved(t)
+        for feature in own:
+            packed = feature.pack(step, packed)
+        return packed
+
+    def unpack(packed):
+        for feature in reversed(own):
+            packed = feature.unpack(step, packed)
+        return packed
+
+    return pack, unpack
 
 
 def _run_iterations(step: _Step) -> None:
