@@ -7,12 +7,12 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from memest.features.registry import trace_step
 from memest.report.analysis import Report, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.trace.events import Trace
-from memest.trace.step import trace_step
 
 
 @dataclass(repr=False)

@@ -40,12 +40,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from memest.features.registry import build, trace_step  # noqa: E402
 from memest.report.analysis import analyse  # noqa: E402
 from memest.sources import load_source  # noqa: E402
 from memest.sources.base import ModelSource  # noqa: E402
 from memest.spec import RunSpec  # noqa: E402
-from memest.trace import trace_step  # noqa: E402
-from memest.trace.step import build  # noqa: E402
 from memest.validate.cpu_truth import measure_cpu_peak  # noqa: E402
 from tests.conftest import model_ref  # noqa: E402
 

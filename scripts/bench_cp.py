@@ -18,9 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from memest.features.registry import trace_step  # noqa: E402
 from memest.sources import load_source  # noqa: E402
 from memest.spec import RunSpec  # noqa: E402
-from memest.trace import trace_step  # noqa: E402
 from memest.validate.distributed_truth import measure_distributed_peaks  # noqa: E402
 
 LLAMA = f"hf:{ROOT / 'tests/configs/llama-tiny.json'}"  # 2 layers, hidden 64, 4 heads / 2 key-value heads, vocab 1000

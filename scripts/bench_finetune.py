@@ -115,9 +115,9 @@ def cpu_truth() -> list[dict]:
     """tests/test_finetune.py's cases, and tests/test_quant_int8.py's (--quant int8 against real bitsandbytes
     Linear8bitLt layers under peft's own bnb LoRA layer: the real run swaps memest's stand-in for them)."""
     from memest.features import quant_int8
+    from memest.features.registry import trace_step
     from memest.sources import load_source
     from memest.spec import RunSpec
-    from memest.trace import trace_step
     from memest.validate.cpu_truth import measure_cpu_peak
     from tests.conftest import model_ref
     from tests.test_finetune import CASES

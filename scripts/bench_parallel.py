@@ -139,9 +139,9 @@ def _config(name: str) -> dict:
 
 
 def tiny_rows(only: str = "") -> list[str]:
+    from memest.features.registry import trace_step
     from memest.sources import load_source
     from memest.spec import RunSpec
-    from memest.trace import trace_step
     from memest.validate.distributed_truth import measure_distributed_peaks, measure_pipeline_stage_peaks
 
     rows = []

@@ -202,7 +202,8 @@ def memtracker_trace(source, spec) -> tuple[int, float]:
     from torch.utils._pytree import tree_flatten
 
     from memest.features.optim import make_optimizer
-    from memest.trace.step import LoopState, build, run_iteration
+    from memest.features.registry import build, run_iteration
+    from memest.trace.step import LoopState
     from memest.trace.values import PlaceholderScalars
 
     start = time.perf_counter()
@@ -229,7 +230,7 @@ def memtracker_trace(source, spec) -> tuple[int, float]:
 
 
 def memest_trace(source, spec) -> tuple[int, float]:
-    from memest.trace import trace_step
+    from memest.features.registry import trace_step
 
     start = time.perf_counter()
     peak, _ = trace_step(source, spec).peak()

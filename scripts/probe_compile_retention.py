@@ -26,10 +26,11 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from memest.features.compiled import dynamo_session  # noqa: E402
+from memest.features.registry import build, run_step, step_optimizer  # noqa: E402
 from memest.sources import load_source  # noqa: E402
 from memest.spec import RunSpec  # noqa: E402
 from memest.trace.devices import traced_device  # noqa: E402
-from memest.trace.step import LoopState, build, run_step, step_optimizer  # noqa: E402
+from memest.trace.step import LoopState  # noqa: E402
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes, _step_peak  # noqa: E402
 
 REF = "hf:tests/configs/gpt2-tiny.json"

@@ -145,8 +145,9 @@ def run_real(case) -> dict:
     import torch
     from torch.utils._pytree import tree_map
 
+    from memest.features.registry import autocast_context, build, run_step, step_optimizer
     from memest.sources import load_source
-    from memest.trace.step import autocast_context, build, call_model, default_loss, run_step, step_optimizer
+    from memest.trace.step import call_model, default_loss
 
     cc = torch.cuda.get_device_capability()
     spec = _spec(case, cc, real=True)

@@ -3,10 +3,10 @@ memory events (design.md §3). The tolerance is the issue's: 2% of the true peak
 
 import pytest
 
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.targets.cpu import conv_modelled
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref

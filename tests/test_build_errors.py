@@ -6,9 +6,9 @@ from typer.testing import CliRunner
 
 from memest.cli import app
 from memest.errors import TraceError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 
 from .conftest import model_ref
 

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from memest.cli import app
 from memest.errors import MemestError, TraceError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.trace.events import Category
 from memest.validate.cpu_truth import measure_cpu_peak
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from memest.errors import MemestError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.distributed_truth import measure_distributed_peaks
 
 from .conftest import lowest_of_runs, model_ref
@@ -223,8 +223,8 @@ def _real_ring_rank(rank: int, world: int, tp: int, port: int, out: dict) -> Non
 
     import torch.distributed as dist
 
+    from memest.features.registry import build
     from memest.parallel.distributed import wrap
-    from memest.trace.step import build
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

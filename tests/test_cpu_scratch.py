@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch import nn
 
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.targets.cpu import conv_modelled, cpu_kernels
-from memest.trace import trace_step
 from memest.trace.events import Category
 from memest.validate.op_truth import measure_ops
 

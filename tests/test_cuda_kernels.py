@@ -14,10 +14,11 @@ from torch import nn
 
 from memest.errors import MemestError
 from memest.estimator import estimate
+from memest.features.registry import trace_step
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
 from memest.targets.cuda.rnn import RnnShape
-from memest.trace import Category, trace_step
+from memest.trace import Category
 
 from .conftest import model_ref
 

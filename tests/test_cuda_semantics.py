@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from memest.errors import MemestError
+from memest.features.registry import trace_step
 from memest.report.analysis import analyse
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
 from memest.targets.cuda.sdpa import SdpaCall, select_backend
-from memest.trace import Category, trace_step
+from memest.trace import Category
 
 from .conftest import model_ref
 

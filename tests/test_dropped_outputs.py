@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from memest.features.registry import trace_step
 from memest.sources.callables import callable_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 

@@ -2,9 +2,9 @@
 used to score Hugging Face's 2022 V100 runs): it holds the softmax input until backward, one scores tensor
 per layer more than today's softmax, and memest traces it as the real CPU run allocates."""
 
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.trace.events import Category
 from memest.validate.cpu_truth import measure_cpu_peak
 

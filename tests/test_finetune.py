@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from memest.errors import MemestError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.config import config_from_dict
 from memest.spec.lora import lora_settings, parse_lora
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref

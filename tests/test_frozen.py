@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 from memest.cli import app
 from memest.errors import TraceError
 from memest.estimator import estimate
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.trace.events import Phase
 from memest.validate.cpu_truth import measure_cpu_peak
 

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from memest.cli import app
 from memest.errors import TraceError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.sources.hf_experts import grouped_mm_on_cuda
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from memest.cli import app
 from memest.errors import MemestError, ModelLoadError, TraceError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.sources.hf_inputs import ctc_frames, llava_image_tokens, whisper_frames
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref

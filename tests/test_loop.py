@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from memest.cli import app
+from memest.features.registry import trace_step
 from memest.report.analysis import analyse
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref
@@ -80,7 +80,8 @@ def _literal_loop_peak(name, batch, seq, outputs: str, optim: str = "adamw") -> 
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._pytree import tree_flatten
 
-    from memest.trace.step import build, call_model, step_optimizer
+    from memest.features.registry import build, step_optimizer
+    from memest.trace.step import call_model
     from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
 
     ref = model_ref(name)

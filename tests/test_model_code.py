@@ -14,9 +14,9 @@ import torch
 
 from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.trace.devices import traced_device
 from memest.trace.dtype import convertible_fake_parameters
 from memest.validate.cpu_truth import measure_cpu_peak

@@ -17,9 +17,10 @@ for real again (up to four more runs) and each rank's lowest peak is compared (c
 import pytest
 
 from memest.errors import MemestError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import Category, Phase, trace_step
+from memest.trace import Category, Phase
 from memest.validate.distributed_truth import measure_distributed_peaks, measure_pipeline_stage_peaks
 
 from .conftest import lowest_of_runs, model_ref

@@ -19,10 +19,11 @@ on every run still fails.
 import pytest
 
 from memest.errors import MemestError
+from memest.features.registry import trace_step
 from memest.parallel.expert_parallel import split_sizes
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import Category, Phase, trace_step
+from memest.trace import Category, Phase
 from memest.validate.distributed_truth import measure_distributed_peaks
 
 from .conftest import lowest_of_runs, model_ref

@@ -13,9 +13,9 @@ from torch import nn
 
 from memest.features import quant_int8
 from memest.features.quant import _is_conv1d, output_linear
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.cpu_truth import _allocation_events, measure_cpu_peak
 
 from .conftest import model_ref
@@ -89,7 +89,7 @@ def test_the_real_run_is_bitsandbytes_and_peft_s_own(monkeypatch):
     """The ground truth above runs bitsandbytes' Linear8bitLt (int8 data) under peft's bnb LoRA layer."""
     from peft.tuners.lora.bnb import Linear8bitLt as PeftLinear8bitLt
 
-    from memest.trace.step import build
+    from memest.features.registry import build
 
     ref = model_ref("hf:llama-tiny")
     spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", quant="int8", lora="r=8,targets=all-linear")

@@ -7,13 +7,13 @@ import pytest
 
 from memest.device.fit import fit_rows
 from memest.errors import MemestError
+from memest.features.registry import trace_step
 from memest.report.analysis import analyse
 from memest.report.markdown import escape_cell, estimate_markdown, table_markdown
 from memest.report.plot import plot_timeline, timeline_svg
 from memest.report.timeline import BLOCKS, category_timeline, terminal_timeline
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.trace.events import Category, Phase, StorageRecord, Trace
 
 

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from memest.cli import app
+from memest.features.registry import trace_step
 from memest.report.analysis import analyse
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref

@@ -17,10 +17,11 @@ import pytest
 import torch.distributed as dist
 
 from memest.errors import TraceError
+from memest.features.registry import trace_step
 from memest.parallel.distributed import model_state_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import Category, Phase, trace_step
+from memest.trace import Category, Phase
 from memest.validate.distributed_truth import measure_distributed_peaks
 
 from .conftest import model_ref

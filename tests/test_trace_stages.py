@@ -8,9 +8,9 @@ from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memest.errors import TraceError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace import trace_step
 
 from .conftest import model_ref
 

@@ -17,11 +17,11 @@ from torch import nn
 
 import memest
 from memest.errors import TraceError
+from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.sources.callables import callable_source
 from memest.spec import RunSpec
 from memest.spec.config import config_from_dict
-from memest.trace import trace_step
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memest.errors import MemestError
+from memest.features.base import StepFeature
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -119,3 +120,12 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
 def within(name: str, roots: list[str]) -> bool:
     return any(name == r or name.startswith(r + ".") for r in roots)
 
+
+
+class CheckpointingFeature(StepFeature):
+    """--checkpointing: the chosen modules run under torch.utils.checkpoint (or transformers' own switch)."""
+
+    name = "checkpointing"
+
+    def build(self, built, spec) -> None:
+        built.checkpointed = apply_checkpointing(built.model, spec.checkpointing, built.where)

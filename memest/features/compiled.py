@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 
+from memest.errors import TraceError
+from memest.features.base import StepFeature
+
 # torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
 # (boxed_nop), so memest runs them as registered, on its fake tensors; aot_eager_decomp_partition uses Inductor's
 # decompositions and partitioner, aot_eager the min-cut partitioner without them, aot_eager_default_partitioner
@@ -350,3 +353,50 @@ def compile_note(request: CompileRequest, target: str) -> str:
             "modelled): measured against real compiled runs on CPU only"
         )
     return text
+
+
+class CompileFeature(StepFeature):
+    """--compile / --no-compile and a model file's own torch.compile: the model unwrapped at build, the step
+    run through the compiled forward (:func:`compiled_forward`), and the report's note on how it was traced."""
+
+    name = "compile"
+
+    def __init__(self) -> None:
+        self.request: CompileRequest | None = None
+        self.note: str | None = None
+
+    def build(self, built, spec) -> None:
+        built_compiled = is_compiled(built.model) or getattr(built.model, "_compiled_call_impl", None) is not None
+        built.model, self.request = _compile_request(built.model, spec)
+        built.compiled = self.request
+        if self.request is not None:
+            self.note = compile_note(self.request, spec.target)
+        elif built_compiled:  # --no-compile on a model file that compiles itself
+            self.note = "the model file compiles the model (torch.compile): traced eager, as --no-compile asks"
+
+    def prepare(self, step) -> contextlib.AbstractContextManager:
+        if self.note:
+            step.trace.notes.append(self.note)
+        return compiled_forward(step.model, self.request)
+
+
+def _compile_request(model, spec) -> tuple[Any, CompileRequest | None]:
+    """The model unwrapped from the model file's torch.compile, and how the step is compiled (--compile)."""
+    model, request = unwrap(model)
+    if spec.compile is False:
+        return model, None
+    if spec.compile and request is None:
+        request = CompileRequest()
+    if request is not None and spec.checkpointing != "none" and not request.traced_eager:
+        raise TraceError(
+            f"--checkpointing {spec.checkpointing} on a compiled step: torch.utils.checkpoint inside torch.compile runs "
+            "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
+            "--checkpointing, or trace eager with --no-compile (torch._functorch.config.activation_memory_budget is "
+            "the compiled step's own recomputation, and is traced)"
+        )
+    if request is not None and spec.world_size > 1 and spec.training:
+        raise TraceError(
+            "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
+            "(DDPOptimizer splits the graph at bucket boundaries); use --no-compile to trace it eager"
+        )
+    return model, request

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 
 from memest.errors import MemestError
+from memest.features.base import StepFeature
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
 
@@ -134,3 +135,13 @@ def apply_finetune(model, spec, dtype, where: str):
         notes.append(f"--lora {settings.text()}: peft's LoraConfig / get_peft_model applied ({trainable:,} trainable "
                      "adapter parameters, kept in fp32 by peft)")
     return model, notes
+
+
+class FinetuneFeature(StepFeature):
+    """--quant, --freeze and --lora applied to the built model (in its dtype), as a QLoRA script does."""
+
+    name = "finetune"
+
+    def build(self, built, spec) -> None:
+        built.model, notes = apply_finetune(built.model, spec, built.dtype, built.where)
+        built.notes += notes

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from memest.errors import MemestError
+from memest.features.base import StepFeature
 from memest.spec.choices import LossHead
 
 IGNORE_INDEX = -100  # transformers' and torch's label ignore_index
@@ -344,3 +345,12 @@ def _cross_entropy_in_place(logits: torch.Tensor, target: torch.Tensor, n_non_ig
 def _next_power_of_2(n: int) -> int:
     """triton.next_power_of_2."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+class LossHeadFeature(StepFeature):
+    """--loss-head chunked|fused: the LM head and loss replaced around the user's loop (real runs too)."""
+
+    name = "loss-head"
+
+    def loop(self, model, spec) -> contextlib.AbstractContextManager:
+        return loss_head_scope(model, spec)

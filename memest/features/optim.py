@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memest.features.base import StepFeature
 from memest.spec import RunSpec
-from memest.spec.choices import Optimizer, Target
+from memest.spec.choices import Offload, Optimizer, Target
+from memest.trace.events import Phase
+from memest.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,12 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
     return cls(params, **kwargs)
 
 
+def step_optimizer(spec: RunSpec, params: list) -> torch.optim.Optimizer | None:
+    """The optimizer of a training step over the parameters that require grad; None when there is
+    nothing to step (inference, or every parameter frozen: torch.optim refuses an empty list)."""
+    return make_optimizer(spec, params) if spec.training and params else None
+
+
 def optimizer_class(spec: RunSpec) -> tuple[type, dict]:
     """The optimizer class and its keyword arguments (ZeroRedundancyOptimizer builds it itself)."""
     info = OPTIMIZERS[spec.optim]
@@ -68,3 +77,35 @@ def optimizer_class(spec: RunSpec) -> tuple[type, dict]:
             kwargs.pop("paged", None)  # bitsandbytes falls back to non-paged buffers on CPU (get_state_buffer)
         return Adam8bitModel, kwargs
     return getattr(torch.optim, info.cls), kwargs
+
+
+class OptimizerFeature(StepFeature):
+    """--optim: the real optimizer over the parameters that require grad; bitsandbytes' paged state
+    (``optimizer.paged``) contributed to host memory: CUDA unified memory, paged in by the driver."""
+
+    name = "optimizer"
+
+    def __init__(self) -> None:
+        self.paged: set[int] = set()  # storage ids of paged optimizer state
+
+    def optimizer(self, step) -> torch.optim.Optimizer | None:
+        return step_optimizer(step.spec, step.params)
+
+    def after(self, step, phase) -> None:
+        if phase is Phase.OPTIMIZER:
+            for t in getattr(step.optimizer, "paged", ()):
+                if (sid := step.tracker.storage_id(t)) is not None:
+                    self.paged.add(sid)
+
+    def host(self, trace, spec) -> list[int]:
+        return sorted(self.paged)
+
+    def finish(self, step) -> list[str]:
+        if not self.paged or step.spec.offload != Offload.NONE:  # offloaded: the host holds the state anyway
+            return []
+        paged = sum(step.trace.storages[sid].nbytes for sid in self.paged)
+        return [
+            f"--optim {step.spec.optim}: {format_bytes(paged)} of optimizer state in CUDA unified memory (bitsandbytes "
+            "paged buffers, cudaMallocManaged): host-pageable, not counted as device memory; the driver pages it "
+            "in during the optimizer step"
+        ]

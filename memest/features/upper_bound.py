@@ -43,7 +43,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from memest.features.base import StepFeature
+from memest.trace.events import Phase
 from memest.trace.fake_kernels import registered_fake_kernels
+from memest.trace.tracker import TrackerRules
 
 aten = torch.ops.aten
 _INDEX_BYTES = 8  # int64 indices (nonzero's output dtype)
@@ -233,3 +236,27 @@ def _masked_select_cpu_output(args, kwargs, out, empty):
 
 
 _masked_select_cpu_output.late = (0,)  # made after the sum's buffers are freed
+
+
+class UpperBoundFeature(StepFeature):
+    """--data-dependent upper-bound: the size-bounded ops answered at their bound, their kernels' other
+    buffers as tracker rules, and the report's note on which ops were bounded."""
+
+    name = "upper-bound"
+
+    def __init__(self) -> None:
+        self.bounded: BoundedOps | None = None
+
+    def rules(self, step) -> TrackerRules:
+        self.bounded = BoundedOps(in_backward=lambda: step.tracker.phase is Phase.BACKWARD)
+        target = str(step.spec.target)
+        return TrackerRules(scratch=self.bounded.scratch(target), chained=self.bounded.outputs(target))
+
+    def contexts(self, step) -> list:
+        return [self.bounded.active()]
+
+    def finish(self, step) -> list[str]:
+        if self.bounded is None or not self.bounded.calls:
+            return []
+        step.trace.bounded_ops = dict(self.bounded.calls)
+        return [self.bounded.note()]

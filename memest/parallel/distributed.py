@@ -45,7 +45,9 @@ from memest.features.checkpointing import repeated_blocks
 from memest.features.optim import make_optimizer, optimizer_class
 from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.spec import RunSpec
+from memest.spec.choices import Offload
 from memest.trace.events import Category, Phase, Trace
+from memest.trace.tracker import TrackerRules
 
 HALF = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -401,16 +403,21 @@ def _wait_returns_input(args, kwargs, out, run):
     return args[0]
 
 
-def attach(tracker, parallel: Parallel, spec: RunSpec) -> None:
-    """Before anything is registered: track DTensors (FSDP's sharded parameters, gradients and
-    optimizer state) by their local tensors, count gloo's collective buffers (--target cpu), and
-    record the buffers the wrappers made before the step (DDP's gradient buckets)."""
+def tracker_rules(spec: RunSpec) -> TrackerRules:
+    """What the tracker must know: DTensors (FSDP's sharded parameters, gradients and optimizer state) are
+    tracked by their local tensors, wait_tensor returns its input, and gloo's collective buffers (--target cpu)."""
     from torch.distributed.tensor import DTensor
 
-    tracker.subclass_types = (DTensor,)
-    tracker.outputs = {**tracker.outputs, torch.ops._c10d_functional.wait_tensor.default: _wait_returns_input}
-    if spec.target == "cpu":
-        tracker.scratch = {**tracker.scratch, **_gloo_buffers()}
+    return TrackerRules(
+        scratch=_gloo_buffers() if spec.target == "cpu" else {},
+        outputs={torch.ops._c10d_functional.wait_tensor.default: _wait_returns_input},
+        subclass_types=(DTensor,),
+    )
+
+
+def register_buffers(tracker, parallel: Parallel) -> None:
+    """Before anything else is registered: the buffers the wrappers made before the step (DDP's gradient
+    buckets)."""
     for storage in parallel.ddp_buckets:
         sid = tracker.register(_StorageHandle(storage), Category.GRADIENTS, "DDP gradient bucket", module="")
         if sid is not None:
@@ -437,11 +444,8 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
 
     def propagate(self, *args, **kwargs):
         # DTensor computes output shapes by running the op on global-size fake tensors: no memory
-        tracker.ignoring += 1
-        try:
+        with tracker.ignored():
             return saved["propagate"](self, *args, **kwargs)
-        finally:
-            tracker.ignoring -= 1
 
     def resize_(storage, size):
         old = storage.nbytes()
@@ -458,14 +462,14 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         if h2d:  # the shards live on the host: each is copied to the device, then gathered
             nbytes = sum(p._sharded_param_data.untyped_storage().nbytes() for p in fsdp_params)
             copy = tracker.allocate_unseen(nbytes, Category.TEMPORARIES, "host-to-device copy of offloaded shards")
-        with _label(tracker, "FSDP all-gather"):
+        with tracker.labelled("FSDP all-gather"):
             result = saved["all_gather"](fsdp_params, *args, **kwargs)
         if copy is not None:
             tracker.free_unseen(copy)
         return result
 
     def foreach_all_gather_copy_out(result, fsdp_params, *args, **kwargs):
-        with _label(tracker, "FSDP all-gather copy-out"):
+        with tracker.labelled("FSDP all-gather copy-out"):
             out = saved["copy_out"](result, fsdp_params, *args, **kwargs)
         for p in fsdp_params:  # the unsharded parameters
             for t in p.all_gather_outputs:
@@ -474,7 +478,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
 
     def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
         _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param)
-        with _label(tracker, "FSDP reduce-scatter"):
+        with tracker.labelled("FSDP reduce-scatter"):
             out = saved["reduce"](fsdp_params, unsharded_grads, *args, **kwargs)
         if spec.offload == "params":
             for p in fsdp_params:
@@ -508,15 +512,6 @@ def _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param: dict[i
         _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
 
 
-@contextlib.contextmanager
-def _label(tracker, label: str) -> Iterator[None]:
-    previous, tracker.label = tracker.label, label
-    try:
-        yield
-    finally:
-        tracker.label = previous
-
-
 def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str) -> None:
     sid = tracker.storage_id(t)
     if sid is None:
@@ -527,19 +522,20 @@ def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str) -> N
 
 
 # -- host memory ---------------------------------------------------------------------------------
-def mark_host(trace: Trace, spec: RunSpec) -> None:
-    """Flag what an offloading run keeps in host memory, then move it out of the device events.
+def offloaded(trace: Trace, spec: RunSpec) -> list[int]:
+    """The storages that CPU offloading of data-parallel state really moves to host memory (only these:
+    another kind of --offload moves nothing here).
     --offload optimizer | params: optimizer state and every allocation of the optimizer step.
-    --offload params: also the sharded parameters (alive before the step) and sharded gradients
-    (flagged when FSDP copies them to the host, see ``instrument``)."""
-    if spec.offload == "none":
-        return
-    for rec in trace.storages:
-        if rec.category is Category.OPTIMIZER_STATE or rec.phase is Phase.OPTIMIZER:
-            rec.host = True
-        elif spec.offload == "params" and rec.category is Category.PARAMETERS and rec.phase is Phase.SETUP:
-            rec.host = True
-    trace.split_host()
+    --offload params: also the sharded parameters (alive before the step); sharded gradients are moved
+    when FSDP copies them to the host (``instrument``)."""
+    if spec.offload not in (Offload.OPTIMIZER, Offload.PARAMS):
+        return []
+    params = spec.offload == Offload.PARAMS
+    return [
+        sid for sid, rec in enumerate(trace.storages)
+        if rec.category is Category.OPTIMIZER_STATE or rec.phase is Phase.OPTIMIZER
+        or (params and rec.category is Category.PARAMETERS and rec.phase is Phase.SETUP)
+    ]
 
 
 # -- summary (for reports) -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ import gc
 import logging
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,29 +52,19 @@ with imports_without_gc():
     from torch.utils._pytree import tree_flatten
 
     from memest.errors import MemestError, TraceError
-    from memest.features.checkpointing import apply_checkpointing
-    from memest.features.compiled import CompileRequest, compile_note, compiled_forward, is_compiled, unwrap
-    from memest.features.finetune import apply_finetune
-    from memest.features.loss_head import loss_head_scope
-    from memest.features.optim import make_optimizer
-    from memest.features.upper_bound import BoundedOps
     from memest.sources.base import ModelSource, default_loss
     from memest.sources.hf_masks import holds_transformers_model, real_mask_branches
     from memest.spec import RunSpec
-    from memest.spec.choices import DataDependent, Outputs
-    from memest.targets.cpu import cpu_kernels, cpu_notes
-    from memest.targets.cuda.autocast import cuda_autocast_scope
-    from memest.targets.cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
-    from memest.targets.cuda.sdpa import CudaSdpa
+    from memest.spec.choices import Outputs
     from memest.trace.data_dependent import explain
     from memest.trace.devices import DeviceRequests, traced_device
     from memest.trace.dtype import cast_floating
     from memest.trace.events import Category, Phase, Trace
     from memest.trace.fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
-    from memest.trace.fake_kernels import chained_outputs, real_fake_kernels
+    from memest.trace.fake_kernels import real_fake_kernels
     from memest.trace.inference import check_generate, run_generate, run_inference
     from memest.trace.modules import ModuleStack, describe_modules
-    from memest.trace.tracker import StorageTracker, TrackingFakeMode
+    from memest.trace.tracker import StorageTracker, TrackerRules, TrackingFakeMode
     from memest.trace.values import PlaceholderScalars
 
 
@@ -92,17 +83,20 @@ def model_dtype(spec: RunSpec) -> torch.dtype:
     return torch.float32 if spec.mixed else DTYPES[spec.precision]
 
 
-def autocast_context(spec: RunSpec, device_type: str = "cpu"):
+def autocast_dtype(spec: RunSpec) -> torch.dtype:
+    """The 16-bit dtype of a mixed-precision step."""
+    return torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
+
+
+def autocast_context(spec: RunSpec, device_type: str = "cpu", *, features: Sequence = ()):
     """Autocast for mixed precision. Traces run on CPU tensors; a real GPU run (validation) passes
-    device_type="cuda"."""
+    device_type="cuda". A feature may replace torch.autocast (the CUDA target's rules on CPU tensors)."""
     if not spec.mixed:
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
-    if device_type == "cpu" and spec.target == "cuda":  # tracing a CUDA run on CPU tensors
-        from memest.targets.cuda.autocast import cuda_autocast
-
-        return cuda_autocast(dtype)
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    for feature in features:
+        if (context := feature.autocast(spec, device_type)) is not None:
+            return context
+    return torch.autocast(device_type=device_type, dtype=autocast_dtype(spec))
 
 
 @dataclass
@@ -111,7 +105,9 @@ class Built:
     inputs: Any
     checkpointed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the model code did that the report should say
-    compiled: CompileRequest | None = None  # the step runs torch.compile'd (features/compiled.py)
+    compiled: Any = None  # the step runs torch.compile'd: a features/compiled.CompileRequest (set by its feature)
+    dtype: torch.dtype = torch.float32  # the parameters' dtype (--precision)
+    where: str = ""  # the model's name in messages
 
     @property
     def runnable(self) -> torch.nn.Module:
@@ -119,9 +115,9 @@ class Built:
         return self.compiled.real_module(self.model) if self.compiled is not None else self.model
 
 
-def build(source: ModelSource, spec: RunSpec) -> Built:
-    """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype, in
-    train or eval mode, with --checkpointing applied."""
+def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
+    """Build the model and its inputs (in whatever tensor mode is active) in the spec's dtype, with each
+    feature's model transforms (StepFeature.build: LoRA, checkpointing, ...), in train or eval mode."""
     seq = spec.seq if spec.seq is not None else source.default_seq
     check_positions(source, spec, seq)
     try:
@@ -130,8 +126,6 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         raise
     except Exception as exc:
         raise _build_error(source, "building the model", exc) from exc
-    built_compiled = is_compiled(model) or getattr(model, "_compiled_call_impl", None) is not None
-    model, compiled = _compile_request(model, spec)
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"{source.origin or source.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     if spec.training and next(model.parameters(), None) is None:
@@ -149,11 +143,10 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
     notes = [note] if (note := _own_cast_note(model, dtype)) else []
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
-    if spec.lora or spec.freeze or spec.quant != "none":
-        model, finetune_notes = apply_finetune(model, spec, dtype, source.origin or source.name)
-        notes += finetune_notes
-    model.train(spec.training)
-    checkpointed = apply_checkpointing(model, spec.checkpointing, source.origin or source.name)
+    built = Built(model, None, notes=notes, dtype=dtype, where=source.origin or source.name)
+    for feature in features:
+        feature.build(built, spec)
+    built.model.train(spec.training)
     try:
         inputs = source.example_inputs(spec.batch, seq)
     except MemestError:
@@ -164,39 +157,8 @@ def build(source: ModelSource, spec: RunSpec) -> Built:
         inputs = _cast_floats(inputs, dtype)
     if not spec.training and isinstance(inputs, dict):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
-    if note := _compile_note(compiled, built_compiled, spec):
-        notes.append(note)
-    return Built(model, inputs, checkpointed, notes, compiled)
-
-
-def _compile_request(model, spec: RunSpec) -> tuple[Any, CompileRequest | None]:
-    """The model unwrapped from the model file's torch.compile, and how the step is compiled (--compile)."""
-    model, request = unwrap(model)
-    if spec.compile is False:
-        return model, None
-    if spec.compile and request is None:
-        request = CompileRequest()
-    if request is not None and spec.checkpointing != "none" and not request.traced_eager:
-        raise TraceError(
-            f"--checkpointing {spec.checkpointing} on a compiled step: torch.utils.checkpoint inside torch.compile runs "
-            "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
-            "--checkpointing, or trace eager with --no-compile (torch._functorch.config.activation_memory_budget is "
-            "the compiled step's own recomputation, and is traced)"
-        )
-    if request is not None and spec.world_size > 1 and spec.training:
-        raise TraceError(
-            "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
-            "(DDPOptimizer splits the graph at bucket boundaries); use --no-compile to trace it eager"
-        )
-    return model, request
-
-
-def _compile_note(compiled: CompileRequest | None, built_compiled: bool, spec: RunSpec) -> str | None:
-    if compiled is not None:
-        return compile_note(compiled, spec.target)
-    if built_compiled:  # --no-compile on a model file that compiles itself
-        return "the model file compiles the model (torch.compile): traced eager, as --no-compile asks"
-    return None
+    built.inputs = inputs
+    return built
 
 
 def _own_cast_note(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
@@ -286,12 +248,6 @@ def call_model(model: torch.nn.Module, inputs: Any):
     return model(inputs)
 
 
-def step_optimizer(spec: RunSpec, params: list) -> torch.optim.Optimizer | None:
-    """The optimizer of a training step over the parameters that require grad; None when there is
-    nothing to step (inference, or every parameter frozen: torch.optim refuses an empty list)."""
-    return make_optimizer(spec, params) if spec.training and params else None
-
-
 # Micro-steps 2..K of gradient accumulation allocate and free exactly alike (gradients exist and are
 # accumulated in place), so the tracer runs two of them; tests compare with real runs of all K.
 TRACED_MICRO_STEPS = 2
@@ -311,13 +267,14 @@ class LoopState:
 
 def run_iteration(
     model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
-    max_micro_steps: int | None = None, loop: LoopState | None = None,
+    max_micro_steps: int | None = None, loop: LoopState | None = None, *, features: Sequence,
 ) -> None:
     """One training step: ``spec.grad_accum`` micro-steps (loss / K each; at most ``max_micro_steps``
     run) then one optimizer step. ``on_phase(phase)`` marks phase starts; ``after(phase)`` runs after
     the loss (where a loop that frees outputs drops them), backward and the optimizer step (the tracer
     notes the held output and classifies gradients and state there). ``loop``: the references the
-    loop keeps between steps (--outputs kept); a new one when not given.
+    loop keeps between steps (--outputs kept); a new one when not given. ``features``: the step's features
+    (StepFeature.loop around the micro-steps, StepFeature.autocast).
 
     ``optimizer`` None: no parameter requires grad (a frozen model). Then there is no optimizer step,
     and backward runs only if the loss requires grad (inputs that do): a real ``loss.backward()``
@@ -328,7 +285,7 @@ def run_iteration(
     loop = loop if loop is not None else LoopState()
     micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
     if spec.pp > 1:  # a pipeline stage: the schedule runs forward, loss and backward of its micro-batches
-        with autocast_context(spec, device_type):
+        with autocast_context(spec, device_type, features=features):
             model(inputs, mark)  # marks each micro-batch's forward and backward
         done(Phase.BACKWARD)
         mark(Phase.OPTIMIZER)
@@ -337,10 +294,12 @@ def run_iteration(
         mark(Phase.ZERO_GRAD)
         optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
         return
-    with loss_head_scope(model, spec):
+    with contextlib.ExitStack() as scopes:
+        for feature in features:  # e.g. --loss-head: the LM head and loss replaced
+            scopes.enter_context(feature.loop(model, spec))
         for _ in range(micro_steps):
             mark(Phase.FORWARD)
-            with autocast_context(spec, device_type):
+            with autocast_context(spec, device_type, features=features):
                 out = call_model(model, inputs)
                 if kept:
                     loop.output = out  # `out = model(x)`: the previous output is released only now
@@ -370,17 +329,18 @@ def run_iteration(
 
 def run_step(
     model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
-    max_micro_steps: int | None = None, loop: LoopState | None = None,
+    max_micro_steps: int | None = None, loop: LoopState | None = None, *, features: Sequence,
 ) -> None:
     """One step of ``spec.mode``: a training step, an inference forward, or a generation. ``loop``: see
-    LoopState (pass the same one to every step of a run)."""
+    LoopState (pass the same one to every step of a run); ``features``: see run_iteration."""
     if spec.training:
         run_iteration(
-            model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps, loop
+            model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps, loop,
+            features=features,
         )
         return
     mark = on_phase or (lambda phase: None)
-    with autocast_context(spec, device_type):
+    with autocast_context(spec, device_type, features=features):
         if spec.mode == "inference":
             run_inference(model, inputs, call_model, mark)
         else:
@@ -395,13 +355,14 @@ def _storage_ids(tracker: StorageTracker, obj) -> set[int]:
     return {tracker.storage_id(t) for t in _storage_tensors(obj)} - {None}
 
 
-def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
+def trace_step(source: ModelSource, spec: RunSpec, *, features: Sequence) -> Trace:
     """Trace ``spec.iterations`` training steps of ``source`` on fake tensors. Allocates no real
-    parameter or activation memory and never touches a GPU.
+    parameter or activation memory and never touches a GPU. ``features``: the step features of the
+    spec (features/registry.features_for), whose hooks run in list order (features/base.py).
 
     The trace runs in named stages (each below), entered in order on one ExitStack so that every
     hook, patch and mode is undone however a stage ends (the style of torch's mem_tracker)."""
-    step = _Step(source, spec)
+    step = _Step(source, spec, list(features))
     with contextlib.ExitStack() as stages:
         stages.enter_context(_fake_world(step))
         stages.enter_context(_built(step))
@@ -416,127 +377,96 @@ def trace_step(source: ModelSource, spec: RunSpec) -> Trace:
 
 @dataclass
 class _Step:
-    """What the stages of one trace share."""
+    """What the stages of one trace share (and what the features' hooks read and set)."""
 
     source: ModelSource
     spec: RunSpec
+    features: list
     trace: Trace = field(default_factory=Trace)
     fake_mode: _FakeMode = field(default_factory=lambda: _FakeMode(allow_non_fake_inputs=False))
     # the build stage
     model: Any = None
     inputs: Any = None
-    parallel: Any = None  # data parallelism (parallel/distributed.py): rank 0 of --world-size ranks
+    runnable: Any = None  # what the loop calls: the model, or a feature's wrapper of it (DDP)
+    wrapper: Any = None  # a wrapper module whose hooks the module stack follows too (DDP, a pipeline stage)
     params: list = field(default_factory=list)  # parameters that require grad
     owner_of_param: dict[int, str] = field(default_factory=dict)
     trainable_count: int = 0  # elements of the parameters that require grad
     optimizer: Any = None
+    optimizer_state: Any = None  # () -> {param: state} where the optimizer keeps it elsewhere (ZeRO); else .state
     # the tracking stages
     stack: ModuleStack | None = None
     tracker: StorageTracker | None = None
-    sdpa: Any = None
     devices: DeviceRequests | None = None  # the model code's CUDA requests, placed on the traced device
-    kernels: Any = None  # --target cuda: CudaKernels (dropout, cuDNN RNNs)
     loop: LoopState = field(default_factory=LoopState)  # what the user's loop keeps between steps
     held_loss: set = field(default_factory=set)  # storage ids of the kept loss, until its backward ends
-    cpu_conv: Any = None  # --target cpu: the convolution scratch model (targets/cpu/onednn_conv.py)
-    bounded: Any = None  # --data-dependent upper-bound: trace/upper_bound.BoundedOps
 
     @property
     def where(self) -> str:
         return self.source.origin or self.source.name
 
-    @property
-    def cuda(self) -> bool:
-        return self.spec.target == "cuda"
-
-    @property
-    def data_parallel(self) -> bool:
-        return self.spec.world_size > 1 and self.spec.training  # inference ranks are plain replicas
-
 
 @contextlib.contextmanager
 def _fake_world(step: _Step):
     """Stage 1: the fake tensor mode everything runs in, the model code's CUDA requests and module
-    conversions on it (trace/devices.py), and for --world-size a fake process group."""
-    with step.fake_mode, traced_device() as step.devices:
-        if not step.data_parallel:
-            yield
-            return
-        from memest.parallel import distributed
-
-        with distributed.fake_process_group(step.spec.world_size, rank=step.spec.rank):
-            yield
+    conversions on it (trace/devices.py), and the features' sessions (--world-size: a fake process group)."""
+    with step.fake_mode, traced_device() as step.devices, contextlib.ExitStack() as sessions:
+        for feature in step.features:
+            sessions.enter_context(feature.session(step.spec))
+        yield
 
 
 @contextlib.contextmanager
 def _built(step: _Step):
-    """Stage 2: model and inputs (weight init reading values gets placeholders), the data-parallel
-    wrapper, module records and owners, parameter counts and the optimizer; all dropped at exit."""
+    """Stage 2: model and inputs (weight init reading values gets placeholders), the features' preparation
+    (the data-parallel wrapper, a compiled forward), module records and owners, parameter counts and the
+    optimizer; all dropped at exit."""
     trace, spec = step.trace, step.spec
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with PlaceholderScalars():  # weight init may read values (trunc_normal_'s rejection loop)
-            built = build(step.source, spec)
+            built = build(step.source, spec, step.features)
             step.model, step.inputs = built.model, built.inputs
             trace.checkpointed = built.checkpointed
             trace.notes += built.notes
             trace.model_type = type(step.model).__name__
-            if step.data_parallel and _trainable(step.model):
-                step.parallel = _wrap_parallel(step.source, spec, step.model)
-                trace.parallel, trace.shard_units = step.parallel.description, list(step.parallel.units)
-                if step.parallel.shard_inputs is not None:  # --cp: this rank's part of the sequence
-                    step.inputs = step.parallel.shard_inputs(step.inputs)
-            elif step.data_parallel:  # frozen: no gradients to synchronise, plain replicas (DDP refuses it)
-                trace.notes.append(
-                    f"every parameter is frozen: the {spec.world_size} ranks are plain replicas"
-                    + (f" (--shard {spec.shard} has nothing to shard)" if spec.shard != "none" else "")
-                )
+            step.runnable = step.model
+            prepared = [context for feature in step.features if (context := feature.prepare(step)) is not None]
     model = step.model
     step.owner_of_param = describe_modules(model, trace)
     step.params = [p for p in model.parameters() if p.requires_grad]
     trace.param_count = sum(logical_numel(p) for p in model.parameters())
     trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     step.trainable_count = trace.trainable_count = sum(p.numel() for p in step.params)
-    if step.parallel is not None:
-        step.optimizer = step.parallel.optimizer
-    else:
-        step.optimizer = step_optimizer(spec, step.params)
+    step.optimizer = next((opt for feature in step.features if (opt := feature.optimizer(step)) is not None), None)
     if spec.mode == "generate":
         check_generate(model, step.inputs)
     try:
-        with compiled_forward(model, built.compiled):  # torch.compile: the step runs the compiled forward
+        with contextlib.ExitStack() as contexts:  # e.g. torch.compile: the step runs the compiled forward
+            for context in prepared:
+                contexts.enter_context(context)
             yield
     finally:
-        step.model = step.inputs = step.optimizer = step.parallel = None
+        step.model = step.inputs = step.runnable = step.wrapper = step.optimizer = step.optimizer_state = None
         step.params = []
         step.loop = LoopState()  # the last step's output, held by the loop, goes with the model
 
 
 def _track_storages(step: _Step) -> None:
-    """Stage 3: the module stack and the storage tracker (for --world-size, attached to the wrapper:
-    DTensor shards, DDP's gradient buckets)."""
-    parallel = step.parallel
-    step.stack = ModuleStack(step.model, step.trace, wrapper=parallel.wrapper if parallel is not None else None)
-    if step.cuda:
-        kernels = {"scratch": cuda_scratch(step.spec.cudnn_benchmark), "outputs": CUDA_OUTPUTS}
-    else:  # --target cpu: oneDNN's workspaces and scratch (targets/cpu/)
-        scratch, outputs, step.cpu_conv = cpu_kernels()
-        kernels = {"scratch": scratch, "outputs": outputs}
-    kernels["outputs"] = {**FAKE_KERNEL_OUTPUTS, **kernels["outputs"]}  # both targets: autograd's subclass-only paths
-    if step.spec.data_dependent == DataDependent.UPPER_BOUND:  # size-bounded ops at their bound (features/upper_bound.py)
-        step.bounded = BoundedOps(in_backward=lambda: step.tracker.phase is Phase.BACKWARD)
-        kernels["scratch"] = {**kernels["scratch"], **step.bounded.scratch(str(step.spec.target))}
-        kernels["outputs"] = chained_outputs(kernels["outputs"], step.bounded.outputs(str(step.spec.target)))
-    step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, **kernels)
-    if parallel is not None:
-        from memest.parallel import distributed
-
-        distributed.attach(step.tracker, parallel, step.spec)
+    """Stage 3: the module stack (following a wrapper's hooks too: DTensor shards, DDP's gradient buckets)
+    and the storage tracker, with the kernel rules of the fake kernels and of every feature."""
+    step.stack = ModuleStack(step.model, step.trace, wrapper=step.wrapper)
+    # both targets: autograd's subclass-only paths; then each feature's (a target's kernels, --data-dependent)
+    rules = [TrackerRules(outputs=FAKE_KERNEL_OUTPUTS)] + [feature.rules(step) for feature in step.features]
+    step.tracker = StorageTracker(step.trace, step.stack.current, step.fake_mode, rules)
 
 
 def _register_storages(step: _Step) -> None:
-    """Stage 4: what exists before the step: parameters (owned by their module), buffers, inputs."""
+    """Stage 4: what exists before the step: the features' buffers (DDP's gradient buckets), parameters
+    (owned by their module), buffers, inputs."""
     tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
+    for feature in step.features:
+        feature.register(step)
     for p in step.model.parameters():
         sid = tracker.register(p, Category.PARAMETERS, "parameter", module=owner[id(p)])
         if sid is not None:
@@ -574,12 +504,10 @@ def _step_errors(step: _Step):
 @contextlib.contextmanager
 def _instrumented(step: _Step):
     """Stage 6: while the step runs: the source's context (transformers' mask branches, also for a
-    transformers model that a model file builds), CUDA semantics for --target cuda (SDPA backends,
-    autocast rules also in backward, where checkpointing replays the forward), the module stack, the
-    tracker, the data-parallel instrumentation, and the saved-tensor hook that marks activations."""
+    transformers model that a model file builds), the module stack, the tracker, the features' contexts
+    (--target cuda: SDPA backends, autocast rules also in backward, where checkpointing replays the forward;
+    data-parallel instrumentation), and the saved-tensor hook that marks activations."""
     spec, tracker = step.spec, step.tracker
-    step.sdpa = CudaSdpa(spec.attention, spec.compute_capability) if step.cuda else None
-    step.kernels = CudaKernels() if step.cuda else None
 
     def mark_saved(t: torch.Tensor):
         sid = tracker.storage_id(t)
@@ -590,44 +518,51 @@ def _instrumented(step: _Step):
         # frees them (an output the model computes and drops)
         return t.detach() if t.grad_fn is not None else t
 
+    pack, unpack = _saved_hooks(step, mark_saved)
     with contextlib.ExitStack() as hooks:
         hooks.enter_context(_quiet_fake_tensor_log())
         hooks.enter_context(real_fake_kernels())
-        if step.bounded is not None:
-            hooks.enter_context(step.bounded.active())
         if step.source.trace_context:
             hooks.enter_context(step.source.trace_context(spec))
         elif holds_transformers_model(step.model):  # a transformers model built by a model file
             hooks.enter_context(real_mask_branches())
-        if not step.cuda and step.spec.checkpointing != "none":
-            from memest.targets.cpu.rng_state import tracked_cpu_rng_state
-
-            hooks.enter_context(tracked_cpu_rng_state())
-        if step.cuda:
-            hooks.enter_context(step.sdpa)
-            hooks.enter_context(step.kernels)
-            if spec.mixed:
-                hooks.enter_context(cuda_autocast_scope())
         hooks.enter_context(step.stack)
         hooks.enter_context(tracker)
-        if step.parallel is not None:
-            from memest.parallel import distributed
-
-            hooks.enter_context(distributed.instrument(tracker, spec, step.owner_of_param))
-            if step.parallel.step_context is not None:  # --cp: the ring attention
-                hooks.enter_context(step.parallel.step_context())
-        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t))
+        for feature in step.features:
+            for context in feature.contexts(step):
+                hooks.enter_context(context)
+        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         yield
+
+
+def _saved_hooks(step: _Step, mark_saved):
+    """autograd's pack and unpack hooks: the activation mark, then the features' own (StepFeature.pack, in order;
+    unpack in reverse) for the features that pack saved tensors (``packs_saved``)."""
+    own = [feature for feature in step.features if feature.packs_saved]
+    if not own:
+        return mark_saved, lambda t: t
+
+    def pack(t):
+        packed = mark_saved(t)
+        for feature in own:
+            packed = feature.pack(step, packed)
+        return packed
+
+    def unpack(packed):
+        for feature in reversed(own):
+            packed = feature.unpack(step, packed)
+        return packed
+
+    return pack, unpack
 
 
 def _run_iterations(step: _Step) -> None:
     """Stage 7: ``spec.iterations`` steps; gradients and optimizer state are classified as they appear."""
-    spec, tracker, parallel = step.spec, step.tracker, step.parallel
-    module = step.model if parallel is None else parallel.module
+    spec, tracker = step.spec, step.tracker
     for it in range(1, spec.iterations + 1):
         step.stack.record_outputs = it == 1
         run_step(
-            module,
+            step.runnable,
             step.inputs,
             step.optimizer,
             step.source.compute_loss,
@@ -636,13 +571,14 @@ def _run_iterations(step: _Step) -> None:
             after=lambda phase: _classify_after(step, phase),
             max_micro_steps=TRACED_MICRO_STEPS,
             loop=step.loop,
+            features=step.features,
         )
 
 
 def _classify_after(step: _Step, phase: Phase) -> None:
     """After the loss: the output the loop keeps (--outputs kept), from the point where a loop that
     frees it would have; after backward: the gradients; after the optimizer step: its state (owned by
-    the parameter's module)."""
+    the parameter's module); then each feature's ``after``."""
     tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
     if phase is Phase.LOSS:
         if step.loop.output is not None:
@@ -658,51 +594,32 @@ def _classify_after(step: _Step, phase: Phase) -> None:
             if p.grad is not None:
                 _own(tracker, trace, p.grad, Category.GRADIENTS, owner[id(p)])
     elif phase is Phase.OPTIMIZER:
-        state_of = step.parallel.optimizer_state() if step.parallel is not None else step.optimizer.state
+        state_of = step.optimizer_state() if step.optimizer_state is not None else step.optimizer.state
         for p, state in state_of.items():
             for t in _storage_tensors(state):
                 _own(tracker, trace, t, Category.OPTIMIZER_STATE, owner.get(id(p), ""))
-        for t in getattr(step.optimizer, "paged", ()):  # bitsandbytes' paged state: unified memory
-            if (sid := tracker.storage_id(t)) is not None:
-                trace.storages[sid].host = True
+    for feature in step.features:
+        feature.after(step, phase)
 
 
 def _classify(step: _Step) -> None:
-    """Stage 8, after the step: attention backends chosen, temporaries saved for backward are
-    activations, and for --world-size/--offload the host storages split from the device's."""
+    """Stage 8, after the step: the features' notes (attention backends chosen, kernels modelled),
+    temporaries saved for backward are activations, and the storages the features keep in host memory
+    (--offload, paged optimizer state) split from the device's."""
     trace, spec = step.trace, step.spec
     if spec.training and step.trainable_count < trace.param_count:
         trace.notes.append(_frozen_note(trace, step.trainable_count))
     if devices := step.devices.note(spec.target):
         trace.notes.append(devices)
-    if step.cuda:
-        trace.attention_backends = dict(step.sdpa.choices)
-        if step.kernels.rnn.calls:
-            calls = ", ".join(f"{name} x{n}" for name, n in sorted(step.kernels.rnn.calls.items()))
-            trace.notes.append(f"RNNs run as cuDNN's _cudnn_rnn ({calls}): reserve and workspace per docs/cuda-kernels.md")
-    elif step.cpu_conv is not None:
-        trace.notes.extend(cpu_notes(trace, step.cpu_conv, spec.mode))
-    if step.bounded is not None and step.bounded.calls:
-        trace.bounded_ops = dict(step.bounded.calls)
-        trace.notes.append(step.bounded.note())
+    for feature in step.features:
+        trace.notes.extend(feature.finish(step))
     for rec in trace.storages:
         if rec.saved_for_backward and rec.category is Category.TEMPORARIES:
             rec.category = Category.ACTIVATIONS
-    if spec.world_size > 1 or spec.offload != "none":
-        from memest.parallel import distributed
-
-        trace.world_size, trace.rank = spec.world_size, spec.rank
-        distributed.mark_host(trace, spec)
-    if any(rec.host for rec in trace.storages) and not trace.host_events:  # paged optimizer state
-        paged = sum(rec.nbytes for rec in trace.storages if rec.host)
-        trace.split_host()
-        from memest.units import format_bytes
-
-        trace.notes.append(
-            f"--optim {spec.optim}: {format_bytes(paged)} of optimizer state in CUDA unified memory (bitsandbytes "
-            "paged buffers, cudaMallocManaged): host-pageable, not counted as device memory; the driver pages it "
-            "in during the optimizer step"
-        )
+    for feature in step.features:
+        for sid in feature.host(trace, spec):
+            trace.storages[sid].host = True
+    trace.split_host()  # nothing to split unless a storage is host memory
 
 
 def logical_numel(p: torch.Tensor) -> int:
@@ -730,21 +647,6 @@ def _frozen_note(trace: Trace, trainable: int) -> str:
         "only, without backward or optimizer step (a real loss.backward() raises here); --mode inference traces "
         "the forward without autograd"
     )
-
-
-def _wrap_parallel(source: ModelSource, spec: RunSpec, model):
-    """The model wrapped for --world-size/--shard (parallel/distributed.py), as a TraceError if it cannot be."""
-    from memest.parallel import distributed
-
-    try:
-        return distributed.wrap(model, spec, fake=True)
-    except MemestError:
-        raise
-    except Exception as exc:
-        raise TraceError(
-            f"{source.origin or source.name}: wrapping the model for --shard {spec.shard} "
-            f"(--world-size {spec.world_size}) raised {type(exc).__name__}: {_first_line(exc)}"
-        ) from exc
 
 
 @contextlib.contextmanager

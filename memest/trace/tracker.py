@@ -8,8 +8,10 @@ a second Python dispatch round trip per op.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -17,7 +19,46 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
 
 from memest.trace.events import Category, Phase, StorageRecord, Trace
+from memest.trace.fake_kernels import chained_outputs
 from memest.trace.values import ITEM, placeholder_scalar
+
+
+@dataclass(frozen=True)
+class TrackerRules:
+    """What the tracker must know about the kernels of a step, from one feature (features/base.py).
+
+    ``scratch``: aten op -> fn(args, kwargs) -> byte sizes of kernel-internal buffers (allocated before the
+    op's outputs, freed after them) that the fake kernel does not show; a size may be a
+    targets/cuda/workspace.Workspace (expected bytes with a low/high range).
+    ``outputs``: aten op -> fn(args, kwargs, out, make) -> out: the real kernel makes outputs differently from
+    the fake one. Two kinds: (a) without ``fn.late`` (CUDA kernels: another dtype or storage size), fn runs
+    before the outputs are recorded and make(op, *args, **kwargs) runs an op in the fake mode unrecorded;
+    (b) with ``fn.late`` (oneDNN: a workspace the meta kernel leaves empty), fn runs after the scratch is
+    freed and make = ``empty(shape, dtype[, numel])``; the output positions in ``fn.late`` are the ones it
+    makes, recorded then as "(kernel output)", the others before.
+    ``chained``: output fixes that run before the earlier rules' fix of the same op, which runs when they keep
+    torch's output (fake_kernels.chained_outputs).
+    ``subclass_types``: wrapper subclasses (DTensor) whose local tensors are tracked.
+    Rules merge in order: a later rule's op replaces an earlier one's."""
+
+    scratch: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    chained: dict = field(default_factory=dict)
+    subclass_types: tuple[type, ...] = ()
+
+
+def merged(rules: Iterable[TrackerRules]) -> tuple[dict, dict, tuple[type, ...]]:
+    """(scratch, outputs, subclass_types) of rules applied in order."""
+    scratch: dict = {}
+    outputs: dict = {}
+    types: tuple[type, ...] = ()
+    for rule in rules:
+        scratch = {**scratch, **rule.scratch}
+        outputs = {**outputs, **rule.outputs}
+        if rule.chained:
+            outputs = chained_outputs(outputs, rule.chained)
+        types += tuple(t for t in rule.subclass_types if t not in types)
+    return scratch, outputs, types
 
 
 class TrackingFakeMode(FakeTensorMode):
@@ -51,21 +92,12 @@ class StorageTracker:
     """Context manager: while entered, every op called into ``fake_mode`` is recorded."""
 
     def __init__(
-        self, trace: Trace, module_of: Callable[[], str], fake_mode: TrackingFakeMode, scratch: dict | None = None,
-        outputs: dict | None = None,
+        self, trace: Trace, module_of: Callable[[], str], fake_mode: TrackingFakeMode,
+        rules: Iterable[TrackerRules] = (),
     ) -> None:
         self._fake_mode = fake_mode
-        # aten op -> fn(args, kwargs) -> byte sizes of kernel-internal buffers (allocated before the
-        # op's outputs, freed after them) that the fake kernel does not show; a size may be a
-        # targets/cuda/workspace.Workspace (expected bytes with a low/high range)
-        self.scratch = scratch or {}
-        # aten op -> fn(args, kwargs, out, make) -> out: the real kernel makes outputs differently from the
-        # fake one. Two kinds: (a) without ``fn.late`` (CUDA kernels: another dtype or storage size), fn runs
-        # before the outputs are recorded and make(op, *args, **kwargs) runs an op in the fake mode unrecorded;
-        # (b) with ``fn.late`` (oneDNN: a workspace the meta kernel leaves empty), fn runs after the scratch is
-        # freed and make = ``empty(shape, dtype[, numel])``; the output positions in ``fn.late`` are the ones
-        # it makes, recorded then as "(kernel output)", the others before
-        self.outputs = outputs or {}
+        # the kernel rules of every feature, merged once (TrackerRules says what each table holds)
+        self.scratch, self.outputs, self.subclass_types = merged(rules)
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
         self.phase = Phase.SETUP
@@ -75,8 +107,6 @@ class StorageTracker:
         self._ids: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._closed = False
-        # data parallelism (parallel/distributed.py) only; off for a single-device step:
-        self.subclass_types: tuple[type, ...] = ()  # wrapper subclasses (DTensor): their local tensors are tracked
         self.ignoring = 0  # > 0: ops run only to compute metadata (DTensor sharding propagation), not recorded
         self.label: str | None = None  # appended to the op name of allocations (e.g. "FSDP all-gather")
         self._lineage: dict[int, list[int]] = {}  # storage id -> every id of that storage (resize_)
@@ -136,6 +166,24 @@ class StorageTracker:
     def __exit__(self, *exc) -> None:
         self._closed = True
         self._fake_mode.tracker = None
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """While entered, allocations are named ``op (label)`` (e.g. "FSDP all-gather")."""
+        previous, self.label = self.label, label
+        try:
+            yield
+        finally:
+            self.label = previous
+
+    @contextlib.contextmanager
+    def ignored(self) -> Iterator[None]:
+        """While entered, ops run only to compute metadata (DTensor's sharding propagation): not recorded."""
+        self.ignoring += 1
+        try:
+            yield
+        finally:
+            self.ignoring -= 1
 
     def classify(self, t: torch.Tensor, category: Category) -> None:
         sid = self.storage_id(t)

@@ -12,10 +12,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 from memest.features.compiled import dynamo_session
+from memest.features.registry import build, run_step, step_optimizer
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
 from memest.trace.devices import traced_device
-from memest.trace.step import LoopState, build, run_step, step_optimizer
+from memest.trace.step import LoopState
 
 
 def _allocation_events(prof) -> list:

@@ -25,10 +25,11 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
+from memest.features.registry import build, run_step
 from memest.parallel.distributed import wrap
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.trace.step import LoopState, build, run_step
+from memest.trace.step import LoopState
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
 
 PRELOAD = ["memest.validate.distributed_truth"]

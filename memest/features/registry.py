@@ -1,0 +1,79 @@
+"""The composition root of the traced step: which step features a spec uses, in the order their hooks run,
+and the step's functions with those features (what every caller outside the trace core uses).
+
+Adding a technique: a StepFeature (features/base.py) in its own module, one line in ``features_for``."""
+
+from __future__ import annotations
+
+from memest.features.base import StepFeature
+from memest.features.checkpointing import CheckpointingFeature
+from memest.features.compiled import CompileFeature
+from memest.features.finetune import FinetuneFeature
+from memest.features.loss_head import LossHeadFeature
+from memest.features.optim import OptimizerFeature, step_optimizer
+from memest.features.upper_bound import UpperBoundFeature
+from memest.parallel.feature import ParallelFeature
+from memest.spec import RunSpec
+from memest.spec.choices import DataDependent, LossHead, Offload, Quant, Target
+from memest.targets.cpu.feature import CpuTarget
+from memest.targets.cuda.feature import CudaTarget
+from memest.trace import step as core
+from memest.trace.events import Trace
+
+
+def features_for(spec: RunSpec) -> list[StepFeature]:
+    """New feature objects for one trace of ``spec``. Order matters: model transforms in build order (the
+    model file's torch.compile unwrapped first, then quantization/LoRA, then checkpointing), a target's
+    kernel rules before the size-bounded ops chained onto them, parallelism before the plain optimizer
+    (its wrapper's optimizer wins), notes in report order."""
+    features: list[StepFeature] = [CompileFeature()]  # also a model file that compiles itself
+    if spec.lora or spec.freeze or spec.quant != Quant.NONE:
+        features.append(FinetuneFeature())
+    if spec.checkpointing != "none":
+        features.append(CheckpointingFeature())
+    if LossHead.of(spec.loss_head)[0] is not LossHead.STANDARD:
+        features.append(LossHeadFeature())
+    features.append(CudaTarget() if spec.target == Target.CUDA else CpuTarget())
+    if spec.data_dependent == DataDependent.UPPER_BOUND:
+        features.append(UpperBoundFeature())
+    if spec.world_size > 1 or spec.offload in (Offload.OPTIMIZER, Offload.PARAMS):  # CPU offload of model state
+        features.append(ParallelFeature())
+    features.append(OptimizerFeature())
+    return features
+
+
+def trace_step(source, spec: RunSpec) -> Trace:
+    """The traced step of ``spec`` with its features (trace/step.trace_step)."""
+    return core.trace_step(source, spec, features=features_for(spec))
+
+
+def build(source, spec: RunSpec) -> core.Built:
+    """Model and inputs as the spec's step runs them (trace/step.build), for real runs and probes."""
+    return core.build(source, spec, features_for(spec))
+
+
+__all__ = ["autocast_context", "build", "features_for", "run_iteration", "run_step", "step_optimizer", "trace_step"]
+
+
+def run_step(
+    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
+    max_micro_steps: int | None = None, loop: core.LoopState | None = None,
+) -> None:
+    """One step of the spec's mode with its features (trace/step.run_step), for real runs."""
+    core.run_step(model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps, loop,
+                  features=features_for(spec))
+
+
+def run_iteration(
+    model, inputs, optimizer, compute_loss, spec: RunSpec, on_phase=None, after=None, device_type: str = "cpu",
+    max_micro_steps: int | None = None, loop: core.LoopState | None = None,
+) -> None:
+    """One training step with the spec's features (trace/step.run_iteration), for real runs."""
+    core.run_iteration(model, inputs, optimizer, compute_loss, spec, on_phase, after, device_type, max_micro_steps,
+                       loop, features=features_for(spec))
+
+
+def autocast_context(spec: RunSpec, device_type: str = "cpu"):
+    """The spec's mixed-precision context (trace/step.autocast_context) with its features."""
+    return core.autocast_context(spec, device_type, features=features_for(spec))
+
