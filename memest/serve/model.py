@@ -7,6 +7,7 @@ import contextlib
 import sys
 
 from memest.errors import MemestError
+from memest.imports import imports_without_gc
 
 
 def load_config(model: str):
@@ -14,7 +15,6 @@ def load_config(model: str):
     collector paused, as load_hf_source does)."""
     if not model.startswith("hf:"):
         raise MemestError(f"memest serve takes an hf: model (hf:NAME, hf:path/config.json, hf:org/name), not {model!r}")
-    from memest.trace.step import imports_without_gc  # memest.trace imports torch: only when a config is read
 
     name = model[3:]
     with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():

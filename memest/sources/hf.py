@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from memest.errors import ModelLoadError
+from memest.imports import imports_without_gc
 from memest.sources.base import ModelSource
 from memest.sources.hf_experts import cuda_experts_dispatch
 from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params, head_of, make_inputs, value_ranges
@@ -63,8 +64,6 @@ def _config_path(name: str) -> Path | None:
 
 
 def load_hf_source(name: str) -> ModelSource:
-    from memest.trace.step import imports_without_gc
-
     path = _config_path(name)
     # transformers imports its modules lazily: the config class here, the model's module on getattr
     with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():
