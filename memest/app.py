@@ -20,7 +20,7 @@ from pathlib import Path
 
 from memest.errors import MemestError, ModelLoadError
 from memest.spec import RunSpec
-from memest.spec.choices import Target
+from memest.spec.choices import Target, Verdict
 from memest.units import format_bytes
 
 Progress = Callable[[str], None]
@@ -128,7 +128,7 @@ class GpuContext:
             ok = fits(t.capacity_bytes) if fits else needed <= t.capacity_bytes
             rows.append(FitRow(t.label, t.capacity_bytes, t.total_bytes, t.used_bytes, needed, ok,
                                t.capacity_bytes - needed, verdict(needed, high, t.capacity_bytes) if ok else
-                               "does-not-fit", low, high))
+                               Verdict.DOES_NOT_FIT, low, high))
         return rows
 
 
@@ -369,7 +369,7 @@ class CheckResult:
 
     @property
     def tight(self) -> list:
-        return [r for r in self.rows if r.verdict == "tight"]
+        return [r for r in self.rows if r.verdict == Verdict.TIGHT]
 
 
 def run_check(

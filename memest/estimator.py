@@ -11,6 +11,7 @@ from memest.report.analysis import Report, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.spec.choices import Verdict
 from memest.trace.events import Trace
 from memest.trace.step import trace_step
 
@@ -47,9 +48,9 @@ class Estimate(EstimateViews):
         the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
         return self.needed_bytes <= budget_bytes(capacity)
 
-    def verdict(self, capacity: int | str) -> str:
-        """"fits" (the high end of the needed range fits), "tight" (expected fits, high does not) or
-        "does-not-fit" (expected does not)."""
+    def verdict(self, capacity: int | str) -> Verdict:
+        """FITS (the high end of the needed range fits), TIGHT (expected fits, high does not) or
+        DOES_NOT_FIT (expected does not); members are their JSON strings ("fits", "tight", "does-not-fit")."""
         from memest.device.fit import verdict
 
         _, expected, high = self.needed_range

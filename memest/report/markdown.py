@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from memest.device.fit import FitRow
 from memest.report.analysis import BREAKDOWN_KEYS, Report
+from memest.spec.choices import Verdict
 from memest.units import format_bound, format_bytes, format_count
 
 _NUMERIC = re.compile(r"^[-+]?[0-9][0-9.,]*(\s|%|[A-Za-z]|$)")
@@ -120,7 +121,7 @@ FIT_HEADERS = ["against", "total", "used", "available", "needed", "headroom", "f
 
 
 def _verdict_cell(r: FitRow, yes: str, no: str, tight: str) -> str:
-    if r.verdict == "tight":
+    if r.verdict == Verdict.TIGHT:
         return tight
     return yes if r.fits else no
 
