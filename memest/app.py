@@ -305,14 +305,14 @@ def run_estimate(
             "pass --gpu 11GB (a size), a card name or a device index"
         )
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
+    cuda = spec.target == Target.CUDA
+    notes = [f"CUDA kernels modelled for {ctx.arch} ({ctx.arch_reason})"] if cuda else []  # after the estimate's own
+    if cuda and ctx.calibration_note:
+        notes.append(ctx.calibration_note)
     with user_code(spec.model):
         source = source or load_source(spec.model)
         with ticker(f"tracing {source.name}", progress):
-            result = estimate(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, source=source)
-    if spec.target == Target.CUDA:
-        result.report.notes.append(f"CUDA kernels modelled for {ctx.arch} ({ctx.arch_reason})")
-        if ctx.calibration_note:
-            result.report.notes.append(ctx.calibration_note)
+            result = estimate(spec, calibration=ctx.calibration if cuda else None, source=source, notes=notes)
     fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range)
     out = EstimateResult(result, ctx, fits)
     if colocate is not None:
