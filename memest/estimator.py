@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from memest.device import fit
 from memest.device.usage import DeviceUsage, device_usage
 from memest.parallel.distributed import sharding_summary
 from memest.report.analysis import Report, ReportParts, analyse
@@ -57,10 +58,8 @@ class Estimate(EstimateViews):
     def verdict(self, capacity: int | str) -> Verdict:
         """FITS (the high end of the needed range fits), TIGHT (expected fits, high does not) or
         DOES_NOT_FIT (expected does not); members are their JSON strings ("fits", "tight", "does-not-fit")."""
-        from memest.device.fit import verdict
-
         _, expected, high = self.needed_range
-        return verdict(expected, high, budget_bytes(capacity))
+        return fit.verdict(expected, high, budget_bytes(capacity))
 
     def headroom_bytes(self, capacity: int | str) -> int:
         """>= 0 exactly when the step fits."""
