@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memest.errors import MemestError, ModelLoadError
+from memest.serve.colocate import colocated_engine
+from memest.serve.gpu import serve_measured, serve_total
+from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
 from memest.spec.choices import Target, Verdict
 from memest.units import format_bytes
@@ -329,25 +332,6 @@ def run_estimate(
     return out
 
 
-def colocated_engine(spec: RunSpec, ctx: GpuContext, needed_range, block: dict):
-    """The training step plus a vLLM engine at ``block['utilization']`` on the GPU of ``ctx``."""
-    from memest.serve.colocate import TRL_BATCHED_TOKENS, TRL_MAX_MODEL_LEN, TRL_UTILIZATION, colocate
-    from memest.serve.plan import ServeSpec, plan_serve
-
-    if not spec.model.startswith("hf:"):
-        raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
-    total, _ = serve_total(ctx)
-    util = float(block.get("utilization") or TRL_UTILIZATION)
-    if not 0 < util < 1:
-        raise MemestError(f"colocate utilization must be in (0, 1), got {util}")
-    tp = int(block.get("tp") or 1)
-    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(block.get("max_model_len") or TRL_MAX_MODEL_LEN),
-                       utilization=util, tp=tp, max_num_seqs=int(block.get("max_num_seqs") or spec.batch * tp),
-                       max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability,
-                       **serve_measured(ctx, tp, block.get("non_torch_memory")))
-    return colocate(needed_range, total, util, plan_serve(engine))
-
-
 # ---------------------------------------------------------------------------------------- check
 
 
@@ -608,45 +592,11 @@ class ServeRun:
     colocate: object = None  # serve.colocate.Colocate, when a training step shares the GPU
 
 
-def serve_total(ctx: GpuContext) -> tuple[int, str]:
-    """The GPU's total memory as the engine sees it (cudaMemGetInfo): a logged figure for known cards,
-    else the nominal size, a budget as given, or NVML's total for a local GPU."""
-    from memest.device.catalogue import normalise
-    from memest.serve.evidence import TOTALS
-
-    flag = ctx.flag or ""
-    known = TOTALS.get(normalise(flag))
-    if known is not None:
-        return known
-    target = ctx.targets[0]
-    if target.total_bytes is not None and target.label.startswith("GPU "):
-        return target.total_bytes, f"{target.label.replace(' (free)', '')}: NVML total (cudaMemGetInfo's is a little lower)"
-    return target.capacity_bytes, (f"--gpu {flag}: nominal size (the driver keeps a little; the engine sees somewhat "
-                                   "less)" if not flag[:1].isdigit() else f"--gpu {flag} taken as the GPU's total")
-
-
-def serve_measured(ctx: GpuContext, tp: int, non_torch_memory: float | None) -> dict:
-    """ServeSpec's measured terms: the non-torch increase from ``non_torch_memory`` (GiB, the user's vLLM log's
-    figure) or else the calibration profile of ``ctx``, and the profile's CUDA context; {} when neither applies."""
-    from memest.serve.evidence import measured_context, measured_non_torch
-
-    out = {}
-    non_torch = measured_non_torch(tp, non_torch_memory, ctx.calibration)
-    if non_torch is not None:
-        out["non_torch"] = non_torch
-    context = measured_context(ctx.calibration)
-    if context is not None:
-        out["context"] = context
-    return out
-
-
 def run_serve(args: dict, gpu: str, progress: Progress | None = None,
               calibration: str | Path | dict | None = None) -> ServeRun:
     """``args``: serve.plan.ServeSpec fields but model's total and generation, which come from ``gpu``, plus
     ``non_torch_memory`` (GiB: a measured non-torch increase, e.g. from the user's own vLLM log). ``calibration``:
     a profile (`memest calibrate --out`) whose measured costs replace the evidence (non-torch, CUDA context)."""
-    from memest.serve.plan import ServeSpec, plan_serve
-
     ctx = resolve_gpu(gpu, need_budget=True, calibration=calibration)
     total, source = serve_total(ctx)
     args = dict(args)

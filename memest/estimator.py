@@ -110,9 +110,9 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
-    if spec.ep > 1:
+    if spec.parallel.ep_enabled:
         gathered = _routing_range(spec, calibration, source)
-    elif spec.cp > 1:
+    elif spec.parallel.cp_enabled:
         gathered = _context_parallel_ranks(spec, calibration, source)
     else:
         gathered = _pipeline_ranks(spec, calibration, source)
@@ -132,7 +132,7 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
     parts = ReportParts(
         device=g.rank.device,
         trace_seconds=g.seconds,
-        batch_factor=spec.dp * (spec.microbatches_per_step if spec.pp > 1 else 1) if parallel else 1,
+        batch_factor=spec.dp * (spec.microbatches_per_step if spec.parallel.pp_enabled else 1) if parallel else 1,
         sharding=sharding_summary(trace) if parallel else None,
         pipeline_stages=g.pipeline_stages,
         expert_routing=g.expert_routing,
@@ -153,7 +153,7 @@ def _trace_rank(spec: RunSpec, calibration: dict | None, source) -> _Rank:
 
 def _pipeline_ranks(spec: RunSpec, calibration: dict | None, source) -> _Gathered:
     """The step of one rank, or with --pp every pipeline rank's, the one that needs the most shown."""
-    if spec.pp == 1:
+    if not spec.parallel.pp_enabled:
         rank = _trace_rank(spec, calibration, source)
         return _Gathered(rank, rank.seconds)
     stages = [_trace_rank(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
@@ -186,7 +186,7 @@ def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> 
         "needs the most (the verdict is its); data-parallel groups repeat these ranks (the last can hold FSDP2's "
         "shorter last shard where a split is uneven: the first group's trace is its upper bound)"
         + (f", and each cp rank's {spec.tp} tensor-parallel ranks run the same shapes (its first is traced)"
-           if spec.tp > 1 else "")
+           if spec.parallel.tp_enabled else "")
     )
     kernel = (
         "the CPU flash-attention op inside each ring step (memest's handler: torch registers ring handlers for the "

@@ -3,7 +3,7 @@
 Two checks per published start-up log:
 
 1. arithmetic: the log's own components (total, utilization, weights, activation peak, non-torch) through
-   memest's budget arithmetic (memest/serve/budget.py) -> blocks / tokens, against the blocks / tokens the
+   memest's budget arithmetic (memest/serve/vllm.py) -> blocks / tokens, against the blocks / tokens the
    same log reports;
 2. prediction (models memest can build): memest's own figures (weights from the config, the traced profile
    run, evidence constants) -> tokens, against the log; and with the log's non-torch value put in, which
@@ -148,8 +148,9 @@ SGLANG_ROWS = [
 
 def sglang_arithmetic(row: dict) -> dict:
     """rest = free after load - free before load x (1 - fraction), with free before = avail + usage; the
-    smallest fraction with rest >= 0 is usage / free before (memest/serve/plan.py's fix)."""
-    from memest.serve.budget import Part, sglang_budget
+    smallest fraction with rest >= 0 is usage / free before (memest/serve/sglang.py's fix)."""
+    from memest.serve.budget import Part
+    from memest.serve.sglang import sglang_budget
 
     before = int((row["avail"] + row["usage"]) * GiB)
     g = sglang_budget(before, row["fraction"], "log", Part.exact("context", 0, "log"), int(row["usage"] * GiB),
@@ -168,7 +169,8 @@ def _kv(layers: int, kv_heads: int, head_dim: int, nbytes: int):
 
 
 def arithmetic(row: dict) -> dict:
-    from memest.serve.budget import Part, kv_layout, vllm_budget
+    from memest.serve.budget import Part
+    from memest.serve.vllm import kv_layout, vllm_budget
 
     kv = _kv(*row["kv"])
     max_len = row.get("max_model_len", 8192)

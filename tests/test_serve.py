@@ -12,17 +12,12 @@ import torch
 from typer.testing import CliRunner
 
 from memest.cli import app
-from memest.serve.budget import (
-    Part,
-    kv_layout,
-    longest_context,
-    request_bytes,
-    sglang_budget,
-    sglang_default_fraction,
-    vllm_budget,
-)
+from memest.serve.budget import Part
 from memest.serve.kv import FULL, MLA, SLIDING, LayerKV, ModelKV, model_dtype, model_kv
-from memest.serve.plan import ServeSpec, _build_meta, load_config, plan_serve
+from memest.serve.model import build_meta as _build_meta
+from memest.serve.plan import ServeSpec, load_config, plan_serve
+from memest.serve.sglang import sglang_budget, sglang_default_fraction
+from memest.serve.vllm import kv_layout, longest_context, request_bytes, vllm_budget
 from memest.serve.weights import weights_per_rank
 
 GiB = 2**30

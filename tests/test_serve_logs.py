@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from memest.serve.budget import Part, vllm_budget
+from memest.serve.budget import Part
 from memest.serve.kv import FULL, LayerKV, ModelKV
 from memest.serve.profile import SAMPLER_AFTER_SORT, sampler_sort_extra
+from memest.serve.vllm import vllm_budget
 
 GiB = 2**30
 # https://github.com/llm-d/llm-d-benchmark/blob/4f4d449/config_explorer/empirical-vllm-memory-results.md

@@ -1,8 +1,9 @@
 """--cp N: context parallel, with torch's own ring attention (torch.distributed.tensor.experimental, torch 2.13:
 ``_context_parallel/_attention.py``), on the "cp" dimension of a ("dp", "cp") mesh; the parameters FSDP2-sharded
 over every rank of it (dp x cp), as torchtitan shards them (``dp_shard_cp``); with --tp on a ("dp", "cp", "tp")
-mesh, the --tp plan on "tp" and FSDP2 over the flattened dp x cp (trace/distributed._context_parallel). Shared by the trace (fake process
-group, fake tensors) and validate/distributed_truth.py (gloo), so both run one step.
+mesh, the --tp plan on "tp" and FSDP2 over the flattened dp x cp (parallel/distributed._context_parallel; the meshes
+from parallel.dims.build_mesh). Shared by the trace (fake process group, fake tensors) and
+validate/distributed_truth.py (gloo), so both run one step.
 
 What a rank runs, as transformers' Trainer + accelerate run it (trainer.py ``_prepare_context_parallel_inputs``):
 
@@ -52,16 +53,6 @@ def check_model(model: nn.Module, spec: RunSpec) -> None:
             "parallel replaces F.scaled_dot_product_attention, so the model must use SDPA attention (transformers: "
             "attn_implementation='sdpa')"
         )
-
-
-def mesh(spec: RunSpec):
-    """The ("dp", "cp") mesh (cp innermost), with --tp the ("dp", "cp", "tp") mesh (tp innermost), as torchtitan
-    lays them out (torchtitan/distributed/parallel_dims.py: dp_shard, cp, tp)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if spec.tp == 1:
-        return init_device_mesh("cpu", (spec.dp, spec.cp), mesh_dim_names=("dp", "cp"))
-    return init_device_mesh("cpu", (spec.dp, spec.cp, spec.tp), mesh_dim_names=("dp", "cp", "tp"))
 
 
 def shard_inputs(inputs, cp_mesh, spec: RunSpec):

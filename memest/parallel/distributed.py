@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.features.optim import make_optimizer, optimizer_class
+from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.spec import RunSpec
 from memest.trace.events import Category, Phase, Trace
 
@@ -109,44 +110,61 @@ def _clear_dtensor_caches() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def _mesh(world_size: int, tp: int = 1):
-    """A 1-D mesh of the data-parallel ranks, or with --tp a 2-D ("dp", "tp") mesh (tp innermost, as
-    torchtitan lays it out: a rank's tensor-parallel peers are its neighbours)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with _real_values():  # the mesh reads its rank table as real values
-        if tp == 1:
-            return init_device_mesh("cpu", (world_size,))
-        return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-
-
-def _real_values():
-    """No dispatch mode while a mesh computes from its rank table: neither the fake mode nor the
-    placeholder answers to value reads that the build runs under (trace/values.py), which would pick
-    another rank's group."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
-
-
 # -- wrapping (shared by the trace and the real ground truth) ------------------------------------
 def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
-    """Wrap ``model`` as ``spec.shard`` (and ``spec.tp``) say; ``fake``: under a fake process group on
-    fake tensors."""
-    if spec.pp > 1:
-        return _pipeline(model, spec, fake)
-    if spec.cp > 1:
-        return _context_parallel(model, spec)
-    if spec.tp > 1:
-        return _tensor_parallel(model, spec, fake)
-    if spec.ep > 1:
-        return _expert_parallel(model, spec, fake)
-    if spec.shard in ("zero2", "zero3"):
-        return _fsdp(model, spec)
+    """Wrap ``model`` as ``spec``'s layout says (``spec.parallel``: one mesh, ``parallel.dims.build_mesh``; one apply
+    order, ``_parallelize``: TP, then EP, then FSDP2, then the pipeline stage); ``fake``: under a fake process
+    group on fake tensors."""
+    dims = spec.parallel
+    meshes = build_mesh(dims)
+    if dims.pp_enabled:
+        return _pipeline(model, spec, meshes, fake)
+    if dims.cp_enabled:
+        return _context_parallel(model, spec, meshes, fake)
+    if dims.tp_enabled:
+        return _tensor_parallel(model, spec, meshes, fake)
+    if dims.ep_enabled:
+        return _expert_parallel(model, spec, meshes, fake)
+    if dims.fsdp_enabled:
+        return _fsdp(model, spec, meshes.fsdp)
     return _ddp(model, spec, fake)
 
 
-def _pipeline(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+@dataclass
+class _Applied:
+    """What ``_parallelize`` applied: the TP plan's description, the experts modules and EP's description, FSDP2."""
+
+    tp: str = ""
+    experts: list[str] = field(default_factory=list)
+    ep: str = ""
+    fsdp: Parallel | None = None
+
+
+def _parallelize(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool, root: nn.Module | None = None,
+                 units: list[str] | None = None) -> _Applied:
+    """The one apply order (torchtitan's parallelize_llama, transformers' maybe_distribute_model): the --tp plan on
+    the "tp" mesh, then --ep (the experts over the ep mesh, their FSDP2 units on the efsdp mesh), then FSDP2 over the
+    data-parallel ranks (dp, or dp x cp with --cp) on ``root`` (``model``; a pipeline's stage module) with ``units``
+    (default: the repeated blocks). Activation checkpointing and torch.compile come before, in the step's build
+    (trace/step.py); a pipeline's stage module wraps each stage (``_pipeline``)."""
+    from memest.parallel import expert_parallel, tensor_parallel
+
+    dims, out, experts = spec.parallel, _Applied(), None
+    if dims.tp_enabled:
+        out.tp = tensor_parallel.apply(model, spec, meshes.tp)
+    if dims.ep_enabled:
+        out.experts = names = expert_parallel.apply(model, spec, meshes.ep, meshes.ep_tp, fake)
+        out.ep = expert_parallel.describe(spec, names)
+
+        def experts(kwargs):
+            expert_parallel.fsdp_experts(model, names, spec, meshes.efsdp, kwargs)
+    if dims.fsdp_enabled:
+        with _real_mesh_concatenation():  # FSDP over TP (or EP) joins their meshes
+            out.fsdp = _fsdp(root if root is not None else model, spec, meshes.fsdp, units, experts=experts)
+    return out
+
+
+def _pipeline(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool) -> Parallel:
     """--pp: this rank's stages (parallel/pipeline_parallel.py); with dp or tp ranks per stage, each stage
     module parallelised on its sub-mesh of the ("pp", "dp", "tp") mesh (TP, then FSDP2), as torchtitan
     does; with --ep the experts by transformers' expert parallel over ep of the stage's dp ranks first, their
@@ -154,101 +172,49 @@ def _pipeline(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
     rank's parameters."""
     from memest.parallel.pipeline_parallel import PipelineStep, describe
 
-    group, parallelize, what = None, None, []
-    if spec.world_size > spec.pp:
-        mesh = _pipeline_mesh(spec)
-        with _real_values():
-            group, dp_mesh, tp_mesh = mesh["pp"].get_group(), mesh["dp"], mesh["tp"]
-        if spec.ep > 1:
-            from memest.parallel import expert_parallel
-
-            with _real_values():
-                ep_mesh, efsdp_mesh, _ = expert_parallel.meshes(spec)
+    dims, parallelize, what = spec.parallel, None, []
+    if meshes.world is not None:
 
         def parallelize(stage: nn.Module) -> None:
-            from memest.parallel import tensor_parallel
+            # each decoder layer a unit, as torchtitan shards a stage (a stage of one layer too)
+            base = getattr(stage.module, "base_model_prefix", "model")
+            units = [f"module.{base}.layers.{k}" for k in range(len(getattr(stage.module, base).layers))]
+            applied = _parallelize(stage.module, spec, meshes, fake, root=stage, units=units)
+            what.extend(w for w in (applied.tp, applied.ep and f"{applied.ep} per stage") if w)
+            if applied.fsdp is not None:
+                more = f" (+ {len(applied.experts)} expert units on EFSDP {dims.expert_copies})" if dims.ep_enabled else ""
+                what.append(f"{applied.fsdp.description}{more} per stage over DP {dims.dp}")
 
-            if spec.tp > 1:
-                what.append(tensor_parallel.apply(stage.module, spec, tp_mesh))
-            experts = None
-            if spec.ep > 1:
-                names = expert_parallel.apply(stage.module, spec, ep_mesh, tp_mesh, fake)
-                what.append(expert_parallel.describe(spec, names) + " per stage")
-
-                def experts(kwargs):
-                    expert_parallel.fsdp_experts(stage.module, names, spec, efsdp_mesh, kwargs)
-            if spec.dp > 1:
-                with _real_mesh_concatenation():
-                    # each decoder layer a unit, as torchtitan shards a stage (a stage of one layer too)
-                    base = getattr(stage.module, "base_model_prefix", "model")
-                    units = [f"module.{base}.layers.{k}" for k in range(len(getattr(stage.module, base).layers))]
-                    fsdp = _fsdp(stage, spec, dp_mesh, units, experts=experts)
-                    units_more = f" (+ {len(names)} expert units on EFSDP {spec.expert_copies})" if spec.ep > 1 else ""
-                    what.append(f"{fsdp.description}{units_more} per stage over DP {spec.dp}")
-
-    step = PipelineStep(model, spec, parallelize, group)
+    step = PipelineStep(model, spec, parallelize, meshes.pp_group)
     params = list({id(p): p for m in step.modules for p in m.parameters() if p.requires_grad}.values())
     description = describe(step, spec) + "".join(f"; {w}" for w in dict.fromkeys(what))
     return Parallel(step, model, make_optimizer(spec, params), description, stage=step.module)
 
 
-def _pipeline_mesh(spec: RunSpec):
-    """The ("pp", "dp", "tp") mesh (torchtitan's order: a rank's tensor-parallel peers are its neighbours,
-    its pipeline peers the farthest). The pipeline dimension's group is a fake one, in the trace and in the
-    real ground truth alike: torch.distributed.pipelining's transfers hang on gloo (pytorch#132644), so
-    they complete at once and move no data; the data- and tensor-parallel groups are the world's backend."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  registers "fake"
-
-    with _real_values():
-        return init_device_mesh("cpu", (spec.pp, spec.dp, spec.tp), mesh_dim_names=("pp", "dp", "tp"),
-                                backend_override={"pp": "fake"})
-
-
-def _tensor_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+def _tensor_parallel(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool) -> Parallel:
     """--tp: torch's parallelize_module on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension
     when there is one (torch's 2-D FSDP x TP recipe; parallel/tensor_parallel.py). With --ep, the experts by
     transformers' expert parallel between the two (as transformers' maybe_distribute_model orders them)."""
-    from memest.parallel import expert_parallel, tensor_parallel
-
-    mesh = _mesh(spec.world_size, spec.tp)
-    with _real_values():  # slicing reads the rank table
-        tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
-    what = tensor_parallel.apply(model, spec, tp_mesh)
-    experts = None
-    if spec.ep > 1:
-        with _real_values():
-            ep_mesh, efsdp_mesh, _ = expert_parallel.meshes(spec)
-        names = expert_parallel.apply(model, spec, ep_mesh, tp_mesh, fake)
-        what = f"{what} x {expert_parallel.describe(spec, names)}"
-
-        def experts(kwargs):
-            expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kwargs)
-    if spec.dp > 1:
-        with _real_mesh_concatenation():
-            fsdp = _fsdp(model, spec, dp_mesh, experts=experts)
-        fsdp.description = f"{what} x {fsdp.description} over DP {spec.dp}"
-        return fsdp
+    applied = _parallelize(model, spec, meshes, fake)
+    what = f"{applied.tp} x {applied.ep}" if applied.ep else applied.tp
+    if applied.fsdp is not None:
+        applied.fsdp.description = f"{what} x {applied.fsdp.description} over DP {spec.parallel.dp}"
+        return applied.fsdp
     params = [p for p in model.parameters() if p.requires_grad]
     return Parallel(model, model, make_optimizer(spec, params), what)
 
 
-def _expert_parallel(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
+def _expert_parallel(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool) -> Parallel:
     """--ep: transformers' expert parallel on its expert mesh, its experts modules FSDP2 units on the efsdp mesh,
     then FSDP2 on every rank for the rest (parallel/expert_parallel.py)."""
-    from memest.parallel import expert_parallel
-
-    with _real_values():  # meshes read their rank tables
-        ep_mesh, efsdp_mesh, tp_mesh = expert_parallel.meshes(spec)
-    names = expert_parallel.apply(model, spec, ep_mesh, tp_mesh, fake)
-    with _real_mesh_concatenation():  # FSDP joins the efsdp and ep meshes of the experts' DTensors
-        fsdp = _fsdp(model, spec, experts=lambda kw: expert_parallel.fsdp_experts(model, names, spec, efsdp_mesh, kw))
+    applied = _parallelize(model, spec, meshes, fake)
+    fsdp, names = applied.fsdp, applied.experts
     fsdp.units = names + fsdp.units
-    fsdp.description = f"{expert_parallel.describe(spec, names)} x {fsdp.description} (+ {len(names)} expert units)"
+    fsdp.description = f"{applied.ep} x {fsdp.description} (+ {len(names)} expert units)"
     return fsdp
 
 
-def _context_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
+def _context_parallel(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool) -> Parallel:
     """--cp: FSDP2 over every rank (dp x cp, torchtitan's dp_shard_cp), the inputs cut on the sequence and the
     attention run as torch's ring over the "cp" dimension (parallel/context_parallel.py). With --tp: the --tp plan on
     the "tp" dimension of the ("dp", "cp", "tp") mesh first, then FSDP2 over its flattened dp x cp dimensions, as
@@ -256,24 +222,16 @@ def _context_parallel(model: nn.Module, spec: RunSpec) -> Parallel:
     heads, so the ring runs on the 1-D cp mesh as without TP."""
     from memest.parallel import context_parallel as cp
 
+    dims = spec.parallel
     cp.check_model(model, spec)
-    with _real_values():  # meshes read their rank tables
-        mesh = cp.mesh(spec)
-        cp_mesh = mesh["cp"]
-        if spec.tp > 1:  # torchtitan's dp_shard_cp: FSDP2 over the flattened dp x cp ranks, TP on "tp"
-            tp_mesh, dp_cp_mesh = mesh["tp"], mesh["dp", "cp"]._flatten("dp_cp")
-    what = f"context parallel {spec.cp} (torch's ring attention, head-tail load balance, {spec.cp_rotate} rotation)"
-    if spec.tp > 1:
-        from memest.parallel import tensor_parallel
-
-        what = f"{what} x TP {spec.tp}: {tensor_parallel.apply(model, spec, tp_mesh)}"
-        with _real_mesh_concatenation():
-            fsdp = _fsdp(model, spec, dp_cp_mesh)
-    else:
-        fsdp = _fsdp(model, spec)
-    fsdp.description = f"{what} x {fsdp.description} over dp {spec.dp} x cp {spec.cp}"
-    fsdp.shard_inputs = lambda inputs: cp.shard_inputs(inputs, cp_mesh, spec)
-    fsdp.step_context = lambda: cp.ring_attention(cp_mesh, spec)
+    applied = _parallelize(model, spec, meshes, fake)
+    what = f"context parallel {dims.cp} (torch's ring attention, head-tail load balance, {spec.cp_rotate} rotation)"
+    if applied.tp:
+        what = f"{what} x TP {dims.tp}: {applied.tp}"
+    fsdp = applied.fsdp
+    fsdp.description = f"{what} x {fsdp.description} over dp {dims.dp} x cp {dims.cp}"
+    fsdp.shard_inputs = lambda inputs: cp.shard_inputs(inputs, meshes.cp, spec)
+    fsdp.step_context = lambda: cp.ring_attention(meshes.cp, spec)
     return fsdp
 
 
@@ -286,7 +244,7 @@ def _real_mesh_concatenation() -> Iterator[None]:
     original = DeviceMesh.__dict__["_concatenate"]
 
     def concatenate(meshes):
-        with _real_values():
+        with real_values():
             return original.__func__(meshes)
 
     DeviceMesh._concatenate = staticmethod(concatenate)
@@ -296,7 +254,7 @@ def _real_mesh_concatenation() -> Iterator[None]:
         DeviceMesh._concatenate = original
 
 
-def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, units: list[str] | None = None, experts=None) -> Parallel:
+def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None, experts=None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if spec.optim == "adafactor":  # the real run fails the same way
@@ -306,7 +264,7 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh=None, units: list[str] | None = 
             f"optimizer with --shard {spec.shard}"
         )
     reshard = spec.shard == "zero3"
-    kwargs: dict = {"mesh": mesh if mesh is not None else _mesh(spec.world_size), "reshard_after_forward": reshard}
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if spec.offload == "params":
         # pinned host memory needs CUDA; pinning changes transfer speed, not the bytes held
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)

@@ -67,23 +67,6 @@ def ep_plan(model: nn.Module, spec: RunSpec) -> dict[str, str]:
     return resolved
 
 
-def meshes(spec: RunSpec):
-    """(ep mesh, efsdp mesh, tp mesh of size 1): transformers' expert mesh (efsdp, ep) and the dense mesh's tp
-    dimension, which AllToAllEP asks for (ranks sharing one batch). With --pp, the expert mesh of each pipeline
-    stage's data-parallel ranks: ("pp", "efsdp", "ep"), its pipeline dimension a fake group as the pipeline's own
-    mesh (trace/distributed._pipeline_mesh, pytorch#132644), the tp mesh the caller's."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = spec.world_size
-    if spec.pp > 1:
-        experts = init_device_mesh("cpu", (spec.pp, spec.expert_copies, spec.ep), mesh_dim_names=("pp", "efsdp", "ep"),
-                                   backend_override={"pp": "fake"})
-        return experts["ep"], experts["efsdp"], None
-    experts = init_device_mesh("cpu", (world // spec.ep, spec.ep), mesh_dim_names=("efsdp", "ep"))
-    dense = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
-    return experts["ep"], experts["efsdp"], dense["tp"]
-
-
 def apply(model: nn.Module, spec: RunSpec, ep_mesh, tp_mesh, fake: bool) -> list[str]:
     """Shard the experts and install the dispatch (transformers' apply_expert_parallelism); the experts modules'
     names. ``fake``: the trace's implementation, answering the split sizes with ``spec.ep_routing``."""

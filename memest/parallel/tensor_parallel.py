@@ -63,7 +63,7 @@ def tp_plan(model: nn.Module, spec: RunSpec) -> tuple[dict, str]:
         styles = sorted(set(plan.values()) - _TORCH_STYLE - {"embedding_rowwise"})
         return plan, (
             f"transformers' own tensor parallel (base_model_tp_plan{' with ' + ', '.join(styles) if styles else ''}"
-            f"{', experts by --ep' if spec.ep > 1 else ''}: transformers.distributed.tensor_parallel)"
+            f"{', experts by --ep' if spec.parallel.ep_enabled else ''}: transformers.distributed.tensor_parallel)"
         )
     plan = _expand({where + k: v for k, v in base.items()}, model)
     head = _untied_head(model)

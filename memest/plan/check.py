@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from memest.serve.colocate import colocated_engine
+from memest.serve.gpu import serve_measured, serve_total
+from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
-from memest.spec.choices import Verdict
+from memest.spec.choices import ServeVerdict, Verdict
 from memest.spec.config import RunConfig
 
 
@@ -48,8 +51,6 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     budget, label = gpu.capacity_bytes, gpu.budget_label
     fits = result.fits(budget)
     if config.colocate is not None:  # a rollout engine keeps total x utilization of the same GPU
-        from memest.app import colocated_engine
-
         c = colocated_engine(spec, gpu, result.needed_range, config.colocate)
         low, needed, high = low + c.engine_bytes, needed + c.engine_bytes, None if high is None else high + c.engine_bytes
         budget, label = c.total_bytes, f"{gpu.budget_label} shared with a rollout engine at {c.utilization:g}"
@@ -78,49 +79,38 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     )
 
 
+# a serving config's ``serve:`` keys that are ServeSpec fields (YAML key -> field)
+SERVE_SPEC_KEYS = {"max_model_len": "max_model_len", "gpu_memory_utilization": "utilization", "tp": "tp",
+                   "kv_dtype": "kv_dtype", "block_size": "block_size", "max_num_seqs": "max_num_seqs",
+                   "max_num_batched_tokens": "max_num_batched_tokens", "engine": "engine", "cuda_graphs": "cuda_graphs"}
+
+
 def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: bool = False) -> CheckRow:
     """A serving config (``serve:``): needed = what the engine subtracts before its KV cache + the KV of
     ``min_concurrency`` (default 1) full-length sequences; budget = what it may use (vLLM: total x
     utilization; SGLang: mem_fraction_static x free memory). Will not start: does not fit; may not start: at best
     tight. ``non_torch_memory`` (GiB) or the config's calibration profile replace the non-torch evidence."""
-    from memest.app import serve_measured, serve_total
     from memest.device.fit import passes, verdict
-    from memest.serve.plan import ServeSpec, plan_serve
 
     margin = margin if margin is not None else config.margin
     s = config.serve
     total, _ = serve_total(gpu)
-    spec = ServeSpec(config.values["model"], total, gpu.flag, max_model_len=s.get("max_model_len"),
-                     utilization=s.get("gpu_memory_utilization"), tp=s.get("tp", 1), kv_dtype=s.get("kv_dtype", "auto"),
-                     block_size=s.get("block_size", 16), max_num_seqs=s.get("max_num_seqs"),
-                     max_num_batched_tokens=s.get("max_num_batched_tokens"), engine=s.get("engine", "vllm"),
-                     cuda_graphs=s.get("cuda_graphs", "profiled"), compute_capability=gpu.compute_capability,
+    settings = {field: s[key] for key, field in SERVE_SPEC_KEYS.items() if key in s}  # ServeSpec's defaults else
+    spec = ServeSpec(config.values["model"], total, gpu.flag, **settings, compute_capability=gpu.compute_capability,
                      **serve_measured(gpu, s.get("tp", 1), s.get("non_torch_memory")))
     plan = plan_serve(spec)
-    n = max(s.get("min_concurrency", 1), 1)
-    if plan.vllm is not None:
-        b = plan.vllm
-        per_seq = b.layout.request_bytes
-        needed = b.non_kv_bytes + n * per_seq
-        low = sum(p.low for p in b.parts) + n * per_seq
-        high = sum(p.high for p in b.parts) + n * per_seq
-        budget, label = b.requested_bytes, f"{gpu.budget_label} x {b.utilization:g}"
-    else:
-        g = plan.sglang
-        per_seq = plan.max_model_len * g.cell_bytes
-        share = int(g.free_before_load * g.mem_fraction_static)
-        needed = low = high = g.weights_bytes + n * per_seq
-        budget, label = share, f"{gpu.budget_label} x mem_fraction_static {g.mem_fraction_static:g}"
+    gate = plan.engine.gate(max(s.get("min_concurrency", 1), 1))
+    needed, low, high, budget = gate.needed, gate.low, gate.high, gate.budget
     required = math.ceil(needed * (1 + margin))
     required_high = math.ceil(high * (1 + margin))
-    outcome = (Verdict.DOES_NOT_FIT if plan.verdict == "will-not-start" or required > budget
+    outcome = (Verdict.DOES_NOT_FIT if plan.verdict == ServeVerdict.WILL_NOT_START or required > budget
                else verdict(required, required_high, budget))
-    if plan.verdict == "may-not-start" and outcome is Verdict.FITS:
+    if plan.verdict == ServeVerdict.MAY_NOT_START and outcome is Verdict.FITS:
         outcome = Verdict.TIGHT
     return CheckRow(
         name=config.name, path=config.path, model=spec.model, needed_bytes=needed, required_bytes=required,
-        budget_label=label, budget_bytes=budget, margin=margin, fits=passes(outcome, strict),
-        headroom_bytes=budget - required, seq=plan.max_model_len, arch=gpu.arch, verdict=outcome,
-        needed_bytes_low=low, needed_bytes_high=high, required_bytes_high=required_high,
+        budget_label=f"{gpu.budget_label} {gate.share}", budget_bytes=budget, margin=margin,
+        fits=passes(outcome, strict), headroom_bytes=budget - required, seq=plan.max_model_len, arch=gpu.arch,
+        verdict=outcome, needed_bytes_low=low, needed_bytes_high=high, required_bytes_high=required_high,
         calibration=plan.non_torch.source if plan.non_torch is not None and spec.non_torch is not None else "",
     )

@@ -65,8 +65,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memest.errors import MemestError
+from memest.parallel.dims import ParallelDims
 from memest.plan import parallel_bounds
 from memest.spec import RunSpec
+from memest.spec.choices import Shard
 
 LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
 MICRO = (2, 3)  # pipelines: traced in m-stage pipelines of m micro-batches
@@ -104,11 +106,16 @@ class Layout:
     @property
     def name(self) -> str:
         parts = [f"dp {self.dp}", f"tp {self.tp}" + (" + sp" if self.sp else ""), f"pp {self.pp}"]
-        return " x ".join(parts) + (f" (ep {self.ep})" if self.ep > 1 else "")
+        return " x ".join(parts) + (f" (ep {self.ep})" if self.dims.ep_enabled else "")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout as one value (parallel/dims.py)."""
+        return ParallelDims(self.world_size, self.tp, self.pp, ep=self.ep, shard=Shard.ZERO3 if self.dp > 1 else Shard.NONE)
 
     def changes(self) -> dict:
         """The RunSpec fields of this layout (as `memest estimate` takes them)."""
@@ -228,7 +235,7 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
     act = 2 if base.precision in ("bf16", "fp16", "bf16-mixed", "fp16-mixed") else 4
     tokens = base.batch * (base.seq or 1)
     total = 0
-    if layout.ep > 1:  # the experts' FSDP runs over world / ep copies of each expert group, the rest over dp
+    if layout.dims.ep_enabled:  # the experts' FSDP runs over world / ep copies of each expert group, the rest over dp
         sent, expert_params = expert_comm_bytes(layout, config, base, act)
         copies = layout.world_size // layout.ep
         total += sent + (copies - 1) / copies * expert_params / layout.ep * (2 * act + 4)
@@ -237,9 +244,9 @@ def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) ->
         share = param_count / (layout.tp * layout.pp)
         frac = (layout.dp - 1) / layout.dp
         total += frac * share * (2 * act + 4)
-    if layout.tp > 1:  # a pipeline rank's layers, for each of its M = pp micro-batches
+    if layout.dims.tp_enabled:  # a pipeline rank's layers, for each of its M = pp micro-batches
         total += layers / layout.pp * max(1, layout.pp) * 4 * 2 * (layout.tp - 1) / layout.tp * tokens * h * act
-    if layout.pp > 1:
+    if layout.dims.pp_enabled:
         total += 2 * (layout.microbatches or layout.pp) * tokens * h * act  # M micro-batches of --batch, forward + backward
     return int(total)
 
@@ -324,7 +331,7 @@ def _stages(layout: Layout, layers: int) -> list[_Stage]:
     def grid(n: int, traced: tuple[int, ...]) -> tuple[int, ...]:
         return (n,) if n <= traced[-1] else traced
 
-    if layout.pp == 1:
+    if not layout.dims.pp_enabled:
         return [_Stage(0, layers, 0, grid(layers, (LOW, HIGH)), (0,))]
     base, extra = divmod(layers, layout.pp)  # even split, the first stages one more (trace/pipeline_parallel.split_layers)
     counts = [base + (1 if i < extra else 0) for i in (0, layout.pp - 1)]
@@ -355,7 +362,7 @@ def _trace_point(spec: RunSpec, depth: int, calibration, source=None) -> _Point:
 
         source = _WORKER_SOURCES.get(spec.model) or _WORKER_SOURCES.setdefault(spec.model, load_source(spec.model))
     est = _estimate_one(spec, calibration, source)
-    in_flight = parallel_bounds.in_flight_layer_bytes(est.trace, depth) if spec.pp > 1 else None
+    in_flight = parallel_bounds.in_flight_layer_bytes(est.trace, depth) if spec.parallel.pp_enabled else None
     return _Point(est.report.peak_allocated_bytes, est.needed_bytes, segment_peaks(est.trace), in_flight,
                   time.perf_counter() - start)
 
@@ -420,7 +427,7 @@ class _Tracer:
         src = self.source(depth)
         changes = dict(model=f"hf:{self.tmp / f'depth{depth}' / 'config.json'}", seq=self.base.seq or src.default_seq,
                        **layout.changes())
-        if layout.pp > 1:
+        if layout.dims.pp_enabled:
             pp = micro if micro != stage.micro else layout.pp  # the proxy pipeline: m stages, m micro-batches
             index = 0 if stage.index == 0 else pp - 1
             split = ["0"] * pp
@@ -503,7 +510,7 @@ def _derive(layout: Layout, tracer: _Tracer, layers: int, stop_above: int | None
         how.append(f"{LOW} and {HIGH} layers per stage, affine in layers")
     else:
         how.append(f"its {worst.depth} layer{'s' if worst.depth != 1 else ''} traced")
-    if layout.pp > 1:
+    if layout.dims.pp_enabled:
         how.append(f"{'m = 2, 3 stages x micro-batches, affine in m' if len(worst.micros) > 1 else f'{worst.micro} micro-batches traced'}")
         how.insert(0, f"stage {worst.index} alone: its need is over the budget, the last stage not traced" if layout.lower_bound
                    else f"stage {worst.index} (worst of first and last)")
@@ -539,13 +546,13 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
         "the ZeRO and Megatron-LM papers' counts (memest/plan/parallel.py)"
     )
     plan.notes += search.notes()
-    if any(lay.pp > 1 for lay in plan.layouts):
+    if any(lay.dims.pp_enabled for lay in plan.layouts):
         plan.notes.append(
             "pipeline layouts: 1F1B with M = pp micro-batches of --batch, each stage FSDP2-sharded over dp and TP over tp; "
             "the first and the last stage traced (middle stages hold fewer micro-batches of the same layers, as walking "
             "torch's Schedule1F1B order gives, and neither embedding nor head)"
         )
-    if any(lay.ep > 1 for lay in plan.layouts):
+    if any(lay.dims.ep_enabled for lay in plan.layouts):
         plan.notes.append(
             "expert-parallel layouts (ep): traced with uniform routing, the expected need; all tokens routed to one rank "
             "needs more (memest estimate --ep shows that range); all-to-all volume at uniform routing"
@@ -672,7 +679,7 @@ class _Search:
         """(floor, LayerBytes, layers, micro-batches) of a pipeline's first stage, or None (parallel_bounds);
         ``per_layer``: measured on the layout itself, else on the first traced layout of its kind."""
         per_layer = per_layer or self.layer_bytes.get(self._key(layout))
-        if per_layer is None or self.per_param is None or layout.pp == 1 or layout.schedule not in MICRO_PROXY_SCHEDULES:
+        if per_layer is None or self.per_param is None or not layout.dims.pp_enabled or layout.schedule not in MICRO_PROXY_SCHEDULES:
             return None
         if layout.microbatches not in (0, layout.pp):
             return None
@@ -690,7 +697,7 @@ class _Search:
         if not stages:  # ruled out by its own activation floor (own_floor measured it)
             return
         first = stages[0]
-        if layout.pp == 1 or first.index != 0:
+        if not layout.dims.pp_enabled or first.index != 0:
             return
         measured = parallel_bounds.layer_bytes(first.points, first.depths[0], first.micros, layout.name)
         if measured is not None:
@@ -733,8 +740,8 @@ def _trace_full_depth(layout: Layout, tracer: _Tracer, budget: int, plan: Parall
 
     src = load_source(plan.model)
     spec = dataclasses.replace(tracer.base, seq=tracer.base.seq or src.default_seq, **layout.changes(),
-                               **({"microbatches": layout.microbatches, "pp_schedule": layout.schedule} if layout.pp > 1 else {}))
-    stages = (0,) if layout.pp == 1 else (0, layout.pp - 1)
+                               **({"microbatches": layout.microbatches, "pp_schedule": layout.schedule} if layout.dims.pp_enabled else {}))
+    stages = (0, layout.pp - 1) if layout.dims.pp_enabled else (0,)
     start = time.perf_counter()
     ends = [_estimate_one(dataclasses.replace(spec, pp_stage=i), tracer.calibration, src) for i in stages]
     tracer.traces += len(ends)

@@ -5,7 +5,7 @@ keeps its own text beside the binary value."""
 from __future__ import annotations
 
 from memest.report.emit import Table, View
-from memest.spec.choices import Verdict
+from memest.spec.choices import KvDtype, ServeVerdict, Verdict
 from memest.units import format_bytes, format_in, table_unit
 
 
@@ -320,16 +320,44 @@ def calibrate_view(run) -> View:
 # ----------------------------------------------------------------------------------------- serve
 
 
-SERVE_VERDICT = {"starts": "STARTS (one full-length sequence fits even with every cost at the high end of its range)",
-                 "may-not-start": "MAY NOT START (one full-length sequence fits only with the expected or low-end "
-                 "costs)", "will-not-start": "WILL NOT START"}
+SERVE_VERDICT = {ServeVerdict.STARTS: "STARTS (one full-length sequence fits even with every cost at the high end of "
+                 "its range)", ServeVerdict.MAY_NOT_START: "MAY NOT START (one full-length sequence fits only with the "
+                 "expected or low-end costs)", ServeVerdict.WILL_NOT_START: "WILL NOT START"}
+
+
+def serve_doc(plan) -> dict:
+    """The JSON document of a serve plan (serve/engine.py ServePlan; bytes as integers)."""
+    s = plan.spec
+    engine = plan.engine
+    doc = {
+        "engine": s.engine, "model": s.model, "total_bytes": s.total_bytes, "gpu": s.card,
+        "settings": {"max_model_len": plan.max_model_len, "utilization": plan.utilization,
+                     "utilization_source": plan.utilization_source, "tp": s.tp, "kv_dtype": s.kv_dtype,
+                     "dtype": plan.kv.dtype if s.kv_dtype == KvDtype.AUTO else None, "block_size": s.block_size,
+                     "max_num_seqs": plan.max_num_seqs or None, "max_num_batched_tokens": plan.max_num_batched_tokens or None,
+                     "batching_source": plan.batching_source or None, "cuda_graphs": s.cuda_graphs},
+        "kv": plan.kv.to_dict(), "kv_bytes_per_token": plan.kv.bytes_per_token, "weights": plan.weights.to_dict(),
+        "profile_run": plan.profile.to_dict() if plan.profile else None,
+        "context": plan.context.to_dict() if plan.context else None,
+        "verdict": plan.verdict, "starts": plan.starts, "reasons": plan.reasons, "fixes": plan.fixes,
+        "longest_context": plan.longest_context, "notes": plan.notes, "seconds": round(plan.seconds, 3),
+        "non_torch": plan.non_torch.to_dict() if plan.non_torch else None,
+        "non_torch_calibrated": bool(plan.spec.non_torch is not None),
+    }
+    low, mid, high = engine.sizes()
+    kv = engine.kv_cache
+    doc.update(budget=engine.budget.to_dict(), kv_cache_bytes=kv.bytes, kv_cache_bytes_low=kv.low,
+               kv_cache_bytes_high=kv.high, blocks=mid.blocks, kv_tokens=mid.tokens, kv_tokens_low=low.tokens,
+               kv_tokens_high=high.tokens, concurrency=mid.concurrency, sequences=mid.sequences,
+               concurrency_low=low.concurrency, concurrency_high=high.concurrency, sequences_low=low.sequences,
+               sequences_high=high.sequences, longest_context_low=plan.longest_context_low,
+               longest_context_high=plan.longest_context_high)
+    return doc
 
 
 def serve_view(run) -> View:
-    from memest.serve.plan import plan_doc
-
     p = run.plan
-    doc = {**plan_doc(p), "total_source": run.total_source, "gpu_arch": {"arch": run.gpu.arch, "why": run.gpu.arch_reason}}
+    doc = {**serve_doc(p), "total_source": run.total_source, "gpu_arch": {"arch": run.gpu.arch, "why": run.gpu.arch_reason}}
     if run.colocate is not None:
         doc["colocate"] = run.colocate.to_dict()
     unit = ("GiB", 2**30)
@@ -345,23 +373,12 @@ def _range(low: int, high: int, unit) -> str:
 
 
 def serve_budget_table(p, run, unit) -> Table:
+    """The engine's budget steps from the GPU's total to the KV cache."""
     s = p.spec
     title = f"memest serve {s.model} on {run.gpu.budget_label} ({s.engine}, tp {s.tp})"
     rows = [["GPU total", format_in(s.total_bytes, unit), "-", run.total_source]]
-    if p.vllm is not None:
-        b = p.vllm
-        rows.append([f"requested (x {b.utilization:g})", format_in(b.requested_bytes, unit), "-",
-                     f"{p.utilization_source}; gpu_worker.py init_device"])
-        rows += [[f"- {x.name}", format_in(x.bytes, unit), _range(x.low, x.high, unit), x.source] for x in b.parts]
-        a = b.available
-    else:
-        g = p.sglang
-        rows.append(["- CUDA context", format_in(p.context.bytes, unit), _range(p.context.low, p.context.high, unit),
-                     "before load: free memory after the context (overheads.CONTEXTS)"])
-        rows.append([f"x mem_fraction_static {g.mem_fraction_static:g}", format_in(g.free_before_load *
-                     g.mem_fraction_static, unit), "-", g.mem_fraction_source])
-        rows.append(["- weights", format_in(g.weights_bytes, unit), "-", "serve/weights.py"])
-        a = g.rest
+    rows += [[x.name, format_in(x.bytes, unit), _range(x.low, x.high, unit), x.source] for x in p.engine.steps()]
+    a = p.engine.kv_cache
     rows.append(["= KV cache", format_in(a.bytes, unit), _range(a.low, a.high, unit), a.source])
     return Table(title, ["step", "GiB", "range", "source"], rows, left=("step", "source"))
 
@@ -370,23 +387,12 @@ def serve_lines(p, unit) -> list[str]:
     kv = p.kv
     lines = [f"KV per token: {kv.bytes_per_token:,} B over {len(kv.layers)} layers ({kv.dtype}"
              + (f", {', '.join(f'{n} {k}' for k, n in kv.kinds.items())}" if len(kv.kinds) > 1 else "") + ")"]
-    if p.vllm is not None:
-        lay, low, high = p.vllm.layout, p.vllm.layout_low, p.vllm.layout_high
-        lines.append(f"blocks: {lay.blocks:,} of {p.spec.block_size} tokens ({low.blocks:,}-{high.blocks:,}); "
-                     f"GPU KV cache size: {lay.tokens:,} tokens ({low.tokens:,}-{high.tokens:,})")
-        lines.append(f"maximum concurrency for {p.max_model_len:,} tokens per request: {lay.concurrency:.2f}x "
-                     f"({low.concurrency:.2f}-{high.concurrency:.2f}) -> {lay.sequences} full-length sequences at "
-                     f"once, {low.sequences} for certain, up to {high.sequences} (max_num_seqs {p.max_num_seqs}, "
-                     f"max_num_batched_tokens {p.max_num_batched_tokens})")
-        nt = p.non_torch
-        if nt is not None:
-            lines.append(f"non-torch memory: {format_in(nt.bytes, unit)}"
-                         + (f" ({format_in(nt.low, unit)}-{format_in(nt.high, unit)})" if nt.low != nt.high else "")
-                         + f", {nt.source.split(':')[0]}")
-    else:
-        g = p.sglang
-        lines.append(f"token pool: {g.tokens:,} tokens ({g.tokens_low:,}-{g.tokens_high:,}); "
-                     f"{g.sequences} full {p.max_model_len:,}-token sequences at once")
+    lines += p.engine.capacity_lines()
+    nt = p.non_torch
+    if nt is not None:
+        lines.append(f"non-torch memory: {format_in(nt.bytes, unit)}"
+                     + (f" ({format_in(nt.low, unit)}-{format_in(nt.high, unit)})" if nt.low != nt.high else "")
+                     + f", {nt.source.split(':')[0]}")
     lines.append(f"longest context one sequence fits: {p.longest_context:,} tokens ({p.longest_context_low:,} for "
                  f"certain, up to {p.longest_context_high:,})")
     lines.append(f"verdict: {SERVE_VERDICT[p.verdict]}")

@@ -15,7 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from memest.spec.choices import Verdict
+from memest.device.fit import verdict
+from memest.errors import MemestError
+from memest.serve.gpu import serve_measured, serve_total
+from memest.serve.plan import ServePlan, ServeSpec, plan_serve
+from memest.spec import RunSpec
+from memest.spec.choices import ServeVerdict, Verdict
 
 # trl's GRPOConfig defaults (trl/trainer/grpo_config.py): vllm_gpu_memory_utilization 0.3,
 # max_prompt_length 512, max_completion_length 256; the colocated LLM's max_num_batched_tokens=4096
@@ -44,27 +49,25 @@ class Colocate:
         return asdict(self)
 
 
-def colocate(needed_range: tuple[int, int, int | None], total: int, utilization: float, engine_plan) -> Colocate:
+def colocate(needed_range: tuple[int, int, int | None], total: int, utilization: float,
+             engine_plan: ServePlan) -> Colocate:
     """``needed_range``: the training step's (low, expected, high) needed bytes; ``engine_plan``: the
     serve plan of the rollout engine at ``utilization`` (serve/plan.py)."""
-    from memest.device.fit import verdict
-
     low, expected, high = needed_range
     engine = int(total * utilization)
     outcome = verdict(expected + engine, None if high is None else high + engine, total) \
         if expected + engine <= total else Verdict.DOES_NOT_FIT
-    b = engine_plan.vllm
     room = total - (high if high is not None else expected)
     largest = max(math.floor(room / total * 100) / 100, 0.0)
-    smallest = math.ceil((b.non_kv_bytes + b.layout.request_bytes) / total * 100) / 100
+    smallest = math.ceil(engine_plan.engine.gate(1).needed / total * 100) / 100
     starts = engine_plan.starts
     notes = [f"rollout engine: vLLM at gpu_memory_utilization {utilization:g}, max_model_len {engine_plan.max_model_len},"
              f" max_num_seqs {engine_plan.max_num_seqs}, max_num_batched_tokens {engine_plan.max_num_batched_tokens} "
-             "(trl GRPOTrainer colocate)", f"engine KV cache: {b.layout.tokens:,} tokens at this share"]
-    if engine_plan.verdict == "will-not-start":
+             "(trl GRPOTrainer colocate)", f"engine KV cache: {engine_plan.tokens:,} tokens at this share"]
+    if engine_plan.verdict == ServeVerdict.WILL_NOT_START:
         outcome = Verdict.DOES_NOT_FIT
         notes += [f"the engine does not start at {utilization:g}: {r}" for r in engine_plan.reasons]
-    elif engine_plan.verdict == "may-not-start":
+    elif engine_plan.verdict == ServeVerdict.MAY_NOT_START:
         outcome = Verdict.TIGHT if outcome is Verdict.FITS else outcome
         notes += [f"the engine may not start at {utilization:g}: {r}" for r in engine_plan.reasons]
     if smallest > largest:
@@ -74,3 +77,20 @@ def colocate(needed_range: tuple[int, int, int | None], total: int, utilization:
                  "weights) during the training step; this figure assumes it stays resident (trl's default)")
     return Colocate(utilization, total, expected, low, high, engine, total - expected - engine, outcome, largest,
                     starts, smallest, engine_plan.max_model_len, notes)
+
+
+def colocated_engine(spec: RunSpec, ctx, needed_range, block: dict) -> Colocate:
+    """The training step of ``spec`` plus a vLLM engine at ``block['utilization']`` on the GPU of ``ctx`` (the app
+    layer's GpuContext); ``block``: utilization, max_model_len, max_num_seqs, tp, non_torch_memory."""
+    if not spec.model.startswith("hf:"):
+        raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
+    total, _ = serve_total(ctx)
+    util = float(block.get("utilization") or TRL_UTILIZATION)
+    if not 0 < util < 1:
+        raise MemestError(f"colocate utilization must be in (0, 1), got {util}")
+    tp = int(block.get("tp") or 1)
+    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(block.get("max_model_len") or TRL_MAX_MODEL_LEN),
+                       utilization=util, tp=tp, max_num_seqs=int(block.get("max_num_seqs") or spec.batch * tp),
+                       max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability,
+                       **serve_measured(ctx, tp, block.get("non_torch_memory")))
+    return colocate(needed_range, total, util, plan_serve(engine))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from memest.errors import MemestError
 from memest.serve.budget import Part
+from memest.spec.choices import CudaGraphs
 
 GiB = 2**30
 
@@ -126,7 +127,7 @@ CUDA_GRAPHS = (int(0.2 * GiB), int(0.5 * GiB), int(1.5 * GiB))
 
 
 def cuda_graphs(mode: str) -> Part | None:
-    if mode != "profiled":
+    if mode != CudaGraphs.PROFILED:
         return None
     low, mid, high = CUDA_GRAPHS
     return Part("CUDA graphs (estimate)", mid, low, high,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from memest.errors import MemestError
+from memest.spec.choices import KvDtype
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 FULL, SLIDING, MLA = "full", "sliding", "mla"
@@ -111,14 +112,14 @@ def attention_layers(config) -> int:
     return int(_get(config, "num_hidden_layers", "n_layer", "num_layers"))
 
 
-def model_kv(config, tp: int = 1, kv_dtype: str = "auto", dtype: str = "auto") -> ModelKV:
+def model_kv(config, tp: int = 1, kv_dtype: str = KvDtype.AUTO, dtype: str = "auto") -> ModelKV:
     """The KV spec of every attention layer on one of ``tp`` ranks, from a transformers config."""
     if tp < 1:
         raise MemestError(f"--tp must be at least 1, got {tp}")
     if _get(config, "is_encoder_decoder", default=False) or not _get(config, "num_attention_heads", "n_head"):
         raise MemestError(f"{getattr(config, 'model_type', 'this model')}: memest serve sizes decoder-only "
                           "transformers (a causal LM config); this config is not one")
-    cache_dtype = model_dtype(config, dtype) if kv_dtype == "auto" else "fp8"
+    cache_dtype = model_dtype(config, dtype) if kv_dtype == KvDtype.AUTO else "fp8"
     nbytes = DTYPE_BYTES[cache_dtype]
     n_layers = attention_layers(config)
     notes: list[str] = []

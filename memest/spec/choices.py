@@ -240,6 +240,14 @@ def choices_help(cls: type[Choice]) -> str:
     return " | ".join(cls.values())
 
 
+class ServeVerdict(Choice):
+    """memest serve: does the engine start (serve/engine.py ServePlan.verdict)?"""
+
+    STARTS = "starts"  # one max_model_len sequence fits with every cost at the high end of its range
+    MAY_NOT_START = "may-not-start"  # it fits only with the expected or the low-end costs
+    WILL_NOT_START = "will-not-start"  # not even then, or a refusal that does not depend on the ranges
+
+
 class Verdict(Choice):
     """Does a training step fit a budget? Read on its needed range (low, expected, high; device/fit.py).
     Declared best to worst."""

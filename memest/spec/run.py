@@ -24,6 +24,7 @@ from memest.spec.choices import (
     Target,
     ZeroGrad,
 )
+from memest.spec.parallel_dims import ParallelDims, validate
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
@@ -145,138 +146,10 @@ class RunSpec:
             raise MemestError(f"--shard applies to training; drop it with --mode {self.mode}")
         if self.offload == "params" and self.shard != "zero3":
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
-        self._check_model_parallel()
+        validate(self.parallel, self)
         self._check_compile()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
-
-    def _check_model_parallel(self) -> None:
-        self._check_pipeline()
-        self._check_expert_parallel()
-        self._check_context_parallel()
-        if self.tp < 1:
-            raise MemestError(f"--tp must be at least 1, got {self.tp}")
-        if self.sp and self.tp < 2:
-            raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
-        if self.tp == 1:
-            return
-        if self.world_size % self.tp:
-            raise MemestError(
-                f"--world-size {self.world_size} is not a multiple of --tp {self.tp}: the world is dp x tp ranks "
-                f"(e.g. --world-size {self.tp} for tensor parallel alone, {2 * self.tp} for 2-way FSDP x TP {self.tp})"
-            )
-        if not self.training:
-            raise MemestError(f"--tp is traced for training steps; drop it with --mode {self.mode}")
-        if self.offload != "none":
-            raise MemestError("--offload with --tp is not traced (not validated against a real run)")
-        if self.cp > 1:
-            return  # --cp x --tp: FSDP2 over dp x cp, which _check_context_parallel requires
-        if self.dp > 1 and self.shard not in ("zero2", "zero3"):
-            raise MemestError(
-                f"--world-size {self.world_size} with --tp {self.tp} is {self.dp}-way data parallel x TP {self.tp}: torch's "
-                "2-D recipe shards that dimension with FSDP2; add --shard zero3 (or zero2)"
-            )
-        if self.dp == 1 and self.shard != "none":
-            raise MemestError(
-                f"--shard {self.shard} needs data-parallel ranks: --world-size {self.world_size} is all tensor parallel "
-                f"(--tp {self.tp}); use --world-size {2 * self.tp} for 2-way FSDP x TP"
-            )
-
-    def _check_pipeline(self) -> None:
-        if self.pp < 1:
-            raise MemestError(f"--pp must be at least 1, got {self.pp}")
-        if self.microbatches < 0:
-            raise MemestError(f"--microbatches must be at least 1, got {self.microbatches}")
-        if self.pp == 1:
-            if self.microbatches or self.pp_split or self.pp_schedule != "1f1b":
-                raise MemestError("--microbatches, --pp-split and --pp-schedule describe a pipeline; add --pp N (N >= 2)")
-            return
-        if self.pp_virtual < 0 or (self.pp_virtual > 1 and self.stages_per_rank != self.pp_virtual):
-            raise MemestError(
-                f"--pp-virtual {self.pp_virtual}: --pp-schedule {self.pp_schedule} runs {self.stages_per_rank} stage(s) per rank; "
-                "choose interleaved or looped-bfs for several"
-            )
-        if self.world_size % (self.pp * self.tp):
-            raise MemestError(
-                f"--world-size {self.world_size} is not a multiple of --pp {self.pp} x --tp {self.tp}: the world is pp x dp x tp "
-                f"ranks (e.g. --world-size {self.pp * self.tp} for the pipeline alone)"
-            )
-        if self.dp > 1 and self.shard not in ("zero2", "zero3"):
-            raise MemestError(
-                f"--world-size {self.world_size} with --pp {self.pp} is {self.dp}-way data parallel per stage: each stage is "
-                "sharded with FSDP2 (torchtitan's recipe); add --shard zero3 (or zero2)"
-            )
-        if self.dp == 1 and self.shard != "none":
-            raise MemestError(f"--shard {self.shard} needs data-parallel ranks: use --world-size {2 * self.pp * self.tp} for 2-way FSDP per stage")
-        if not self.training or self.grad_accum > 1 or LossHead.of(self.loss_head)[0] != LossHead.STANDARD:
-            raise MemestError("--pp traces a training step of --microbatches micro-batches (drop --grad-accum, --loss-head, --mode)")
-        if not 0 <= self.pp_stage < self.pp:
-            raise MemestError(f"pipeline stage {self.pp_stage} is not one of the {self.pp} stages")
-
-    def _check_expert_parallel(self) -> None:
-        if self.ep < 1:
-            raise MemestError(f"--ep must be at least 1, got {self.ep}")
-        if self.ep == 1:
-            return
-        if self.pp > 1 and (self.world_size // self.pp) % self.ep:
-            raise MemestError(
-                f"--ep {self.ep} with --pp {self.pp}: each stage's {self.world_size // self.pp} ranks (--world-size / --pp) must be "
-                f"a multiple of --ep (the experts are divided over ep of them; e.g. --world-size {self.pp * self.ep})"
-            )
-        if self.world_size % self.ep:
-            raise MemestError(
-                f"--world-size {self.world_size} is not a multiple of --ep {self.ep}: expert parallel divides the experts "
-                f"over ep of the data-parallel ranks (e.g. --world-size {self.ep}, or {2 * self.ep} for 2 copies of each "
-                "expert group)"
-            )
-        if self.ep % self.tp:
-            raise MemestError(f"--ep {self.ep} must be a multiple of --tp {self.tp} (transformers' DistributedConfig: the "
-                              "ranks of a TP group share a batch and each dispatches its slice)")
-        if not self.training:
-            raise MemestError(f"--ep is traced for training steps; drop it with --mode {self.mode}")
-        if self.offload != "none":
-            raise MemestError("--offload with --ep is not traced (not validated against a real run)")
-        if self.tp == 1 and self.shard not in ("zero2", "zero3") and self.pp == 1:  # --tp, --pp: their checks decide
-            raise MemestError(
-                f"--ep {self.ep} runs as transformers shards it (DistributedConfig(fsdp_size=world, ep_size={self.ep})): the "
-                "dense weights with FSDP2 over every rank, each expert group's copies with FSDP2 over the rest; add "
-                "--shard zero3 (or zero2)"
-            )
-
-    def _check_context_parallel(self) -> None:
-        if self.cp < 1:
-            raise MemestError(f"--cp must be at least 1, got {self.cp}")
-        if self.cp == 1:
-            if self.cp_rotate != CpRotate.ALLGATHER:
-                raise MemestError("--cp-rotate describes context parallel's ring; add --cp N (N >= 2)")
-            return
-        if self.pp > 1 or self.ep > 1:
-            raise MemestError("--cp with --pp or --ep is not traced yet (context parallel x FSDP2, and x --tp, are)")
-        if not 0 <= self.cp_rank < self.cp:
-            raise MemestError(f"context-parallel rank {self.cp_rank} is not one of the {self.cp} ranks")
-        if self.world_size % (self.cp * self.tp):
-            tp = f" x --tp {self.tp}" if self.tp > 1 else ""
-            raise MemestError(
-                f"--world-size {self.world_size} is not a multiple of --cp {self.cp}{tp}: the world is dp x cp"
-                f"{' x tp' if self.tp > 1 else ''} ranks (e.g. --world-size {self.cp * self.tp} for context parallel"
-                f"{tp} alone, {2 * self.cp * self.tp} for 2-way data parallel)"
-            )
-        if not self.training:
-            raise MemestError(f"--cp is traced for training steps; drop it with --mode {self.mode}")
-        if self.shard not in ("zero2", "zero3"):
-            raise MemestError(
-                f"--cp {self.cp}: each rank's gradients cover its part of the sequence and are reduced over dp x cp "
-                "ranks; torchtitan shards the model with FSDP2 over all of them; add --shard zero3 (or zero2)"
-            )
-        if self.offload != "none":
-            raise MemestError("--offload with --cp is not traced (not validated against a real run)")
-        if self.seq is not None and self.seq % (2 * self.cp):
-            raise MemestError(
-                f"--seq {self.seq} does not divide into {2 * self.cp} chunks: context parallel's head-tail load "
-                f"balance gives each of the {self.cp} ranks two equal chunks of the sequence"
-            )
-        if LossHead.of(self.loss_head)[0] != LossHead.STANDARD:
-            raise MemestError("--cp with --loss-head is not traced (the head runs on the rank's shard of the sequence)")
 
     @property
     def microbatches_per_step(self) -> int:
@@ -289,21 +162,24 @@ class RunSpec:
         return fixed if fixed is not None else (self.pp_virtual or 2)
 
     @property
+    def parallel(self) -> ParallelDims:
+        """The parallel layout as one value (parallel/dims.py): degrees, mesh, the rank traced."""
+        return ParallelDims.from_spec(self)
+
+    @property
     def rank(self) -> int:
-        """The global rank traced: the first of ``pp_stage``'s ranks on the ("pp", "dp", "tp") mesh; with --cp,
-        the first tensor-parallel rank of ``cp_rank`` in the first data-parallel group on the ("dp", "cp", "tp")
-        mesh (tp innermost; ("dp", "cp") without --tp)."""
-        return self.pp_stage * self.dp * self.tp + self.cp_rank * self.tp
+        """The global rank traced (ParallelDims.rank)."""
+        return self.parallel.rank
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: --world-size / (--tp x --pp x --cp)."""
-        return self.world_size // (self.tp * self.pp * self.cp)
+        return self.parallel.dp
 
     @property
     def expert_copies(self) -> int:
-        """--ep: copies of each expert group (transformers' efsdp mesh dimension): a stage's ranks / ep."""
-        return self.world_size // (self.pp * self.ep)
+        """--ep: copies of each expert group (ParallelDims.expert_copies)."""
+        return self.parallel.expert_copies
 
     def _check_finetune(self) -> None:
         from memest.spec.lora import freeze_patterns, parse_lora

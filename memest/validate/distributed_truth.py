@@ -124,20 +124,21 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     them in the order gradients arrived), so DDP is wrapped inside the profile; FSDP frees the
     unsharded parameters when it shards them, so it is wrapped before. A marker allocation
     separates the wrapping from the step; the peak is taken after it."""
-    if spec.pp > 1:  # each rank runs its own pipeline stages: the "pp" coordinate of its rank
-        stage = rank // (spec.world_size // spec.pp)
+    dims = spec.parallel
+    if dims.pp_enabled:  # each rank runs its own pipeline stages: the "pp" coordinate of its rank
+        stage = dims.stage_of(rank)
         spec = RunSpec(**{**spec.to_dict(), "pp_stage": stage}) if spec.pp_stage != stage else spec
     source = load_source(spec.model)
     torch.manual_seed(seed)
     built = build(source, spec)
     model, inputs = built.model, built.inputs
     del built
-    if spec.ep > 1:  # weights that make the router split the pairs as the traced assumption says
+    if dims.ep_enabled:  # weights that make the router split the pairs as the traced assumption says
         from memest.parallel.expert_parallel import route_as
 
         route_as(model, spec)
     # wrapped before: FSDP and TP replace the parameters, a pipeline stage drops the other stages' layers
-    fsdp = spec.shard in ("zero2", "zero3") or spec.tp > 1 or spec.pp > 1
+    fsdp = dims.fsdp_enabled or dims.tp_enabled or dims.pp_enabled
     # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
     replicas = not any(p.requires_grad for p in model.parameters())
     parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None
