@@ -23,7 +23,7 @@ from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
-from memest.spec.choices import Target
+from memest.spec.choices import Target, Verdict
 from memest.spec.options import searched_set
 from memest.units import format_bytes
 
@@ -132,7 +132,7 @@ class GpuContext:
             ok = fits(t.capacity_bytes) if fits else needed <= t.capacity_bytes
             rows.append(FitRow(t.label, t.capacity_bytes, t.total_bytes, t.used_bytes, needed, ok,
                                t.capacity_bytes - needed, verdict(needed, high, t.capacity_bytes) if ok else
-                               "does-not-fit", low, high))
+                               Verdict.DOES_NOT_FIT, low, high))
         return rows
 
 
@@ -309,14 +309,14 @@ def run_estimate(
             "pass --gpu 11GB (a size), a card name or a device index"
         )
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
+    cuda = spec.target == Target.CUDA
+    notes = [f"CUDA kernels modelled for {ctx.arch} ({ctx.arch_reason})"] if cuda else []  # after the estimate's own
+    if cuda and ctx.calibration_note:
+        notes.append(ctx.calibration_note)
     with user_code(spec.model):
         source = source or load_source(spec.model)
         with ticker(f"tracing {source.name}", progress):
-            result = estimate(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, source=source)
-    if spec.target == Target.CUDA:
-        result.report.notes.append(f"CUDA kernels modelled for {ctx.arch} ({ctx.arch_reason})")
-        if ctx.calibration_note:
-            result.report.notes.append(ctx.calibration_note)
+            result = estimate(spec, calibration=ctx.calibration if cuda else None, source=source, notes=notes)
     fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range)
     out = EstimateResult(result, ctx, fits)
     if colocate is not None:
@@ -354,7 +354,7 @@ class CheckResult:
 
     @property
     def tight(self) -> list:
-        return [r for r in self.rows if r.verdict == "tight"]
+        return [r for r in self.rows if r.verdict == Verdict.TIGHT]
 
 
 def run_check(

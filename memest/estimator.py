@@ -1,18 +1,26 @@
-"""The estimate pipeline: spec -> source -> trace -> report (+ device usage for --target cuda).
+"""The estimate: spec -> source -> the traces a layout needs -> one Report (+ device usage for --target cuda).
+The ranks traced are gathered first (``_Rank``, ``_Gathered``); the report is built once, from them, at the end.
 Library code: returns data, prints nothing."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+from memest.device import fit
+from memest.device.usage import DeviceUsage, device_usage
 from memest.features.registry import trace_step
-from memest.report.analysis import Report, analyse
+from memest.parallel.distributed import sharding_summary
+from memest.report.analysis import Report, ReportParts, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.spec.choices import ExpertRouting, Offload, Target, Verdict
 from memest.trace.events import Trace
+from memest.units import format_bytes
 
 
 @dataclass(repr=False)
@@ -47,177 +55,226 @@ class Estimate(EstimateViews):
         the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
         return self.needed_bytes <= budget_bytes(capacity)
 
-    def verdict(self, capacity: int | str) -> str:
-        """"fits" (the high end of the needed range fits), "tight" (expected fits, high does not) or
-        "does-not-fit" (expected does not)."""
-        from memest.device.fit import verdict
-
+    def verdict(self, capacity: int | str) -> Verdict:
+        """FITS (the high end of the needed range fits), TIGHT (expected fits, high does not) or
+        DOES_NOT_FIT (expected does not); members are their JSON strings ("fits", "tight", "does-not-fit")."""
         _, expected, high = self.needed_range
-        return verdict(expected, high, budget_bytes(capacity))
+        return fit.verdict(expected, high, budget_bytes(capacity))
 
     def headroom_bytes(self, capacity: int | str) -> int:
         """>= 0 exactly when the step fits."""
         return budget_bytes(capacity) - self.needed_bytes
 
 
-def estimate(spec: RunSpec, calibration: dict | None = None, source=None) -> Estimate:
+@dataclass(frozen=True)
+class _Rank:
+    """One rank's traced step and its device usage (--target cuda), before any report."""
+
+    spec: RunSpec
+    trace: Trace
+    device: DeviceUsage | None
+    seconds: float
+
+    @cached_property
+    def peak_bytes(self) -> int:
+        return self.trace.peak()[0]
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.device.min_budget_bytes if self.device else self.peak_bytes
+
+    @property
+    def needed_range(self) -> tuple[int, int, int | None]:
+        d = self.device
+        return (d.needed_bytes_low, d.needed_bytes_expected, d.needed_bytes_high) if d else (self.needed_bytes,) * 3
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """What the report is built from: the rank it shows, and what tracing the other ranks added."""
+
+    rank: _Rank
+    seconds: float  # every trace's
+    notes: tuple[str, ...] = ()  # about the ranks traced: they lead the report's notes
+    pipeline_stages: list | None = None
+    context_parallel_ranks: list | None = None
+    expert_routing: list | None = None
+
+
+def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes: Sequence[str] = ()) -> Estimate:
     """``source``: an already loaded ModelSource for ``spec.model`` (planners reuse one). With --pp every
     stage is traced; the estimate returned is the stage that needs the most, with every stage listed
-    (``report.pipeline_stages``): the step fits only if its worst stage does."""
+    (``report.pipeline_stages``): the step fits only if its worst stage does. ``notes``: the caller's
+    (the GPU modelled), after the estimate's own."""
     source = source or load_source(spec.model)
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
     if spec.parallel.ep_enabled:
-        return _routing_range(spec, calibration, source)
-    if spec.parallel.cp_enabled:
-        return _context_parallel_ranks(spec, calibration, source)
-    return _pipeline_ranks(spec, calibration, source)
+        gathered = _routing_range(spec, calibration, source)
+    elif spec.parallel.cp_enabled:
+        gathered = _context_parallel_ranks(spec, calibration, source)
+    else:
+        gathered = _pipeline_ranks(spec, calibration, source)
+    return _estimate_of(gathered, source, notes)
 
 
-def _pipeline_ranks(spec: RunSpec, calibration: dict | None, source) -> Estimate:
-    """The step of one rank, or with --pp every pipeline rank's, the one that needs the most returned."""
+def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
+    """One rank's estimate (the planners' cut models)."""
+    rank = _trace_rank(spec, calibration, source)
+    return _estimate_of(_Gathered(rank, rank.seconds), source)
+
+
+def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
+    """The one place the report is built."""
+    spec, trace = g.rank.spec, g.rank.trace
+    parallel = spec.world_size > 1 or spec.offload != Offload.NONE
+    parts = ReportParts(
+        device=g.rank.device,
+        trace_seconds=g.seconds,
+        batch_factor=spec.dp * (spec.microbatches_per_step if spec.parallel.pp_enabled else 1) if parallel else 1,
+        sharding=sharding_summary(trace) if parallel else None,
+        pipeline_stages=g.pipeline_stages,
+        expert_routing=g.expert_routing,
+        context_parallel_ranks=g.context_parallel_ranks,
+        notes_before=g.notes,
+        notes_after=(*source.notes, *_rank_notes(g.rank), *notes),
+    )
+    return Estimate(analyse(trace, spec, source.name, parts), trace)
+
+
+def _trace_rank(spec: RunSpec, calibration: dict | None, source) -> _Rank:
+    start = time.perf_counter()
+    trace = trace_step(source, spec)
+    device = (device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration)
+              if spec.target == Target.CUDA else None)
+    return _Rank(spec, trace, device, time.perf_counter() - start)
+
+
+def _pipeline_ranks(spec: RunSpec, calibration: dict | None, source) -> _Gathered:
+    """The step of one rank, or with --pp every pipeline rank's, the one that needs the most shown."""
     if not spec.parallel.pp_enabled:
-        return _estimate_one(spec, calibration, source)
-    stages = [_estimate_one(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
-    worst = max(stages, key=lambda e: e.needed_bytes)
-    worst.report.pipeline_stages = [
-        {"stage": i, "rank": e.trace.rank, "traced": e.trace.parallel, "peak_allocated_bytes": e.report.peak_allocated_bytes,
-         "needed_bytes": e.needed_bytes, "host_peak_bytes": e.trace.host_peak(), "trace_seconds": e.report.trace_seconds}
-        for i, e in enumerate(stages)
+        rank = _trace_rank(spec, calibration, source)
+        return _Gathered(rank, rank.seconds)
+    stages = [_trace_rank(dataclasses.replace(spec, pp_stage=i), calibration, source) for i in range(spec.pp)]
+    worst = max(stages, key=lambda r: r.needed_bytes)
+    rows = ", ".join(f"pipeline rank {i} {format_bytes(r.needed_bytes)}" for i, r in enumerate(stages))
+    note = (f"pipeline: every pipeline rank's stages traced ({rows}); the report shows pipeline rank "
+            f"{stages.index(worst)}, the one that needs the most (the verdict is its)")
+    listed = [
+        {"stage": i, "rank": r.trace.rank, "traced": r.trace.parallel, "peak_allocated_bytes": r.peak_bytes,
+         "needed_bytes": r.needed_bytes, "host_peak_bytes": r.trace.host_peak(), "trace_seconds": r.seconds}
+        for i, r in enumerate(stages)
     ]
-    worst.report.trace_seconds = sum(e.report.trace_seconds for e in stages)
-    worst.report.notes.insert(0, _stages_note(stages, worst))
-    return worst
+    return _Gathered(worst, sum(r.seconds for r in stages), (note,), pipeline_stages=listed)
 
 
-def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> Estimate:
+def _context_parallel_ranks(spec: RunSpec, calibration: dict | None, source) -> _Gathered:
     """--cp: the ring attention's work differs by rank (torch's head-tail load balance: rank r attends to half
     of the key/value blocks of lower ranks' chunks and with half its queries to the others'), so every cp rank
     is traced; the estimate is the one that needs the most, every rank listed (``report.context_parallel_ranks``)."""
-    from memest.units import format_bytes
-
-    ranks = [_estimate_one(dataclasses.replace(spec, cp_rank=r), calibration, source) for r in range(spec.cp)]
-    worst = max(ranks, key=lambda e: e.needed_bytes)
-    worst.report.context_parallel_ranks = [
-        {"cp_rank": r, "rank": e.trace.rank, "peak_allocated_bytes": e.report.peak_allocated_bytes,
-         "needed_bytes": e.needed_bytes, "trace_seconds": e.report.trace_seconds}
-        for r, e in enumerate(ranks)
+    ranks = [_trace_rank(dataclasses.replace(spec, cp_rank=r), calibration, source) for r in range(spec.cp)]
+    worst = max(ranks, key=lambda r: r.needed_bytes)
+    listed = [
+        {"cp_rank": i, "rank": r.trace.rank, "peak_allocated_bytes": r.peak_bytes, "needed_bytes": r.needed_bytes,
+         "trace_seconds": r.seconds}
+        for i, r in enumerate(ranks)
     ]
-    worst.report.trace_seconds = sum(e.report.trace_seconds for e in ranks)
-    rows = ", ".join(f"cp rank {r} {format_bytes(e.needed_bytes)}" for r, e in enumerate(ranks))
-    worst.report.notes.insert(0, (
+    rows = ", ".join(f"cp rank {i} {format_bytes(r.needed_bytes)}" for i, r in enumerate(ranks))
+    shown = (
         f"context parallel: every cp rank traced ({rows}); the report shows cp rank {ranks.index(worst)}, the one that "
         "needs the most (the verdict is its); data-parallel groups repeat these ranks (the last can hold FSDP2's "
         "shorter last shard where a split is uneven: the first group's trace is its upper bound)"
         + (f", and each cp rank's {spec.tp} tensor-parallel ranks run the same shapes (its first is traced)"
            if spec.parallel.tp_enabled else "")
-    ))
+    )
     kernel = (
         "the CPU flash-attention op inside each ring step (memest's handler: torch registers ring handlers for the "
-        "CUDA SDPA ops only), as measured against real gloo runs" if spec.target == "cpu" else
+        "CUDA SDPA ops only), as measured against real gloo runs" if spec.target == Target.CPU else
         "torch's own handler around the CUDA flash / memory-efficient op of each ring step, with that kernel's scratch "
         "as memest models it (not measured on a GPU)"
     )
-    worst.report.notes.insert(1, (
+    step = (
         "context parallel: the step transformers' Trainer + accelerate run: input_ids, labels, shift_labels and "
         "position_ids cut by torch's head-tail load balancer; attention by torch's ring (torch/distributed/tensor/"
         f"experimental/_context_parallel/_attention.py, {spec.cp_rotate} rotation) with {kernel}; the causal mask is "
         "left to SDPA's is_causal (a mask transformers builds and accelerate's pre-hook drops is not counted)"
-    ))
-    return worst
+    )
+    return _Gathered(worst, sum(r.seconds for r in ranks), (shown, step), context_parallel_ranks=listed)
 
 
-def _routing_range(spec: RunSpec, calibration: dict | None, source) -> Estimate:
+def _routing_range(spec: RunSpec, calibration: dict | None, source) -> _Gathered:
     """--ep: what reaches a rank's experts depends on the router. Traced at the balanced split (every rank gets 1/ep
     of every rank's (token, expert) pairs: the expected need) and with every rank sending all its pairs to this one
     (the high end of the range); parallel/expert_parallel.py."""
-    from memest.units import format_bytes
-
     # with --pp each routing's estimate is its worst pipeline rank's (every rank traced at both routings)
-    runs = {r: _pipeline_ranks(dataclasses.replace(spec, ep_routing=r), calibration, source) for r in ("uniform", "one-rank")}
-    expected, high = runs["uniform"], runs["one-rank"]
-    expected.report.expert_routing = [
-        {"routing": r, "peak_allocated_bytes": e.report.peak_allocated_bytes, "needed_bytes": e.needed_bytes,
-         "needed_bytes_high": e.needed_range[2] if e.needed_range[2] is not None else e.needed_bytes,
-         "trace_seconds": e.report.trace_seconds}
-        for r, e in runs.items()
+    runs = {r: _pipeline_ranks(dataclasses.replace(spec, ep_routing=r), calibration, source) for r in ExpertRouting}
+    expected, high = runs[ExpertRouting.UNIFORM], runs[ExpertRouting.ONE_RANK]
+    listed = [
+        {"routing": r.value, "peak_allocated_bytes": g.rank.peak_bytes, "needed_bytes": g.rank.needed_bytes,
+         "needed_bytes_high": g.rank.needed_range[2] if g.rank.needed_range[2] is not None else g.rank.needed_bytes,
+         "trace_seconds": g.seconds}
+        for r, g in runs.items()
     ]
-    expected.report.trace_seconds += high.report.trace_seconds
-    device, worst = expected.report.device, high.report.device
-    if device is not None and worst is not None:  # the range shown is the routing's too
-        for name in ("bytes_high", "needed_bytes_high", "reserved_bytes_high"):
-            a, b = getattr(device, name), getattr(worst, name)
-            setattr(device, name, None if a is None or b is None else max(a, b))
-    expected.report.notes.insert(0, (
+    note = (
         f"expert parallel: the all-to-all's split is data-dependent (the router's choices); expected need traced with "
-        f"uniform routing (each rank receives 1/{spec.ep} of every rank's token-expert pairs: {format_bytes(expected.needed_bytes)}), "
-        f"the range's high end with every rank's pairs routed to this rank ({spec.ep} x tokens x top-k rows through its "
-        f"experts: {format_bytes(high.needed_bytes)})"
-    ))
-    return expected
+        f"uniform routing (each rank receives 1/{spec.ep} of every rank's token-expert pairs: "
+        f"{format_bytes(expected.rank.needed_bytes)}), the range's high end with every rank's pairs routed to this rank "
+        f"({spec.ep} x tokens x top-k rows through its experts: {format_bytes(high.rank.needed_bytes)})"
+    )
+    rank = dataclasses.replace(expected.rank, device=_widest(expected.rank.device, high.rank.device))
+    return dataclasses.replace(expected, rank=rank, seconds=expected.seconds + high.seconds,
+                               notes=(note, *expected.notes), expert_routing=listed)
 
 
-def _stages_note(stages: list[Estimate], worst: Estimate) -> str:
-    from memest.units import format_bytes
+def _widest(device: DeviceUsage | None, other: DeviceUsage | None) -> DeviceUsage | None:
+    """``device`` with the high ends of ``other``'s ranges where they are higher (None: unbounded)."""
+    if device is None or other is None:
+        return device
+    names = ("bytes_high", "needed_bytes_high", "reserved_bytes_high")
+    high = {n: None if getattr(device, n) is None or getattr(other, n) is None else max(getattr(device, n), getattr(other, n))
+            for n in names}
+    return dataclasses.replace(device, **high)
 
-    rows = ", ".join(f"pipeline rank {i} {format_bytes(e.needed_bytes)}" for i, e in enumerate(stages))
-    k = stages.index(worst)
-    return (f"pipeline: every pipeline rank's stages traced ({rows}); the report shows pipeline rank {k}, the one that "
-            "needs the most (the verdict is its)")
 
-
-def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
-    start = time.perf_counter()
-    trace = trace_step(source, spec)
-    report = analyse(trace, spec, source.name)
-    if spec.target == "cuda":
-        from memest.device.usage import device_usage
-
-        report.device = device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration)
-    report.trace_seconds = time.perf_counter() - start
-    report.notes.extend(source.notes)
-    if spec.world_size > 1 or spec.offload != "none":
-        _parallel_notes(report, trace, spec)
+def _rank_notes(rank: _Rank) -> list[str]:
+    """What the rank's trace is: parallel layout, uncounted FLOPs, the target's accounting, mixed precision."""
+    spec, trace, device = rank.spec, rank.trace, rank.device
+    notes = _parallel_notes(trace, spec) if spec.world_size > 1 or spec.offload != Offload.NONE else []
     if trace.uncounted_flop_ops:
-        report.notes.append(
+        notes.append(
             f"FLOPs of {', '.join(sorted(trace.uncounted_flop_ops))} not counted (torch's flop formula rejected the "
             "shapes); time costs such as recompute % are understated, memory is unaffected"
         )
-    if spec.target == "cuda":
-        report.notes.append(
+    if spec.target == Target.CUDA:
+        notes.append(
             "device = caching-allocator reserved + CUDA context + libraries (+ NCCL); cuDNN workspaces are in the trace; "
-            + ("calibrated values used" if report.device.calibrated else "defaults from evidence, not calibrated for "
+            + ("calibrated values used" if device.calibrated else "defaults from evidence, not calibrated for "
                "this GPU (memest calibrate)")
         )
-        report.notes += [f"range rests on: {line}" for line in report.device.range_basis]
+        notes += [f"range rests on: {line}" for line in device.range_basis]
     else:
-        report.notes.append("peak allocated = bytes held by the CPU allocator at the step's peak")
+        notes.append("peak allocated = bytes held by the CPU allocator at the step's peak")
     if spec.mixed:
-        report.notes.append(
+        notes.append(
             "mixed precision traced with CUDA autocast's op lists (emulated on CPU tensors)"
-            if spec.target == "cuda"
+            if spec.target == Target.CUDA
             else "mixed precision traced with CPU autocast (torch.autocast('cpu'))"
         )
-    return Estimate(report, trace)
+    return notes
 
 
-def _parallel_notes(report: Report, trace: Trace, spec: RunSpec) -> None:
-    """--world-size/--shard/--offload: what the trace is (details: trace.distributed.sharding_summary)."""
-    from memest.parallel.distributed import sharding_summary
-    from memest.units import format_bytes
-
-    report.sharding = sharding_summary(trace)
-    report.effective_batch *= spec.dp  # tensor-parallel ranks share one batch, pipeline stages too
-    if spec.parallel.pp_enabled:
-        report.effective_batch *= spec.microbatches_per_step
+def _parallel_notes(trace: Trace, spec: RunSpec) -> list[str]:
+    """--world-size/--shard/--offload: what the trace is (details: parallel.distributed.sharding_summary)."""
+    notes = []
     if spec.world_size > 1 and trace.parallel:
-        report.notes.append(f"per-rank estimate: rank {spec.rank} of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
+        notes.append(f"per-rank estimate: rank {spec.rank} of {spec.world_size}, traced with {trace.parallel} (docs/sharding.md)")
     elif spec.world_size > 1:
-        report.notes.append(f"per-rank estimate: each of the {spec.world_size} ranks runs this {spec.mode} step on its own batch")
-    if spec.offload != "none":
-        where = "host (CPU) memory" if spec.target == "cuda" else "host memory (the same memory on --target cpu)"
-        report.notes.append(
+        notes.append(f"per-rank estimate: each of the {spec.world_size} ranks runs this {spec.mode} step on its own batch")
+    if spec.offload != Offload.NONE:
+        where = "host (CPU) memory" if spec.target == Target.CUDA else "host memory (the same memory on --target cpu)"
+        notes.append(
             f"--offload {spec.offload}: {format_bytes(trace.host_peak())} peak held in {where}, "
             "not counted in the peak above"
         )
+    return notes

@@ -17,26 +17,26 @@ from dataclasses import asdict, dataclass
 from memest.device.catalogue import CARDS, DEFAULT_COMPUTE_CAPABILITY, card_bytes, compute_capability
 from memest.device.nvml import GpuQuery
 from memest.errors import MemestError
+from memest.spec.choices import Verdict
 from memest.units import parse_bytes
 
-FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does-not-fit"
-VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)  # best to worst
+FITS, TIGHT, DOES_NOT_FIT = Verdict.FITS, Verdict.TIGHT, Verdict.DOES_NOT_FIT  # short names
 
 
-def verdict(needed_expected: int, needed_high: int | None, capacity: int) -> str:
-    """``needed_high`` None: unbounded (cuDNN's benchmark search may take all free memory): never "fits"."""
+def verdict(needed_expected: int, needed_high: int | None, capacity: int) -> Verdict:
+    """``needed_high`` None: unbounded (cuDNN's benchmark search may take all free memory): never fits."""
     if needed_high is not None and needed_high <= capacity:
-        return FITS
-    return TIGHT if needed_expected <= capacity else DOES_NOT_FIT
+        return Verdict.FITS
+    return Verdict.TIGHT if needed_expected <= capacity else Verdict.DOES_NOT_FIT
 
 
-def passes(result: str, strict: bool = False) -> bool:
+def passes(result: Verdict | str, strict: bool = False) -> bool:
     """What a verdict means for an exit code: tight passes unless ``strict``."""
-    return result == FITS or (result == TIGHT and not strict)
+    return result == Verdict.FITS or (result == Verdict.TIGHT and not strict)
 
 
-def worst(verdicts: list[str]) -> str | None:
-    return max(verdicts, key=VERDICTS.index) if verdicts else None
+def worst(verdicts: list) -> Verdict | None:
+    return Verdict.worst(verdicts)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class FitRow:
     needed_bytes: int
     fits: bool  # needed (expected) <= capacity: fits or tight
     headroom_bytes: int
-    verdict: str = ""  # fits | tight | does-not-fit (from the needed range)
+    verdict: Verdict | str = ""  # the needed range's Verdict ("" where none was given)
     needed_bytes_low: int | None = None
     needed_bytes_high: int | None = None
 

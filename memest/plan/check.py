@@ -9,7 +9,7 @@ from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
-from memest.spec.choices import ServeVerdict
+from memest.spec.choices import ServeVerdict, Verdict
 from memest.spec.config import RunConfig
 
 
@@ -27,7 +27,7 @@ class CheckRow:
     headroom_bytes: int  # budget - required (>= 0 exactly when expected fits)
     seq: int | None = None  # the sequence length traced (the model's default when the config gives none)
     arch: str = ""  # the GPU generation whose kernels were modelled (sm90), --target cuda
-    verdict: str = ""  # fits (high <= budget) | tight (expected <= budget < high) | does-not-fit
+    verdict: Verdict | str = ""  # fits (high <= budget) | tight (expected <= budget < high) | does-not-fit
     needed_bytes_low: int = 0  # the needed range (device/usage.py); needed_bytes is the expected value
     needed_bytes_high: int = 0
     required_bytes_high: int = 0  # needed high x (1 + margin): what "fits" needs
@@ -57,7 +57,7 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
         fits = needed <= budget and c.engine_starts
     required = math.ceil(needed * (1 + margin))
     required_high = None if high is None else math.ceil(high * (1 + margin))  # None: unbounded
-    outcome = verdict(required, required_high, budget) if fits and required <= budget else "does-not-fit"
+    outcome = verdict(required, required_high, budget) if fits and required <= budget else Verdict.DOES_NOT_FIT
     return CheckRow(
         name=config.name,
         path=config.path,
@@ -103,10 +103,10 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
     needed, low, high, budget = gate.needed, gate.low, gate.high, gate.budget
     required = math.ceil(needed * (1 + margin))
     required_high = math.ceil(high * (1 + margin))
-    outcome = ("does-not-fit" if plan.verdict == ServeVerdict.WILL_NOT_START or required > budget
+    outcome = (Verdict.DOES_NOT_FIT if plan.verdict == ServeVerdict.WILL_NOT_START or required > budget
                else verdict(required, required_high, budget))
-    if plan.verdict == ServeVerdict.MAY_NOT_START and outcome == "fits":
-        outcome = "tight"
+    if plan.verdict == ServeVerdict.MAY_NOT_START and outcome is Verdict.FITS:
+        outcome = Verdict.TIGHT
     return CheckRow(
         name=config.name, path=config.path, model=spec.model, needed_bytes=needed, required_bytes=required,
         budget_label=f"{gpu.budget_label} {gate.share}", budget_bytes=budget, margin=margin,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from memest.device.usage import DeviceUsage
 from memest.features.checkpointing import within
@@ -25,7 +25,7 @@ _TO_BREAKDOWN = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerRow:
     name: str  # fully qualified module name; '' is the whole model
     type: str
@@ -40,8 +40,10 @@ class LayerRow:
     share_of_peak: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class Report:
+    """One estimate's record, built once (``analyse``): fields in the order of the --json document."""
+
     model: str
     model_type: str
     spec: dict
@@ -59,28 +61,43 @@ class Report:
     layers: list[LayerRow]
     folklore_bytes: int
     folklore_formula: str
-    trace_seconds: float = 0.0
-    attention_backends: dict[str, int] = field(default_factory=dict)  # --target cuda: SDPA kernel -> calls
-    device: DeviceUsage | None = None  # --target cuda: allocator replay and fixed costs
-    effective_batch: int = 0  # batch x grad_accum (x world size)
-    step_flops: int = 0  # FLOPs of one step (the last traced), torch.utils.flop_counter formulas
-    recompute_flops: int = 0  # of which: forward ops re-run in backward by activation checkpointing
-    checkpointed: list[str] = field(default_factory=list)
-    sharding: dict | None = None  # --world-size/--shard/--offload: trace.distributed.sharding_summary
-    pipeline_stages: list | None = None  # --pp: every stage's peak and need (pipeline.estimate)
-    expert_routing: list | None = None  # --ep: the peak and need at each routing assumption traced (pipeline.estimate)
-    context_parallel_ranks: list | None = None  # --cp: every cp rank's peak and need (pipeline.estimate)
-    notes: list[str] = field(default_factory=list)
+    trace_seconds: float
+    attention_backends: dict[str, int]  # --target cuda: SDPA kernel -> calls
+    device: DeviceUsage | None  # --target cuda: allocator replay and fixed costs
+    effective_batch: int  # batch x grad_accum (x data-parallel ranks, x micro-batches with --pp)
+    step_flops: int  # FLOPs of one step (the last traced), torch.utils.flop_counter formulas
+    recompute_flops: int  # of which: forward ops re-run in backward by activation checkpointing
+    checkpointed: list[str]
+    sharding: dict | None  # --world-size/--shard/--offload: parallel.distributed.sharding_summary
+    pipeline_stages: list | None  # --pp: every stage's peak and need (estimator.estimate)
+    expert_routing: list | None  # --ep: the peak and need at each routing assumption traced (estimator.estimate)
+    context_parallel_ranks: list | None  # --cp: every cp rank's peak and need (estimator.estimate)
+    notes: list[str]
     # --outputs kept: bytes of model outputs alive at the peak only because the loop still references them
     # (past the point where a loop that frees outputs drops them); 0 with --outputs freed
-    outputs_held_bytes: int = 0
-    trainable_param_count: int = 0  # elements of the parameters that require grad (LoRA adapters, unfrozen)
+    outputs_held_bytes: int
+    trainable_param_count: int  # elements of the parameters that require grad (LoRA adapters, unfrozen)
     # --data-dependent upper-bound: data-dependent op -> calls answered at their bound (every element selected
     # or distinct); non-empty means the peak is an upper bound for them
-    bounded_ops: dict[str, int] = field(default_factory=dict)
+    bounded_ops: dict[str, int]
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReportParts:
+    """What the estimator adds to a trace's own analysis (estimator.py gathers it; a trace alone has none)."""
+
+    device: DeviceUsage | None = None
+    trace_seconds: float = 0.0
+    batch_factor: int = 1  # effective batch = batch x grad_accum x this (data-parallel ranks, --pp micro-batches)
+    sharding: dict | None = None
+    pipeline_stages: list | None = None
+    expert_routing: list | None = None
+    context_parallel_ranks: list | None = None
+    notes_before: tuple[str, ...] = ()  # about the ranks traced (they lead)
+    notes_after: tuple[str, ...] = ()  # about the source, the run and the device modelled
 
 
 def _ancestors(name: str, known: dict) -> list[str]:
@@ -92,7 +109,8 @@ def _ancestors(name: str, known: dict) -> list[str]:
     return out
 
 
-def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
+def analyse(trace: Trace, spec: RunSpec, model_name: str, parts: ReportParts = ReportParts()) -> Report:
+    """The Report of ``trace``, with what the estimator gathered (``parts``), in one constructor call."""
     peak, peak_i = trace.peak()
     storages = trace.storages
     peak_iter, peak_phase = trace.phase_at(peak_i)
@@ -165,12 +183,18 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str) -> Report:
         layers=layers,
         folklore_bytes=folklore,
         folklore_formula=formula,
+        trace_seconds=parts.trace_seconds,
         attention_backends=dict(trace.attention_backends),
-        effective_batch=spec.batch * spec.grad_accum,
+        device=parts.device,
+        effective_batch=spec.batch * spec.grad_accum * parts.batch_factor,
         step_flops=step_flops,
         recompute_flops=recompute,
         checkpointed=list(trace.checkpointed),
-        notes=list(trace.notes) + _loop_notes(trace, spec, peak_i),
+        sharding=parts.sharding,
+        pipeline_stages=parts.pipeline_stages,
+        expert_routing=parts.expert_routing,
+        context_parallel_ranks=parts.context_parallel_ranks,
+        notes=[*parts.notes_before, *trace.notes, *_loop_notes(trace, spec, peak_i), *parts.notes_after],
         outputs_held_bytes=trace.held_output_bytes(peak_i) if trace.events else 0,
         bounded_ops=dict(trace.bounded_ops),
     )

@@ -7,8 +7,9 @@ from rich.table import Table
 
 from memest.device.fit import FitRow
 from memest.device.nvml import GpuQuery
-from memest.report.analysis import BREAKDOWN_KEYS, Report
-from memest.units import format_bound, format_bytes, format_count
+from memest.report.analysis import Report
+from memest.report.summary import RowKind, SummaryRow, summary_rows
+from memest.units import format_bytes, format_count
 
 # per-layer columns: (header, justify, drop order: higher goes first when the terminal is too narrow;
 # 0 never goes). Numbers are never truncated: columns are left out instead, and the caption says which.
@@ -91,78 +92,19 @@ def layer_table(report: Report, depth: int, expand: bool = False, width: int | N
     return table
 
 
-def summary_table(report: Report) -> Table:
+def summary_table(rows: list[SummaryRow]) -> Table:
+    """The summary rows (report/summary.py) as a two-column table; notes are printed under it."""
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
-    spec = report.spec
-    table.add_row(
-        "run",
-        f"batch {spec['batch']}" + (f", seq {spec['seq']}" if spec.get("seq") else "")
-        + f", {spec['optim']}, {spec['precision']}, target {spec['target']}, {spec['iterations']} steps traced",
-    )
-    if report.attention_backends:
-        used = ", ".join(f"{name} x{n}" for name, n in report.attention_backends.items())
-        cc = spec.get("compute_capability") or ()
-        table.add_row("attention", f"{used} (CUDA kernel rules for sm{''.join(str(x) for x in cc)})")
-    if spec.get("grad_accum", 1) > 1:
-        table.add_row("accumulation", f"{spec['grad_accum']} micro-steps of batch {spec['batch']}: effective batch {report.effective_batch}")
-    if report.checkpointed:
-        base = report.step_flops - report.recompute_flops
-        pct = 100 * report.recompute_flops / base if base else 0.0
-        table.add_row(
-            "checkpointing",
-            f"{len(report.checkpointed)} modules ({_names(report.checkpointed)}); recompute costs "
-            f"{pct:.1f}% extra FLOPs per step",
-        )
-    if report.sharding:
-        sh = report.sharding
-        table.add_row(
-            "parallel" if max(report.spec.get(k, 1) for k in ("tp", "pp", "ep")) > 1 else "data parallel",
-            f"rank {sh.get('rank', 0)} of {sh['world_size']}" + (f", {sh['parallel']}" if sh.get("parallel") else "")
-            + f"; effective batch {report.effective_batch}",
-        )
-        if sh.get("host_peak_bytes"):
-            table.add_row("host memory", f"{format_bytes(sh['host_peak_bytes'])} peak offloaded to the CPU (not in the GPU peak)")
-    table.add_row("parameters", f"{format_count(report.param_count)} ({format_bytes(report.param_bytes)})")
-    table.add_row("peak allocated", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]")
-    where = f"step {report.peak_iteration}, {report.phase_at_peak}"
-    if report.module_at_peak:
-        where += f", in {report.module_at_peak}"
-    table.add_row("peak happens", f"{where}, op {report.op_at_peak}")
-    for key in BREAKDOWN_KEYS:
-        value = report.breakdown_at_peak[key]
-        share = value / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
-        label = key.replace("_", " ")
-        if key == "other":
-            label = "other (buffers, inputs)"
-        table.add_row(f"  {label}", f"{format_bytes(value):>12}  {100 * share:5.1f}%")
-    if report.device is not None:
-        dev = report.device
-        table.add_row("torch would report", f"max_memory_allocated {format_bytes(dev.allocated_peak_bytes)} (+ cuBLAS workspaces, 512 B blocks)")
-        table.add_row("", f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)} (caching-allocator replay)")
-        for cost in dev.fixed_costs:
-            if not cost.in_allocator:
-                tag = "calibrated" if cost.calibrated else "assumption" if cost.source.startswith("assumption") else "evidence"
-                spread = f", {format_bytes(cost.low)}-{format_bytes(cost.high)}" if cost.low != cost.high else ""
-                table.add_row("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)} ({tag}{spread})")
-        table.add_row("predicted device use", f"{format_bytes(dev.device_bytes)} (range {format_bytes(dev.bytes_low)} - "
-                      f"{format_bound(dev.bytes_high)}; what nvidia-smi would show on a GPU with room to spare)")
-        table.add_row("needed", f"[bold]{format_bytes(dev.min_budget_bytes)}[/bold] (range "
-                      f"{format_bytes(dev.needed_bytes_low)} - {format_bound(dev.needed_bytes_high)}; the smallest device "
-                      "budget the step runs in: the allocator frees its cache before running out)")
-    diff = report.folklore_bytes - report.peak_allocated_bytes
-    rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
-    table.add_row(
-        "folklore formula",
-        f"{format_bytes(report.folklore_bytes)} ({report.folklore_formula}): {100 * rel:+.0f}% vs the trace",
-    )
-    table.add_row("traced in", f"{report.trace_seconds:.2f} s")
+    for row in rows:
+        if row.kind is RowKind.PART:
+            table.add_row(f"  {row.label}", f"{row.value:>12}  {row.detail}")
+        elif row.kind is RowKind.HEADLINE:
+            table.add_row(row.label, f"[bold]{row.value}[/bold]" + (f" {row.detail}" if row.detail else ""))
+        elif row.kind is RowKind.TEXT:
+            table.add_row(row.label, row.text)
     return table
-
-
-def _names(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f", … (+{len(names) - 3})" if len(names) > 3 else "")
 
 
 def fit_table(rows: list[FitRow], width: int | None = None) -> Table:
@@ -200,10 +142,12 @@ def make_console() -> Console:
 
 def print_estimate(console: Console, report: Report, fits: list[FitRow], gpu_reason: str, depth: int,
                    expand: bool = False) -> None:
+    rows = summary_rows(report)
     console.print(layer_table(report, depth, expand=expand, width=console.width))
-    console.print(summary_table(report))
-    for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+    console.print(summary_table(rows))
+    for row in rows:
+        if row.kind is RowKind.NOTE:
+            console.print(f"[dim]note: {row.value}[/dim]")
     if fits:
         console.print(fit_table(fits, width=console.width))
     else:
@@ -226,21 +170,3 @@ def gpus_table(query: GpuQuery) -> Table:
             procs,
         )
     return table
-
-
-def check_rows(rows) -> tuple[list[str], list[list[str]]]:
-    """Headers and cells of the `memest check` table (shared by the rich and Markdown views)."""
-    headers = ["config", "model", "predicted", "with margin", "budget", "headroom", "verdict"]
-    cells = [
-        [
-            r.name,
-            r.model if r.model.startswith("hf:") else r.model.rsplit("/", 1)[-1],
-            format_bytes(r.needed_bytes),
-            f"{format_bytes(r.required_bytes)} (+{100 * r.margin:g}%)",
-            f"{r.budget_label}",
-            format_bytes(r.headroom_bytes),
-            "fits" if r.fits else "DOES NOT FIT",
-        ]
-        for r in rows
-    ]
-    return headers, cells

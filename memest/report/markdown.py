@@ -1,7 +1,8 @@
 """Markdown renderings of what the CLI prints (for PR comments and CI job summaries).
 
-``table_markdown`` is the one table writer; ``estimate_markdown`` is the ``estimate`` view: summary,
-breakdown at the peak, per-layer table to a depth and the fit table.
+``table_markdown`` is the one table writer; ``estimate_markdown`` is the ``estimate`` view: the summary rows
+(report/summary.py, as the console shows them), breakdown at the peak, per-layer table to a depth, notes and
+the fit table.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import re
 from collections.abc import Sequence
 
 from memest.device.fit import FitRow
-from memest.report.analysis import BREAKDOWN_KEYS, Report
-from memest.units import format_bound, format_bytes, format_count
+from memest.report.analysis import Report
+from memest.report.summary import RowKind, SummaryRow, summary_rows
+from memest.spec.choices import Verdict
+from memest.units import format_bytes, format_count
 
 _NUMERIC = re.compile(r"^[-+]?[0-9][0-9.,]*(\s|%|[A-Za-z]|$)")
 
@@ -46,53 +49,35 @@ def table_markdown(
     return "\n".join(lines)
 
 
-def summary_items(report: Report) -> list[tuple[str, str]]:
-    """(label, value) pairs of the estimate summary, plain text (the rich view's rows, no markup)."""
-    spec = report.spec
-    run = f"batch {spec['batch']}" + (f", seq {spec['seq']}" if spec.get("seq") else "")
-    run += f", {spec['optim']}, {spec['precision']}, target {spec['target']}, {spec['iterations']} steps traced"
-    items = [("run", run)]
-    if spec.get("grad_accum", 1) > 1:
-        items.append(("accumulation", f"{spec['grad_accum']} micro-steps of batch {spec['batch']}: "
-                                      f"effective batch {report.effective_batch}"))
-    if report.attention_backends:
-        items.append(("attention", ", ".join(f"{k} x{v}" for k, v in report.attention_backends.items())))
-    if report.checkpointed:
-        base = report.step_flops - report.recompute_flops
-        pct = 100 * report.recompute_flops / base if base else 0.0
-        items.append(("checkpointing", f"{len(report.checkpointed)} modules; recompute costs {pct:.1f}% extra FLOPs"))
-    items.append(("parameters", f"{format_count(report.param_count)} ({format_bytes(report.param_bytes)})"))
-    items.append(("peak allocated", f"**{format_bytes(report.peak_allocated_bytes)}**"))
-    where = f"step {report.peak_iteration}, {report.phase_at_peak}"
-    if report.module_at_peak:
-        where += f", in `{report.module_at_peak}`"
-    if report.op_at_peak:
-        where += f", op `{report.op_at_peak}`"
-    items.append(("peak happens", where))
-    if report.device is not None:
-        dev = report.device
-        items.append(("torch would report", f"max_memory_allocated {format_bytes(dev.allocated_peak_bytes)}, "
-                                            f"max_memory_reserved {format_bytes(dev.reserved_peak_bytes)}"))
-        items.append(("predicted device use", f"{format_bytes(dev.device_bytes)} (range {format_bytes(dev.bytes_low)}"
-                                              f" - {format_bound(dev.bytes_high)}; what nvidia-smi would show on a GPU "
-                                              "with room to spare)"))
-        items.append(("needed", f"**{format_bytes(dev.min_budget_bytes)}** (range {format_bytes(dev.needed_bytes_low)}"
-                                f" - {format_bound(dev.needed_bytes_high)}; the smallest device budget the step runs in)"))
-    diff = report.folklore_bytes - report.peak_allocated_bytes
-    rel = diff / report.peak_allocated_bytes if report.peak_allocated_bytes else 0
-    items.append(("folklore formula", f"{format_bytes(report.folklore_bytes)} ({report.folklore_formula}): "
-                                      f"{100 * rel:+.0f}% vs the trace"))
-    return items
+def summary_lines(rows: list[SummaryRow]) -> list[str]:
+    """The summary rows (report/summary.py) but the breakdown and the notes, as a list: a row without a label
+    nests under the one above."""
+    lines = []
+    for row in rows:
+        if row.kind not in (RowKind.TEXT, RowKind.HEADLINE):
+            continue
+        text = _cell_text(row)
+        if row.label:
+            lines.append(f"- **{row.label}**: {text}")
+        else:  # a leading + (a fixed cost) escaped, so Markdown reads no list marker
+            lines.append("  - " + ("\\" + text if text.startswith(("+", "-", "*")) else text))
+    return lines
 
 
-def breakdown_rows(report: Report) -> list[list[str]]:
-    peak = report.peak_allocated_bytes
-    rows = []
-    for key in BREAKDOWN_KEYS:
-        value = report.breakdown_at_peak.get(key, 0)
-        label = "other (buffers, inputs)" if key == "other" else key.replace("_", " ")
-        rows.append([label, format_bytes(value), f"{100 * value / peak if peak else 0:.1f}%"])
-    return rows
+def _cell_text(row: SummaryRow) -> str:
+    """The row's text with its headline figure in bold and module / op names as code."""
+    if row.kind is RowKind.HEADLINE:
+        return f"**{row.value}**" + (f" {row.detail}" if row.detail else "")
+    text, out, last = row.text, "", 0
+    for start, end in row.code:
+        out += f"{text[last:start]}`{text[start:end]}`"
+        last = end
+    return out + text[last:]
+
+
+def breakdown_rows(rows: list[SummaryRow]) -> list[list[str]]:
+    """What is alive at the peak, by category: the summary's breakdown rows as table cells."""
+    return [[row.label, row.value, row.detail.strip()] for row in rows if row.kind is RowKind.PART]
 
 
 def layer_rows(report: Report, depth: int, expand: bool = False) -> tuple[list[str], list[list[str]]]:
@@ -120,7 +105,7 @@ FIT_HEADERS = ["against", "total", "used", "available", "needed", "headroom", "f
 
 
 def _verdict_cell(r: FitRow, yes: str, no: str, tight: str) -> str:
-    if r.verdict == "tight":
+    if r.verdict == Verdict.TIGHT:
         return tight
     return yes if r.fits else no
 
@@ -149,9 +134,10 @@ def fit_rows_markdown(rows: list[FitRow]) -> str:
 def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_reason: str = "",
                       expand: bool = False) -> str:
     """The ``estimate`` view in Markdown: summary, breakdown at the peak, layers to ``depth``, fit."""
+    summary = summary_rows(report)
     parts = [f"### memest: {escape_cell(report.model)} ({escape_cell(report.model_type)})", ""]
-    parts += [f"- **{label}**: {value}" for label, value in summary_items(report)]
-    parts += ["", table_markdown(["alive at the peak", "bytes", "share"], breakdown_rows(report))]
+    parts += summary_lines(summary)
+    parts += ["", table_markdown(["alive at the peak", "bytes", "share"], breakdown_rows(summary))]
     from memest.report.layers import collapse_note, select_layers
 
     headers, rows = layer_rows(report, depth, expand)
@@ -159,8 +145,9 @@ def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_re
     note = collapse_note(select_layers(report.layers, depth, expand))
     if note:
         parts += ["", f"_{note}_"]
-    if report.notes:
-        parts += ["", "\n>\n".join(f"> note: {note}" for note in report.notes)]
+    notes = [row.value for row in summary if row.kind is RowKind.NOTE]
+    if notes:
+        parts += ["", "\n>\n".join(f"> note: {note}" for note in notes)]
     parts += [""]
     if fits:
         parts += ["#### Does it fit?", "", fit_rows_markdown(fits)]

@@ -5,7 +5,7 @@ keeps its own text beside the binary value."""
 from __future__ import annotations
 
 from memest.report.emit import Table, View
-from memest.spec.choices import KvDtype, ServeVerdict
+from memest.spec.choices import KvDtype, ServeVerdict, Verdict
 from memest.units import format_bytes, format_in, table_unit
 
 
@@ -73,7 +73,7 @@ def _expand_kw(fn, expand: bool) -> dict:
 # ----------------------------------------------------------------------------------------- check
 
 
-VERDICT_TEXT = {"fits": "fits", "tight": "TIGHT", "does-not-fit": "DOES NOT FIT"}
+VERDICT_TEXT = {Verdict.FITS: "fits", Verdict.TIGHT: "TIGHT", Verdict.DOES_NOT_FIT: "DOES NOT FIT"}
 
 
 def check_view(result) -> View:

@@ -20,7 +20,7 @@ from memest.errors import MemestError
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServePlan, ServeSpec, plan_serve
 from memest.spec import RunSpec
-from memest.spec.choices import ServeVerdict
+from memest.spec.choices import ServeVerdict, Verdict
 
 # trl's GRPOConfig defaults (trl/trainer/grpo_config.py): vllm_gpu_memory_utilization 0.3,
 # max_prompt_length 512, max_completion_length 256; the colocated LLM's max_num_batched_tokens=4096
@@ -38,7 +38,7 @@ class Colocate:
     training_bytes_high: int | None  # None: unbounded (cuDNN benchmark search)
     engine_bytes: int  # total x utilization
     headroom_bytes: int  # total - training - engine (expected)
-    verdict: str  # fits | tight | does-not-fit
+    verdict: Verdict
     largest_utilization: float  # the largest share (two decimals) that still leaves the step its high need
     engine_starts: bool  # the engine surely starts: one max_model_len sequence fits at the low end of its KV range
     smallest_utilization: float  # the smallest share at which the engine starts (two decimals)
@@ -56,7 +56,7 @@ def colocate(needed_range: tuple[int, int, int | None], total: int, utilization:
     low, expected, high = needed_range
     engine = int(total * utilization)
     outcome = verdict(expected + engine, None if high is None else high + engine, total) \
-        if expected + engine <= total else "does-not-fit"
+        if expected + engine <= total else Verdict.DOES_NOT_FIT
     room = total - (high if high is not None else expected)
     largest = max(math.floor(room / total * 100) / 100, 0.0)
     smallest = math.ceil(engine_plan.engine.gate(1).needed / total * 100) / 100
@@ -65,10 +65,10 @@ def colocate(needed_range: tuple[int, int, int | None], total: int, utilization:
              f" max_num_seqs {engine_plan.max_num_seqs}, max_num_batched_tokens {engine_plan.max_num_batched_tokens} "
              "(trl GRPOTrainer colocate)", f"engine KV cache: {engine_plan.tokens:,} tokens at this share"]
     if engine_plan.verdict == ServeVerdict.WILL_NOT_START:
-        outcome = "does-not-fit"
+        outcome = Verdict.DOES_NOT_FIT
         notes += [f"the engine does not start at {utilization:g}: {r}" for r in engine_plan.reasons]
     elif engine_plan.verdict == ServeVerdict.MAY_NOT_START:
-        outcome = "tight" if outcome == "fits" else outcome
+        outcome = Verdict.TIGHT if outcome is Verdict.FITS else outcome
         notes += [f"the engine may not start at {utilization:g}: {r}" for r in engine_plan.reasons]
     if smallest > largest:
         notes.append(f"no share works: the engine needs at least {smallest:.2f}, the training step leaves at most "

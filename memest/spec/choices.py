@@ -263,3 +263,18 @@ def optim_help() -> str:
     for member in Optimizer:
         groups.setdefault(_OPTIM_STATE[member], []).append(member.value)
     return "; ".join(f"{'/'.join(names)}: {state}" for state, names in groups.items()) + "."
+
+
+class Verdict(Choice):
+    """Does a training step fit a budget? Read on its needed range (low, expected, high; device/fit.py).
+    Declared best to worst."""
+
+    FITS = "fits"  # the high end of the range fits
+    TIGHT = "tight"  # the expected need fits, the high end does not
+    DOES_NOT_FIT = "does-not-fit"  # the expected need does not fit
+
+    @classmethod
+    def worst(cls, verdicts) -> Verdict | None:
+        """The worst of ``verdicts`` (members or their strings); None for none."""
+        order = list(cls)
+        return max((cls(v) for v in verdicts), key=order.index, default=None)
