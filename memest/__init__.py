@@ -5,9 +5,8 @@
     print(est.peak_allocated_bytes, est.fits("11GB"))
 """
 
-__version__ = "0.1.0"
-
-from memest.api import estimate, serve_capacity  # noqa: E402  (the Python API; torch is imported only when it runs)
-from memest.errors import MemestError  # noqa: E402
+from memest.api import estimate, serve_capacity  # the Python API; torch is imported only when it runs
+from memest.errors import MemestError
+from memest.version import __version__
 
 __all__ = ["estimate", "serve_capacity", "MemestError", "__version__"]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.choices import Target
 from memest.spec.options import serve_args, serve_names
 
 
@@ -76,7 +77,7 @@ def estimate(
     spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
                    compute_capability=cc, **options)
     with user_code(source.origin or ref, quiet_stdout=False):
-        result = run(spec, calibration=profile if spec.target == "cuda" else None, source=source)
+        result = run(spec, calibration=profile if spec.target == Target.CUDA else None, source=source)
     result.default_budget = gpu
     return result
 

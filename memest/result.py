@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memest.version import __version__
+
 
 def budget_bytes(budget: int | str) -> int:
     """11GB (10^9 B), 11GiB (2^30 B), 11000MiB, a card name (rtx2080ti) or a byte count."""
@@ -49,7 +51,6 @@ class EstimateViews:
 
     def to_dict(self) -> dict:
         """The --json document of `memest estimate` (without a GPU comparison)."""
-        from memest import __version__
         from memest.report.emit import SCHEMA_VERSION
 
         doc = {"schema_version": SCHEMA_VERSION, "memest_version": __version__, **self.report.to_dict()}

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from memest.errors import MemestError
+from memest.version import __version__
 
 SCHEMA = "memest-calibration/1"
 REQUIRED = ("gpu_name", "compute_capability", "driver", "torch_version", "context_bytes")
@@ -168,7 +169,6 @@ def measure(device_index: int = 0, nccl: bool = True) -> dict:
     del a, b, x, w, bias, img, kernel
     reference = _reference_step(handle, pid)
     props = torch.cuda.get_device_properties(device_index)
-    from memest import __version__
 
     def delta(later: str, earlier: str) -> int | None:
         if outside.get(later) is None or outside.get(earlier) is None:

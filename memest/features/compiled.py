@@ -43,6 +43,7 @@ import torch
 
 from memest.errors import TraceError
 from memest.features.base import StepFeature
+from memest.spec.choices import Target
 
 # torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
 # (boxed_nop), so memest runs them as registered, on its fake tensors; aot_eager_decomp_partition uses Inductor's
@@ -346,7 +347,7 @@ def compile_note(request: CompileRequest, target: str) -> str:
     )
     if dropped:
         text += f"; not modelled: {', '.join(dropped)} (autotuned templates: Inductor's default kernels traced)"
-    if target == "cuda":
+    if target == Target.CUDA:
         text += (
             "; for --target cuda Inductor lowered the graphs for CPU tensors (C++ kernels and CPU fusion rules; a GPU "
             "run generates Triton kernels, whose buffers can differ, and mode='reduce-overhead' CUDA graphs are not "

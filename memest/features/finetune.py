@@ -12,6 +12,7 @@ import fnmatch
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
+from memest.spec.choices import Quant, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
 
@@ -49,12 +50,12 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
         kwargs["task_type"] = "CAUSAL_LM"
     try:
         config = LoraConfig(**kwargs)
-        if quant == "int8":
+        if quant == Quant.INT8:
             from memest.features.quant import lora_layer_class
             from memest.features.quant_int8 import Linear8bitModel
 
             config._register_custom_module({Linear8bitModel: lora_layer_class(clone=False)})
-        elif quant != "none":
+        elif quant != Quant.NONE:
             from memest.features.quant import Linear4bitModel, lora_layer_class
 
             config._register_custom_module({Linear4bitModel: lora_layer_class()})
@@ -86,12 +87,12 @@ def _quantize(model, spec, dtype, where: str) -> str:
     """--quant: the base's linear layers replaced with the stand-in; the report's note."""
     import torch
 
-    if spec.quant == "int8":
+    if spec.quant == Quant.INT8:
         from memest.features import quant_int8
 
-        n = quant_int8.quantize_linears(model, cuda_kernels=spec.target == "cuda")
+        n = quant_int8.quantize_linears(model, cuda_kernels=spec.target == Target.CUDA)
         kernels = ("MatMul8bitLt with bitsandbytes' CUDA ops: the input cast to float16 and quantised to int8, an "
-                   "int32 product dequantised to float16 then to the input's dtype" if spec.target == "cuda" else
+                   "int32 product dequantised to float16 then to the input's dtype" if spec.target == Target.CUDA else
                    "MatMul8bitFp, bitsandbytes' CPU training path: the weight dequantised, F.linear")
         note = (f"--quant int8: {n} linear layers stored as bitsandbytes' Linear8bitLt stores them (LLM.int8: int8 "
                 f"weight + a float32 scale per output row; modelled: features/quant_int8.py), the output head and "
@@ -120,7 +121,7 @@ def _quantize(model, spec, dtype, where: str) -> str:
 def apply_finetune(model, spec, dtype, where: str):
     """The model as the fine-tuning run trains it, and notes for the report."""
     notes: list[str] = []
-    if spec.quant != "none":
+    if spec.quant != Quant.NONE:
         notes.append(_quantize(model, spec, dtype, where))
     if spec.prepare_kbit:
         notes.append(_prepare_kbit(model, where))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.spec.choices import LossHead
+from memest.spec.choices import LossHead, Precision, Target
 
 IGNORE_INDEX = -100  # transformers' and torch's label ignore_index
 TORCHTUNE_CHUNKS = 8  # torchtune LinearCrossEntropyLoss(num_output_chunks=8)
@@ -80,7 +80,7 @@ def loss_head_scope(model: torch.nn.Module, spec):
     if kind is LossHead.CHUNKED:
         loss = functools.partial(_chunked_loss, head, chunks or TORCHTUNE_CHUNKS)
     else:
-        kernels = _Kernels(spec.target == "cuda", spec.compute_capability[0], _autocast_dtype(spec))
+        kernels = _Kernels(spec.target == Target.CUDA, spec.compute_capability[0], _autocast_dtype(spec))
         loss = functools.partial(_fused_loss, head, kernels)
     with _patched(lm, "forward", _lm_forward(lm.base_model, head)), _patched(head, "forward", loss):
         yield
@@ -202,7 +202,7 @@ class _Kernels:
 def _autocast_dtype(spec) -> torch.dtype | None:
     if not spec.mixed:
         return None
-    return torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
+    return torch.bfloat16 if spec.precision == Precision.BF16_MIXED else torch.float16
 
 
 def _fused_loss(head: torch.nn.Linear, kernels: _Kernels, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from memest.features.base import StepFeature
+from memest.spec.choices import Target
 from memest.trace.events import Phase
 from memest.trace.fake_kernels import registered_fake_kernels
 from memest.trace.tracker import TrackerRules
@@ -160,12 +161,12 @@ class BoundedOps:
             aten.index_put_.default: self._index_put_scratch,
             aten._index_put_impl_.default: self._index_put_scratch,
         }
-        table[aten.masked_select.default] = _masked_select_cpu_scratch if target == "cpu" else _masked_select_cuda_scratch
+        table[aten.masked_select.default] = _masked_select_cpu_scratch if target == Target.CPU else _masked_select_cuda_scratch
         return table
 
     def outputs(self, target: str) -> dict:
         table = {aten.index_put.default: self._in_place_index_put, aten.masked_scatter.default: self._in_place_scatter}
-        if target == "cpu":
+        if target == Target.CPU:
             table[aten.masked_select.default] = _masked_select_cpu_output
         return table
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from memest.errors import MemestError
 from memest.spec import RunSpec
+from memest.spec.choices import CpRotate, Target
 
 SEQ_DIM = 2  # q, k, v are (batch, heads, seq, head dim); torch's CP hard-codes it (``seq_dim = 2``)
 ROUND_ROBIN = 2  # head-tail: each rank holds 2 chunks of the sequence (_HeadTailLoadBalancer)
@@ -86,12 +87,12 @@ def ring_attention(cp_mesh, spec: RunSpec) -> Iterator[None]:
     cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
     cp._cp_options.enable_load_balance = True
     cp._cp_options.rotate_method = (
-        cp._RotateMethod.ALL_TO_ALL if spec.cp_rotate == "alltoall" else cp._RotateMethod.ALL_GATHER
+        cp._RotateMethod.ALL_TO_ALL if spec.cp_rotate == CpRotate.ALLTOALL else cp._RotateMethod.ALL_GATHER
     )
     try:
         cp._enable_context_parallel_dispatcher_impl(seq_dim=SEQ_DIM, mesh=cp_mesh)
         ring_sdpa = F.scaled_dot_product_attention  # torch's patch: q, k, v become sequence-sharded DTensors
-        if spec.target == "cpu":
+        if spec.target == Target.CPU:
             F.scaled_dot_product_attention = _cpu_flash_only(ring_sdpa)
         try:
             with cpu_ring_attention(), _one_sequence_per_row():

@@ -45,11 +45,10 @@ from memest.features.checkpointing import repeated_blocks
 from memest.features.optim import make_optimizer, optimizer_class
 from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.spec import RunSpec
-from memest.spec.choices import Offload
+from memest.spec.choices import Offload, Optimizer, Shard, Target
+from memest.trace.dtype import HALF
 from memest.trace.events import Category, Phase, Trace
 from memest.trace.tracker import TrackerRules
-
-HALF = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
 @dataclass
@@ -259,15 +258,15 @@ def _real_mesh_concatenation() -> Iterator[None]:
 def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None, experts=None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if spec.optim == "adafactor":  # the real run fails the same way
+    if spec.optim == Optimizer.ADAFACTOR:  # the real run fails the same way
         raise MemestError(
             f"--optim adafactor does not run on FSDP's sharded (DTensor) parameters: its in-place ops on "
             f"row/column norms need placement changes DTensor does not support; use --shard zero1 or another "
             f"optimizer with --shard {spec.shard}"
         )
-    reshard = spec.shard == "zero3"
+    reshard = spec.shard == Shard.ZERO3
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
-    if spec.offload == "params":
+    if spec.offload == Offload.PARAMS:
         # pinned host memory needs CUDA; pinning changes transfer speed, not the bytes held
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     else:
@@ -283,7 +282,7 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None,
     fully_shard(model, **kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     what = f"FSDP2 fully_shard(reshard_after_forward={reshard})"
-    if spec.offload == "params":
+    if spec.offload == Offload.PARAMS:
         what += " + CPUOffloadPolicy"
     if spec.mixed:
         what += f" + MixedPrecisionPolicy(param_dtype={str(HALF[spec.precision]).removeprefix('torch.')}, reduce_dtype=float32)"
@@ -303,7 +302,7 @@ def _ddp(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         ddp.register_comm_hook(None, _fake_allreduce)
         ddp.reducer = _NoBucketRebuild(ddp.reducer)
     params = [p for p in ddp.parameters() if p.requires_grad]
-    if spec.shard == "zero1":
+    if spec.shard == Shard.ZERO1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         cls, kwargs = optimizer_class(spec)
@@ -409,7 +408,7 @@ def tracker_rules(spec: RunSpec) -> TrackerRules:
     from torch.distributed.tensor import DTensor
 
     return TrackerRules(
-        scratch=_gloo_buffers() if spec.target == "cpu" else {},
+        scratch=_gloo_buffers() if spec.target == Target.CPU else {},
         outputs={torch.ops._c10d_functional.wait_tensor.default: _wait_returns_input},
         subclass_types=(DTensor,),
     )
@@ -455,7 +454,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
             tracker.resized(storage, old, new)
         return out
 
-    h2d = spec.offload == "params" and spec.target == "cuda"
+    h2d = spec.offload == Offload.PARAMS and spec.target == Target.CUDA
 
     def foreach_all_gather(fsdp_params, *args, **kwargs):
         copy = None
@@ -480,7 +479,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param)
         with tracker.labelled("FSDP reduce-scatter"):
             out = saved["reduce"](fsdp_params, unsharded_grads, *args, **kwargs)
-        if spec.offload == "params":
+        if spec.offload == Offload.PARAMS:
             for p in fsdp_params:
                 if p.sharded_param.grad is not None:
                     tracker.move_to_host(p.sharded_param.grad, "sharded gradient (device-to-host copy)")

@@ -35,6 +35,7 @@ from torch import nn
 
 from memest.errors import MemestError
 from memest.spec import RunSpec
+from memest.spec.choices import ExpertRouting
 
 IMPLEMENTATION = "memest_assumed_routing"  # registered with transformers' EPImplementationInterface for the trace
 
@@ -81,7 +82,7 @@ def apply(model: nn.Module, spec: RunSpec, ep_mesh, tp_mesh, fake: bool) -> list
 def split_sizes(routing: str, pairs: int, ep: int, rank: int) -> list[list[int]]:
     """[rows sent to each rank, rows received from each rank] of one all-to-all, for ``pairs`` (token, expert) pairs
     on every rank (the ranks run equal batches)."""
-    if routing == "one-rank":
+    if routing == ExpertRouting.ONE_RANK:
         return [[pairs if r == rank else 0 for r in range(ep)], [pairs] * ep]
     send = [pairs // ep + (r < pairs % ep) for r in range(ep)]
     return [send, [send[rank]] * ep]
@@ -157,11 +158,11 @@ def route_as(model: nn.Module, spec: RunSpec) -> None:
     the top-k experts all on rank 0. Values change no allocation but the all-to-all's split sizes."""
     experts, top_k = expert_counts(model.config)
     per_rank = experts // spec.ep
-    if spec.ep_routing == "one-rank":
+    if spec.ep_routing == ExpertRouting.ONE_RANK:
         chosen = list(range(top_k))
     else:
         chosen = [(i % spec.ep) * per_rank + i // spec.ep for i in range(top_k)]
-    if max(chosen) >= experts or (spec.ep_routing == "one-rank" and top_k > per_rank):
+    if max(chosen) >= experts or (spec.ep_routing == ExpertRouting.ONE_RANK and top_k > per_rank):
         raise MemestError(f"cannot route top-{top_k} of {experts} experts as {spec.ep_routing} over EP {spec.ep}")
     with torch.no_grad():
         model.get_input_embeddings().weight[:, 0] = 1.0

@@ -10,6 +10,7 @@ import contextlib
 from memest.errors import MemestError, TraceError
 from memest.features.base import StepFeature
 from memest.parallel import distributed
+from memest.spec.choices import Shard
 from memest.trace.tracker import TrackerRules
 
 
@@ -41,7 +42,7 @@ class ParallelFeature(StepFeature):
             # frozen: no gradients to synchronise, plain replicas (DDP refuses it)
             trace.notes.append(
                 f"every parameter is frozen: the {spec.world_size} ranks are plain replicas"
-                + (f" (--shard {spec.shard} has nothing to shard)" if spec.shard != "none" else "")
+                + (f" (--shard {spec.shard} has nothing to shard)" if spec.shard != Shard.NONE else "")
             )
             return None
         self.parallel = parallel = _wrap(step.where, spec, step.model)

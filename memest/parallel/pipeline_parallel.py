@@ -31,6 +31,8 @@ from torch import nn
 
 from memest.errors import MemestError
 from memest.spec import RunSpec
+from memest.spec.choices import PipelineSchedule
+from memest.trace.dtype import HALF
 
 
 def split_layers(n_layers: int, spec: RunSpec) -> list[tuple[int, int]]:
@@ -139,8 +141,6 @@ def _static_args(model: nn.Module, spec: RunSpec, stage: int, n_stages: int, seq
 def _stream_dtype(model: nn.Module, spec: RunSpec):
     """The residual stream's dtype between stages: the weights' (fp32 under autocast's -mixed), or the
     16-bit compute dtype when FSDP2's MixedPrecisionPolicy casts the weights (dp > 1)."""
-    from memest.parallel.distributed import HALF
-
     if spec.dp > 1 and spec.mixed:
         return HALF[spec.precision]
     return next(p for p in model.parameters()).dtype
@@ -189,7 +189,7 @@ class PipelineStep:
 
         cls = torch_class(spec.pp_schedule)
         try:
-            if len(stages) == 1 and spec.pp_schedule in ("1f1b", "gpipe"):
+            if len(stages) == 1 and spec.pp_schedule in (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.GPIPE):
                 schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn)
             else:
                 schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn)

@@ -19,6 +19,7 @@ from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.plan.runner import Runner
 from memest.spec import RunSpec
+from memest.spec.choices import Optimizer, Outputs, Precision, Target
 from memest.spec.options import command_line
 from memest.units import format_bytes
 
@@ -104,14 +105,14 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     base = runner.base
     out: list[tuple[str, dict, float]] = []
     blocks, causal_lm, compiled = _model_traits(runner) if base.training else (False, False, False)
-    if base.training and base.outputs == "kept":
+    if base.training and base.outputs == Outputs.KEPT:
         out.append(("free outputs before backward", {"outputs": "freed"}, 0.0))
     if base.training and base.loss_head == "standard" and causal_lm:
         out.append(("chunked LM head + cross-entropy (torchtune)", {"loss_head": "chunked"}, 0.03))
         out.append(("fused linear cross-entropy (Liger-Kernel)", {"loss_head": "fused"}, 0.04))
-    if base.precision == "fp32" and base.target == "cuda":
+    if base.precision == Precision.FP32 and base.target == Target.CUDA:
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, -0.1))
-    if base.optim in ("adam", "adamw"):
+    if base.optim in (Optimizer.ADAM, Optimizer.ADAMW):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
         out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
     # a compiled step is traced without checkpointing and data parallelism (features/compiled.py)

@@ -9,7 +9,7 @@ from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
-from memest.spec.choices import ServeVerdict, Verdict
+from memest.spec.choices import ServeVerdict, Target, Verdict
 from memest.spec.config import RunConfig
 
 
@@ -46,7 +46,7 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     from memest.estimator import estimate
 
     margin = margin if margin is not None else config.margin
-    result = estimate(spec, gpu.calibration if spec.target == "cuda" else None, source=source)
+    result = estimate(spec, gpu.calibration if spec.target == Target.CUDA else None, source=source)
     low, needed, high = result.needed_range
     budget, label = gpu.capacity_bytes, gpu.budget_label
     fits = result.fits(budget)
@@ -70,12 +70,12 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
         fits=passes(outcome, strict),
         headroom_bytes=budget - required,
         seq=spec.seq if spec.seq is not None else source.default_seq,
-        arch=gpu.arch if spec.target == "cuda" else "",
+        arch=gpu.arch if spec.target == Target.CUDA else "",
         verdict=outcome,
         needed_bytes_low=low,
         needed_bytes_high=high,
         required_bytes_high=required_high,
-        calibration=(gpu.calibration_note or "") if spec.target == "cuda" else "",
+        calibration=(gpu.calibration_note or "") if spec.target == Target.CUDA else "",
     )
 
 

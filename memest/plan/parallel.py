@@ -68,7 +68,7 @@ from memest.errors import MemestError
 from memest.parallel.dims import ParallelDims
 from memest.plan import parallel_bounds
 from memest.spec import RunSpec
-from memest.spec.choices import Shard
+from memest.spec.choices import Offload, Precision, Quant, Shard
 from memest.spec.options import command_line
 
 LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
@@ -234,7 +234,7 @@ def expert_comm_bytes(layout: Layout, config: dict, base: RunSpec, act: int) -> 
 def comm_bytes(layout: Layout, config: dict, base: RunSpec, param_count: int) -> int:
     """Bytes each rank sends per step (module docstring)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
-    act = 2 if base.precision in ("bf16", "fp16", "bf16-mixed", "fp16-mixed") else 4
+    act = 2 if base.precision in (Precision.BF16, Precision.FP16, Precision.BF16_MIXED, Precision.FP16_MIXED) else 4
     tokens = base.batch * (base.seq or 1)
     total = 0
     if layout.dims.ep_enabled:  # the experts' FSDP runs over world / ep copies of each expert group, the rest over dp
@@ -259,10 +259,10 @@ def state_bytes_per_param(base: RunSpec) -> int | None:
     the host). None where the step holds less than that (frozen or quantized weights, offload)."""
     from memest.features.optim import OPTIMIZERS
 
-    if not base.training or base.lora or base.freeze or base.quant != "none" or base.offload != "none":
+    if not base.training or base.lora or base.freeze or base.quant != Quant.NONE or base.offload != Offload.NONE:
         return None
     info = OPTIMIZERS[base.optim]
-    param = 2 if base.precision in ("bf16", "fp16") else 4  # -mixed keeps fp32 weights (autocast)
+    param = 2 if base.precision in (Precision.BF16, Precision.FP16) else 4  # -mixed keeps fp32 weights (autocast)
     n = 2 if info.kwargs.get("paged") else info.folklore_n
     return int(param * n)
 
@@ -688,7 +688,7 @@ class _Search:
         if self.layer_params is None:
             self.layer_params = self.tracer.layer_params()
         stage = _stages(layout, self.plan.layers)[0]
-        param = 2 if self.base.precision in ("bf16", "fp16") else 4
+        param = 2 if self.base.precision in (Precision.BF16, Precision.FP16) else 4
         floor = parallel_bounds.activation_floor(per_layer, stage.depth, layout.pp, self.layer_params, self.per_param - param,
                                                  layout.dp, layout.tp)
         return floor, per_layer, stage.depth, layout.pp

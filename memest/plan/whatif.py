@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from memest.errors import MemestError
 from memest.plan.runner import Runner
+from memest.spec.choices import Target
 from memest.trace.events import Trace
 
 MAX_GRID_POINTS = 400
@@ -212,7 +213,7 @@ def _rebuild(runner: Runner):
 
     def evaluate(trace: Trace):
         peak = trace.peak()[0]
-        if base.target != "cuda":
+        if base.target != Target.CUDA:
             return peak, peak, lambda cap: peak <= cap
         from memest.device.usage import device_usage
 

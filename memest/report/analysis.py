@@ -9,6 +9,7 @@ from memest.device.usage import DeviceUsage
 from memest.features.checkpointing import within
 from memest.features.optim import FOLKLORE_N
 from memest.spec import RunSpec
+from memest.spec.choices import Outputs
 from memest.trace.events import Category, Phase, Trace
 from memest.trace.step import TRACED_MICRO_STEPS
 
@@ -207,7 +208,7 @@ def _loop_notes(trace: Trace, spec: RunSpec, peak_i: int) -> list[str]:
 
     if not spec.training:
         return []
-    if spec.outputs == "kept":
+    if spec.outputs == Outputs.KEPT:
         held = trace.held_output_bytes(peak_i) if trace.events else 0
         note = (
             "loop: outputs kept (out = model(x); loss.backward(): out referenced until the next forward returns); "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from memest.spec.choices import OutputFormat
+from memest.version import __version__
 
 SCHEMA_VERSION = 1
 
@@ -35,7 +36,6 @@ class View:
 
 
 def json_text(doc: dict) -> str:
-    from memest import __version__
 
     full = {"schema_version": SCHEMA_VERSION, "memest_version": __version__, **doc}
     return json.dumps(full, indent=2, default=_jsonable)

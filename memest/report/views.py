@@ -5,7 +5,7 @@ keeps its own text beside the binary value."""
 from __future__ import annotations
 
 from memest.report.emit import Table, View
-from memest.spec.choices import KvDtype, ServeVerdict, Verdict
+from memest.spec.choices import KvDtype, Outputs, ServeVerdict, Target, Verdict
 from memest.units import format_bytes, format_in, table_unit
 
 
@@ -139,7 +139,7 @@ def whatif_view(run) -> View:
         blocks.append(f"note: {s.fallback}")
     blocks += largest_lines(s)
     blocks.append("needed: the smallest device budget the step runs in (allocator replay); "
-                  + ("peak allocated: tensors only" if run.target == "cuda" else "--target cpu: the peak allocated"))
+                  + ("peak allocated: tensors only" if run.target == Target.CUDA else "--target cpu: the peak allocated"))
     blocks.append(f"{s.traces} traces for {len(s.points)} points")
     if run.outputs:
         blocks.append(loop_line(run.outputs))
@@ -149,7 +149,7 @@ def whatif_view(run) -> View:
 
 def loop_line(outputs: str) -> str:
     """What a planner's traces assume about the user's loop (--outputs)."""
-    if outputs == "kept":
+    if outputs == Outputs.KEPT:
         return "loop: outputs kept through backward (the plain loop); --outputs freed if yours drops them first"
     return "loop: outputs freed before backward (HF Trainer, Lightning); --outputs kept for the plain loop"
 

@@ -26,6 +26,7 @@ from memest.sources.hf_experts import cuda_experts_dispatch
 from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params, head_of, make_inputs, value_ranges
 from memest.sources.hf_masks import real_mask_branches
 from memest.sources.hf_values import known_values
+from memest.spec.choices import Target
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "models"
 # huggingface_hub's repo id rule (utils/_validators.py, validate_repo_id): org/name of letters, digits, - _ .
@@ -112,7 +113,7 @@ def load_hf_source(name: str) -> ModelSource:
         on the target GPU (hf_experts.py)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(real_mask_branches())
-            if spec.target == "cuda":
+            if spec.target == Target.CUDA:
                 stack.enter_context(cuda_experts_dispatch(spec.compute_capability))
             if ranges is not None:
                 stack.enter_context(known_values(ranges, ctc=head.name == CTC))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memest.errors import MemestError
-from memest.spec.choices import CpRotate, LossHead, Shard
+from memest.spec.choices import CpRotate, LossHead, Offload, PipelineSchedule, Shard
 
 if TYPE_CHECKING:
     from memest.spec.run import RunSpec
@@ -155,7 +155,7 @@ def _check_tensor_parallel(d: ParallelDims, spec: RunSpec) -> None:
         )
     if not spec.training:
         raise MemestError(f"--tp is traced for training steps; drop it with --mode {spec.mode}")
-    if spec.offload != "none":
+    if spec.offload != Offload.NONE:
         raise MemestError("--offload with --tp is not traced (not validated against a real run)")
     if d.cp_enabled:
         return  # --cp x --tp: FSDP2 over dp x cp, which _check_context_parallel requires
@@ -175,7 +175,7 @@ def _check_pipeline(d: ParallelDims, spec: RunSpec) -> None:
     if spec.microbatches < 0:
         raise MemestError(f"--microbatches must be at least 1, got {spec.microbatches}")
     if not d.pp_enabled:
-        if spec.microbatches or spec.pp_split or spec.pp_schedule != "1f1b":
+        if spec.microbatches or spec.pp_split or spec.pp_schedule != PipelineSchedule.ONE_F_ONE_B:
             raise MemestError("--microbatches, --pp-split and --pp-schedule describe a pipeline; add --pp N (N >= 2)")
         return
     if spec.pp_virtual < 0 or (spec.pp_virtual > 1 and spec.stages_per_rank != spec.pp_virtual):
@@ -222,7 +222,7 @@ def _check_expert_parallel(d: ParallelDims, spec: RunSpec) -> None:
                           "ranks of a TP group share a batch and each dispatches its slice)")
     if not spec.training:
         raise MemestError(f"--ep is traced for training steps; drop it with --mode {spec.mode}")
-    if spec.offload != "none":
+    if spec.offload != Offload.NONE:
         raise MemestError("--offload with --ep is not traced (not validated against a real run)")
     if not d.tp_enabled and not d.fsdp_enabled and not d.pp_enabled:  # --tp, --pp: their checks decide
         raise MemestError(
@@ -255,7 +255,7 @@ def _check_context_parallel(d: ParallelDims, spec: RunSpec) -> None:
             f"--cp {d.cp}: each rank's gradients cover its part of the sequence and are reduced over dp x cp "
             "ranks; torchtitan shards the model with FSDP2 over all of them; add --shard zero3 (or zero2)"
         )
-    if spec.offload != "none":
+    if spec.offload != Offload.NONE:
         raise MemestError("--offload with --cp is not traced (not validated against a real run)")
     if spec.seq is not None and spec.seq % (2 * d.cp):
         raise MemestError(

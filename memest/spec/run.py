@@ -118,7 +118,7 @@ class RunSpec:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:
             raise MemestError(f"--seq must be at least 1, got {self.seq}")
-        if self.target == "cpu" and (self.fused or self.attention != "auto" or self.cudnn_benchmark):
+        if self.target == Target.CPU and (self.fused or self.attention != Attention.AUTO or self.cudnn_benchmark):
             raise MemestError(
                 "--fused, --attention and --cudnn-benchmark describe CUDA kernels; use them with --target cuda"
             )
@@ -127,24 +127,24 @@ class RunSpec:
                 f"--grad-accum must be at least 1 (micro-steps per optimizer step), got {self.grad_accum}; "
                 "use 1 for no accumulation"
             )
-        if self.mode == "generate" and self.new_tokens < 1:
+        if self.mode == Mode.GENERATE and self.new_tokens < 1:
             raise MemestError("--mode generate needs --new-tokens N (N >= 1 tokens generated after the prompt)")
-        if self.mode != "generate" and self.new_tokens:
+        if self.mode != Mode.GENERATE and self.new_tokens:
             raise MemestError("--new-tokens applies to --mode generate only")
-        if self.mode != "train" and (self.grad_accum > 1 or self.checkpointing != "none"):
+        if self.mode != Mode.TRAIN and (self.grad_accum > 1 or self.checkpointing != "none"):
             raise MemestError(
                 f"--grad-accum and --checkpointing are training techniques; drop them with --mode {self.mode}"
             )
         if self.world_size < 1:
             raise MemestError(f"--world-size must be at least 1, got {self.world_size}")
-        if self.shard != "none" and self.world_size < 2:
+        if self.shard != Shard.NONE and self.world_size < 2:
             raise MemestError(
                 f"--shard {self.shard} splits state across ranks and needs --world-size 2 or more; "
                 "with one GPU use --shard none (or --offload to move state to the CPU)"
             )
-        if self.shard != "none" and not self.training:
+        if self.shard != Shard.NONE and not self.training:
             raise MemestError(f"--shard applies to training; drop it with --mode {self.mode}")
-        if self.offload == "params" and self.shard != "zero3":
+        if self.offload == Offload.PARAMS and self.shard != Shard.ZERO3:
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         validate(self.parallel, self)
         self._check_compile()
@@ -186,10 +186,10 @@ class RunSpec:
 
         object.__setattr__(self, "lora", parse_lora(self.lora))
         object.__setattr__(self, "freeze", ",".join(freeze_patterns(self.freeze)))
-        if self.quant != "none" and not self.lora:
+        if self.quant != Quant.NONE and not self.lora:
             raise MemestError(f"--quant {self.quant} quantizes the frozen base of a QLoRA run; add --lora (e.g. "
                               "--lora r=16,alpha=32,targets=all-linear)")
-        if self.prepare_kbit and self.quant == "none":
+        if self.prepare_kbit and self.quant == Quant.NONE:
             raise MemestError("--prepare-kbit prepares a quantized base (peft's prepare_model_for_kbit_training); "
                               "add --quant nf4")
         if (self.lora or self.freeze) and not self.training:
@@ -201,12 +201,12 @@ class RunSpec:
                 "--compile with --world-size: memest does not model a compiled model under DDP/FSDP (DDPOptimizer splits "
                 "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself)"
             )
-        if self.compile and self.mode == "generate":
+        if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
 
     @property
     def training(self) -> bool:
-        return self.mode == "train"
+        return self.mode == Mode.TRAIN
 
     @property
     def mixed(self) -> bool:

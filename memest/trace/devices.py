@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from memest.spec.choices import Target
 from memest.trace.dtype import convertible_fake_parameters
 
 CPU = torch.device("cpu")
@@ -79,7 +80,7 @@ class DeviceRequests:
         calls = ", ".join(sorted(self.calls))
         where = (
             "memest's traced device (fake CPU tensors; the GPU is modelled by --target cuda)"
-            if target == "cuda"
+            if target == Target.CUDA
             else "the CPU, as --target cpu asks"
         )
         return f"the model code asks for a CUDA device ({calls}): placed on {where}"

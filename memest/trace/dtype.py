@@ -21,6 +21,11 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memest.spec.choices import Precision
+
+# the 16-bit compute dtype of each -mixed precision (autocast's, and FSDP2's MixedPrecisionPolicy param_dtype)
+HALF = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}
+
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     converted: dict[int, torch.Tensor] = {}

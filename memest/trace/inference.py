@@ -14,6 +14,7 @@ import torch
 
 from memest.errors import MemestError
 from memest.spec import RunSpec
+from memest.spec.choices import Cache
 from memest.trace.events import Phase
 
 
@@ -27,7 +28,7 @@ def run_inference(model, inputs, call_model, mark) -> None:
 def make_cache(model, spec: RunSpec, prompt_len: int):
     import transformers
 
-    if spec.cache == "static":
+    if spec.cache == Cache.STATIC:
         return transformers.StaticCache(config=model.config, max_cache_len=prompt_len + spec.new_tokens)
     return transformers.DynamicCache(config=model.config)
 

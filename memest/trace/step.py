@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memest.imports import imports_without_gc
+from memest.spec.choices import Mode, Precision, Shard, ZeroGrad
 
 with imports_without_gc():
     import torch
@@ -66,7 +67,7 @@ def model_dtype(spec: RunSpec) -> torch.dtype:
 
 def autocast_dtype(spec: RunSpec) -> torch.dtype:
     """The 16-bit dtype of a mixed-precision step."""
-    return torch.bfloat16 if spec.precision == "bf16-mixed" else torch.float16
+    return torch.bfloat16 if spec.precision == Precision.BF16_MIXED else torch.float16
 
 
 def autocast_context(spec: RunSpec, device_type: str = "cpu", *, features: Sequence = ()):
@@ -115,7 +116,7 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
             "there is nothing to train; return the module whose parameters the step trains (frozen ones count), "
             "or use --mode inference"
         )
-    if spec.training and spec.shard == "zero3" and not _trainable(model):
+    if spec.training and spec.shard == Shard.ZERO3 and not _trainable(model):
         raise TraceError(
             f"{source.origin or source.name}: every parameter is frozen (requires_grad=False); memest does not "
             "model FSDP (--shard zero3) of a frozen model; use --shard none (each rank holds the whole model)"
@@ -165,7 +166,7 @@ def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None
         return
     name = source.name
     why = f" ({source.max_seq_why})" if source.max_seq_why else ""
-    if spec.mode == "generate":
+    if spec.mode == Mode.GENERATE:
         total = seq + spec.new_tokens
         if total > limit:
             raise MemestError(
@@ -273,7 +274,7 @@ def run_iteration(
         optimizer.step()
         done(Phase.OPTIMIZER)
         mark(Phase.ZERO_GRAD)
-        optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
+        optimizer.zero_grad(set_to_none=spec.zero_grad == ZeroGrad.NONE)
         return
     with contextlib.ExitStack() as scopes:
         for feature in features:  # e.g. --loss-head: the LM head and loss replaced
@@ -305,7 +306,7 @@ def run_iteration(
         optimizer.step()
         done(Phase.OPTIMIZER)
         mark(Phase.ZERO_GRAD)
-        optimizer.zero_grad(set_to_none=spec.zero_grad == "none")
+        optimizer.zero_grad(set_to_none=spec.zero_grad == ZeroGrad.NONE)
 
 
 def run_step(
@@ -322,7 +323,7 @@ def run_step(
         return
     mark = on_phase or (lambda phase: None)
     with autocast_context(spec, device_type, features=features):
-        if spec.mode == "inference":
+        if spec.mode == Mode.INFERENCE:
             run_inference(model, inputs, call_model, mark)
         else:
             run_generate(model, inputs, spec, mark)
@@ -420,7 +421,7 @@ def _built(step: _Step):
     trace.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     step.trainable_count = trace.trainable_count = sum(p.numel() for p in step.params)
     step.optimizer = next((opt for feature in step.features if (opt := feature.optimizer(step)) is not None), None)
-    if spec.mode == "generate":
+    if spec.mode == Mode.GENERATE:
         check_generate(model, step.inputs)
     try:
         with contextlib.ExitStack() as contexts:  # e.g. torch.compile: the step runs the compiled forward

@@ -15,6 +15,7 @@ from memest.features.compiled import dynamo_session
 from memest.features.registry import build, run_step, step_optimizer
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
+from memest.spec.choices import Target
 from memest.trace.devices import traced_device
 from memest.trace.step import LoopState
 
@@ -46,7 +47,7 @@ def _distinct_storage_bytes(tensors) -> int:
 
 def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
     """Peak bytes of the real step (parameters, buffers and inputs included) and the op that made it."""
-    assert spec.target == "cpu", "CPU ground truth is for --target cpu estimates"
+    assert spec.target == Target.CPU, "CPU ground truth is for --target cpu estimates"
     torch.manual_seed(seed)
     with traced_device():
         return _measure(source, spec)

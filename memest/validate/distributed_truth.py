@@ -29,6 +29,7 @@ from memest.features.registry import build, run_step
 from memest.parallel.distributed import wrap
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.spec.choices import Target
 from memest.trace.step import LoopState
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
 
@@ -41,7 +42,7 @@ def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int 
     if not specs:
         return []
     world_size = specs[0].world_size
-    assert all(s.world_size == world_size and s.target == "cpu" for s in specs), "one --world-size, --target cpu"
+    assert all(s.world_size == world_size and s.target == Target.CPU for s in specs), "one --world-size, --target cpu"
     ctx = mp.get_context("forkserver")
     preload = PRELOAD + (["transformers"] if any(s.model.startswith("hf:") for s in specs) else [])
     ctx.set_forkserver_preload(preload)  # takes effect when the forkserver first starts

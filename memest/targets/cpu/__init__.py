@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from memest.spec.choices import Mode
 from memest.targets.cpu import aten_losses, aten_norms, onednn_rnn
 from memest.targets.cpu.onednn_conv import ConvScratch
 from memest.units import format_bytes
@@ -70,7 +71,7 @@ def cpu_notes(trace, conv: ConvScratch, mode: str) -> list[str]:
             f"{format_bytes(max(workspaces))} each) and kernel scratch modelled from ATen RNN.cpp, ideep lstm.hpp and "
             "oneDNN rnn_utils (fp32 rules; bf16/fp16 LSTMs may run oneDNN's brgemm RNN, whose scratch differs)"
         )
-    elif lstm_calls and mode != "train":
+    elif lstm_calls and mode != Mode.TRAIN:
         notes.append(
             "nn.LSTM inference (oneDNN, CPU): the kernel's scratchpad (every time step's states) is not modelled; "
             "the estimate is low for LSTMs"
