@@ -18,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from memest.app import load_calibration, run_serve, user_code
+from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
 from memest.errors import MemestError
+from memest.report.views import serve_view
+from memest.spec import RunSpec
 from memest.spec.choices import Target
 from memest.spec.options import serve_args, serve_names
 
@@ -44,10 +48,7 @@ def estimate(
     ``fits()``. ``calibration``: a profile file from ``memest calibrate --out`` (or its dict): its
     measured costs replace the defaults, and its GPU generation is modelled unless ``gpu`` names a card.
     Returns a pipeline.Estimate."""
-    from memest.app import user_code
-    from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
     from memest.estimator import estimate as run
-    from memest.spec import RunSpec
 
     if isinstance(model, str):
         if inputs is not None or loss is not None:
@@ -64,7 +65,6 @@ def estimate(
         ref = source.origin
     profile = None
     if calibration is not None:
-        from memest.app import load_calibration
 
         profile = load_calibration(calibration)
     cc = options.pop("compute_capability", None)
@@ -89,8 +89,6 @@ def serve_capacity(model: str, gpu: str, **options: Any) -> dict:
     calibration (a profile file or dict from `memest calibrate --out`). Returns the command's JSON document as a dict (``kv_tokens``,
     ``blocks``, ``concurrency``, ``sequences``, ``longest_context``, ``verdict``, ``reasons``, ``fixes``, the
     budget steps under ``budget``)."""
-    from memest.app import run_serve
-    from memest.report.views import serve_view
 
     known = {*serve_names(), "calibration"}
     unknown = sorted(set(options) - known)

@@ -18,12 +18,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from memest.device.calibration import cache_file, describe, load_profile, lookup, measure, save, write_profile
+from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
+from memest.device.fit import FitRow, passes, resolve_budget, verdict, worst
+from memest.device.nvml import query_gpus
 from memest.errors import MemestError, ModelLoadError
+from memest.plan.check import check_config, check_serve_config
+from memest.plan.parallel import plan_parallel
 from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
 from memest.spec.choices import Target, Verdict
+from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
 from memest.units import format_bytes
 
@@ -102,7 +109,6 @@ class GpuContext:
 
     @property
     def calibration_note(self) -> str | None:
-        from memest.device.calibration import describe
 
         return describe(self.calibration) if self.calibration else None
 
@@ -124,7 +130,6 @@ class GpuContext:
                  needed_range: tuple[int, int, int] | None = None) -> list:
         """One FitRow per target; ``fits(capacity)`` decides when given (else needed <= capacity);
         ``needed_range`` (low, expected, high) gives each row its three-way verdict."""
-        from memest.device.fit import FitRow, verdict
 
         low, _, high = needed_range or (needed, needed, needed)
         rows = []
@@ -151,9 +156,6 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
     budget (max-batch, advise, --fail-if-not-fits) fails here, before any trace. ``calibration``: a
     profile (file or dict, `memest calibrate --out`): its GPU generation is the one modelled, and its
     measurements replace the defaults; without one, a cached calibration of the local GPU applies."""
-    from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
-    from memest.device.fit import resolve_budget
-    from memest.device.nvml import query_gpus
 
     flag = gpu.strip() if isinstance(gpu, str) else (str(gpu) if gpu is not None else None)
     if flag == "":
@@ -209,7 +211,6 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
 
 def load_calibration(calibration: str | Path | dict) -> dict:
     """A calibration profile from a file (checked, device/calibration.load_profile) or a dict."""
-    from memest.device.calibration import load_profile
 
     if isinstance(calibration, dict):
         return {**calibration, "compute_capability": tuple(calibration["compute_capability"])}
@@ -219,7 +220,6 @@ def load_calibration(calibration: str | Path | dict) -> dict:
 def _calibration(gpu_name: str, driver: str) -> dict | None:
     import torch
 
-    from memest.device.calibration import lookup
 
     return lookup(gpu_name, driver, torch.__version__)
 
@@ -248,13 +248,11 @@ class EstimateResult:
     @property
     def verdict(self) -> str | None:
         """The worst three-way verdict over the budgets compared: fits | tight | does-not-fit."""
-        from memest.device.fit import worst
 
         return worst([f.verdict for f in self.fits] + ([self.colocate.verdict] if self.colocate else []))
 
     def passes(self, strict: bool = False) -> bool | None:
         """For exit codes: fits, or tight unless ``strict``; None without a budget."""
-        from memest.device.fit import passes
 
         return passes(self.verdict, strict) if self.fits else None
 
@@ -348,7 +346,6 @@ class CheckResult:
 
     @property
     def verdict(self) -> str | None:
-        from memest.device.fit import worst
 
         return worst([r.verdict for r in self.rows])
 
@@ -364,9 +361,7 @@ def run_check(
     """Every config is read, validated, its budget resolved and its model loaded before any is traced;
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
     file) overrides each config's ``calibration:``."""
-    from memest.plan.check import check_config, check_serve_config
     from memest.sources import load_source
-    from memest.spec.config import load_config, parse_margin
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
@@ -523,7 +518,6 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
     """`memest plan-parallel`: layouts of ``gpus`` GPUs for one model, each rank's need against ``gpu``;
     ``calibration`` as estimate's (a profile file, whose GPU generation is then modelled); the search stops
     once ``top`` layouts fit (0: every layout traced)."""
-    from memest.plan.parallel import plan_parallel
 
     if gpus < 1:
         raise MemestError(f"--gpus must be at least 1, got {gpus}")
@@ -553,7 +547,6 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
 
 
 def run_gpus():
-    from memest.device.nvml import query_gpus
 
     return query_gpus()
 
@@ -568,7 +561,6 @@ class CalibrationRun:
 def run_calibrate(device: int, out: str | None = None, nccl: bool = True) -> CalibrationRun:
     """Measure on the GPU (calibration.measure, which checks for one through torch and NVML); save to
     the cache for this machine and, with ``out``, to a portable profile file."""
-    from memest.device.calibration import cache_file, measure, save, write_profile
 
     path = cache_file()
     _check_writable(path, "the calibration cache", "set XDG_CACHE_HOME to a writable folder")  # before measuring

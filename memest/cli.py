@@ -10,8 +10,31 @@ from typing import Annotated
 
 import typer
 
+from memest.app import (
+    run_advise,
+    run_calibrate,
+    run_check,
+    run_estimate,
+    run_gpus,
+    run_max_batch,
+    run_plan_parallel,
+    run_serve,
+    run_whatif,
+    stderr_progress,
+)
 from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK
 from memest.exits import OneLineErrors, output_format, run_command
+from memest.report.views import (
+    advise_view,
+    calibrate_view,
+    check_view,
+    estimate_view,
+    gpus_view,
+    max_batch_view,
+    plan_parallel_view,
+    serve_view,
+    whatif_view,
+)
 from memest.serve.engine import ServeSpec
 from memest.spec import options
 from memest.spec.choices import Choice, OutputFormat
@@ -50,7 +73,6 @@ def command(name: str):
 
 
 def _progress(on: bool = True):
-    from memest.app import stderr_progress
 
     return stderr_progress if on else None
 
@@ -65,8 +87,6 @@ def estimate(**o) -> None:
     spec = options.step_spec(o, "estimate")
 
     def work():
-        from memest.app import run_estimate
-        from memest.report.views import estimate_view
 
         fail = o["fail_if_not_fits"]
         result = run_estimate(spec, o["gpu"], fail_if_not_fits=fail, plot=o["plot"],
@@ -88,8 +108,6 @@ def check(**o) -> None:
     overrides = options.step_spec(o, "check")
 
     def work():
-        from memest.app import run_check
-        from memest.report.views import check_view
 
         result = run_check(o["configs"], overrides, o["gpu"], o["margin"], progress=_progress(), strict=o["strict"],
                            calibration=o["calibration"])
@@ -114,8 +132,6 @@ def whatif(**o) -> None:
     spec = options.step_spec(o, "whatif")
 
     def work():
-        from memest.app import run_whatif
-        from memest.report.views import whatif_view
 
         run = run_whatif(spec, _sizes(o["batch"], "--batch"), _sizes(o["seq"], "--seq"), o["gpu"],
                          progress=_progress(), calibration=o["calibration"])
@@ -131,8 +147,6 @@ def max_batch(**o) -> None:
     spec = options.step_spec(o, "max-batch")
 
     def work():
-        from memest.app import run_max_batch
-        from memest.report.views import max_batch_view
 
         run = run_max_batch(spec, o["gpu"], o["seq_search"], o["limit"], progress=_progress(),
                             calibration=o["calibration"])
@@ -148,8 +162,6 @@ def advise(**o) -> None:
     spec = options.step_spec(o, "advise")
 
     def work():
-        from memest.app import run_advise
-        from memest.report.views import advise_view
 
         return advise_view(run_advise(spec, o["gpu"], progress=_progress(), calibration=o["calibration"],
                                       gpus=o["gpus"])), EXIT_OK
@@ -162,8 +174,6 @@ def serve(**o) -> None:
     """Serving capacity: the engine's start-up arithmetic (vLLM or SGLang), KV tokens and blocks, how many
     sequences fit at --max-model-len, the longest context, and whether it starts (with fixes)."""
     def work():
-        from memest.app import run_serve
-        from memest.report.views import serve_view
 
         args = {"model": o["model"], **options.serve_args(o)}
         run = run_serve(args, o["gpu"], progress=_progress(), calibration=o["calibration"])
@@ -179,8 +189,6 @@ def plan_parallel(**o) -> None:
     spec = options.step_spec(o, "plan-parallel")
 
     def work():
-        from memest.app import run_plan_parallel
-        from memest.report.views import plan_parallel_view
 
         return plan_parallel_view(run_plan_parallel(spec, o["gpus"], o["gpu"], progress=_progress(),
                                                     calibration=o["calibration"], top=o["top"])), EXIT_OK
@@ -192,8 +200,6 @@ def plan_parallel(**o) -> None:
 def gpus(**o) -> None:
     """Live table of NVIDIA GPUs and their processes (NVML)."""
     def work():
-        from memest.app import run_gpus
-        from memest.report.views import gpus_view
 
         return gpus_view(run_gpus()), EXIT_OK
 
@@ -206,8 +212,6 @@ def calibrate(**o) -> None:
     command does use the GPU, briefly, ~1 GiB); later estimates on the same GPU, driver and torch version
     use the measurements, and --out FILE makes them portable."""
     def work():
-        from memest.app import run_calibrate
-        from memest.report.views import calibrate_view
 
         return calibrate_view(run_calibrate(o["device"], o["out"], o["nccl"])), EXIT_OK
 

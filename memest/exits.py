@@ -14,7 +14,10 @@ from collections.abc import Callable
 import typer
 from typer.core import TyperGroup
 
+from memest.app import hide_cuda
 from memest.errors import EXIT_OK, EXIT_USAGE, MemestError
+from memest.report.emit import emit
+from memest.report.text import ascii_fallback_streams
 from memest.spec.choices import OutputFormat
 
 
@@ -22,7 +25,6 @@ class OneLineErrors(TyperGroup):
     """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        from memest.report.text import ascii_fallback_streams
 
         ascii_fallback_streams()  # LANG=C / PYTHONIOENCODING=ascii: ASCII instead of a UnicodeEncodeError
         try:  # typer >= 0.2x vendors click as typer._click
@@ -67,8 +69,6 @@ def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debu
     """Run a command's work -> (View, exit code), print it, exit. Exit codes never depend on --debug:
     0 ok, 1 does not fit, 2 usage / config / model errors and anything unexpected (never 0 or 1).
     CUDA devices are hidden from torch first (only calibrate uses the GPU)."""
-    from memest.app import hide_cuda
-    from memest.report.emit import emit
 
     if hide_gpus:
         hide_cuda()

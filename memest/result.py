@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from memest.device.fit import resolve_budget
+from memest.errors import MemestError
+from memest.report.emit import SCHEMA_VERSION
+from memest.units import format_bytes
 from memest.version import __version__
 
 
@@ -13,8 +17,6 @@ def budget_bytes(budget: int | str) -> int:
         raise TypeError("a budget is a size such as '11GB', a card name or a number of bytes")
     if isinstance(budget, int):
         return budget
-    from memest.device.fit import resolve_budget
-    from memest.errors import MemestError
 
     resolved = resolve_budget(str(budget))
     if isinstance(resolved, int):
@@ -51,7 +53,6 @@ class EstimateViews:
 
     def to_dict(self) -> dict:
         """The --json document of `memest estimate` (without a GPU comparison)."""
-        from memest.report.emit import SCHEMA_VERSION
 
         doc = {"schema_version": SCHEMA_VERSION, "memest_version": __version__, **self.report.to_dict()}
         doc["peak_by_iteration"] = {str(k): v for k, v in self.report.peak_by_iteration.items()}
@@ -64,7 +65,6 @@ class EstimateViews:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __repr__(self) -> str:
-        from memest.units import format_bytes
 
         spec = self.report.spec
         device = f", device {format_bytes(self.device_bytes)}" if self.device_bytes is not None else ""

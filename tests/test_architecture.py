@@ -192,3 +192,61 @@ def test_the_string_comparison_finder_finds_them(source, expected):
     hit = any(_strings(lit) and _name(nm) in CHOICE_NAMES and set(_strings(lit)) & _choice_values()
               for nm, lit in ((left, right), (right, left)))
     assert hit == bool(expected)
+
+
+# -- function-level imports: only to defer a heavy library ----------------------------------------------------
+
+HEAVY = {"torch", "transformers", "peft", "bitsandbytes", "matplotlib"}  # what `memest --help` must not load
+
+
+def _runs_at_import(tree: ast.Module):
+    """The statements a module runs when imported: its body and the bodies of module-level with / if / try
+    blocks (step.py imports torch inside ``with imports_without_gc():``), not ``if TYPE_CHECKING:``."""
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            continue
+        yield node
+        if isinstance(node, (ast.With, ast.If, ast.Try)):
+            yield from (n for n in ast.walk(node) if n is not node)
+
+
+def _targets(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.ImportFrom) and node.module:
+        if node.module.split(".")[0] == "memest":
+            return [_resolve(node.module, alias.name) for alias in node.names]
+        return [node.module.split(".")[0]]
+    if isinstance(node, ast.Import):
+        return [a.name if a.name.split(".")[0] == "memest" else a.name.split(".")[0] for a in node.names]
+    return []
+
+
+def test_function_level_imports_only_defer_a_heavy_library():
+    """An import of memest's own module inside a function is there to keep torch (or another heavy library)
+    out of a light module's import (`memest --help` stays instant); anywhere else it belongs at the top."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    at_import: dict[str, set[str]] = {}
+    later: dict[str, list[tuple[int, list[str]]]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        now = list(_runs_at_import(tree))
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        at_import[name] = {t for n in now for t in _targets(n)} | (parents & set(modules))
+        seen = {id(n) for n in now} | {id(n) for n in ast.walk(tree) if isinstance(n, ast.If) and
+                                       ast.unparse(n.test) == "TYPE_CHECKING" for n in ast.walk(n)}
+        later[name] = [(n.lineno, _targets(n)) for n in ast.walk(tree)
+                       if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in seen]
+    heavy: dict[str, bool] = {}
+
+    def is_heavy(name: str, path: tuple = ()) -> bool:
+        if name not in modules:
+            return name in HEAVY
+        if name not in heavy:
+            heavy[name] = name not in path and any(is_heavy(t, (*path, name)) for t in at_import[name])
+        return heavy[name]
+
+    assert is_heavy("memest.trace.step") and not is_heavy("memest.cli")  # the reader still sees torch load
+    needless = [f"{modules[name].relative_to(ROOT)}:{line}: {name} imports {targets} inside a function"
+                for name in sorted(modules) for line, targets in later[name]
+                if any(t.split(".")[0] == "memest" for t in targets) and targets != ["memest"]
+                and (is_heavy(name) or not any(is_heavy(t) for t in targets if t.split(".")[0] == "memest"))]
+    assert not needless, "function-level imports that defer nothing heavy (move them to the top):\n" + "\n".join(needless)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import fnmatch
 
 from memest.errors import MemestError
+from memest.features import quant_int8
 from memest.features.base import StepFeature
+from memest.features.quant import Linear4bitModel, lora_layer_class, quantize_linears
+from memest.features.quant_int8 import Linear8bitModel
 from memest.spec.choices import Quant, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
@@ -51,12 +54,9 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
     try:
         config = LoraConfig(**kwargs)
         if quant == Quant.INT8:
-            from memest.features.quant import lora_layer_class
-            from memest.features.quant_int8 import Linear8bitModel
 
             config._register_custom_module({Linear8bitModel: lora_layer_class(clone=False)})
         elif quant != Quant.NONE:
-            from memest.features.quant import Linear4bitModel, lora_layer_class
 
             config._register_custom_module({Linear4bitModel: lora_layer_class()})
         return get_peft_model(model, config)
@@ -88,7 +88,6 @@ def _quantize(model, spec, dtype, where: str) -> str:
     import torch
 
     if spec.quant == Quant.INT8:
-        from memest.features import quant_int8
 
         n = quant_int8.quantize_linears(model, cuda_kernels=spec.target == Target.CUDA)
         kernels = ("MatMul8bitLt with bitsandbytes' CUDA ops: the input cast to float16 and quantised to int8, an "
@@ -102,7 +101,6 @@ def _quantize(model, spec, dtype, where: str) -> str:
                 "none: each adds one input column per layer held until backward (at most one more copy of the "
                 "layer's input)")
     else:
-        from memest.features.quant import quantize_linears
 
         compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
         n = quantize_linears(model, str(spec.quant), spec.double_quant, compute)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memest.features.adam8bit import Adam8bitModel
 from memest.features.base import StepFeature
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Optimizer, Target
@@ -71,7 +72,6 @@ def optimizer_class(spec: RunSpec) -> tuple[type, dict]:
         else:
             kwargs["foreach"] = True
     if info.cls == "adam8bit":
-        from memest.features.adam8bit import Adam8bitModel
 
         if spec.target == Target.CPU:
             kwargs.pop("paged", None)  # bitsandbytes falls back to non-paged buffers on CPU (get_state_buffer)

@@ -43,7 +43,10 @@ from torch.utils._pytree import tree_flatten
 from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.features.optim import make_optimizer, optimizer_class
+from memest.parallel import context_parallel as cp
+from memest.parallel import expert_parallel, tensor_parallel
 from memest.parallel.dims import Meshes, build_mesh, real_values
+from memest.parallel.pipeline_parallel import PipelineStep, describe
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Optimizer, Shard, Target
 from memest.trace.dtype import HALF
@@ -148,7 +151,6 @@ def _parallelize(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool, ro
     data-parallel ranks (dp, or dp x cp with --cp) on ``root`` (``model``; a pipeline's stage module) with ``units``
     (default: the repeated blocks). Activation checkpointing and torch.compile come before, in the step's build
     (trace/step.py); a pipeline's stage module wraps each stage (``_pipeline``)."""
-    from memest.parallel import expert_parallel, tensor_parallel
 
     dims, out, experts = spec.parallel, _Applied(), None
     if dims.tp_enabled:
@@ -171,7 +173,6 @@ def _pipeline(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool) -> Pa
     does; with --ep the experts by transformers' expert parallel over ep of the stage's dp ranks first, their
     experts modules FSDP2 units on the stage's efsdp mesh (parallel/expert_parallel.py); the optimizer covers the
     rank's parameters."""
-    from memest.parallel.pipeline_parallel import PipelineStep, describe
 
     dims, parallelize, what = spec.parallel, None, []
     if meshes.world is not None:
@@ -221,7 +222,6 @@ def _context_parallel(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: boo
     the "tp" dimension of the ("dp", "cp", "tp") mesh first, then FSDP2 over its flattened dp x cp dimensions, as
     torchtitan applies TP, CP and FSDP (parallelize_llama); the colwise q/k/v hand SDPA local tensors of the rank's
     heads, so the ring runs on the 1-D cp mesh as without TP."""
-    from memest.parallel import context_parallel as cp
 
     dims = spec.parallel
     cp.check_model(model, spec)

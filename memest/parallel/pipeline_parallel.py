@@ -30,9 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from memest.errors import MemestError
+from memest.parallel.pipeline_schedule import SCHEDULES, describe_in_flight, in_flight, rank_stages, torch_class
 from memest.spec import RunSpec
 from memest.spec.choices import PipelineSchedule
 from memest.trace.dtype import HALF
+from memest.trace.events import Phase
 
 
 def split_layers(n_layers: int, spec: RunSpec) -> list[tuple[int, int]]:
@@ -84,7 +86,6 @@ def stage_modules(model: nn.Module, spec: RunSpec) -> list[tuple[int, StageModul
     """This rank's stages (one; two or more for the interleaved and V schedules): (stage index, module,
     layers). ``model`` is pruned in place to this rank's layers (what the rank holds); a rank with several
     stages runs shallow copies of it, one per stage."""
-    from memest.parallel.pipeline_schedule import rank_stages
 
     base = _decoder_parts(model)
     bounds = split_layers(len(base.layers), spec)
@@ -174,7 +175,6 @@ class PipelineStep:
         """The stages and their schedule, built at the first step (static shapes need the sequence length)."""
         from torch.distributed.pipelining import PipelineStage
 
-        from memest.parallel.pipeline_schedule import torch_class
 
         model, spec = self.model, self.spec
         stages = []
@@ -219,7 +219,6 @@ class PipelineStep:
 
 
 def _mark_phases(stage, mark) -> None:
-    from memest.trace.events import Phase
 
     for name, phase in (("forward_one_chunk", Phase.FORWARD), ("backward_one_chunk", Phase.BACKWARD),
                         ("backward_weight_one_chunk", Phase.BACKWARD)):
@@ -237,7 +236,6 @@ def _mark_merge(schedule, mark) -> None:
     """The last stage's step ends by merging its micro-batches' outputs (torch's ``_merge_outputs``: one tensor
     of all M while the M chunks are held), marked as the loss phase's end of step (plan/parallel.py fits the
     step's segments apart)."""
-    from memest.trace.events import Phase
 
     merge = type(schedule)._merge_outputs
 
@@ -286,7 +284,6 @@ def _static_vote(stages, has_backward, p2p_done) -> None:
 
 
 def describe(step: PipelineStep, spec: RunSpec) -> str:
-    from memest.parallel.pipeline_schedule import SCHEDULES, describe_in_flight, in_flight
 
     parts = []
     for index, _, (lo, hi) in step.parts:

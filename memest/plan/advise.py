@@ -17,10 +17,14 @@ from dataclasses import asdict, dataclass, field
 
 from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
+from memest.features.compiled import unwrap
+from memest.features.loss_head import causal_lm_head
+from memest.plan.parallel import plan_parallel
 from memest.plan.runner import Runner
 from memest.spec import RunSpec
 from memest.spec.choices import Optimizer, Outputs, Precision, Target
 from memest.spec.options import command_line
+from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes
 
 
@@ -77,10 +81,6 @@ def _model_traits(runner: Runner) -> tuple[bool, bool, bool]:
     --loss-head can replace, the step is torch.compile'd), from one build of the model on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memest.errors import MemestError
-    from memest.features.compiled import unwrap
-    from memest.features.loss_head import causal_lm_head
-    from memest.trace.values import PlaceholderScalars
 
     with FakeTensorMode(), PlaceholderScalars():
         model, request = unwrap(runner.source.build_model())
@@ -212,7 +212,6 @@ def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: st
                       extra: dict | None = None) -> list[Remedy]:
     """The planner's best layouts of ``gpus`` GPUs (plan/parallel.py: the same traces and extrapolation as
     `memest plan-parallel`), each priced in memory per rank and in bytes each rank sends per step."""
-    from memest.plan.parallel import plan_parallel
 
     if not runner.base.model.startswith("hf:"):
         advice.parallel = {"gpus": gpus, "error": "--gpus: plan-parallel lays out hf: models (their depth is cut)"}

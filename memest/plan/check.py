@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from memest.device.fit import passes, verdict
 from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
@@ -42,7 +43,6 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
     """``gpu``: the app layer's GpuContext for this config (budget, GPU generation, calibration);
     ``source``: the loaded model. The verdict compares needed x (1 + margin), expected and high, with
     the budget; ``strict``: tight counts as not fitting."""
-    from memest.device.fit import passes, verdict
     from memest.estimator import estimate
 
     margin = margin if margin is not None else config.margin
@@ -90,7 +90,6 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
     ``min_concurrency`` (default 1) full-length sequences; budget = what it may use (vLLM: total x
     utilization; SGLang: mem_fraction_static x free memory). Will not start: does not fit; may not start: at best
     tight. ``non_torch_memory`` (GiB) or the config's calibration profile replace the non-torch evidence."""
-    from memest.device.fit import passes, verdict
 
     margin = margin if margin is not None else config.margin
     s = config.serve

@@ -70,6 +70,7 @@ from memest.plan import parallel_bounds
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Precision, Quant, Shard
 from memest.spec.options import command_line
+from memest.units import format_bytes
 
 LOW, HIGH = 3, 4  # traced layers per stage (module docstring: the peak is affine from 3 layers on)
 MICRO = (2, 3)  # pipelines: traced in m-stage pipelines of m micro-batches
@@ -627,7 +628,6 @@ class _Search:
         self.layer_params: int | None = None
 
     def left_out(self, layout: Layout) -> bool:
-        from memest.units import format_bytes
 
         budget, param_count = self.plan.budget_bytes, self.plan.param_count
         floor = layout.floor_bytes = state_floor(layout, param_count, self.per_param)
@@ -650,7 +650,6 @@ class _Search:
         return False
 
     def _ruled_out(self, layout: Layout, act: tuple, how: str) -> None:
-        from memest.units import format_bytes
 
         floor, per_layer, depth, micro = act
         layout.lower_bound, layout.needed_bytes, layout.verdict = True, floor, "does-not-fit"
@@ -738,7 +737,6 @@ def _trace_full_depth(layout: Layout, tracer: _Tracer, budget: int, plan: Parall
     its need replacing the derived one; the layouts re-ranked."""
     from memest.estimator import _estimate_one
     from memest.sources import load_source
-    from memest.units import format_bytes
 
     src = load_source(plan.model)
     spec = dataclasses.replace(tracer.base, seq=tracer.base.seq or src.default_seq, **layout.changes(),

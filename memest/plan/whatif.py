@@ -19,10 +19,12 @@ import dataclasses
 import itertools
 from dataclasses import asdict, dataclass, field
 
+from memest.device.usage import device_usage
 from memest.errors import MemestError
 from memest.plan.runner import Runner
 from memest.spec.choices import Target
 from memest.trace.events import Trace
+from memest.units import format_bytes
 
 MAX_GRID_POINTS = 400
 FIT_TOLERANCE = 0.01
@@ -215,7 +217,6 @@ def _rebuild(runner: Runner):
         peak = trace.peak()[0]
         if base.target != Target.CUDA:
             return peak, peak, lambda cap: peak <= cap
-        from memest.device.usage import device_usage
 
         usage = device_usage(trace, base.compute_capability, world_size=base.world_size, calibration=runner.calibration)
         needed = usage.min_budget_bytes
@@ -239,7 +240,6 @@ def _largest(fits, limit: int) -> int:
 
 def _plain_words(model: SizeModel, batch: int, seqs: list) -> list[str]:
     """Marginal costs at the peak of the largest swept size, from the fitted storage sizes."""
-    from memest.units import format_bytes
 
     seq = seqs[-1] or 0
     peak, index = model.trace(batch, seq).peak()

@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass
 
 from memest.device.usage import DeviceUsage
 from memest.features.checkpointing import within
+from memest.features.loss_head import describe
 from memest.features.optim import FOLKLORE_N
 from memest.spec import RunSpec
 from memest.spec.choices import Outputs
 from memest.trace.events import Category, Phase, Trace
 from memest.trace.step import TRACED_MICRO_STEPS
+from memest.units import format_bytes
 
 # The JSON contract's categories (design.md §5); buffers and inputs are reported as "other".
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
@@ -203,8 +205,6 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str, parts: ReportParts = R
 
 def _loop_notes(trace: Trace, spec: RunSpec, peak_i: int) -> list[str]:
     """Which training loop was traced (--outputs), what its outputs hold at the peak, and the loss head."""
-    from memest.features.loss_head import describe
-    from memest.units import format_bytes
 
     if not spec.training:
         return []

@@ -8,6 +8,8 @@ from rich.table import Table
 from memest.device.fit import FitRow
 from memest.device.nvml import GpuQuery
 from memest.report.analysis import Report
+from memest.report.layers import collapse_note, select_layers
+from memest.report.markdown import FIT_HEADERS, fit_cells
 from memest.report.summary import RowKind, SummaryRow, summary_rows
 from memest.units import format_bytes, format_count
 
@@ -46,7 +48,6 @@ def _layer_cells(line) -> dict[str, str]:
 def layer_table(report: Report, depth: int, expand: bool = False, width: int | None = None) -> Table:
     """The per-layer table to ``depth``, repeated blocks collapsed unless ``expand``, fitted to ``width``
     (the console's) by leaving out low-priority columns, never by truncating a number."""
-    from memest.report.layers import collapse_note, select_layers
 
     lines = select_layers(report.layers, depth, expand)
     cells = [_layer_cells(line) for line in lines]
@@ -109,7 +110,6 @@ def summary_table(rows: list[SummaryRow]) -> Table:
 
 def fit_table(rows: list[FitRow], width: int | None = None) -> Table:
     """Numbers in full: at a narrow width the total and used columns go first."""
-    from memest.report.markdown import FIT_HEADERS, fit_cells
 
     cells = fit_cells(rows, yes="[green]yes[/green]", no="[red]no[/red]", tight="[yellow]tight[/yellow]")
     plain = fit_cells(rows)

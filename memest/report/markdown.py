@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from memest.device.fit import FitRow
 from memest.report.analysis import Report
+from memest.report.layers import collapse_note, select_layers
 from memest.report.summary import RowKind, SummaryRow, summary_rows
 from memest.spec.choices import Verdict
 from memest.units import format_bytes, format_count
@@ -81,7 +82,6 @@ def breakdown_rows(rows: list[SummaryRow]) -> list[list[str]]:
 
 
 def layer_rows(report: Report, depth: int, expand: bool = False) -> tuple[list[str], list[list[str]]]:
-    from memest.report.layers import select_layers
 
     headers = ["module", "type", "output shape", "params", "weights+grads+optim", "saved for bwd",
                "alive at peak", "% of peak"]
@@ -138,7 +138,6 @@ def estimate_markdown(report: Report, fits: list[FitRow], depth: int = 2, gpu_re
     parts = [f"### memest: {escape_cell(report.model)} ({escape_cell(report.model_type)})", ""]
     parts += summary_lines(summary)
     parts += ["", table_markdown(["alive at the peak", "bytes", "share"], breakdown_rows(summary))]
-    from memest.report.layers import collapse_note, select_layers
 
     headers, rows = layer_rows(report, depth, expand)
     parts += ["", f"#### Per layer (depth {depth})", "", table_markdown(headers, rows)]

@@ -5,6 +5,7 @@ keeps its own text beside the binary value."""
 from __future__ import annotations
 
 from memest.report.emit import Table, View
+from memest.spec import RunSpec
 from memest.spec.choices import KvDtype, Outputs, ServeVerdict, Target, Verdict
 from memest.units import format_bytes, format_in, table_unit
 
@@ -256,7 +257,6 @@ def plan_parallel_view(run) -> View:
     blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]
-    from memest.spec import RunSpec
 
     base = RunSpec(**p.base)
     commands = [lay.command(base, gpu=run.gpu.flag, calibration=run.calibration) for lay in p.layouts]

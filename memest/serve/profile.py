@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from memest.serve.budget import Part
 from memest.serve.kv import DTYPE_BYTES
+from memest.spec import RunSpec
 
 # The sampler phase's bytes per logit element (R rows x vocab), from the tensors vLLM's sampler holds at
 # once. compute_logits output in the model dtype (held by the caller) + the fp32 copy Sampler.forward makes
@@ -108,7 +109,6 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     from memest.estimator import estimate
     from memest.sources.base import ModelSource
     from memest.sources.hf_masks import real_mask_branches
-    from memest.spec import RunSpec
 
     rank, notes = rank_config(config, tp)
     split = tp == 1 or rank is not config

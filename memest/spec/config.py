@@ -43,6 +43,7 @@ from typing import Any
 
 from memest.errors import MemestError
 from memest.spec import options
+from memest.spec.choices import CudaGraphs, Engine, KvDtype
 from memest.spec.run import RunSpec
 
 SPEC_KEYS = sorted(options.spec_options())  # every RunSpec field a user sets (spec/options.py)
@@ -169,7 +170,6 @@ def _block(data: dict, key: str, schema: dict, where: str) -> dict | None:
 
 
 def _serve_choices(block: dict, where: str) -> None:
-    from memest.spec.choices import CudaGraphs, Engine, KvDtype
 
     try:
         for k, cls in (("engine", Engine), ("kv_dtype", KvDtype), ("cuda_graphs", CudaGraphs)):

@@ -24,6 +24,7 @@ from memest.spec.choices import (
     Target,
     ZeroGrad,
 )
+from memest.spec.lora import freeze_patterns, parse_lora
 from memest.spec.parallel_dims import ParallelDims, validate
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
@@ -182,7 +183,6 @@ class RunSpec:
         return self.parallel.expert_copies
 
     def _check_finetune(self) -> None:
-        from memest.spec.lora import freeze_patterns, parse_lora
 
         object.__setattr__(self, "lora", parse_lora(self.lora))
         object.__setattr__(self, "freeze", ",".join(freeze_patterns(self.freeze)))

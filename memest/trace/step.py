@@ -23,6 +23,7 @@ from typing import Any
 
 from memest.imports import imports_without_gc
 from memest.spec.choices import Mode, Precision, Shard, ZeroGrad
+from memest.units import format_count
 
 with imports_without_gc():
     import torch
@@ -614,7 +615,6 @@ def _trainable(model: torch.nn.Module) -> bool:
 
 
 def _frozen_note(trace: Trace, trainable: int) -> str:
-    from memest.units import format_count
 
     frozen = trace.param_count - trainable
     if trainable:

@@ -26,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 from memest.features.registry import build, run_step
-from memest.parallel.distributed import wrap
+from memest.parallel.distributed import fake_process_group, wrap
+from memest.parallel.expert_parallel import route_as
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import Target
@@ -68,7 +69,6 @@ def measure_pipeline_stage_peaks(spec: RunSpec, seed: int = 0) -> list[dict]:
     allocated). torch.distributed.pipelining hangs on gloo (pytorch/pytorch#132644: batch_isend_irecv
     is not stable on gloo; reproduced with torch 2.13 on a 2-layer Sequential, Schedule1F1B and
     ScheduleGPipe), so no multi-process run exists; the allocations do not depend on the values sent."""
-    from memest.parallel.distributed import fake_process_group
 
     out = []
     for stage in range(spec.pp):
@@ -136,7 +136,6 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     model, inputs = built.model, built.inputs
     del built
     if dims.ep_enabled:  # weights that make the router split the pairs as the traced assumption says
-        from memest.parallel.expert_parallel import route_as
 
         route_as(model, spec)
     # wrapped before: FSDP and TP replace the parameters, a pipeline stage drops the other stages' layers
