@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memest.device.catalogue import CARDS, DEFAULT_COMPUTE_CAPABILITY, card_bytes, compute_capability
+from memest.device.catalogue import CARDS, card_bytes
 from memest.device.nvml import GpuQuery
 from memest.errors import MemestError
 from memest.spec.choices import Verdict
@@ -98,14 +98,3 @@ def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None, check=No
     ]
 
 
-def target_compute_capability(gpu_flag: str | None, query: GpuQuery | None) -> tuple[int, int]:
-    """The GPU generation whose kernels to model: the named card, the chosen or first visible GPU,
-    else DEFAULT_COMPUTE_CAPABILITY."""
-    if gpu_flag is not None and not gpu_flag.strip().isdigit():
-        return compute_capability(gpu_flag) or DEFAULT_COMPUTE_CAPABILITY
-    gpus = query.gpus if query else []
-    if gpu_flag is not None:
-        gpus = [g for g in gpus if g.index == int(gpu_flag)]
-    for g in gpus[:1]:
-        return compute_capability(g.name) or DEFAULT_COMPUTE_CAPABILITY
-    return DEFAULT_COMPUTE_CAPABILITY

@@ -6,7 +6,6 @@ from rich.console import Console
 from rich.table import Table
 
 from memest.device.fit import FitRow
-from memest.device.nvml import GpuQuery
 from memest.report.analysis import Report
 from memest.report.layers import collapse_note, select_layers
 from memest.report.markdown import FIT_HEADERS, fit_cells
@@ -154,19 +153,3 @@ def print_estimate(console: Console, report: Report, fits: list[FitRow], gpu_rea
         console.print(f"GPUs: {gpu_reason}; pass --gpu 11GB to compare with a budget.")
 
 
-def gpus_table(query: GpuQuery) -> Table:
-    table = Table(title="NVIDIA GPUs", title_justify="left")
-    for col in ("index", "name", "total", "used", "free", "util", "processes"):
-        table.add_column(col, justify="left" if col in ("name", "processes") else "right")
-    for g in query.gpus:
-        procs = ", ".join(f"{p.command}[{p.pid}] {format_bytes(p.used_bytes)}" for p in g.processes) or "-"
-        table.add_row(
-            str(g.index),
-            g.name,
-            format_bytes(g.total_bytes),
-            format_bytes(g.used_bytes),
-            format_bytes(g.free_bytes),
-            f"{g.utilization}%" if g.utilization is not None else "-",
-            procs,
-        )
-    return table

@@ -54,14 +54,6 @@ def _children(rows: list[LayerRow], start: int) -> list[int]:
     return out
 
 
-def _subtree_end(rows: list[LayerRow], start: int) -> int:
-    depth = rows[start].depth
-    end = start + 1
-    while end < len(rows) and rows[end].depth > depth:
-        end += 1
-    return end
-
-
 def _runs(rows: list[LayerRow], children: list[int]) -> list[list[int]]:
     """Consecutive children with consecutive numeric names (h.0, h.1, …) and the same signature."""
     runs: list[list[int]] = []

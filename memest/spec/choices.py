@@ -236,10 +236,6 @@ class CheckpointPolicy(Choice):
         return cls.NAMES
 
 
-def choices_help(cls: type[Choice]) -> str:
-    return " | ".join(cls.values())
-
-
 class ServeVerdict(Choice):
     """memest serve: does the engine start (serve/engine.py ServePlan.verdict)?"""
 

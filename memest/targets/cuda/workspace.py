@@ -33,8 +33,3 @@ class Workspace(int):
         return self.low != int(self) or self.high != int(self)
 
 
-def bound(nbytes: int, which: str) -> int | None:
-    """``nbytes`` at one end of its range: 'low', 'expected' or 'high' (None: unbounded)."""
-    if which == "expected" or not isinstance(nbytes, Workspace):
-        return int(nbytes)
-    return nbytes.low if which == "low" else nbytes.high
