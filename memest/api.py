@@ -9,7 +9,7 @@
     est = memest.estimate("hf:llama-3.1-8b", seq=2048, precision="bf16", quant="nf4",
                           lora={"r": 16, "alpha": 32, "targets": "all-linear"})   # QLoRA (needs peft)
 
-The same pipeline as the CLI (app layer, pipeline.estimate). It runs in the caller's process and
+The same pipeline as the CLI (app layer, estimator.estimate). It runs in the caller's process and
 does not hide CUDA devices from torch (the CLI does); it allocates nothing on a GPU either way.
 """
 
@@ -31,11 +31,11 @@ def estimate(
     model: str | Callable[[], Any],
     inputs: Callable[..., Any] | None = None,
     *,
-    batch: int = 1,
-    seq: int | None = None,
-    optim: str = "adam",
-    precision: str = "fp32",
-    target: str = "cuda",
+    batch: int = RunSpec.batch,
+    seq: int | None = RunSpec.seq,
+    optim: str = RunSpec.optim,
+    precision: str = RunSpec.precision,
+    target: str = RunSpec.target,
     loss: Callable[[Any, Any], Any] | None = None,
     gpu: str | None = None,
     calibration: str | dict | None = None,
@@ -47,7 +47,7 @@ def estimate(
     ``gpu``: the GPU generation to model, by card name (``"a100"``), and the default budget of
     ``fits()``. ``calibration``: a profile file from ``memest calibrate --out`` (or its dict): its
     measured costs replace the defaults, and its GPU generation is modelled unless ``gpu`` names a card.
-    Returns a pipeline.Estimate."""
+    Returns an estimator.Estimate."""
     from memest.estimator import estimate as run
 
     if isinstance(model, str):

@@ -229,7 +229,7 @@ def _calibration(gpu_name: str, driver: str) -> dict | None:
 
 @dataclass
 class EstimateResult:
-    estimate: object  # pipeline.Estimate
+    estimate: object  # estimator.Estimate
     gpu: GpuContext
     fits: list  # device.fit.FitRow per compared GPU or budget
     timeline: object = None  # report.timeline.Timeline, when asked for

@@ -25,7 +25,7 @@ def budget_bytes(budget: int | str) -> int:
 
 
 class EstimateViews:
-    """Mixed into pipeline.Estimate: ``report`` and ``trace`` are the Estimate's."""
+    """Mixed into estimator.Estimate: ``report`` and ``trace`` are the Estimate's."""
 
     report: Any
     default_budget: str | None = None  # the Python API's gpu=

@@ -267,7 +267,7 @@ def run_iteration(
     kept = spec.outputs == Outputs.KEPT
     loop = loop if loop is not None else LoopState()
     micro_steps = spec.grad_accum if max_micro_steps is None else min(spec.grad_accum, max_micro_steps)
-    if spec.pp > 1:  # a pipeline stage: the schedule runs forward, loss and backward of its micro-batches
+    if spec.parallel.pp_enabled:  # a pipeline stage: the schedule runs forward, loss and backward of its micro-batches
         with autocast_context(spec, device_type, features=features):
             model(inputs, mark)  # marks each micro-batch's forward and backward
         done(Phase.BACKWARD)
