@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from memest.device.calibration import cache_file, describe, load_profile, lookup, measure, save, write_profile
+from memest.device import calibration, nvml  # by module: tests stand in for NVML and the measurement
+from memest.device.calibration import cache_file, describe, load_profile, lookup, save, write_profile
 from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
 from memest.device.fit import FitRow, passes, resolve_budget, verdict, worst
-from memest.device.nvml import query_gpus
 from memest.errors import MemestError, ModelLoadError
 from memest.plan.check import check_config, check_serve_config
 from memest.plan.parallel import plan_parallel
@@ -164,7 +164,7 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
     named_card = isinstance(resolved, tuple) and not flag[:1].isdigit()
     query = None
     if not named_card:  # a size, a device index or nothing: the local GPUs decide the generation
-        query = query_gpus()
+        query = nvml.query_gpus()
     gpus = list(query.gpus) if query is not None else []
     no_gpu_reason = query.reason if query is not None else ""
     if isinstance(resolved, tuple):
@@ -548,7 +548,7 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
 
 def run_gpus():
 
-    return query_gpus()
+    return nvml.query_gpus()
 
 
 @dataclass
@@ -568,7 +568,7 @@ def run_calibrate(device: int, out: str | None = None, nccl: bool = True) -> Cal
         if Path(out).is_dir():
             raise MemestError(f"--out {out!r} is a folder; name a file such as profiles/rtx2080ti.json")
         _check_writable(Path(out), "the profile", "choose a writable folder")
-    entry = measure(device, nccl=nccl)
+    entry = calibration.measure(device, nccl=nccl)
     return CalibrationRun(entry, save(entry, path), write_profile(entry, out) if out is not None else None)
 
 

@@ -235,14 +235,18 @@ def test_function_level_imports_only_defer_a_heavy_library():
                                        ast.unparse(n.test) == "TYPE_CHECKING" for n in ast.walk(n)}
         later[name] = [(n.lineno, _targets(n)) for n in ast.walk(tree)
                        if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in seen]
-    heavy: dict[str, bool] = {}
-
-    def is_heavy(name: str, path: tuple = ()) -> bool:
-        if name not in modules:
-            return name in HEAVY
-        if name not in heavy:
-            heavy[name] = name not in path and any(is_heavy(t, (*path, name)) for t in at_import[name])
-        return heavy[name]
+    def is_heavy(name: str) -> bool:
+        """Importing ``name`` loads a heavy library: one is reachable over the imports that run at import."""
+        seen, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current in HEAVY:
+                return True
+            if current in seen or current not in modules:
+                continue
+            seen.add(current)
+            todo += at_import[current]
+        return False
 
     assert is_heavy("memest.trace.step") and not is_heavy("memest.cli")  # the reader still sees torch load
     needless = [f"{modules[name].relative_to(ROOT)}:{line}: {name} imports {targets} inside a function"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import fnmatch
 
 from memest.errors import MemestError
+from memest.features import quant as quant_layers  # by module: tests stand in peft's bitsandbytes layer classes
 from memest.features import quant_int8
 from memest.features.base import StepFeature
-from memest.features.quant import Linear4bitModel, lora_layer_class, quantize_linears
+from memest.features.quant import Linear4bitModel, quantize_linears
 from memest.features.quant_int8 import Linear8bitModel
 from memest.spec.choices import Quant, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
@@ -55,10 +56,10 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
         config = LoraConfig(**kwargs)
         if quant == Quant.INT8:
 
-            config._register_custom_module({Linear8bitModel: lora_layer_class(clone=False)})
+            config._register_custom_module({Linear8bitModel: quant_layers.lora_layer_class(clone=False)})
         elif quant != Quant.NONE:
 
-            config._register_custom_module({Linear4bitModel: lora_layer_class()})
+            config._register_custom_module({Linear4bitModel: quant_layers.lora_layer_class()})
         return get_peft_model(model, config)
     except ValueError as exc:  # peft's own message: no target modules found, unknown model type, ...
         raise MemestError(f"{where}: peft's get_peft_model: {str(exc).strip().splitlines()[0]}") from exc
