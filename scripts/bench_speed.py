@@ -183,7 +183,7 @@ def step_contexts(source, spec) -> list:
     """The contexts memest's trace_step enters around the step besides its own tracking (keep in
     step with memest/trace/step.py): transformers' mask branches, and for --target cuda the CUDA
     SDPA kernels and (mixed precision) the CUDA autocast emulation."""
-    contexts = [source.trace_context() if source.trace_context else contextlib.nullcontext()]
+    contexts = [source.trace_context(spec) if source.trace_context else contextlib.nullcontext()]
     if spec.target == "cuda":
         from memest.targets.cuda.autocast import cuda_autocast_scope
         from memest.targets.cuda.sdpa import CudaSdpa
