@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.spec.choices import LossHead, Precision, Target
+from memest.spec.choices import LossHead, Target
+from memest.trace.dtype import HALF
 
 IGNORE_INDEX = -100  # transformers' and torch's label ignore_index
 TORCHTUNE_CHUNKS = 8  # torchtune LinearCrossEntropyLoss(num_output_chunks=8)
@@ -200,9 +201,7 @@ class _Kernels:
 
 
 def _autocast_dtype(spec) -> torch.dtype | None:
-    if not spec.mixed:
-        return None
-    return torch.bfloat16 if spec.precision == Precision.BF16_MIXED else torch.float16
+    return HALF[spec.precision] if spec.mixed else None
 
 
 def _fused_loss(head: torch.nn.Linear, kernels: _Kernels, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

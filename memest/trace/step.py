@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memest.imports import imports_without_gc
-from memest.spec.choices import Mode, Precision, Shard, ZeroGrad
+from memest.spec.choices import Mode, Shard, ZeroGrad
 from memest.units import format_count
 
 with imports_without_gc():
@@ -41,7 +41,7 @@ with imports_without_gc():
     from memest.spec.choices import Outputs
     from memest.trace.data_dependent import explain
     from memest.trace.devices import DeviceRequests, traced_device
-    from memest.trace.dtype import cast_floating
+    from memest.trace.dtype import HALF, cast_floating
     from memest.trace.events import Category, Phase, Trace
     from memest.trace.fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
     from memest.trace.fake_kernels import real_fake_kernels
@@ -68,7 +68,7 @@ def model_dtype(spec: RunSpec) -> torch.dtype:
 
 def autocast_dtype(spec: RunSpec) -> torch.dtype:
     """The 16-bit dtype of a mixed-precision step."""
-    return torch.bfloat16 if spec.precision == Precision.BF16_MIXED else torch.float16
+    return HALF[spec.precision]
 
 
 def autocast_context(spec: RunSpec, device_type: str = "cpu", *, features: Sequence = ()):
