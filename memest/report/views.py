@@ -111,7 +111,10 @@ def tight_lines(result) -> list[str]:
     names = ", ".join(r.name for r in tight)
     counted = ("counted as NOT fitting (--strict)" if result.strict else
                "counted as fitting (exit 0); --strict counts tight as not fitting")
-    return [f"TIGHT: {names}: the expected need fits, the high end of its range does not; {counted}. "
+    return [f"TIGHT: {names}: the budget is between the needed floor (the allocator floor: the step's live "
+            "blocks, no fragmentation; + fixed costs) and the high end of the needed range; below the expected need the caching "
+            "allocator replay fragments more than fits, and the real allocator may or may not "
+            f"(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True brings it nearer the floor); {counted}. "
             "`memest calibrate` on the card narrows the range."]
 
 
