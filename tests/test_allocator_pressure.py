@@ -151,7 +151,7 @@ def test_usage_reports_the_floor_and_the_verdict_uses_it(gpt2_steps):
     assert result.verdict(usage.needed_bytes_high) == Verdict.FITS
     assert usage.expandable_limit_bytes is not None
     assert usage.expandable_limit_bytes < usage.min_allocator_limit_bytes
-    basis = "\n".join(usage.range_basis)
+    basis = "\n".join(device_usage(result.trace, (9, 0), env={}).range_basis)  # no allocator settings
     assert "PYTORCH_CUDA_ALLOC_CONF unset" in basis and "allocator floor" in basis
     assert "expandable_segments:True" in basis
 
@@ -179,3 +179,23 @@ def test_reserved_under_a_budget_is_capped_near_it(gpt2_steps):
     assert usage.allocator_floor_bytes <= under.peak_reserved <= usage.min_allocator_limit_bytes
     assert under.peak_reserved < usage.reserved_peak_bytes  # what a run on that card shows, not the unconstrained
     assert replay_under(result.trace, usage, outside - 1, env={}) is None
+
+
+def test_the_cli_says_tight_between_the_floor_and_the_replays_need_and_why():
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    args = ["estimate", "examples/transformer.py", "--batch", "2", "--seq", "128", "--optim", "adamw"]
+    result = estimate(RunSpec(model="examples/transformer.py", batch=2, seq=128, optim="adamw"))
+    usage = result.report.device
+    assert usage.needed_bytes_floor < usage.needed_bytes_expected  # the replay fragments (34 MiB)
+    budget = f"{(usage.needed_bytes_floor + usage.needed_bytes_expected) // 2}B"
+    runner = CliRunner()
+    loose = runner.invoke(app, [*args, "--gpu", budget, "--fail-if-not-fits", "--format", "markdown"])
+    assert loose.exit_code == 0, loose.output
+    assert "TIGHT against budget" in loose.stdout and "over the floor" in loose.stdout
+    strict = runner.invoke(app, [*args, "--gpu", budget, "--fail-if-not-fits", "--strict", "--format", "markdown"])
+    assert strict.exit_code == 1
+    below = runner.invoke(app, [*args, "--gpu", f"{usage.needed_bytes_floor - 1}B", "--fail-if-not-fits"])
+    assert below.exit_code == 1

@@ -4,6 +4,7 @@ keeps its own text beside the binary value."""
 
 from __future__ import annotations
 
+from memest.device.fit import tight_reason
 from memest.report.emit import Table, View
 from memest.spec import RunSpec
 from memest.spec.choices import KvDtype, Outputs, ServeVerdict, Target, Verdict
@@ -46,6 +47,9 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
     report, fits, reason = result.report, result.fits, result.gpu.no_gpu_reason
 
     extra = colocate_lines(result.colocate, ("GiB", 2**30)) if result.colocate is not None else []
+    if report.device is not None:  # said loudly: why a tight budget is tight
+        extra = [f"TIGHT against {r.label}: {tight_reason(report.device.needed_bytes_floor, r.needed_bytes, r.capacity_bytes)}"
+                 for r in fits if r.verdict == Verdict.TIGHT] + extra
 
     def rich(console) -> None:
         print_estimate(console, report, fits, reason, depth, **_expand_kw(print_estimate, expand))
