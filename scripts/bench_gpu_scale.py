@@ -196,12 +196,18 @@ def peft_rows() -> list[Row]:
             "dtype float32), accelerate mixed_precision bf16, DeepSpeed ZeRO-3 no offload, per-device batch 8, "
             "gradient accumulation 4, seq 2048 packed, gradient checkpointing non-reentrant, flash_attention_2, "
             "LoRA r8/alpha16/dropout0.1 all-linear; 'the memory consumed per GPU is 64 GB (80%)'",
-            dict(model="hf:llama-2-70b", batch=8, seq=2048, grad_accum=4, optim="adamw", precision="bf16-mixed",
+            dict(model="hf:llama-2-70b", batch=8, seq=2048, grad_accum=4, optim="adamw", precision="bf16",
                  attention="flash", checkpointing="blocks", outputs="freed",
                  lora="r=8,alpha=16,dropout=0.1,targets=all-linear", world_size=8, shard="zero3"),
             H100_80, "device", round(64 * GiB),
             PEFT_NOTES[:2] + ["DeepSpeed ZeRO-3 traced as --shard zero3 (FSDP2's per-layer gather): DeepSpeed's "
                               "prefetch bucket / max_live_parameters are not modelled",
+                              "traced as --precision bf16: with bf16 enabled DeepSpeed casts the whole module to "
+                              "bf16 (deepspeed/runtime/engine.py, _configure_distributed_model: self.module.bfloat16(); "
+                              "https://github.com/deepspeedai/DeepSpeed/blob/master/deepspeed/runtime/engine.py; the blanket "
+                              "cast of the releases before 0.19.2, the 2024-25 era of the page), so "
+                              "the fp32-loaded frozen weights are held in bf16; its fp32 master copies of the 0.1% "
+                              "trainable LoRA weights are not modelled",
                               "80% of the 80 GB card: the monitor's figure, read from a screenshot by the page"],
             measured_alt_bytes=round(64e9)),
     ]
@@ -289,6 +295,8 @@ def trace_row(row: Row) -> dict:
         "device": usage.bytes_expected, "device_low": usage.bytes_low, "device_high": usage.bytes_high,
         "needed": [usage.needed_bytes_low, usage.needed_bytes_expected, usage.needed_bytes_high],
         "breakdown_at_peak": {k: int(v) for k, v in b.items()},
+        "at_peak": {"iteration": result.report.peak_iteration, "phase": str(result.report.phase_at_peak),
+                    "module": result.report.module_at_peak, "op": result.report.op_at_peak},
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -413,19 +421,19 @@ def misses(scored: list[dict]) -> list[str]:
                        "release_cached_blocks), so a run near the card reads less reserved; the smallest budget "
                        f"memest's replay runs the step in is {m['needed'][1] / GiB:.2f} GiB (device, with context), "
                        "hence its 'fits'. Unconstrained reserved / allocated here: "
-                       f"{m['reserved'] / m['allocated']:.2f}")
+                       f"{m['reserved'] / m['allocated']:.2f}.")
         if r["measured_alt_bytes"] is not None:
             why.append(f"Unit: read as 10^9 B the measured is {r['measured_alt_bytes'] / GiB:.2f} GiB and memest's "
                        f"error {r['error_alt_pct']:+.1f}% (measured {'inside' if r['inside_alt'] else 'outside'} "
                        "the range).")
-        cause = CAUSES.get(r["label"], "")
-        if "{corrected}" in cause:
-            fixed = r["memest_bytes"] - ADAPTER_EXTRA_BYTES * (2 if r["spec"].get("shard") == "none" else 1)
-            cause = cause.replace("{corrected}", f"{100 * (fixed - r['measured_bytes']) / r['measured_bytes']:+.1f}%")
-        why.append(cause)
+        if r["group"].startswith("fsdp_qlora"):
+            why.append(adapter_dtype_note(r))
+        why.append(CAUSES.get(r["label"], ""))
         out.append(f"- {r['group']} / {r['label']}: {r['error_pct']:+.1f}% ({r['figure']}), measured "
                    f"{'inside' if r['inside'] else 'outside' if r['inside'] is False else 'no range for'} memest's "
-                   f"range; memest's breakdown at its peak (GiB): {parts}. " + " ".join(w for w in why if w))
+                   f"range; memest's breakdown at its peak (GiB): {parts}"
+                   + (" (peak: iteration {iteration}, {phase}, {module}, {op})".format(**m["at_peak"])
+                      if m.get("at_peak") else "") + ". " + " ".join(w for w in why if w))
     return out or ["- none"]
 
 
@@ -434,22 +442,63 @@ def misses(scored: list[dict]) -> list[str]:
 # each of AdamW's two states at memest's peak (gradients are freed there): 6 B per parameter.
 ADAPTER_PARAMS = 32 * (3 * 64 * (4096 + 4096) + 3 * 64 * (4096 + 11008))
 ADAPTER_EXTRA_BYTES = ADAPTER_PARAMS // 2 * 6
-ADAPTER = ("LoRA adapter dtype: memest holds the 71.6 M adapter parameters per rank (143.1 M / 2: r64 on q,k,v "
-           "(64 x 8192 each), gate, up, down (64 x 15104 each), 32 layers) in fp32 where the run's peft kept bf16: "
-           "their weights and two AdamW states alone are 0.40 GiB more at memest's peak (71.6 M x 6 B), before the "
-           "fp32 LoRA inputs peft casts to")
+# Per token, the inputs of the LoRA-wrapped linears of one layer (q, k, v, gate, up: hidden; down: intermediate).
+LORA_IN_WIDTH = {"hf:llama-2-7b": 5 * 4096 + 11008, "hf:llama-2-70b": 5 * 8192 + 28672,
+                 "hf:benchmarks/configs/mistral-7b-v0.2.json": 5 * 4096 + 14336}
+
+
+def adapter_dtype_note(r: dict) -> str:
+    """What fp32 adapters (memest, today's peft) hold more than the run's bf16 ones, from the row's shapes: the
+    weights and AdamW states (unless offloaded), and in the layer recomputed at the peak, each LoRA module's
+    dropout output saved for lora_A's backward in fp32 instead of bf16 (2 B more per input element). Arithmetic
+    on the traced shapes, not a trace."""
+    spec = r["spec"]
+    tokens = spec["batch"] * spec["seq"]
+    act = LORA_IN_WIDTH[spec["model"]] * tokens * 2
+    states = 0 if spec.get("offload") == "params" or spec["model"] != "hf:llama-2-7b" else \
+        ADAPTER_EXTRA_BYTES * (2 if spec.get("shard") == "none" else 1)
+    fixed = r["memest_bytes"] - act - states
+    return (f"Adapter dtype (fp32 in memest, bf16 in the run): {states / GiB:.2f} GiB of adapter weights and AdamW "
+            f"state and up to {act / GiB:.2f} GiB of fp32 LoRA dropout outputs in the recomputed layer "
+            f"({tokens:,} tokens); memest minus both: {100 * (fixed - r['measured_bytes']) / r['measured_bytes']:+.1f}% "
+            "(arithmetic on the traced shapes, not a trace).")
+
+
 CAUSES: dict[str, str] = {
     "QLoRA bs1 ctx512": "Load-time cache: the source states 3.72 GiB reserved right after the FSDP wrap (rank 0 holds "
                         "the quantized model before sharding; the sharded 4-bit weights are ~1.8 GiB), and at batch 1 x "
                         "512 that cache sets the peak (from 512 to 2048 tokens the run's reserved grows only 0.23 "
                         "GiB); memest traces the step, not the load.",
     "QLoRA bs1 ctx2048": "The run's reserved grew 0.23 GiB from 512 to 2048 tokens where memest's allocated grows 0.88 "
-                         "GiB: at batch 1 the step fits inside the load-time cache (see ctx512). " + ADAPTER + ".",
-    "LoRA bs1 ctx512 (allocated)": ADAPTER + " (memest minus that: {corrected}); the rest is not isolated.",
-    "LoRA bs1 ctx2048 (allocated)": ADAPTER + " (memest minus that: {corrected}); the rest is not isolated.",
-    "LoRA bs1 ctx2048 (reserved)": ADAPTER + ".",
-    "QLoRA DDP bs8 ctx2048": "FSDP NO_SHARD traced as DDP; " + ADAPTER + " (x2 unsharded: 0.80 GiB; memest minus "
-                             "that: {corrected}).",
+                         "GiB: at batch 1 the step fits inside the load-time cache (see ctx512).",
+    "LoRA bs1 ctx512 (allocated)": "The rest is not isolated.",
+    "LoRA bs1 ctx2048 (allocated)": "The rest is not isolated.",
+    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The 2.0 GiB more the run reserved fits the load-time "
+        "cache of the 7B batch-1 rows: with --low_memory (the default) train.py quantizes each layer on the GPU before "
+        "placing it on the CPU (its help text), and an 80-layer 70B layer is ~1.6 GiB of bf16 weights before "
+        "quantization; memest traces the step only. The adapters are offloaded here, so their dtype does not count.",
+    "Mistral 7B v0.2 QLoRA CPU offload bs12 ctx2048": "Both Mistral rows read exactly 22.54 GiB, the most the 24 GB "
+        "card leaves the allocator once the context is in: the runs ran at the card's limit. memest's smallest budget "
+        "for the step is above the card, so it calls a run that ran \"does not fit\" (a goal miss). memest's peak is "
+        "in the backward of the recomputed last decoder layer (at its down_proj lora_B), where the fp32 adapters' "
+        "dropout outputs are alive (the adapter-dtype arithmetic above); the run may also have offloaded activations "
+        "(--use_activation_cpu_offload is not stated for these rows). Not isolated by a trace.",
+    "Mistral 7B v0.2 QLoRA CPU offload bs1 ctx24576": "Same tokens per step as the bs12 x 2048 row and the same "
+        "reading, in the run and in memest (see that row).",
+    "FSDP QLoRA 2 GPUs, no CPU offload": "Not isolated; the unit alone makes the measured 6.9% smaller (above). FSDP1 "
+        "with use_orig_params False gathers whole wrapped units (peft's fsdp_auto_wrap_policy wraps the LoRA layers "
+        "apart from the decoder layers) and prefetches the next (BACKWARD_PRE); memest gathers one decoder layer.",
+    "DeepSpeed ZeRO-3 QLoRA 2x A100 40GB": "Not isolated; the unit alone makes the measured 6.9% smaller (above). "
+        "DeepSpeed ZeRO-3 keeps up to stage3_max_live_parameters (1e9 by default) gathered and prefetches "
+        "stage3_prefetch_bucket_size elements; memest gathers one decoder layer at a time (FSDP2's rule).",
+    "FSDP QLoRA 2x24GB, CPU offload": "Not isolated. The figure is the GPU monitor's for the whole run (load, "
+        "training, evaluation each epoch, the final save); memest's device figure is the training step's. With "
+        "fsdp_cpu_ram_efficient_loading rank 0 loads the weights and FSDP broadcasts them (sync_module_states), which "
+        "passes whole unsharded units through the GPU at load time.",
+    "DeepSpeed ZeRO-3 LoRA 8x H100 80GB": "Not isolated. DeepSpeed ZeRO-3's gathered-parameter budget "
+        "(stage3_max_live_parameters 1e9, prefetch buckets) and its contiguous gradient partitions are not FSDP2's "
+        "per-layer rule memest traces.",
+    "QLoRA DDP bs8 ctx2048": "FSDP NO_SHARD traced as DDP (DDP's gradient buckets are not FSDP's flat gradient).",
 }
 
 
