@@ -24,7 +24,8 @@ what is missing: they are evidence too, and no number is made up for them.
 
 Each row's result is cached (benchmarks/gpu-scale-cache.json) under a key of its spec and a hash of memest's
 source, torch's, transformers' and peft's versions: a rerun after a code change retraces every row, a rerun
-without one is instant. --no-cache retraces regardless.
+without one is instant. --no-cache retraces regardless. A full retrace took about 45 min on the shared 2-core
+machine (7B rows 25-90 s each, Mistral 7B v0.2 at 24k tokens ~150 s, each Llama-2 70B row 3-10 min).
 """
 
 from __future__ import annotations
@@ -465,16 +466,17 @@ def adapter_dtype_note(r: dict) -> str:
 
 
 CAUSES: dict[str, str] = {
-    "QLoRA bs1 ctx512": "Load-time cache: the source states 3.72 GiB reserved right after the FSDP wrap (rank 0 holds "
-                        "the quantized model before sharding; the sharded 4-bit weights are ~1.8 GiB), and at batch 1 x "
-                        "512 that cache sets the peak (from 512 to 2048 tokens the run's reserved grows only 0.23 "
-                        "GiB); memest traces the step, not the load.",
+    "QLoRA bs1 ctx512": "Load-time state, inferred: the source states 3.72 GiB reserved right after the FSDP wrap, "
+                        "before any step (it names parameters kept in full precision, the adapters and 'memory "
+                        "reservation overhead'), about twice the ~1.8 GiB per rank of sharded 4-bit weights and bf16 "
+                        "embeddings; from 512 to 2048 tokens the run's reserved grows only 0.23 GiB, so at batch 1 x "
+                        "512 what the load left reserved likely sets the peak; memest traces the step, not the load.",
     "QLoRA bs1 ctx2048": "The run's reserved grew 0.23 GiB from 512 to 2048 tokens where memest's allocated grows 0.88 "
-                         "GiB: at batch 1 the step fits inside the load-time cache (see ctx512).",
+                         "GiB: at batch 1 the step likely fits inside what the load left reserved (see ctx512).",
     "LoRA bs1 ctx512 (allocated)": "The rest is not isolated.",
     "LoRA bs1 ctx2048 (allocated)": "The rest is not isolated.",
     "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The 2.0 GiB more the run reserved fits the load-time "
-        "cache of the 7B batch-1 rows: with --low_memory (the default) train.py quantizes each layer on the GPU before "
+        "state of the 7B batch-1 rows (inferred): with --low_memory (the default) train.py quantizes each layer on the GPU before "
         "placing it on the CPU (its help text), and an 80-layer 70B layer is ~1.6 GiB of bf16 weights before "
         "quantization; memest traces the step only. The adapters are offloaded here, so their dtype does not count.",
     "Mistral 7B v0.2 QLoRA CPU offload bs12 ctx2048": "Both Mistral rows read exactly 22.54 GiB, the most the 24 GB "
