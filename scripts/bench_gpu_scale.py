@@ -295,6 +295,8 @@ def trace_row(row: Row) -> dict:
         "reserved_low": usage.reserved_bytes_low, "reserved_high": usage.reserved_bytes_high,
         "device": usage.bytes_expected, "device_low": usage.bytes_low, "device_high": usage.bytes_high,
         "needed": [usage.needed_bytes_low, usage.needed_bytes_expected, usage.needed_bytes_high],
+        # the does-not-fit line where memest has one (DeviceUsage.needed_bytes_floor: the allocator floor + fixed costs)
+        "needed_floor": getattr(usage, "needed_bytes_floor", None),
         "breakdown_at_peak": {k: int(v) for k, v in b.items()},
         "at_peak": {"iteration": result.report.peak_iteration, "phase": str(result.report.phase_at_peak),
                     "module": result.report.module_at_peak, "op": result.report.op_at_peak},
@@ -305,8 +307,11 @@ def trace_row(row: Row) -> dict:
 def score(row: Row, traced: dict) -> dict:
     from memest.device.fit import verdict
 
-    card = row.card[1]
-    memest = {**traced, "verdict": None if card is None else str(verdict(traced["needed"][1], traced["needed"][2], card))}
+    card, needed, floor = row.card[1], traced["needed"], traced.get("needed_floor")
+    # memest's own verdict rule: with a needed floor, "does not fit" only below it (device/fit.py)
+    said = None if card is None else (verdict(needed[1], needed[2], card) if floor is None else
+                                      verdict(needed[1], needed[2], card, needed_low=floor))
+    memest = {**traced, "verdict": None if said is None else str(said)}
     figure = row.figure
     value = memest[figure]
     low, high = (memest.get(f"{figure}_low"), memest.get(f"{figure}_high")) if figure != "allocated" else (None, None)
