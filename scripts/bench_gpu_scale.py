@@ -425,13 +425,16 @@ def misses(scored: list[dict]) -> list[str]:
                        f"replay's ({m['reserved'] / card:.0%} of the {card / GiB:.2f} GiB card); the real allocator, "
                        "when cudaMalloc fails, frees its unused cached blocks and retries (CUDACachingAllocator.cpp, "
                        "release_cached_blocks), so a run near the card reads less reserved; the smallest budget "
-                       f"memest's replay runs the step in is {m['needed'][1] / GiB:.2f} GiB (device, with context), "
-                       "hence its 'fits'. Unconstrained reserved / allocated here: "
+                       f"memest's replay runs the step in is {m['needed'][1] / GiB:.2f} GiB (device, with context; "
+                       f"verdict '{m['verdict']}'). Unconstrained reserved / allocated here: "
                        f"{m['reserved'] / m['allocated']:.2f}.")
         if r["measured_alt_bytes"] is not None:
             why.append(f"Unit: read as 10^9 B the measured is {r['measured_alt_bytes'] / GiB:.2f} GiB and memest's "
                        f"error {r['error_alt_pct']:+.1f}% (measured {'inside' if r['inside_alt'] else 'outside'} "
                        "the range).")
+        if m["verdict"] == "does-not-fit":
+            why.append(f"memest calls a run that ran \"does not fit\" (a goal miss): its smallest budget for the step, "
+                       f"{m['needed'][1] / GiB:.2f} GiB, is above the {card / GiB:.2f} GiB card.")
         if r["group"].startswith("fsdp_qlora"):
             why.append(adapter_dtype_note(r))
         why.append(CAUSES.get(r["label"], ""))
@@ -485,8 +488,7 @@ CAUSES: dict[str, str] = {
         "placing it on the CPU (its help text), and an 80-layer 70B layer is ~1.6 GiB of bf16 weights before "
         "quantization; memest traces the step only. The adapters are offloaded here, so their dtype does not count.",
     "Mistral 7B v0.2 QLoRA CPU offload bs12 ctx2048": "Both Mistral rows read exactly 22.54 GiB, the most the 24 GB "
-        "card leaves the allocator once the context is in: the runs ran at the card's limit. memest's smallest budget "
-        "for the step is above the card, so it calls a run that ran \"does not fit\" (a goal miss). memest's peak is "
+        "card leaves the allocator once the context is in: the runs ran at the card's limit. memest's peak is "
         "in the backward of the recomputed last decoder layer (at its down_proj lora_B), where the fp32 adapters' "
         "dropout outputs are alive (the adapter-dtype arithmetic above); the run may also have offloaded activations "
         "(--use_activation_cpu_offload is not stated for these rows). Not isolated by a trace.",
