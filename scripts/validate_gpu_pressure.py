@@ -222,7 +222,7 @@ def summary_markdown(env: dict, capacity: int, rows: list[dict], skipped: list[d
     gib = 2**30
     lines = [f"# Near-capacity GPU runs: {env.get('gpu')} ({capacity / gib:.2f} GiB total)", "",
              f"driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, {env.get('date')}. "
-             "memest: defaults, no calibration, CUDA hidden.", "",
+             f"memest {env.get('plan_memest')}: defaults, no calibration, CUDA hidden.", "",
              "| config | batch | allocator | expect | OOMed | steps | real alloc GiB | memest alloc GiB | err | "
              "real reserved GiB | memest reserved GiB | err | retries | verdict | holds |",
              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -387,7 +387,20 @@ def make_plan(capacity: int, cc, workers: int, models=PRESSURE_MODELS) -> dict:
             return {"config": list(config), "batch": None, "oom_batch": None, "error": str(exc)[-1500:]}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         entries = list(pool.map(one, models))
-    return {"capacity": capacity, "compute_capability": list(cc), "low": LOW, "high": HIGH, "models": entries}
+    return {"capacity": capacity, "compute_capability": list(cc), "low": LOW, "high": HIGH, "memest": _memest_version(),
+            "models": entries}
+
+
+def _memest_version() -> str:
+    """memest's version and, where the checkout has git, its commit: a reused --plan's estimates are that memest's."""
+    from memest.version import __version__
+
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{__version__} {commit}".strip()
 
 
 def card(index: int = 0) -> tuple[int, list[int], int]:
@@ -454,7 +467,7 @@ def main(argv=None) -> None:
     if plan is None or abs(plan["capacity"] - capacity) > 0.01 * capacity or plan["compute_capability"] != cc:
         plan = make_plan(capacity, cc, args.workers)
     (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
-    env = _environment() | {"capacity": capacity, "device_count": count, "nvml_device_used_before": _nvml(0)()[0]}
+    env = _environment() | {"capacity": capacity, "device_count": count, "plan_memest": plan.get("memest"), "nvml_device_used_before": _nvml(0)()[0]}
     rows, skipped, raw = [], [], []
 
     def save():
