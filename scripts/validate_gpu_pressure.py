@@ -16,7 +16,8 @@ still brings back what finished). Steps, all in fresh processes:
             predicted above the total (expected OOM). ``--plan-only --capacity 80GiB`` does it on any machine
             and ``--plan FILE`` reuses it (re-planned when the card's total differs by more than 1%).
   real      each planned config, default allocator then expandable_segments:True, ``--steps`` steps (default 6):
-            per step the raw memory_stats() (all keys), max_memory_allocated/reserved, num_alloc_retries,
+            per step the raw memory_stats() (all keys), max_memory_allocated/reserved (running peaks since
+            the run began: never reset, so step k's is the peak of steps 0..k), num_alloc_retries,
             num_ooms, NVML used (device, and this process); an OOM is recorded (step, stats), not raised; at the
             end a memory snapshot (_record_memory_history(max_entries=...)): the pickle where under 20 MB, else
             the segment list summary only
