@@ -53,3 +53,21 @@ def test_gradients_keep_their_shapes_and_dtypes():
 
     assert SHAPE[-1] * 2 in grads("cuda")  # the bf16 weight's gradient
     assert grads("cuda") == grads("cpu")
+
+
+
+def test_hf_rms_norm_models_say_what_torchtitans_norm_saves_less():
+    """The note's per-element figure is what the traces show: transformers' LlamaRMSNorm on a bf16 input saves an fp32
+    copy and a bf16 normalized tensor (6 B per element), the fused node only keeps its input alive (the caller's bf16
+    tensor, 2 B, not a new storage here): 4 B net per element per norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from memest.sources.hf import RMS_NORM_EXTRA_BYTES, load_hf_source
+
+    assert any("32 KiB per token" in n for n in load_hf_source("llama-2-7b").notes)  # 2 norms x 4096 x 4 B
+    assert not any("RMSNorm" in n for n in load_hf_source("gpt2").notes)
+
+    hidden, tokens = SHAPE[-1], SHAPE[0] * SHAPE[1]
+    ours = trace_op(lambda m, x: m(x), [SHAPE], module=lambda: LlamaRMSNorm(hidden), dtype=torch.bfloat16)
+    fused = trace_op(lambda m, x: m(x), [SHAPE], module=lambda: nn.RMSNorm(hidden), dtype=torch.bfloat16)
+    assert _saved_bytes(ours) - _saved_bytes(fused) == tokens * hidden * (RMS_NORM_EXTRA_BYTES + 2)

@@ -89,7 +89,7 @@ def load_hf_source(name: str) -> ModelSource:
     except ModelLoadError as exc:
         raise ModelLoadError(f"hf:{display}: {exc}") from None
     config.use_cache = False
-    notes = list(head.notes) + _layerdrop_off(config)
+    notes = list(head.notes) + _layerdrop_off(config) + _rms_norm_note(config)
     ranges = _weak_ranges() if head.reads_values else None
 
     def build_model():
@@ -232,6 +232,28 @@ def _layerdrop_off(config) -> list[str]:
                 f"step skips each layer with probability {value})"
             )
     return notes
+
+
+# Per hidden element per norm, with 16-bit weights: transformers' RMSNorm classes (explicit ops, LlamaRMSNorm:
+# hidden_states.to(float32) ... weight * hidden_states.to(input_dtype)) keep the fp32 up-cast input (4 B) and the
+# 16-bit normalized tensor (2 B) for backward; torch's own RMSNorm on CUDA (_fused_rms_norm, derivatives.yaml) keeps
+# the 16-bit input alone (2 B, the tensor the layer holds anyway). Measured per saved tensor: benchmarks/llama-layer.md.
+RMS_NORM_EXTRA_BYTES = 4
+NORMS_PER_DECODER_LAYER = 2  # input_layernorm, post_attention_layernorm
+
+
+def _rms_norm_note(config) -> list[str]:
+    """Trainers that ship their own model code (torchtitan) use torch's fused RMSNorm: say what transformers' norm
+    costs more, per token per layer (the trace prices transformers' code, as an hf: model runs it)."""
+    hidden = getattr(config, "hidden_size", None)
+    if getattr(config, "rms_norm_eps", None) is None or not isinstance(hidden, int):
+        return []
+    per_token = NORMS_PER_DECODER_LAYER * hidden * RMS_NORM_EXTRA_BYTES
+    return [
+        f"transformers' RMSNorm keeps an fp32 copy of its input for backward: with bf16 weights about {per_token // 1024} "
+        f"KiB per token per un-checkpointed layer more than torch's fused RMSNorm on CUDA, which trainers with their own "
+        "model code use (torchtitan's Llama): such a run holds that much less (benchmarks/llama-layer.md)"
+    ]
 
 
 def _weak_ranges():
