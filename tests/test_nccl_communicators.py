@@ -120,3 +120,16 @@ def test_nvls_buffers_follow_the_gpu_the_group_size_and_the_setting():
     ampere = nccl.nccl_cost(dims, (8, 0), {})
     assert ampere[2] == 3 * nccl.communicator_spread((8, 0)).high  # no NVLS before sm90
     assert nccl.nccl_cost(ParallelDims(2), (9, 0), {})[2] == per.high  # 2 ranks: no NVLS
+
+
+def test_the_summary_names_the_communicators_and_the_device_wide_figure():
+    from types import SimpleNamespace
+
+    from memest.report.summary import _device_rows
+
+    usage = device_usage(hand_trace([12 * MiB]), (9, 0), env={}, world_size=8, dims=ParallelDims(8, tp=2, shard=ZERO3))
+    rows = _device_rows(SimpleNamespace(device=usage))
+    nccl_row = next(r for r in rows if r.value.startswith("+ nccl communicator"))
+    assert "2 communicator(s)" in nccl_row.detail
+    wide = next(r for r in rows if r.value.startswith("device-wide used"))
+    assert "reservation" in wide.detail and [r.label for r in rows].count("predicted device use") == 1

@@ -130,7 +130,8 @@ CONTEXTS: tuple[Measurement, ...] = (
                 "driver 460.91.03 (CUDA 11.2), Jan 2022 (torch <= 1.10: 1.11 was released in March 2022)",
                 "https://github.com/huggingface/transformers/blob/main/docs/source/en/model_memory_anatomy.md",
                 "NVML device used 1343 MB after torch.ones((1, 1)).to('cuda') on an empty GPU; minus the 2 MiB "
-                "small-pool segment of that tensor",
+                "small-pool segment of that tensor (device-wide: it includes the driver's reservation outside any "
+                "process, ~112 MiB on a V100 at driver 440, device/reservation.py)",
                 libraries_loaded=True),
     Measurement(EAGER, _PROBE_INIT[EAGER], "H100 80GB HBM3", _H100, H100_STACK, PROBE_SOURCE,
                 "CUDA_MODULE_LOADING=EAGER: NVML used minus torch's reserved after torch.empty(1, device='cuda')"),
