@@ -39,6 +39,13 @@ GB = 10**9  # the sources write decimal GB
 
 ALL_REDUCE, ALL_TO_ALL = "all_reduce", "all_to_all"
 
+# The ring buffers overheads.py adds per communicator at the defaults: NCCL_BUFFSIZE (4 MiB, NCCL's
+# environment-variable docs) x 16 channels (an assumption: NCCL picks 2-32 by topology) x 2 ring peers.
+NCCL_BUFFSIZE_DEFAULT = 4 * MiB
+NCCL_CHANNELS_DEFAULT = 16
+RING_PEERS = 2
+DEFAULT_RING_BUFFERS = NCCL_BUFFSIZE_DEFAULT * NCCL_CHANNELS_DEFAULT * RING_PEERS
+
 
 @dataclass(frozen=True)
 class NcclMeasurement:
@@ -53,6 +60,13 @@ class NcclMeasurement:
     collective: str  # ALL_REDUCE: the communicator after its first all-reduce; ALL_TO_ALL: the extra an all-to-all connects
     source: str
     measured: str  # what was measured, and the arithmetic applied here
+    peers: bool = True  # the communicator had other ranks, so the measurement holds its ring buffers too
+
+    @property
+    def state_bytes(self) -> int:
+        """The communicator without its ring buffers (added apart, scaled by NCCL_BUFFSIZE and the channels):
+        a measurement with peers less DEFAULT_RING_BUFFERS; one without (a world of one) as measured."""
+        return max(self.bytes - DEFAULT_RING_BUFFERS, 0) if self.peers else self.bytes
 
 
 _PROBE_NCCL = ((PROBE_STAGES["lazy"]["nccl"][0] - PROBE_STAGES["lazy"]["nccl"][1])
@@ -62,7 +76,7 @@ NCCL_RUNS: tuple[NcclMeasurement, ...] = (
     NcclMeasurement(_PROBE_NCCL, "H100 80GB HBM3", (9, 0), f"bundled with {H100_STACK}", "1 (world of one)", 1,
                     ALL_REDUCE, PROBE_SOURCE,
                     "NVML used by the process minus torch's reserved, after init_process_group('nccl') and one "
-                    "all_reduce, minus the same before (a world of one: no peer connections)"),
+                    "all_reduce, minus the same before (a world of one: no peer connections)", peers=False),
     NcclMeasurement(544 * MiB, "A100 (4 x A100, NVLink)", (8, 0), "not stated (PyTorch, Aug 2023)", "2", 1,
                     ALL_REDUCE, "https://github.com/NVIDIA/nccl/issues/964",
                     "GPU memory each 2-rank process group required after a 4 MB all_reduce: 544 MB (read as MiB, "
@@ -175,20 +189,22 @@ def _mib(n: int) -> str:
 
 def communicator_spread(compute_capability: tuple[int, int],
                         rows: tuple[NcclMeasurement, ...] = NCCL_RUNS) -> CommSpread:
-    """One communicator after its first all-reduce: expected = the median of this GPU generation's rows (all
-    rows' where there is none); low / high = the smallest and largest row of any GPU."""
+    """One communicator after its first all-reduce, without its ring buffers (``state_bytes``; overheads.py
+    adds those per communicator): expected = the median of this GPU generation's rows (all rows' where there
+    is none); low / high = the smallest and largest row of any GPU."""
     rows = tuple(r for r in rows if r.collective == ALL_REDUCE)
     if not rows:
         raise ValueError("no NCCL communicator measurement")
-    values = [r.bytes for r in rows]
-    same = [r.bytes for r in rows if r.compute_capability == tuple(compute_capability)]
+    values = [r.state_bytes for r in rows]
+    same = [r.state_bytes for r in rows if r.compute_capability == tuple(compute_capability)]
     expected = int(statistics.median(same if same else values))
     which = (f"median of {len(same)} sm{''.join(map(str, compute_capability))} measurement(s)" if same
              else f"median of all {len(values)}")
     sources = sorted({r.source for r in rows})
     return CommSpread(min(values), expected, max(values),
                       f"per communicator {which}, range {_mib(min(values))}-{_mib(max(values))} MiB over "
-                      f"{len(values)} measurements ({', '.join(sources)}; nccl.NCCL_RUNS)")
+                      f"{len(values)} measurements less the default ring buffers ({_mib(DEFAULT_RING_BUFFERS)} MiB, "
+                      f"added apart) where the communicator had peers ({', '.join(sources)}; nccl.NCCL_RUNS)")
 
 
 def all_to_all_extra(peers: int, rows: tuple[NcclMeasurement, ...] = NCCL_RUNS) -> tuple[int, str]:

@@ -25,7 +25,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from memest.device.measured_runs import H100_STACK, MEASURED_RUNS, PROBE_SOURCE, PROBE_STAGES, VALIDATION_SOURCE, Run
-from memest.device.nccl import nccl_cost
+from memest.device.nccl import NCCL_BUFFSIZE_DEFAULT, NCCL_CHANNELS_DEFAULT, RING_PEERS, nccl_cost
 from memest.spec.parallel_dims import ParallelDims
 from memest.units import MiB
 
@@ -46,10 +46,10 @@ CONSTANTS: dict[str, tuple[int, str]] = {
         "TORCH_CUBLASLT_UNIFIED_WORKSPACE=0 (CublasHandlePool.cpp, unified_cublas_and_lt_workspaces)",
     ),
     # NCCL: per channel, per peer, for each of its protocols' buffers.
-    "nccl_buffsize": (4 * MiB, "NCCL_BUFFSIZE default 4 MiB (NCCL environment-variable docs)"),
+    "nccl_buffsize": (NCCL_BUFFSIZE_DEFAULT, "NCCL_BUFFSIZE default 4 MiB (NCCL environment-variable docs)"),
 }
-NCCL_CHANNELS_DEFAULT = 16  # assumption: NCCL picks 2-32 channels by topology; NCCL_MAX_NCHANNELS caps it,
-# NCCL_MIN_NCHANNELS raises it (NCCL environment-variable docs); memory is linear in channels (nccl#864, sjeaugey)
+# NCCL_CHANNELS_DEFAULT (nccl.py), 16: an assumption: NCCL picks 2-32 channels by topology; NCCL_MAX_NCHANNELS
+# caps it, NCCL_MIN_NCHANNELS raises it (NCCL environment-variable docs); memory is linear in channels (nccl#864)
 CUBLAS_HANDLES_IN_TRAINING = 2  # the forward thread and autograd's device thread each reserve a handle
 
 LAZY, EAGER = "lazy", "eager"
@@ -375,7 +375,7 @@ def nccl_costs(compute_capability: tuple[int, int], dims: ParallelDims, cal: dic
         costs.append(FixedCost("nccl_communicator", expected, basis, bytes_low=low, bytes_high=high))
     buff = int(env.get("NCCL_BUFFSIZE", CONSTANTS["nccl_buffsize"][0]))
     channels = nccl_channels(env)
-    peers = 2  # ring: previous and next rank
+    peers = RING_PEERS  # ring: previous and next rank
     one = buff * channels * peers
     costs.append(
         FixedCost(
