@@ -127,17 +127,18 @@ class GpuContext:
         return self.targets[0].capacity_bytes if self.targets else None
 
     def fit_rows(self, needed: int, fits: Callable[[int], bool] | None = None,
-                 needed_range: tuple[int, int, int] | None = None) -> list:
+                 needed_range: tuple[int, int, int] | None = None, floor: int | None = None) -> list:
         """One FitRow per target; ``fits(capacity)`` decides when given (else needed <= capacity);
-        ``needed_range`` (low, expected, high) gives each row its three-way verdict."""
+        ``needed_range`` (low, expected, high) gives each row its three-way verdict; ``floor``: below it
+        does not fit, between it and needed tight (device/fit.verdict; None: needed)."""
 
         low, _, high = needed_range or (needed, needed, needed)
         rows = []
         for t in self.targets:
             ok = fits(t.capacity_bytes) if fits else needed <= t.capacity_bytes
             rows.append(FitRow(t.label, t.capacity_bytes, t.total_bytes, t.used_bytes, needed, ok,
-                               t.capacity_bytes - needed, verdict(needed, high, t.capacity_bytes) if ok else
-                               Verdict.DOES_NOT_FIT, low, high))
+                               t.capacity_bytes - needed, verdict(needed, high, t.capacity_bytes, floor) if ok
+                               or floor is not None else Verdict.DOES_NOT_FIT, low, high))
         return rows
 
 
@@ -315,7 +316,7 @@ def run_estimate(
         source = source or load_source(spec.model)
         with ticker(f"tracing {source.name}", progress):
             result = estimate(spec, calibration=ctx.calibration if cuda else None, source=source, notes=notes)
-    fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range)
+    fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range, result.needed_floor)
     out = EstimateResult(result, ctx, fits)
     if colocate is not None:
         with user_code(spec.model), ticker("colocated rollout engine", progress):

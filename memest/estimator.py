@@ -51,15 +51,24 @@ class Estimate(EstimateViews):
 
     def fits(self, capacity: int | str) -> bool:
         """needed <= capacity, by definition, so "fits" and headroom (capacity - needed) never disagree.
-        True for both "fits" and "tight" verdicts (see ``verdict``). ``capacity``: bytes, or a budget as
-        the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
+        True for "fits" and for "tight" verdicts from the expected need up; a budget between the needed
+        range's floor and the expected need is "tight" and fits() False (see ``verdict``). ``capacity``:
+        bytes, or a budget as the CLI takes it ("11GB", "11GiB", "rtx2080ti")."""
         return self.needed_bytes <= budget_bytes(capacity)
 
     def verdict(self, capacity: int | str) -> Verdict:
-        """FITS (the high end of the needed range fits), TIGHT (expected fits, high does not) or
-        DOES_NOT_FIT (expected does not); members are their JSON strings ("fits", "tight", "does-not-fit")."""
+        """FITS (the high end of the needed range fits), TIGHT (the needed floor fits, the high end does
+        not) or DOES_NOT_FIT (below the floor, ``needed_floor``); members are their JSON strings ("fits",
+        "tight", "does-not-fit")."""
         _, expected, high = self.needed_range
-        return fit.verdict(expected, high, budget_bytes(capacity))
+        return fit.verdict(expected, high, budget_bytes(capacity), self.needed_floor)
+
+    @property
+    def needed_floor(self) -> int:
+        """Below this budget the step does not fit (DeviceUsage.needed_bytes_floor: the allocator floor + the
+        expected costs outside the allocator); cpu: the needed bytes."""
+        device = self.report.device
+        return device.needed_bytes_floor if device else self.needed_bytes
 
     def headroom_bytes(self, capacity: int | str) -> int:
         """>= 0 exactly when the step fits."""

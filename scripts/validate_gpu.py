@@ -13,6 +13,8 @@ CUDA and torch versions. Needs only torch (+ transformers for hf: cases) and nvi
 
     python scripts/validate_gpu.py                    # all cases
     python scripts/validate_gpu.py --cases 0,1 --out /tmp/v.md
+    python3 scripts/validate_gpu.py --pressure --budget-s 420 --out /tmp/pressure --bundle "$OUT/pressure.tar.gz"
+                                                      # near-capacity suite: scripts/validate_gpu_pressure.py
 """
 
 from __future__ import annotations
@@ -282,6 +284,12 @@ def _err(est: int, real: int) -> float:
 
 
 def main() -> None:
+    if "--pressure" in sys.argv[1:]:  # the near-capacity suite (issue 21): scripts/validate_gpu_pressure.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from validate_gpu_pressure import main as pressure
+
+        pressure([a for a in sys.argv[1:] if a != "--pressure"])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="all")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu-validation.md"))

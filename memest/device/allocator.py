@@ -984,3 +984,50 @@ def _completing_limit(events: list, config: AllocatorConfig, unconstrained: Repl
             return limit
         limit *= 2
     raise ValueError("no device limit found under which the replay completes")
+
+
+# --- the floor: what any run of these events must hold ------------------------------------------------
+def allocator_floor(events: Iterable[tuple[int, int]], config: AllocatorConfig | None = None) -> int:
+    """A lower bound on the bytes the caching allocator holds at some point of ``events``, whatever the
+    device limit and whatever it caches: the step cannot run in a smaller allocator budget.
+
+    At every moment each live block is at least ``round_size`` of its request (512 B, or the
+    roundup_power2_divisions size), blocks of at most kSmallSize (1 MiB) sit in the small pool's
+    segments and larger ones in the large pool's, and each pool holds whole granules: small segments
+    are kSmallBuffer (2 MiB) each; large cudaMalloc'd segments are multiples of kRoundLarge (2 MiB,
+    get_allocation_size); an expandable segment maps pages of kSmallBuffer (small pool) or kLargeBuffer
+    (20 MiB, large pool): ``auto segment_size = pool->is_small ? kSmallBuffer : kLargeBuffer`` in
+    DeviceCachingAllocator::find_expandable_block, and Note [Expandable Segments]: "we use 2MiB pages
+    for our small pool and 20MiB pages for our large pool" (c10/cuda/CUDACachingAllocator.cpp, pytorch main and
+    the releases since expandable segments came in, 2.1). So the floor is
+    the largest, over the events, of each pool's live rounded bytes rounded up to its granule, summed.
+
+    What it leaves out is fragmentation (free holes a request does not fit), which depends on the event
+    order and the allocator's choices; ``min_device_limit`` replays those choices. A real allocator
+    near the floor: expandable segments unmap free pages on an OOM retry (release_cached_blocks), so
+    their holes shrink to sub-page fringes; without them a hole inside a split segment stays reserved.
+    """
+    config = config or AllocatorConfig()
+    rounds = any(config.roundup_power2_divisions)
+    # the replay's pages follow large_segment_size (find_expandable_block above); the C++ uses kLargeBuffer:
+    # the smaller of the two bounds both
+    large_granule = min(kLargeBuffer, config.large_segment_size) if config.expandable_segments else kRoundLarge
+    live: dict[int, int] = {}
+    small = large = floor = 0
+    for sid, delta in events:
+        if delta > 0:
+            size = round_size(delta, config if rounds else None)
+            live[sid] = size
+            if size <= kSmallSize:
+                small += size
+            else:
+                large += size
+            held = -(-small // kSmallBuffer) * kSmallBuffer + -(-large // large_granule) * large_granule
+            floor = max(floor, held)
+        elif delta < 0 and sid in live:
+            size = live.pop(sid)
+            if size <= kSmallSize:
+                small -= size
+            else:
+                large -= size
+    return floor

@@ -4,8 +4,16 @@ The verdict is three-way, on the needed range (the smallest budget the step runs
 high, device/usage.py):
 
     fits          high <= budget       the step fits across the evidence's spread
-    tight         expected <= budget < high
-    does-not-fit  budget < expected
+    tight         floor <= budget < high
+    does-not-fit  budget < floor
+
+where floor (DeviceUsage.needed_bytes_floor) is the allocator floor (allocator.allocator_floor: the
+step's live blocks in whole segments or pages, no fragmentation; no allocator runs the step in less)
+plus the expected costs outside the allocator (their spread is the range's, not the verdict's line:
+below expected fixed costs the step does not fit, as before). Between the floor and expected the
+replay says the caching allocator's fragmentation does not fit; the real one may fragment less (another
+event order, its cache freed before an OOM, expandable segments): tight, not does-not-fit. Callers that
+give no floor keep the older rule (tight from expected up).
 
 By default a tight step counts as fitting for exit codes (said loudly); with --strict it does not.
 """
@@ -23,11 +31,25 @@ from memest.units import parse_bytes
 FITS, TIGHT, DOES_NOT_FIT = Verdict.FITS, Verdict.TIGHT, Verdict.DOES_NOT_FIT  # short names
 
 
-def verdict(needed_expected: int, needed_high: int | None, capacity: int) -> Verdict:
-    """``needed_high`` None: unbounded (cuDNN's benchmark search may take all free memory): never fits."""
+def verdict(needed_expected: int, needed_high: int | None, capacity: int, needed_low: int | None = None) -> Verdict:
+    """``needed_high`` None: unbounded (cuDNN's benchmark search may take all free memory): never fits.
+    ``needed_low``: the needed floor (DeviceUsage.needed_bytes_floor); does-not-fit only below it (None:
+    below expected)."""
     if needed_high is not None and needed_high <= capacity:
         return Verdict.FITS
-    return Verdict.TIGHT if needed_expected <= capacity else Verdict.DOES_NOT_FIT
+    floor = needed_expected if needed_low is None else min(needed_low, needed_expected)
+    return Verdict.TIGHT if floor <= capacity else Verdict.DOES_NOT_FIT
+
+
+def tight_reason(needed_low: int, needed_expected: int, capacity: int) -> str:
+    """Why a tight verdict is tight, in one line (units in MiB)."""
+    mib = 2**20
+    if capacity < needed_expected:
+        return (f"the budget is {(needed_expected - capacity) / mib:.0f} MiB under the caching-allocator replay's "
+                f"need and {(capacity - needed_low) / mib:.0f} MiB over the floor (live blocks, no fragmentation): "
+                "the real allocator may or may not fragment that much; PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True brings it nearer the floor")
+    return "the expected need fits, the high end of the range does not"
 
 
 def passes(result: Verdict | str, strict: bool = False) -> bool:

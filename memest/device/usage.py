@@ -11,7 +11,23 @@ frees its cache and retries before raising OOM, so a step can run in less: the m
 
 Both come as low / expected / high: the fixed costs' evidence spread (overheads.py) plus the replay's
 measured error band on reserved memory (slack.py). ``device_bytes`` and ``min_budget_bytes`` are the
-expected values; the verdict against a budget (device/fit.py) uses the needed range.
+expected values; the verdict against a budget (device/fit.py) uses the needed range and its floor.
+
+The low ends of the needed range and of max_memory_reserved reach down to the allocator floor
+(allocator.allocator_floor: the live blocks in whole segments / pages, no fragmentation): the replay
+follows one event order and the allocator's choices on it, and a real run near its card (another order,
+cached blocks freed before an OOM, expandable segments) can fragment less; it cannot hold less than the
+floor. The expected values assume the allocator settings torch reads (PYTORCH_CUDA_ALLOC_CONF, then
+PYTORCH_HIP_ALLOC_CONF, then PYTORCH_ALLOC_CONF), said in ``range_basis`` with the replay's need under
+expandable_segments:True. The trace holds two steps (trace/step.py): the second reuses the first's
+cache, and a third replays as the second did (tests/test_allocator_pressure.py).
+
+Not modelled (the real allocator holds more, not less): one pool per CUDA stream. "Allocations are
+associated with a stream. Once freed, blocks can be re-allocated on the same stream, but not on any
+other stream" (the header comment of c10/cuda/CUDACachingAllocator.cpp; expandable segments too: "one
+segment (per stream)"), so FSDP2's all-gather and reduce-scatter streams (FSDPCommContext in
+torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) and record_stream'ed blocks keep cached
+segments of their own. The high end does not include it.
 
 Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
 targets/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
@@ -23,7 +39,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from memest.device.allocator import min_device_limit, parse_alloc_conf, replay
+from memest.device.allocator import allocator_floor, min_device_limit, parse_alloc_conf, replay
 from memest.device.nccl import communicator_count
 from memest.device.overheads import FixedCost, fixed_costs, outside_allocator
 from memest.device.reservation import reservation_spread
@@ -32,6 +48,11 @@ from memest.errors import MemestError
 from memest.spec.parallel_dims import ParallelDims
 from memest.trace.events import Phase, Trace
 
+# AcceleratorAllocatorConfig::instance reads the first of these that is set (allocator.alloc_conf_from_env);
+# torchtitan's run_train.sh sets PYTORCH_ALLOC_CONF="expandable_segments:True"
+# (https://github.com/pytorch/torchtitan/blob/main/run_train.sh)
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_EXPANDABLE = "expandable_segments:True"
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
 
 
@@ -74,10 +95,18 @@ class DeviceUsage:
     needed_bytes_low: int = 0  # the smallest budget the step runs in, low / expected / high
     needed_bytes_expected: int = 0
     needed_bytes_high: int | None = 0
-    reserved_bytes_low: int = 0
+    reserved_bytes_low: int = 0  # max_memory_reserved's low end: down to the allocator floor (near capacity)
     reserved_bytes_high: int | None = 0
     cudnn_kernels: bool = False  # the step runs cuDNN kernels (convolution, batch norm, RNN)
     range_basis: list[str] = field(default_factory=list)  # what the range rests on, one line per part
+    # The allocator floor (allocator.allocator_floor): the smallest allocator budget any run of the step's
+    # blocks fits, allocated blocks in whole segments / pages, no fragmentation. The low ends of the reserved
+    # and needed ranges are no higher; the verdict says does-not-fit only below needed_bytes_low.
+    allocator_floor_bytes: int = 0
+    # the floor + the costs outside the allocator (expected): the verdict's does-not-fit line (device/fit.py)
+    needed_bytes_floor: int = 0
+    # min_allocator_limit_bytes with expandable_segments:True (None: the run already sets it)
+    expandable_limit_bytes: int | None = None
     workspaces: WorkspaceRange | None = None  # cuDNN workspaces at their low / high bounds (None: none in the step)
     # Which figure: bytes_* above are the process's own use (nvidia-smi per-process "GPU Memory Usage", NVML
     # usedGpuMemory), repeated as process_bytes_*. The device-wide used (nvmlDeviceGetMemoryInfo) adds the
@@ -180,21 +209,25 @@ def device_usage(
     cudnn = uses_cudnn(trace)
     costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env, cudnn=cudnn,
                         evidence_runs=evidence_runs, dims=dims)
-    conf_text = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    var, conf_text = alloc_conf_text(env)
     try:
         conf = parse_alloc_conf(conf_text)
     except ValueError as exc:  # torch would refuse to start the run with the same setting
-        raise MemestError(
-            f"PYTORCH_CUDA_ALLOC_CONF={conf_text!r}: {exc}; torch rejects this setting too (fix or unset it)"
-        ) from None
+        raise MemestError(f"{var}={conf_text!r}: {exc}; torch rejects this setting too (fix or unset it)") from None
     events = allocator_events(trace, costs)
     result = replay(events, conf)
     limit = min_device_limit(events, conf, unconstrained=result)
     outside = outside_allocator(costs)
     band = slack_band(cudnn) if evidence_runs is None else slack_band(cudnn, evidence_runs)
     allocated = result.peak_allocated
+    floor = min(allocator_floor(events, conf), limit)
     reserved_low, reserved_high = band.bounds(allocated, result.peak_reserved, floor=allocated)
     limit_low, limit_high = band.bounds(allocated, limit, floor=min(limit, allocated))
+    # Near capacity the real allocator may fragment less than the replay (another event order, its cache
+    # freed before an OOM, expandable segments): the needed range and max_memory_reserved reach down to the
+    # floor. Unconstrained device use (bytes_low, room to spare, no OOM recovery) keeps the measured band.
+    limit_low = min(limit_low, floor)
+    expandable = None if conf.expandable_segments else _expandable_limit(events, conf_text)
     workspaces = workspace_range(trace, events, conf, result)
     if workspaces is not None:  # cuDNN's run-time workspace choices widen the range (None: unbounded)
         reserved_low = min(reserved_low, workspaces.low_reserved_bytes)
@@ -233,13 +266,54 @@ def device_usage(
         needed_bytes_low=limit_low + outside.low,
         needed_bytes_expected=limit + outside.expected,
         needed_bytes_high=None if limit_high is None else limit_high + outside.high,
-        reserved_bytes_low=reserved_low,
+        reserved_bytes_low=min(reserved_low, floor),
         reserved_bytes_high=reserved_high,
         cudnn_kernels=cudnn,
         range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis]
+        + allocator_basis(var, conf_text, floor, limit, expandable)
         + (workspaces.unbounded if workspaces is not None else []),
         workspaces=workspaces,
+        allocator_floor_bytes=floor,
+        needed_bytes_floor=floor + outside.expected,
+        expandable_limit_bytes=expandable,
     )
+
+
+def alloc_conf_text(env) -> tuple[str, str]:
+    """(variable, value) of the allocator settings torch reads: the first of ALLOC_CONF_VARS that is set."""
+    for var in ALLOC_CONF_VARS:
+        if var in env:
+            return var, env[var]
+    return ALLOC_CONF_VARS[0], ""
+
+
+def _expandable_limit(events: list[tuple[int, int]], conf_text: str) -> int | None:
+    """The replay's smallest allocator budget with expandable_segments:True added to ``conf_text``
+    (None where torch would reject the combination)."""
+    try:
+        conf = parse_alloc_conf(f"{conf_text},{_EXPANDABLE}" if conf_text.strip() else _EXPANDABLE)
+        return min_device_limit(events, conf)
+    except ValueError:
+        return None
+
+
+def allocator_basis(var: str, conf_text: str, floor: int, limit: int, expandable: int | None) -> list[str]:
+    """The report lines that say which allocator the expected values assume and what the low end is."""
+    mib = 2**20
+    assumed = f"{var}={conf_text}" if conf_text.strip() else f"{var} unset (torch's defaults: expandable segments off)"
+    lines = [
+        f"allocator replay assumes {assumed}; its expected budget is {limit / mib:.0f} MiB for the allocator, "
+        f"{(limit - floor) / mib:.0f} MiB of it fragmentation over the floor",
+        f"low end: the allocator floor {floor / mib:.0f} MiB (the step's live blocks in whole 2 MiB segments, "
+        "or 2 / 20 MiB pages with expandable segments; c10/cuda/CUDACachingAllocator.cpp): below it no "
+        "allocator runs the step; between it and the high end the real allocator may or may not fragment "
+        "as much as the replay",
+    ]
+    if expandable is not None:
+        lines.append(f"with {_EXPANDABLE} the replay needs {expandable / mib:.0f} MiB for the allocator "
+                     f"({(expandable - limit) / mib:+.0f} MiB; pages mapped on demand, free pages unmapped "
+                     "before an OOM)")
+    return lines
 
 
 def fits_in(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dict | None = None) -> bool:
@@ -248,14 +322,19 @@ def fits_in(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dict | N
     they agree at the min budget (completes) and one byte below it (OOM; 1 MiB below with
     per_process_memory_fraction or expandable segments); elsewhere they can differ only where OOM is not
     monotonic in the limit (allocator.min_device_limit)."""
+    result = replay_under(trace, usage, capacity_bytes, env)
+    return result is not None and not result.oom
+
+
+def replay_under(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dict | None = None):
+    """The allocator replay under a device budget (less the expected costs outside the allocator): its
+    ``peak_reserved`` is the max_memory_reserved a run on that card would show, capped near the card where
+    the unconstrained replay holds more (cached blocks are freed before an OOM). None when the costs
+    outside the allocator alone exceed the budget; ``oom`` set when the step does not run in it."""
     outside = sum(c.bytes for c in usage.fixed_costs if not c.in_allocator)
     limit = capacity_bytes - outside
     if limit < 0:
-        return False
+        return None
     env = os.environ if env is None else env
-    result = replay(
-        allocator_events(trace, usage.fixed_costs),
-        parse_alloc_conf(env.get("PYTORCH_CUDA_ALLOC_CONF", "")),
-        device_limit_bytes=limit,
-    )
-    return not result.oom
+    return replay(allocator_events(trace, usage.fixed_costs), parse_alloc_conf(alloc_conf_text(env)[1]),
+                  device_limit_bytes=limit)

@@ -28,7 +28,7 @@ class CheckRow:
     headroom_bytes: int  # budget - required (>= 0 exactly when expected fits)
     seq: int | None = None  # the sequence length traced (the model's default when the config gives none)
     arch: str = ""  # the GPU generation whose kernels were modelled (sm90), --target cuda
-    verdict: Verdict | str = ""  # fits (high <= budget) | tight (expected <= budget < high) | does-not-fit
+    verdict: Verdict | str = ""  # fits (high <= budget) | tight (floor <= budget < high) | does-not-fit
     needed_bytes_low: int = 0  # the needed range (device/usage.py); needed_bytes is the expected value
     needed_bytes_high: int = 0
     required_bytes_high: int = 0  # needed high x (1 + margin): what "fits" needs
@@ -41,23 +41,24 @@ class CheckRow:
 def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | None,
                  strict: bool = False) -> CheckRow:
     """``gpu``: the app layer's GpuContext for this config (budget, GPU generation, calibration);
-    ``source``: the loaded model. The verdict compares needed x (1 + margin), expected and high, with
-    the budget; ``strict``: tight counts as not fitting."""
+    ``source``: the loaded model. The verdict compares needed x (1 + margin), its floor (the allocator
+    floor + expected fixed costs), expected and high, with the budget (device/fit.verdict); ``strict``: tight counts as not fitting."""
     from memest.estimator import estimate
 
     margin = margin if margin is not None else config.margin
     result = estimate(spec, gpu.calibration if spec.target == Target.CUDA else None, source=source)
     low, needed, high = result.needed_range
     budget, label = gpu.capacity_bytes, gpu.budget_label
-    fits = result.fits(budget)
+    floor = result.needed_floor  # below it does not fit (device/fit.verdict)
+    starts = True  # a colocated rollout engine that cannot start: does not fit
     if config.colocate is not None:  # a rollout engine keeps total x utilization of the same GPU
         c = colocated_engine(spec, gpu, result.needed_range, config.colocate)
         low, needed, high = low + c.engine_bytes, needed + c.engine_bytes, None if high is None else high + c.engine_bytes
         budget, label = c.total_bytes, f"{gpu.budget_label} shared with a rollout engine at {c.utilization:g}"
-        fits = needed <= budget and c.engine_starts
+        starts, floor = c.engine_starts, floor + c.engine_bytes
     required = math.ceil(needed * (1 + margin))
     required_high = None if high is None else math.ceil(high * (1 + margin))  # None: unbounded
-    outcome = verdict(required, required_high, budget) if fits and required <= budget else Verdict.DOES_NOT_FIT
+    outcome = verdict(required, required_high, budget, math.ceil(floor * (1 + margin))) if starts else Verdict.DOES_NOT_FIT
     return CheckRow(
         name=config.name,
         path=config.path,

@@ -4,6 +4,7 @@ keeps its own text beside the binary value."""
 
 from __future__ import annotations
 
+from memest.device.fit import tight_reason
 from memest.report.emit import Table, View
 from memest.spec import RunSpec
 from memest.spec.choices import KvDtype, Outputs, ServeVerdict, Target, Verdict
@@ -46,6 +47,9 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
     report, fits, reason = result.report, result.fits, result.gpu.no_gpu_reason
 
     extra = colocate_lines(result.colocate, ("GiB", 2**30)) if result.colocate is not None else []
+    if report.device is not None:  # said loudly: why a tight budget is tight
+        extra = [f"TIGHT against {r.label}: {tight_reason(report.device.needed_bytes_floor, r.needed_bytes, r.capacity_bytes)}"
+                 for r in fits if r.verdict == Verdict.TIGHT] + extra
 
     def rich(console) -> None:
         print_estimate(console, report, fits, reason, depth, **_expand_kw(print_estimate, expand))
@@ -111,7 +115,10 @@ def tight_lines(result) -> list[str]:
     names = ", ".join(r.name for r in tight)
     counted = ("counted as NOT fitting (--strict)" if result.strict else
                "counted as fitting (exit 0); --strict counts tight as not fitting")
-    return [f"TIGHT: {names}: the expected need fits, the high end of its range does not; {counted}. "
+    return [f"TIGHT: {names}: the budget is between the needed floor (the allocator floor: the step's live "
+            "blocks, no fragmentation; + fixed costs) and the high end of the needed range; below the expected need the caching "
+            "allocator replay fragments more than fits, and the real allocator may or may not "
+            f"(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True brings it nearer the floor); {counted}. "
             "`memest calibrate` on the card narrows the range."]
 
 

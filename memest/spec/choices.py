@@ -266,7 +266,7 @@ class Verdict(Choice):
     Declared best to worst."""
 
     FITS = "fits"  # the high end of the range fits
-    TIGHT = "tight"  # the expected need fits, the high end does not
+    TIGHT = "tight"  # the needed floor (allocator floor + fixed costs) fits, the high end does not
     DOES_NOT_FIT = "does-not-fit"  # the expected need does not fit
 
     @classmethod

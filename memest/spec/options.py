@@ -182,8 +182,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("calibration", ("--calibration",), "A profile from `memest calibrate --out FILE`: its measured costs "
            "replace the defaults.", str, ("estimate", "check", "whatif", "max-batch", "advise", "serve",
                                           "plan-parallel"), None, optional=True),
-    Option("strict", ("--strict",), "A tight verdict (expected fits, the high end of the range does not) counts as not "
-           "fitting.", bool, ("estimate", "check"), False),
+    Option("strict", ("--strict",), "A tight verdict (the needed floor fits, the high end of the needed range does "
+           "not) counts as not fitting.", bool, ("estimate", "check"), False),
     # --- each command's own
     Option("depth", ("--depth",), "Module-tree depth shown in the table.", int, ("estimate",), 3),
     Option("expand", ("--expand",), "Show every repeated block instead of one row per run.", bool, ("estimate",),
