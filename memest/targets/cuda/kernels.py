@@ -4,7 +4,7 @@ Three mechanisms, each undone when its trace ends:
 
 - op replacements (``CudaKernels``, registered at the AutogradCPU key like ``sdpa.CudaSdpa``): where a
   CompositeImplicit op branches on the device, the CUDA branch is called on the CPU tensors, so autograd
-  records (and saves) what it records on a GPU — dropout, and cuDNN RNNs (rnn.py);
+  records (and saves) what it records on a GPU — dropout, torch's RMSNorm (rms_norm.py), and cuDNN RNNs (rnn.py);
 - output rewrites (``CUDA_OUTPUTS``, applied by the tracker at the fake-kernel level): a CUDA kernel whose
   outputs differ from the fake (CPU/meta) kernel's in dtype or storage size — layer/batch norm statistics,
   cuDNN RNN reserve, mse_loss's reduced output;
@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from memest.targets.cuda.conv import ConvWorkspaces
+from memest.targets.cuda.rms_norm import rms_norm as _rms_norm
 from memest.targets.cuda.rnn import CudaRnn, backward_scratch, fix_reserve, forward_scratch
 from memest.targets.cuda.sdpa import CUDA_SCRATCH as SDPA_SCRATCH
 
@@ -142,7 +143,7 @@ def cuda_scratch(cudnn_benchmark: bool = False) -> dict:
 
 
 class CudaKernels(contextlib.ExitStack):
-    """Context manager: the CUDA branches of device-dependent composite ops (dropout, cuDNN RNNs) for
+    """Context manager: the CUDA branches of device-dependent composite ops (dropout, RMSNorm, cuDNN RNNs) for
     CPU tensors; ``rnn.calls`` counts the RNN calls it redirected."""
 
     def __init__(self) -> None:
@@ -156,5 +157,6 @@ class CudaKernels(contextlib.ExitStack):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
             lib.impl("dropout", _dropout, "AutogradCPU")
+            lib.impl("rms_norm", _rms_norm, "AutogradCPU")  # rms_norm.py
         self.enter_context(self.rnn)
         return self

@@ -1,0 +1,55 @@
+"""torch's RMSNorm on --target cuda: one _fused_rms_norm node saving input + rstd (memest/targets/cuda/rms_norm.py),
+where the CPU's composite saves the fp32 up-cast input and the fp32 normalized tensor."""
+
+import math
+
+import torch
+from torch import nn
+
+from .test_cuda_kernels import saved, trace_op
+
+SHAPE = (4, 256, 512)
+
+
+def _saved_bytes(trace) -> int:
+    return sum(r.nbytes for r in saved(trace))
+
+
+def test_bf16_rms_norm_saves_input_and_rstd_on_cuda():
+    n = math.prod(SHAPE)
+    rows = SHAPE[0] * SHAPE[1]
+    cuda = trace_op(lambda m, x: m(x), [SHAPE], module=lambda: nn.RMSNorm(SHAPE[-1]), dtype=torch.bfloat16)
+    cpu = trace_op(lambda m, x: m(x), [SHAPE], module=lambda: nn.RMSNorm(SHAPE[-1]), dtype=torch.bfloat16, target="cpu")
+    # derivatives.yaml _fused_rms_norm: input (the bf16 input the caller holds: not a new storage) and result1 (rstd,
+    # fp32 acc_type, one per row); the CPU composite saves the fp32 up-cast input and the fp32 normalized tensor too
+    assert _saved_bytes(cuda) == rows * 4
+    assert _saved_bytes(cpu) - _saved_bytes(cuda) == 2 * 4 * n
+    assert not [r for r in cuda.storages if r.op.startswith("_to_copy")]  # no fp32 up-cast on the fused path
+
+
+def test_weight_dtype_mismatch_keeps_the_composite():
+    """rms_norm_symint: a weight whose dtype differs from the input's cannot take the fused kernel (it warns)."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(SHAPE[-1]))
+
+        def forward(self, x):
+            return nn.functional.rms_norm(x.to(torch.bfloat16), (SHAPE[-1],), self.weight.float())
+
+    cuda = trace_op(lambda m, x: m(x), [SHAPE], module=Mixed)
+    cpu = trace_op(lambda m, x: m(x), [SHAPE], module=Mixed, target="cpu")
+    assert _saved_bytes(cuda) == _saved_bytes(cpu)
+
+
+def test_gradients_keep_their_shapes_and_dtypes():
+    """The fused node's backward returns dX in the input's dtype and dweight in the weight's (the step's optimizer
+    and the next layer see the same tensors as with the composite)."""
+    def grads(target):
+        trace = trace_op(lambda m, x: m(x), [SHAPE], module=lambda: nn.RMSNorm(SHAPE[-1]), dtype=torch.bfloat16,
+                         target=target)
+        return sorted(r.nbytes for r in trace.storages if r.category.name == "GRADIENTS")
+
+    assert SHAPE[-1] * 2 in grads("cuda")  # the bf16 weight's gradient
+    assert grads("cuda") == grads("cpu")
