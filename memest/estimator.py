@@ -155,7 +155,8 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
 def _trace_rank(spec: RunSpec, calibration: dict | None, source) -> _Rank:
     start = time.perf_counter()
     trace = trace_step(source, spec)
-    device = (device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration)
+    device = (device_usage(trace, spec.compute_capability, world_size=spec.world_size, calibration=calibration,
+                           dims=spec.parallel)
               if spec.target == Target.CUDA else None)
     return _Rank(spec, trace, device, time.perf_counter() - start)
 

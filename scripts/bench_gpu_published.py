@@ -224,9 +224,10 @@ def score(row: Row) -> dict:
     from memest.spec import RunSpec
 
     start = time.perf_counter()
-    result = estimate(RunSpec(**row.spec, compute_capability=row.cc))
+    spec = RunSpec(**row.spec, compute_capability=row.cc)
+    result = estimate(spec)
     env = {**row.env}
-    usage = device_usage(result.trace, row.cc, env=env, world_size=row.spec.get("world_size", 1))
+    usage = device_usage(result.trace, row.cc, env=env, world_size=row.spec.get("world_size", 1), dims=spec.parallel)
     if row.measured_bytes is None:  # an out-of-memory report: only the verdict can be scored
         return {"group": row.group, "label": row.label, "source": row.source, "setup": row.setup, "spec": row.spec,
                 "compute_capability": list(row.cc), "env": row.env, "card_bytes": row.card_bytes, "oom": True,

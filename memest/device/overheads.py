@@ -8,7 +8,7 @@ torch.cuda.memory_reserved()):
     CUDA context     driver state + the kernels loaded at start-up         CONTEXTS (by GPU generation)
     libraries        cuBLAS/cuBLASLt (every step with a linear layer),     LIBRARY_RUNS: whole training
                      cuDNN (convolutions, batch norm, RNNs)                processes minus their context
-    NCCL             communicator state (world size > 1)                   the probe's NCCL stage
+    NCCL             per communicator the rank opens (world size > 1)      nccl.py: NCCL_RUNS, communicator_count
 
 Each is a Spread: low / expected / high. The expected context is the median of the measurements for
 the GPU generation being modelled (all generations' median where none exists); low and high are the
@@ -25,6 +25,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from memest.device.measured_runs import H100_STACK, MEASURED_RUNS, PROBE_SOURCE, PROBE_STAGES, VALIDATION_SOURCE, Run
+from memest.device.nccl import NCCL_BUFFSIZE_DEFAULT, NCCL_CHANNELS_DEFAULT, RING_PEERS, nccl_cost
+from memest.spec.parallel_dims import ParallelDims
 from memest.units import MiB
 
 # name: (bytes, source)
@@ -44,9 +46,10 @@ CONSTANTS: dict[str, tuple[int, str]] = {
         "TORCH_CUBLASLT_UNIFIED_WORKSPACE=0 (CublasHandlePool.cpp, unified_cublas_and_lt_workspaces)",
     ),
     # NCCL: per channel, per peer, for each of its protocols' buffers.
-    "nccl_buffsize": (4 * MiB, "NCCL_BUFFSIZE default 4 MiB (NCCL environment-variable docs)"),
+    "nccl_buffsize": (NCCL_BUFFSIZE_DEFAULT, "NCCL_BUFFSIZE default 4 MiB (NCCL environment-variable docs)"),
 }
-NCCL_CHANNELS_DEFAULT = 16  # assumption: NCCL picks 2-32 channels by topology; NCCL_MAX_NCHANNELS caps it
+# NCCL_CHANNELS_DEFAULT (nccl.py), 16: an assumption: NCCL picks 2-32 channels by topology; NCCL_MAX_NCHANNELS
+# caps it, NCCL_MIN_NCHANNELS raises it (NCCL environment-variable docs); memory is linear in channels (nccl#864)
 CUBLAS_HANDLES_IN_TRAINING = 2  # the forward thread and autograd's device thread each reserve a handle
 
 LAZY, EAGER = "lazy", "eager"
@@ -127,7 +130,8 @@ CONTEXTS: tuple[Measurement, ...] = (
                 "driver 460.91.03 (CUDA 11.2), Jan 2022 (torch <= 1.10: 1.11 was released in March 2022)",
                 "https://github.com/huggingface/transformers/blob/main/docs/source/en/model_memory_anatomy.md",
                 "NVML device used 1343 MB after torch.ones((1, 1)).to('cuda') on an empty GPU; minus the 2 MiB "
-                "small-pool segment of that tensor",
+                "small-pool segment of that tensor (device-wide: it includes the driver's reservation outside any "
+                "process, ~112 MiB on a V100 at driver 440, device/reservation.py)",
                 libraries_loaded=True),
     Measurement(EAGER, _PROBE_INIT[EAGER], "H100 80GB HBM3", _H100, H100_STACK, PROBE_SOURCE,
                 "CUDA_MODULE_LOADING=EAGER: NVML used minus torch's reserved after torch.empty(1, device='cuda')"),
@@ -242,12 +246,6 @@ def library_spread(loading: str, cudnn: bool, runs: tuple[Run, ...] = MEASURED_R
                   "H100 only)")
 
 
-def nccl_spread(loading: str) -> Spread:
-    value = _probe_delta(loading, "nccl", "sdpa_flash")
-    return Spread.exact(value, f"NCCL communicator: the H100 probe's NCCL stage ({loading}; world of 1 and one "
-                               f"all_reduce), one measurement ({PROBE_SOURCE})")
-
-
 # ------------------------------------------------------------------------------------ fixed costs
 
 
@@ -311,11 +309,13 @@ def fixed_costs(
     *,
     cudnn: bool = False,
     evidence_runs: tuple[Run, ...] | None = None,
+    dims: ParallelDims | None = None,
 ) -> list[FixedCost]:
     """The fixed costs of one process: ``cudnn``: the step runs cuDNN kernels (convolutions, batch
     norm, RNNs). A calibration's measured values replace the evidence defaults, component by component.
     ``evidence_runs``: the measured training processes to derive library costs from (default: all of
-    measured_runs.MEASURED_RUNS; benchmarks leave a run out to test on it)."""
+    measured_runs.MEASURED_RUNS; benchmarks leave a run out to test on it). ``dims``: the layout whose NCCL
+    communicators the rank opens (default: ``world_size`` data-parallel ranks, DDP's one world group)."""
     env = os.environ if env is None else env
     cal = calibration or {}
     loading = loading_mode(env)
@@ -350,19 +350,43 @@ def fixed_costs(
         lt = int(env.get("CUBLASLT_WORKSPACE_SIZE", 1024)) * 1024
         costs.append(FixedCost("cublaslt_workspaces", lt * handles, CONSTANTS["cublaslt_workspace"][1], in_allocator=True))
     if world_size > 1:
-        nccl = use_cal and _calibrated(cal, "nccl_library_bytes", "nccl_communicator", "NCCL communicator")
-        costs.append(nccl or FixedCost.from_spread("nccl_communicator", nccl_spread(loading)))
-        buff = int(env.get("NCCL_BUFFSIZE", CONSTANTS["nccl_buffsize"][0]))
-        channels = int(env.get("NCCL_MAX_NCHANNELS", NCCL_CHANNELS_DEFAULT))
-        peers = 2  # ring: previous and next rank
-        costs.append(
-            FixedCost(
-                "nccl_buffers",
-                buff * channels * peers,
-                f"{buff} B x {channels} channels x {peers} peers; {CONSTANTS['nccl_buffsize'][1]}; "
-                f"{channels} channels is an assumption (NCCL_MAX_NCHANNELS overrides)",
-            )
+        costs += nccl_costs(compute_capability, dims or ParallelDims(world_size), cal if use_cal else {}, env)
+    return costs
+
+
+def nccl_channels(env: dict) -> int:
+    """Channels per communicator: NCCL_MAX_NCHANNELS caps the assumed default, NCCL_MIN_NCHANNELS raises it."""
+    channels = int(env.get("NCCL_MAX_NCHANNELS", NCCL_CHANNELS_DEFAULT))
+    return max(channels, int(env.get("NCCL_MIN_NCHANNELS", 0)))
+
+
+def nccl_costs(compute_capability: tuple[int, int], dims: ParallelDims, cal: dict, env: dict) -> list[FixedCost]:
+    """Per communicator the rank opens (nccl.communicator_count): its measured cost (nccl.NCCL_RUNS, or the
+    calibration's one communicator) and its ring buffers: NCCL_BUFFSIZE x channels x 2 peers."""
+    low, expected, high, basis, count = nccl_cost(dims, compute_capability, env)
+    costs = []
+    if count.expected == 0 and count.high == 0:
+        return costs
+    if cal.get("nccl_library_bytes") is not None:
+        one = _calibrated(cal, "nccl_library_bytes", "nccl_communicator", "NCCL communicator")
+        costs.append(FixedCost("nccl_communicator", one.bytes * count.expected, f"{count.describe()} x {one.source}",
+                               calibrated=True, bytes_low=one.bytes * count.low, bytes_high=one.bytes * count.high))
+    else:
+        costs.append(FixedCost("nccl_communicator", expected, basis, bytes_low=low, bytes_high=high))
+    buff = int(env.get("NCCL_BUFFSIZE", CONSTANTS["nccl_buffsize"][0]))
+    channels = nccl_channels(env)
+    peers = RING_PEERS  # ring: previous and next rank
+    one = buff * channels * peers
+    costs.append(
+        FixedCost(
+            "nccl_buffers",
+            one * count.expected,
+            f"{count.expected} communicator(s) x {buff} B x {channels} channels x {peers} peers; "
+            f"{CONSTANTS['nccl_buffsize'][1]}; {channels} channels is an assumption (NCCL_MAX_NCHANNELS / "
+            "NCCL_MIN_NCHANNELS override it)",
+            bytes_low=one * count.low, bytes_high=one * count.high,
         )
+    )
     return costs
 
 

@@ -40,9 +40,12 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from memest.device.allocator import allocator_floor, min_device_limit, parse_alloc_conf, replay
+from memest.device.nccl import communicator_count
 from memest.device.overheads import FixedCost, fixed_costs, outside_allocator
+from memest.device.reservation import reservation_spread
 from memest.device.slack import slack_band
 from memest.errors import MemestError
+from memest.spec.parallel_dims import ParallelDims
 from memest.trace.events import Phase, Trace
 
 # AcceleratorAllocatorConfig::instance reads the first of these that is set (allocator.alloc_conf_from_env);
@@ -105,6 +108,21 @@ class DeviceUsage:
     # min_allocator_limit_bytes with expandable_segments:True (None: the run already sets it)
     expandable_limit_bytes: int | None = None
     workspaces: WorkspaceRange | None = None  # cuDNN workspaces at their low / high bounds (None: none in the step)
+    # Which figure: bytes_* above are the process's own use (nvidia-smi per-process "GPU Memory Usage", NVML
+    # usedGpuMemory), repeated as process_bytes_*. The device-wide used (nvmlDeviceGetMemoryInfo) adds the
+    # driver/firmware reservation outside any process (device/reservation.py): device_used_bytes_*. Compare
+    # live free memory with the process figure, a card's total with the device-wide one.
+    process_bytes_low: int = 0
+    process_bytes_expected: int = 0
+    process_bytes_high: int | None = 0
+    device_reservation_bytes_low: int = 0
+    device_reservation_bytes_expected: int = 0
+    device_reservation_bytes_high: int = 0
+    device_reservation_basis: str = ""
+    device_used_bytes_low: int = 0
+    device_used_bytes_expected: int = 0
+    device_used_bytes_high: int | None = 0
+    nccl_communicators: int = 0  # expected NCCL communicators the rank opens (device/nccl.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,12 +201,14 @@ def device_usage(
     calibration: dict | None = None,
     env: dict | None = None,
     evidence_runs: tuple | None = None,
+    dims: ParallelDims | None = None,
 ) -> DeviceUsage:
-    """``evidence_runs``: the measured runs the ranges rest on (default: measured_runs.MEASURED_RUNS)."""
+    """``evidence_runs``: the measured runs the ranges rest on (default: measured_runs.MEASURED_RUNS);
+    ``dims``: the layout whose NCCL communicators the rank opens (default: ``world_size`` DDP ranks)."""
     env = os.environ if env is None else env
     cudnn = uses_cudnn(trace)
     costs = fixed_costs(compute_capability, world_size, calibration=calibration, env=env, cudnn=cudnn,
-                        evidence_runs=evidence_runs)
+                        evidence_runs=evidence_runs, dims=dims)
     var, conf_text = alloc_conf_text(env)
     try:
         conf = parse_alloc_conf(conf_text)
@@ -217,7 +237,20 @@ def device_usage(
         else:
             reserved_high = max(reserved_high, workspaces.high_reserved_bytes)
             limit_high = max(limit_high, workspaces.high_reserved_bytes)
+    process_high = None if reserved_high is None else reserved_high + outside.high
+    held = reservation_spread()
     return DeviceUsage(
+        process_bytes_low=reserved_low + outside.low,
+        process_bytes_expected=result.peak_reserved + outside.expected,
+        process_bytes_high=process_high,
+        device_reservation_bytes_low=held.low,
+        device_reservation_bytes_expected=held.expected,
+        device_reservation_bytes_high=held.high,
+        device_reservation_basis=held.basis,
+        device_used_bytes_low=reserved_low + outside.low + held.low,
+        device_used_bytes_expected=result.peak_reserved + outside.expected + held.expected,
+        device_used_bytes_high=None if process_high is None else process_high + held.high,
+        nccl_communicators=communicator_count(dims or ParallelDims(world_size)).expected if world_size > 1 else 0,
         tensor_peak_bytes=trace.peak()[0],
         allocated_peak_bytes=allocated,
         reserved_peak_bytes=result.peak_reserved,

@@ -218,7 +218,8 @@ def _rebuild(runner: Runner):
         if base.target != Target.CUDA:
             return peak, peak, lambda cap: peak <= cap
 
-        usage = device_usage(trace, base.compute_capability, world_size=base.world_size, calibration=runner.calibration)
+        usage = device_usage(trace, base.compute_capability, world_size=base.world_size, calibration=runner.calibration,
+                             dims=base.parallel)
         needed = usage.min_budget_bytes
         return peak, needed, lambda cap: needed <= cap
 

@@ -116,10 +116,18 @@ def _device_rows(report: Report) -> list[SummaryRow]:
         if not cost.in_allocator:
             tag = "calibrated" if cost.calibrated else "assumption" if cost.source.startswith("assumption") else "evidence"
             spread = f", {format_bytes(cost.low)}-{format_bytes(cost.high)}" if cost.low != cost.high else ""
-            rows.append(SummaryRow("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)}", f"({tag}{spread})"))
+            count = f"; {dev.nccl_communicators} communicator(s)" if cost.name == "nccl_communicator" else ""
+            rows.append(SummaryRow("", f"+ {cost.name.replace('_', ' ')} {format_bytes(cost.bytes)}",
+                                   f"({tag}{spread}{count})"))
     rows.append(SummaryRow("predicted device use", format_bytes(dev.device_bytes),
                            f"(range {format_bytes(dev.bytes_low)} - {format_bound(dev.bytes_high)}; what nvidia-smi would "
-                           "show on a GPU with room to spare)"))
+                           "show for the process on a GPU with room to spare)"))
+    if dev.device_used_bytes_expected:
+        rows.append(SummaryRow("", f"device-wide used {format_bytes(dev.device_used_bytes_expected)}",
+                               f"(range {format_bytes(dev.device_used_bytes_low)} - "
+                               f"{format_bound(dev.device_used_bytes_high)}; + the driver's reservation outside any "
+                               f"process, {format_bytes(dev.device_reservation_bytes_low)}-"
+                               f"{format_bytes(dev.device_reservation_bytes_high)}: NVML device used, vs a card's total)"))
     rows.append(SummaryRow("needed", format_bytes(dev.min_budget_bytes),
                            f"(range {format_bytes(dev.needed_bytes_low)} - {format_bound(dev.needed_bytes_high)}; the "
                            "smallest device budget the step runs in: the allocator frees its cache before running out)",
