@@ -43,7 +43,8 @@ import torch
 
 from memest.errors import TraceError
 from memest.features.base import StepFeature
-from memest.spec.choices import Target
+from memest.spec.choices import LossHead, Target
+from memest.trace.tracker import TrackingFakeMode
 
 # torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
 # (boxed_nop), so memest runs them as registered, on its fake tensors; aot_eager_decomp_partition uses Inductor's
@@ -306,6 +307,33 @@ def dynamo_session():
         torch._dynamo.reset()
 
 
+def _rng_hops_under_tracking_modes() -> None:
+    """torch.utils.checkpoint inside a compiled step whose checkpointed region draws random numbers (dropout, SDPA
+    with dropout_p; timm's ``set_grad_checkpointing()``): AOTAutograd's partitioner runs those ops through the
+    ``run_and_save_rng_state`` / ``run_with_rng_state`` higher-order ops (torch/_prims/rng_prims.py) so the recompute
+    in backward draws the same numbers. torch registers them for ``FakeTensorMode`` itself (``register_fake``), and a
+    higher-order op looks a mode up by its exact type, so memest's tracking fake modes (subclasses) had no rule
+    (NotImplementedError). Each is given torch's own fake rule: under the mode, the op's backend implementation —
+    the saved state is the generator's state, a CPU tensor (``torch.get_rng_state()``; for CUDA
+    ``torch.cuda.get_rng_state()``, also on the host), and the op runs on the fake tensors."""
+    from torch._C import DispatchKey
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    for hop in (run_and_save_rng_state, run_with_rng_state):
+        backend = hop.py_kernels[DispatchKey.BackendSelect]
+        for cls in [TrackingFakeMode, *_subclasses(TrackingFakeMode)]:
+            if cls not in hop.python_key_table:
+                hop.py_impl(cls)(_under_mode(backend))
+
+
+def _under_mode(backend):
+    def rule(mode, *args, **kwargs):
+        with mode:
+            return backend(*args, **kwargs)
+
+    return rule
+
+
 @contextlib.contextmanager
 def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
     """While entered, ``model(...)`` runs the compiled forward of the traced step."""
@@ -314,6 +342,7 @@ def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
         return
     with contextlib.ExitStack() as stack:
         stack.enter_context(dynamo_session())
+        _rng_hops_under_tracking_modes()
         if request.backend == "inductor":
             stack.enter_context(inductor_without_kernels())
         model.forward = CompiledForward(model, request)
@@ -394,6 +423,15 @@ def _compile_request(model, spec) -> tuple[Any, CompileRequest | None]:
             "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
             "--checkpointing, or trace eager with --no-compile (torch._functorch.config.activation_memory_budget is "
             "the compiled step's own recomputation, and is traced)"
+        )
+    if request is not None and not request.traced_eager and LossHead.of(spec.loss_head)[0] is not LossHead.STANDARD:
+        # --loss-head replaces the causal LM's forward (features/loss_head.py) around the user's loop, which would
+        # replace the compiled forward installed here: the step would run eager while the report said compiled
+        raise TraceError(
+            f"--loss-head {spec.loss_head} on a compiled step: memest does not trace the compiled model with a replaced "
+            "loss head (torchtune compiles each layer and the loss separately, a partition memest does not model), "
+            "and tracing it eager would report a step that was not compiled; use --loss-head standard with the "
+            "compiled step, or --no-compile to trace the loss head eager"
         )
     if request is not None and spec.world_size > 1 and spec.training:
         raise TraceError(
