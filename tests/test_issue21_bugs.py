@@ -59,3 +59,20 @@ def test_checkpointed_attention_with_dropout_traces_compiled_for_cuda():
     trace = trace_step(load_source(ref), RunSpec(model=ref, batch=8, target="cuda", compile=True))
     assert any("compiled step (torch.compile, Inductor" in n for n in trace.notes), trace.notes
     assert trace.peak()[0] > 0
+
+
+def test_advise_offers_no_loss_head_remedy_for_a_compiled_step():
+    """A compiled step with a replaced head is refused (features/compiled.py), so advise must not offer one."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    from .conftest import model_ref
+
+    result = CliRunner().invoke(app, ["advise", model_ref("hf:gpt2-tiny"), "--batch", "8", "--seq", "128",
+                                      "--target", "cpu", "--gpu", "1MiB", "--compile", "--json"])
+    assert result.exit_code == 0, result.output
+    names = [r["name"] for r in json.loads(result.stdout)["remedies"]]
+    assert names and not any("cross-entropy" in n for n in names)

@@ -107,7 +107,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     blocks, causal_lm, compiled = _model_traits(runner) if base.training else (False, False, False)
     if base.training and base.outputs == Outputs.KEPT:
         out.append(("free outputs before backward", {"outputs": "freed"}, 0.0))
-    if base.training and base.loss_head == "standard" and causal_lm:
+    # a compiled step with a replaced head is refused (features/compiled.py: the head's forward would run eager)
+    if base.training and base.loss_head == "standard" and causal_lm and not compiled:
         out.append(("chunked LM head + cross-entropy (torchtune)", {"loss_head": "chunked"}, 0.03))
         out.append(("fused linear cross-entropy (Liger-Kernel)", {"loss_head": "fused"}, 0.04))
     if base.precision == Precision.FP32 and base.target == Target.CUDA:
