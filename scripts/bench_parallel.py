@@ -36,6 +36,9 @@ sys.path.insert(0, str(ROOT))
 TINY = [  # (label, config, RunSpec changes)
     ("TP 2", "llama-tiny", dict(world_size=2, tp=2)),
     ("TP 2 + SP", "llama-tiny", dict(world_size=2, tp=2, sp=True)),
+    # torchtitan's head (issue 21): loss parallel (its default, vocabulary-sharded logits) and disable_loss_parallel
+    ("TP 2 + SP, loss parallel", "llama-tiny", dict(world_size=2, tp=2, sp=True, loss_parallel=True)),
+    ("TP 2 + SP, no loss parallel", "llama-tiny", dict(world_size=2, tp=2, sp=True, loss_parallel=False)),
     ("TP 4", "llama-tiny-tp", dict(world_size=4, tp=4)),
     ("FSDP x TP 2 x 2", "llama-tiny-tp", dict(world_size=4, tp=2, shard="zero3")),
     ("PP 2, 1F1B, M 4", "llama-tiny", dict(world_size=2, pp=2, microbatches=4)),

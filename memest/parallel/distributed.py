@@ -49,6 +49,7 @@ from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.parallel.pipeline_parallel import PipelineStep, describe
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Optimizer, Shard, Target
+from memest.spec.parallel_dims import loss_parallel
 from memest.trace.dtype import HALF
 from memest.trace.events import Category, Phase, Trace
 from memest.trace.tracker import TrackerRules
@@ -201,9 +202,20 @@ def _tensor_parallel(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool
     what = f"{applied.tp} x {applied.ep}" if applied.ep else applied.tp
     if applied.fsdp is not None:
         applied.fsdp.description = f"{what} x {applied.fsdp.description} over DP {spec.parallel.dp}"
+        if loss_parallel(spec):
+            applied.fsdp.step_context = _loss_parallel
         return applied.fsdp
     params = [p for p in model.parameters() if p.requires_grad]
-    return Parallel(model, model, make_optimizer(spec, params), what)
+    parallel = Parallel(model, model, make_optimizer(spec, params), what)
+    if loss_parallel(spec):  # torchtitan's train_context: forward and backward under loss_parallel()
+        parallel.step_context = _loss_parallel
+    return parallel
+
+
+def _loss_parallel() -> contextlib.AbstractContextManager:
+    from torch.distributed.tensor.parallel import loss_parallel as context
+
+    return context()
 
 
 def _expert_parallel(model: nn.Module, spec: RunSpec, meshes: Meshes, fake: bool) -> Parallel:

@@ -15,8 +15,14 @@ Plans (module name -> parallel style), for transformers decoder models:
                  sequence-sharded output, every norm SequenceParallel, attention and MLP inputs
                  all-gathered (PrepareModuleInput Shard(1) -> Replicate), o/down projections
                  reduce-scattered back to sequence shards (RowwiseParallel(output_layouts=Shard(1))),
-                 the head column-wise from sequence shards with a replicated output (no loss parallel:
-                 transformers computes the loss on whole logits).
+                 the head column-wise from sequence shards. With loss parallel (torchtitan's default, on
+                 unless ``parallelism.disable_loss_parallel``; --no-loss-parallel here) the head's output stays
+                 sharded over the vocabulary (``ColwiseParallel(input_layouts=Shard(1),
+                 output_layouts=Shard(-1), use_local_output=False)``: DTensor logits) and the step runs under
+                 torch's ``loss_parallel()`` (distributed.py's step context, forward and backward, as
+                 torchtitan's train_context), so transformers' loss (ForCausalLMLoss: float, shift, cross
+                 entropy) runs on the rank's vocabulary shard; without it the head gathers whole logits
+                 (``output_layouts=Replicate()``) and every rank computes the loss on them.
 
   --tp N         on a plan with transformers' own styles (the MoE families: Mixtral, Qwen2/3-MoE, OLMoE,
   (MoE plans)    DeepSeek-V3: ``packed_colwise`` for the experts' fused gate/up weight, ``moe_tp_experts`` for the
@@ -36,6 +42,7 @@ from torch import nn
 
 from memest.errors import MemestError
 from memest.spec import RunSpec
+from memest.spec.parallel_dims import loss_parallel
 
 # transformers' plan strings (transformers/integrations/tensor_parallel.py, ParallelInterface) that
 # have a torch parallel style of the same meaning
@@ -56,7 +63,9 @@ def tp_plan(model: nn.Module, spec: RunSpec) -> tuple[dict, str]:
     base_model = getattr(model, prefix, model)
     where = f"{prefix}." if base_model is not model else ""
     if spec.sp:
-        return _titan_plan(model, where, config), "torchtitan's Llama TP plan with sequence parallel (apply_tp)"
+        lp = loss_parallel(spec)
+        head = "loss parallel: vocabulary-sharded logits" if lp else "no loss parallel: the head gathers whole logits"
+        return _titan_plan(model, where, config, lp), f"torchtitan's Llama TP plan with sequence parallel (apply_tp; {head})"
     unsupported = sorted({v for v in base.values() if v not in _TORCH_STYLE})
     if unsupported:  # transformers' own styles (MoE experts, packed gate/up): its own DTensor implementation
         plan = _transformers_plan(model, spec)
@@ -146,7 +155,7 @@ def _untied_head(model: nn.Module) -> str | None:
     return "lm_head"
 
 
-def _titan_plan(model: nn.Module, where: str, config) -> dict:
+def _titan_plan(model: nn.Module, where: str, config, loss_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -174,7 +183,10 @@ def _titan_plan(model: nn.Module, where: str, config) -> dict:
     if head is None and isinstance(getattr(model, "lm_head", None), nn.Linear):
         raise MemestError("--sp: the LM head is tied to the embedding; torchtitan's plan shards them differently")
     if head:
-        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan[head] = (
+            ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False) if loss_parallel
+            else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        )
     for layer in layers:
         plan.update({
             f"{layer}.input_layernorm": SequenceParallel(),

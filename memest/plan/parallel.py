@@ -121,8 +121,11 @@ class Layout:
 
     def changes(self) -> dict:
         """The RunSpec fields of this layout (as `memest estimate` takes them)."""
+        # --sp layouts trace torchtitan's plan with its default, loss parallel (unless the user's --no-loss-parallel);
+        # a user's --loss-parallel applies to them only (the others have no such head: parallel_dims.loss_parallel)
+        lp = {} if self.sp else {"loss_parallel": None}
         return {"world_size": self.world_size, "tp": self.tp, "sp": self.sp, "pp": self.pp, "ep": self.ep,
-                "shard": "zero3" if self.dp > 1 else "none"}
+                "shard": "zero3" if self.dp > 1 else "none", **lp}
 
     def spec(self, base: RunSpec) -> RunSpec:
         """``base`` laid out so (a pipeline: its schedule and micro-batches too), as `memest estimate` traces it."""

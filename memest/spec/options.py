@@ -158,6 +158,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("offload", ("--offload",), "none | optimizer | params (params: --shard zero3)."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
+    Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "
+           "sharded over the vocabulary, the loss under torch's loss_parallel()) / the head gathers whole logits "
+           "(torchtitan's disable_loss_parallel); default: on with --sp (not with --pp, --cp, --loss-head)."),
     Option("pp", ("--pp",), "Pipeline ranks (--world-size = pp x dp x tp); every one is reported.", searched=True),
     Option("ep", ("--ep",), "Expert-parallel ranks for MoE models (experts over ep of the --world-size data-parallel "
            "ranks; with --shard zero3|zero2).", searched=True),

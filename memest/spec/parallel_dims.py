@@ -146,6 +146,7 @@ def validate(dims: ParallelDims, spec: RunSpec) -> None:
 def _check_tensor_parallel(d: ParallelDims, spec: RunSpec) -> None:
     if spec.sp and d.tp < 2:
         raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
+    _check_loss_parallel(d, spec)
     if not d.tp_enabled:
         return
     if d.world_size % d.tp:
@@ -264,3 +265,27 @@ def _check_context_parallel(d: ParallelDims, spec: RunSpec) -> None:
         )
     if LossHead.of(spec.loss_head)[0] != LossHead.STANDARD:
         raise MemestError("--cp with --loss-head is not traced (the head runs on the rank's shard of the sequence)")
+
+
+def loss_parallel(spec: RunSpec) -> bool:
+    """Whether the step runs torchtitan's loss parallel: --sp (torchtitan's plan, whose default it is: on unless
+    parallelism.disable_loss_parallel) without --pp, --cp or a --loss-head, unless --no-loss-parallel."""
+    if spec.loss_parallel is False or not spec.sp:
+        return False
+    return spec.pp == 1 and spec.cp == 1 and LossHead.of(spec.loss_head)[0] == LossHead.STANDARD
+
+
+def _check_loss_parallel(d: ParallelDims, spec: RunSpec) -> None:
+    if not spec.loss_parallel:
+        return
+    if not spec.sp:
+        raise MemestError(
+            "--loss-parallel is torchtitan's, with its plan (--sp); transformers' plan (--tp without --sp) gathers the "
+            "head's output (lm_head: colwise_gather_output) and computes the loss on whole logits"
+        )
+    if d.pp_enabled or d.cp_enabled:
+        raise MemestError("--loss-parallel with --pp or --cp is not traced (not validated against a real run): use "
+                          "--no-loss-parallel (the head gathers whole logits)")
+    if LossHead.of(spec.loss_head)[0] != LossHead.STANDARD:
+        raise MemestError(f"--loss-parallel with --loss-head {spec.loss_head} is not modelled (the chunked and fused "
+                          "heads compute the loss on local logits); use --no-loss-parallel")

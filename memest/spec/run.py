@@ -82,6 +82,9 @@ class RunSpec:
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
+    # --sp: torchtitan's loss parallel (the head's logits stay vocabulary-sharded, the loss under loss_parallel());
+    # None = torchtitan's default (on, unless parallelism.disable_loss_parallel) where memest models it, else off
+    loss_parallel: bool | None = None
     pp: int = 1  # pipeline ranks (parallel/pipeline_parallel.py); --world-size = pp x dp x tp
     pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     pp_virtual: int = 0  # --pp: stages per rank of the interleaved schedules (0 = the schedule's default)
