@@ -5,8 +5,12 @@ Every row is a number a public source states for a run whose settings it also st
 to a commit where the source is a repository, is in the row). Each row is scored with the figure of the
 type the source measured:
 
-  reserved   torch.cuda.max_memory_reserved   -> memest's reserved peak (caching-allocator replay), with its
-                                                 [low, high] range (the replay's measured band)
+  reserved   torch.cuda.max_memory_reserved   -> memest's reserved peak (caching-allocator replay) on the row's
+                                                 card: where the unconstrained replay holds more than the card
+                                                 allows, the replay under the card's limit (usage.replay_under:
+                                                 the allocator frees its cache and retries before an OOM), with
+                                                 its [low, high] range (low: the allocator floor; high: the
+                                                 replay's measured band, capped likewise)
   allocated  torch.cuda.max_memory_allocated  -> memest's allocated peak (no range)
   device     what nvidia-smi / the GPU monitor shows for the process -> memest's expected device use
                                                  (reserved + CUDA context + libraries) and its [low, high]
@@ -282,17 +286,24 @@ def cache_key(row: Row, code: str, versions: dict) -> str:
 
 def trace_row(row: Row) -> dict:
     """memest's figures for the row's setup (everything that does not depend on the measured number)."""
-    from memest.device.usage import device_usage
+    from memest.device.usage import device_usage, replay_under
     from memest.estimator import estimate
     from memest.spec import RunSpec
 
     start = time.perf_counter()
     result = estimate(RunSpec(**row.spec, compute_capability=row.card[2]))
-    usage = device_usage(result.trace, row.card[2], env=dict(row.env), world_size=row.spec.get("world_size", 1))
+    spec = RunSpec(**row.spec, compute_capability=row.card[2])
+    usage = device_usage(result.trace, row.card[2], env=dict(row.env), world_size=spec.world_size, dims=spec.parallel)
+    # on the row's card the allocator frees its cache and retries before an OOM: the reserved peak a run there shows
+    # is the replay under the card's limit (device/usage.replay_under), capped near the card where the unconstrained
+    # replay holds more
+    on_card = replay_under(result.trace, usage, row.card[1], env=dict(row.env)) if row.card[1] else None
     b = result.report.breakdown_at_peak
     return {
         "allocated": usage.allocated_peak_bytes, "reserved": usage.reserved_peak_bytes,
         "reserved_low": usage.reserved_bytes_low, "reserved_high": usage.reserved_bytes_high,
+        "reserved_unconstrained": usage.reserved_peak_bytes,
+        "reserved_on_card": None if on_card is None or on_card.oom else on_card.peak_reserved,
         "device": usage.bytes_expected, "device_low": usage.bytes_low, "device_high": usage.bytes_high,
         "needed": [usage.needed_bytes_low, usage.needed_bytes_expected, usage.needed_bytes_high],
         # the does-not-fit line where memest has one (DeviceUsage.needed_bytes_floor: the allocator floor + fixed costs)
@@ -312,6 +323,12 @@ def score(row: Row, traced: dict) -> dict:
     said = None if card is None else (verdict(needed[1], needed[2], card) if floor is None else
                                       verdict(needed[1], needed[2], card, needed_low=floor))
     memest = {**traced, "verdict": None if said is None else str(said)}
+    on_card = traced.get("reserved_on_card")
+    if on_card is not None and on_card < memest["reserved"]:  # the run was on that card: its reserved is capped there
+        memest["reserved"] = on_card
+        memest["reserved_high"] = None if memest["reserved_high"] is None else min(memest["reserved_high"],
+                                                                                  on_card + traced["reserved_high"]
+                                                                                  - traced["reserved_unconstrained"])
     figure = row.figure
     value = memest[figure]
     low, high = (memest.get(f"{figure}_low"), memest.get(f"{figure}_high")) if figure != "allocated" else (None, None)
@@ -420,14 +437,16 @@ def misses(scored: list[dict]) -> list[str]:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in b.items() if v)
         why = []
         card = r["card"]["bytes"]
-        if r["figure"] == "reserved" and card is not None and m["reserved"] > 0.95 * card:
-            why.append(f"near capacity: memest's reserved peak {m['reserved'] / GiB:.2f} GiB is the unconstrained "
-                       f"replay's ({m['reserved'] / card:.0%} of the {card / GiB:.2f} GiB card); the real allocator, "
-                       "when cudaMalloc fails, frees its unused cached blocks and retries (CUDACachingAllocator.cpp, "
-                       "release_cached_blocks), so a run near the card reads less reserved; the smallest budget "
-                       f"memest's replay runs the step in is {m['needed'][1] / GiB:.2f} GiB (device, with context; "
-                       f"verdict '{m['verdict']}'). Unconstrained reserved / allocated here: "
-                       f"{m['reserved'] / m['allocated']:.2f}.")
+        unconstrained = m.get("reserved_unconstrained", m["reserved"])
+        if r["figure"] == "reserved" and card is not None and unconstrained > 0.95 * card:
+            capped = m.get("reserved_on_card") is not None and m["reserved"] < unconstrained
+            why.append(f"near capacity: the unconstrained replay holds {unconstrained / GiB:.2f} GiB reserved "
+                       f"({unconstrained / card:.0%} of the {card / GiB:.2f} GiB card); the real allocator, when "
+                       "cudaMalloc fails, frees its unused cached blocks and retries (CUDACachingAllocator.cpp, "
+                       "release_cached_blocks), so memest's figure is the replay under the card's limit"
+                       + (f" ({m['reserved'] / GiB:.2f} GiB)" if capped else " (the step does not complete there)")
+                       + f"; verdict '{m['verdict']}', needed {m['needed'][1] / GiB:.2f} GiB expected. Unconstrained "
+                       f"reserved / allocated: {unconstrained / m['allocated']:.2f}.")
         if r["measured_alt_bytes"] is not None:
             why.append(f"Unit: read as 10^9 B the measured is {r['measured_alt_bytes'] / GiB:.2f} GiB and memest's "
                        f"error {r['error_alt_pct']:+.1f}% (measured {'inside' if r['inside_alt'] else 'outside'} "
