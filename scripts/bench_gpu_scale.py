@@ -317,8 +317,11 @@ def trace_row(row: Row) -> dict:
 
 def score(row: Row, traced: dict) -> dict:
     from memest.device.fit import verdict
+    from memest.device.reservation import reservation_spread
 
-    card, needed, floor = row.card[1], traced["needed"], traced.get("needed_floor")
+    # as `--gpu CARD` does (device/fit.resolve_budget): the card's memory less the driver's reservation
+    card = None if row.card[1] is None else row.card[1] - reservation_spread().expected
+    needed, floor = traced["needed"], traced.get("needed_floor")
     # memest's own verdict rule: with a needed floor, "does not fit" only below it (device/fit.py)
     said = None if card is None else (verdict(needed[1], needed[2], card) if floor is None else
                                       verdict(needed[1], needed[2], card, needed_low=floor))
