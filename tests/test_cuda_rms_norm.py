@@ -64,7 +64,7 @@ def test_hf_rms_norm_models_say_what_torchtitans_norm_saves_less():
 
     from memest.sources.hf import RMS_NORM_EXTRA_BYTES, load_hf_source
 
-    assert any("32 KiB per token" in n for n in load_hf_source("llama-2-7b").notes)  # 2 norms x 4096 x 4 B
+    assert any("32.00 KiB per token" in n for n in load_hf_source("llama-2-7b").notes)  # 2 norms x 4096 x 4 B
     assert not any("RMSNorm" in n for n in load_hf_source("gpt2").notes)
 
     hidden, tokens = SHAPE[-1], SHAPE[0] * SHAPE[1]

@@ -27,6 +27,7 @@ from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params
 from memest.sources.hf_masks import real_mask_branches
 from memest.sources.hf_values import known_values
 from memest.spec.choices import Target
+from memest.units import format_bytes
 
 BUNDLED = Path(__file__).resolve().parent.parent / "data" / "models"
 # huggingface_hub's repo id rule (utils/_validators.py, validate_repo_id): org/name of letters, digits, - _ .
@@ -250,8 +251,8 @@ def _rms_norm_note(config) -> list[str]:
         return []
     per_token = NORMS_PER_DECODER_LAYER * hidden * RMS_NORM_EXTRA_BYTES
     return [
-        f"transformers' RMSNorm keeps an fp32 copy of its input for backward: with bf16 weights about {per_token // 1024} "
-        f"KiB per token per un-checkpointed layer more than torch's fused RMSNorm on CUDA, which trainers with their own "
+        f"transformers' RMSNorm keeps an fp32 copy of its input for backward: with bf16 weights about "
+        f"{format_bytes(per_token)} per token per un-checkpointed layer more than torch's fused RMSNorm on CUDA, which trainers with their own "
         "model code use (torchtitan's Llama): such a run holds that much less (benchmarks/llama-layer.md)"
     ]
 
