@@ -139,17 +139,3 @@ def test_the_summary_names_the_communicators_and_the_device_wide_figure():
     assert "2 communicator(s)" in nccl_row.detail
     wide = next(r for r in rows if r.value.startswith("device-wide used"))
     assert "reservation" in wide.detail and [r.label for r in rows].count("predicted device use") == 1
-
-
-def test_a_named_card_is_its_memory_less_the_drivers_reservation():
-    """A card's memory is the device's; the driver keeps the reservation outside any process (device/reservation.py),
-    so the process's budget on a named card is less; a size is the process's budget as given."""
-    from memest.device.fit import resolve_budget
-    from memest.device.reservation import reservation_spread
-    from memest.units import GiB
-
-    held = reservation_spread()
-    label, budget = resolve_budget("rtx3090")
-    assert budget == 24 * GiB - held.expected and 0 < held.expected < budget
-    assert "driver" in label
-    assert resolve_budget("24GiB")[1] == 24 * GiB

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 
 from memest.device.catalogue import CARDS, card_bytes
 from memest.device.nvml import GpuQuery
-from memest.device.reservation import reservation_spread
 from memest.errors import MemestError
 from memest.spec.choices import Verdict
 from memest.units import parse_bytes
@@ -85,18 +84,13 @@ def _row(label, capacity, total, used, needed, check=None) -> FitRow:
 
 
 def resolve_budget(flag: str) -> tuple[str, int] | int:
-    """``--gpu``: a device index (``0``) -> int; a size (``11GB``) or card (``rtx2080ti``) -> (label, bytes).
-
-    A card's memory is the whole device's, and the driver/firmware keeps part of it outside any process
-    (device/reservation.py): the budget a process has on a named card is its memory less that reservation (the
-    evidence's median; its spread is in the label). A size is taken as what the process may use, as given."""
+    """``--gpu``: a device index (``0``) -> int; a size (``11GB``) or card (``rtx2080ti``) -> (label, bytes)."""
     text = flag.strip()
     if text.isdigit():
         return int(text)
     card = card_bytes(text)
     if card is not None:
-        held = reservation_spread()
-        return f"{text} ({card / 2**30:g} GiB less the driver's ~{held.expected / 2**20:.0f} MiB)", card - held.expected
+        return f"{text} ({card / 2**30:g} GiB)", card
     if text[:1].isdigit() or text.startswith("-"):
         return text, parse_bytes(text)
     raise MemestError(
