@@ -319,7 +319,7 @@ def score(row: Row, traced: dict) -> dict:
     from memest.device.fit import verdict
     from memest.device.reservation import reservation_spread
 
-    # as `--gpu CARD` does (device/fit.resolve_budget): the card's memory less the driver's reservation
+    # on the safe side: the card's memory less the driver's reservation outside any process (device/reservation.py)
     card = None if row.card[1] is None else row.card[1] - reservation_spread().expected
     needed, floor = traced["needed"], traced.get("needed_floor")
     # memest's own verdict rule: with a needed floor, "does not fit" only below it (device/fit.py)
