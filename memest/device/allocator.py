@@ -251,12 +251,22 @@ def parse_alloc_conf(text: str | None) -> AllocatorConfig:  # noqa: C901 -- mirr
     )
 
 
-def alloc_conf_from_env(environ: Mapping[str, str]) -> AllocatorConfig:
-    """AcceleratorAllocatorConfig::instance: the first of these variables that is set wins."""
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+# AcceleratorAllocatorConfig::instance reads the first of these that is set; torchtitan's run_train.sh sets
+# PYTORCH_ALLOC_CONF="expandable_segments:True" (https://github.com/pytorch/torchtitan/blob/main/run_train.sh)
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def alloc_conf_text(environ: Mapping[str, str]) -> tuple[str, str]:
+    """(variable, value) of the allocator settings torch reads: the first of ALLOC_CONF_VARS that is set."""
+    for var in ALLOC_CONF_VARS:
         if var in environ:
-            return parse_alloc_conf(environ[var])
-    return AllocatorConfig()
+            return var, environ[var]
+    return ALLOC_CONF_VARS[0], ""
+
+
+def alloc_conf_from_env(environ: Mapping[str, str]) -> AllocatorConfig:
+    """AcceleratorAllocatorConfig::instance: the first of ALLOC_CONF_VARS that is set wins."""
+    return parse_alloc_conf(alloc_conf_text(environ)[1])
 
 
 # --- size rules ---------------------------------------------------------------------------------------

@@ -39,7 +39,14 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from memest.device.allocator import allocator_floor, min_device_limit, parse_alloc_conf, replay
+from memest.device.allocator import (
+    alloc_conf_from_env,
+    alloc_conf_text,
+    allocator_floor,
+    min_device_limit,
+    parse_alloc_conf,
+    replay,
+)
 from memest.device.nccl import communicator_count
 from memest.device.overheads import FixedCost, fixed_costs, outside_allocator
 from memest.device.reservation import reservation_spread
@@ -48,10 +55,6 @@ from memest.errors import MemestError
 from memest.spec.parallel_dims import ParallelDims
 from memest.trace.events import Phase, Trace
 
-# AcceleratorAllocatorConfig::instance reads the first of these that is set (allocator.alloc_conf_from_env);
-# torchtitan's run_train.sh sets PYTORCH_ALLOC_CONF="expandable_segments:True"
-# (https://github.com/pytorch/torchtitan/blob/main/run_train.sh)
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _EXPANDABLE = "expandable_segments:True"
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
 
@@ -237,32 +240,35 @@ def device_usage(
         else:
             reserved_high = max(reserved_high, workspaces.high_reserved_bytes)
             limit_high = max(limit_high, workspaces.high_reserved_bytes)
+    # the process's own use (nvidia-smi per process), low / expected / high: bytes_*, process_* and device_used_*
+    process_low = reserved_low + outside.low
+    process_expected = result.peak_reserved + outside.expected
     process_high = None if reserved_high is None else reserved_high + outside.high
     held = reservation_spread()
     return DeviceUsage(
-        process_bytes_low=reserved_low + outside.low,
-        process_bytes_expected=result.peak_reserved + outside.expected,
+        process_bytes_low=process_low,
+        process_bytes_expected=process_expected,
         process_bytes_high=process_high,
         device_reservation_bytes_low=held.low,
         device_reservation_bytes_expected=held.expected,
         device_reservation_bytes_high=held.high,
         device_reservation_basis=held.basis,
-        device_used_bytes_low=reserved_low + outside.low + held.low,
-        device_used_bytes_expected=result.peak_reserved + outside.expected + held.expected,
+        device_used_bytes_low=process_low + held.low,
+        device_used_bytes_expected=process_expected + held.expected,
         device_used_bytes_high=None if process_high is None else process_high + held.high,
         nccl_communicators=communicator_count(dims or ParallelDims(world_size)).expected if world_size > 1 else 0,
         tensor_peak_bytes=trace.peak()[0],
         allocated_peak_bytes=allocated,
         reserved_peak_bytes=result.peak_reserved,
-        device_bytes=result.peak_reserved + outside.expected,
+        device_bytes=process_expected,
         fixed_costs=costs,
         allocator_config=conf_text,
         calibrated=any(c.calibrated for c in costs),
         min_budget_bytes=limit + outside.expected,
         min_allocator_limit_bytes=limit,
-        bytes_low=reserved_low + outside.low,
-        bytes_expected=result.peak_reserved + outside.expected,
-        bytes_high=None if reserved_high is None else reserved_high + outside.high,
+        bytes_low=process_low,
+        bytes_expected=process_expected,
+        bytes_high=process_high,
         needed_bytes_low=limit_low + outside.low,
         needed_bytes_expected=limit + outside.expected,
         needed_bytes_high=None if limit_high is None else limit_high + outside.high,
@@ -277,14 +283,6 @@ def device_usage(
         needed_bytes_floor=floor + outside.expected,
         expandable_limit_bytes=expandable,
     )
-
-
-def alloc_conf_text(env) -> tuple[str, str]:
-    """(variable, value) of the allocator settings torch reads: the first of ALLOC_CONF_VARS that is set."""
-    for var in ALLOC_CONF_VARS:
-        if var in env:
-            return var, env[var]
-    return ALLOC_CONF_VARS[0], ""
 
 
 def _expandable_limit(events: list[tuple[int, int]], conf_text: str) -> int | None:
@@ -336,5 +334,4 @@ def replay_under(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dic
     if limit < 0:
         return None
     env = os.environ if env is None else env
-    return replay(allocator_events(trace, usage.fixed_costs), parse_alloc_conf(alloc_conf_text(env)[1]),
-                  device_limit_bytes=limit)
+    return replay(allocator_events(trace, usage.fixed_costs), alloc_conf_from_env(env), device_limit_bytes=limit)
