@@ -1,0 +1,116 @@
+"""Issue 22, hf: sources and their inputs: items 1, 9, 23, 32, 33 and the non-UTF-8 clause of 26."""
+
+import json
+
+from typer.testing import CliRunner
+
+from memest.cli import app
+from memest.estimator import estimate
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.validate.cpu_truth import measure_cpu_peak
+
+from .conftest import CONFIGS
+
+runner = CliRunner()
+REL_TOL = 0.02  # as tests/test_accuracy_cpu.py
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, code=2):
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def tiny_llama(tmp_path, name="tiny", **changes) -> str:
+    config = json.loads((CONFIGS / "llama-tiny.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return f"hf:{path}"
+
+
+# -- 1: a config that names no class transformers has gets the head its model_type implies, said aloud ---------
+
+def test_config_without_architectures_builds_the_lm_head_its_model_type_implies(tmp_path):
+    """Was: the base model (no LM head, no loss), 4.2x low on llama-3.2-1b, and check passed it."""
+    named = tiny_llama(tmp_path, "named")
+    bare = tiny_llama(tmp_path, "bare", architectures=None)
+    spec = dict(batch=2, seq=32, target="cpu")
+    expected = estimate(RunSpec(model=named, **spec)).report.peak_allocated_bytes
+    source = load_source(bare)
+    got = estimate(RunSpec(model=bare, **spec), source=source).report.peak_allocated_bytes
+    assert got == expected
+    real = measure_cpu_peak(source, RunSpec(model=bare, **spec))["peak_bytes"]  # the class memest built, run for real
+    assert abs(got - real) / real <= REL_TOL, (got, real)
+    assert any("LlamaForCausalLM" in w and '"architectures"' in w for w in source.warnings)
+
+
+def test_the_head_memest_chose_is_said_on_stderr_and_in_the_report(tmp_path):
+    for changes in ({"architectures": None}, {"architectures": ["LlamaForSomethingNew"]}):
+        result = run("estimate", tiny_llama(tmp_path, **changes), "--target", "cpu", "--batch", "1", "--seq", "16",
+                     "--json")
+        assert result.exit_code == 0, result.stderr
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("memest: warning: ")]
+        assert len(warnings) == 1 and "built LlamaForCausalLM" in warnings[0], result.stderr
+        out = json.loads(result.stdout)
+        assert out["model_type"] == "LlamaForCausalLM"
+        assert any("built LlamaForCausalLM" in note for note in out["notes"])
+
+
+def test_encoder_and_speech_configs_without_architectures_get_their_training_head(tmp_path):
+    for name, expected in (("bert-tiny", "BertForMaskedLM"), ("t5-tiny", "T5ForConditionalGeneration"),
+                           ("whisper-tiny", "WhisperForConditionalGeneration"), ("clip-tiny", "CLIPModel")):
+        config = json.loads((CONFIGS / f"{name}.json").read_text())
+        config.pop("architectures", None)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        source = load_source(f"hf:{path}")
+        assert source.warnings and f"built {expected}," in source.warnings[0], (name, source.warnings)
+
+
+def test_auto_map_is_refused_with_the_reason(tmp_path):
+    ref = tiny_llama(tmp_path, auto_map={"AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"})
+    line = one_line_error(run("estimate", ref, "--target", "cpu"))
+    assert '"auto_map"' in line and "trust_remote_code" in line and "memest does not run" in line
+
+
+def test_model_type_with_no_head_memest_builds_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "patchtst.json"
+    path.write_text(json.dumps({"model_type": "patchtst"}))
+    line = one_line_error(run("estimate", f"hf:{path}", "--target", "cpu"))
+    assert 'no "architectures"' in line and "PatchTST" in line and "causal LM" in line
+
+
+def test_base_model_named_in_architectures_is_said_aloud(tmp_path):
+    source = load_source(tiny_llama(tmp_path, architectures=["LlamaModel"]))
+    assert source.warnings and "without a head" in source.warnings[0]
+
+
+# -- 26 (clause): a config.json that is not UTF-8 ----------------------------------------------------------------
+
+def test_non_utf8_config_is_a_one_line_error(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"model_type": "llama", "_name": "caf\u00e9"}'.encode("latin-1"))
+    line = one_line_error(run("estimate", f"hf:{path}", "--target", "cpu"))
+    assert "not UTF-8" in line and str(path) in line
+
+
+# -- 33: short, pointed messages ----------------------------------------------------------------------------------
+
+def test_unknown_model_type_is_one_short_line_with_close_matches(tmp_path):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({"model_type": "lama"}))
+    line = one_line_error(run("estimate", f"hf:{path}", "--target", "cpu"))
+    assert len(line) < 400, len(line)
+    assert "'lama'" in line and "llama" in line
