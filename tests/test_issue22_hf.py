@@ -114,3 +114,67 @@ def test_unknown_model_type_is_one_short_line_with_close_matches(tmp_path):
     line = one_line_error(run("estimate", f"hf:{path}", "--target", "cpu"))
     assert len(line) < 400, len(line)
     assert "'lama'" in line and "llama" in line
+
+
+# -- 9: an hf: path in a YAML config is relative to the config, as model files are --------------------------------
+
+def test_hf_path_in_a_config_resolves_against_the_config_folder(tmp_path):
+    from memest.spec.config import load_config
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    tiny_llama(folder)  # runs/tiny.json
+    (folder / "model").mkdir()
+    tiny_llama(folder / "model", "config")  # runs/model/config.json
+    for model, expected in (("hf:tiny.json", folder / "tiny.json"), ("hf:model", folder / "model")):
+        config = folder / "run.yaml"
+        config.write_text(f"model: {model}\nbatch: 1\nseq: 16\ntarget: cpu\ngpu: 1GB\n")
+        assert load_config(config).values["model"] == f"hf:{expected.resolve()}"
+        result = run("check", config)  # the working directory is not the config's folder
+        assert result.exit_code == 0, result.stderr
+    config.write_text("model: hf:gpt2\n")  # a bundled name stays one
+    assert load_config(config).values["model"] == "hf:gpt2"
+
+
+# -- 23: --freeze leaving nothing trainable in training mode -------------------------------------------------------
+
+def test_freeze_everything_in_training_is_an_error_as_the_real_step_is(tmp_path):
+    import torch
+
+    ref = tiny_llama(tmp_path)
+    line = one_line_error(run("estimate", ref, "--target", "cpu", "--batch", "1", "--seq", "16", "--freeze", "*"))
+    assert "loss.backward()" in line and "--mode inference" in line and "'*'" in line
+    # the real step: the same model, every parameter frozen, its own loss, then backward
+    source = load_source(ref)
+    model = source.build_model()
+    model.requires_grad_(False)
+    loss = model(**source.example_inputs(1, 16)).loss
+    try:
+        loss.backward()
+        raised = False
+    except RuntimeError:
+        raised = True
+    assert raised and not loss.requires_grad and torch.is_tensor(loss)
+    assert run("estimate", ref, "--target", "cpu", "--batch", "1", "--seq", "16", "--mode", "inference").exit_code == 0
+
+
+# -- 32: freeze: as a YAML list --------------------------------------------------------------------------------------
+
+def test_freeze_as_a_yaml_list_is_the_same_as_the_comma_string(tmp_path):
+    from memest.spec.config import load_config
+
+    ref = tiny_llama(tmp_path)
+    as_list = tmp_path / "list.yaml"
+    as_list.write_text(f"model: {ref}\nbatch: 1\nseq: 16\ntarget: cpu\nfreeze: [model.embed_tokens, 'model.layers.0.*']\n")
+    as_text = tmp_path / "text.yaml"
+    as_text.write_text(f"model: {ref}\nbatch: 1\nseq: 16\ntarget: cpu\nfreeze: model.embed_tokens,model.layers.0.*\n")
+    spec = load_config(as_list).spec()
+    assert spec.freeze == "model.embed_tokens,model.layers.0.*" == load_config(as_text).spec().freeze
+    report = estimate(spec).report
+    model = load_source(ref).build_model()
+    frozen = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("model.embed_tokens", "model.layers.0.")))
+    assert report.trainable_param_count == report.param_count - frozen
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {ref}\nfreeze: [model.embed_tokens, 3]\n")
+    line = one_line_error(run("check", bad))
+    assert str(bad) in line and "freeze" in line and "3" in line

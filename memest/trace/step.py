@@ -295,6 +295,12 @@ def run_iteration(
             del out  # --outputs freed: the output goes here, before backward
             done(Phase.LOSS)
             backward = optimizer is not None or loss.requires_grad
+            if not backward and spec.freeze:
+                raise TraceError(
+                    f"--freeze {spec.freeze!r} leaves no parameter trainable and the loss does not require grad: a "
+                    "real training step raises at loss.backward(); freeze fewer parameters, or drop --freeze and "
+                    "pass --mode inference to estimate the forward alone"
+                )
             if backward:
                 mark(Phase.BACKWARD)
                 loss.backward()
