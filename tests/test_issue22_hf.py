@@ -178,3 +178,65 @@ def test_freeze_as_a_yaml_list_is_the_same_as_the_comma_string(tmp_path):
     bad.write_text(f"model: {ref}\nfreeze: [model.embed_tokens, 3]\n")
     line = one_line_error(run("check", bad))
     assert str(bad) in line and "freeze" in line and "3" in line
+
+
+# -- 33: hints that match the fault ---------------------------------------------------------------------------------
+
+MODEL = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Linear(8, 4)
+
+def example_inputs(batch_size, seq_len=None):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def _model_file(tmp_path, name, text):
+    path = tmp_path / f"{name}.py"
+    path.write_text(MODEL + text)
+    return path
+
+
+def test_a_compute_loss_fault_points_at_compute_loss_not_the_inputs(tmp_path):
+    path = _model_file(tmp_path, "bad_loss", "\ndef compute_loss(output, inputs):\n    return output.loss_value\n")
+    line = one_line_error(run("estimate", path, "--target", "cpu"))
+    assert "compute_loss" in line and "example_inputs()" not in line, line
+
+
+def test_an_output_without_a_loss_points_at_the_output(tmp_path):
+    path = tmp_path / "no_float.py"
+    path.write_text(MODEL.replace("return nn.Linear(8, 4)", "return Ids()") + """
+class Ids(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x.argmax(-1)
+""")
+    line = one_line_error(run("estimate", path, "--target", "cpu"))
+    assert "floating-point" in line and "compute_loss" in line and "example_inputs()" not in line, line
+
+
+def test_example_inputs_failing_without_seq_says_pass_seq(tmp_path):
+    path = tmp_path / "tokens.py"
+    path.write_text(MODEL.replace("(torch.randn(batch_size, 8),)", "(torch.randn(batch_size, seq_len, 8),)"))
+    line = one_line_error(run("estimate", path, "--target", "cpu"))
+    assert "pass --seq" in line, line
+    assert run("estimate", path, "--target", "cpu", "--seq", "4").exit_code == 0
+
+
+def test_seq_on_a_model_that_takes_none_is_refused():
+    ref = f"hf:{CONFIGS / 'vit-tiny.json'}"
+    line = one_line_error(run("estimate", ref, "--target", "cpu", "--batch", "2", "--seq", "128"))
+    assert "--seq 128" in line and "takes no sequence" in line and "pixel_values" in line
+    assert run("estimate", ref, "--target", "cpu", "--batch", "2").exit_code == 0
+
+
+def test_bundled_names_fold_case_and_suggest_close_ones():
+    assert load_source("hf:LLaMA-2-7B").name == "llama-2-7b"
+    line = one_line_error(run("estimate", "hf:llama-2-7c", "--target", "cpu"))
+    assert "did you mean hf:llama-2-7b" in line and "bundled: " in line

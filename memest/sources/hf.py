@@ -13,6 +13,7 @@ Inputs follow the model's head (sources/hf_inputs.py). Training runs with ``use_
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import logging
 import re
@@ -54,8 +55,14 @@ def _config_path(name: str) -> Path | None:
     if "/" not in name:
         bundled = BUNDLED / f"{name}.json"
         if not bundled.exists():
+            names = bundled_names()
+            folded = [n for n in names if n.lower() == name.lower()]  # hf:Llama-2-7B is hf:llama-2-7b
+            if len(folded) == 1:
+                return BUNDLED / f"{folded[0]}.json"
+            close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(f'hf:{c}' for c in close)}? " if close else ""
             raise ModelLoadError(
-                f"unknown hf model {name!r}; bundled: {', '.join(bundled_names())} — or pass a hub id "
+                f"unknown hf model {name!r}; {hint}bundled: {', '.join(names)} — or pass a hub id "
                 "hf:org/name or hf:path/to/config.json"
             )
         return bundled
@@ -128,6 +135,7 @@ def load_hf_source(name: str) -> ModelSource:
         ),
         values_hint=_values_hint(arch, config),
         warnings=list(built.warnings),
+        no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",
     )
 
 
