@@ -41,6 +41,13 @@ def stderr_progress(message: str) -> None:
     print(f"memest: {message}", file=sys.stderr, flush=True)
 
 
+def say_warnings(source, progress: Progress | None) -> None:
+    """What the model source built that its config did not name (sources/hf_auto.py): on stderr as well as in
+    the report, so that a CI log shows it."""
+    for line in getattr(source, "warnings", ()) if progress is not None else ():
+        progress(f"warning: {source.name}: {line}")
+
+
 def hide_cuda() -> None:
     """memest must never create a CUDA context (hundreds of MiB on a card that may run a live job):
     the CLI hides CUDA devices from torch in its own process before torch is used. NVML (gpustat)
@@ -314,6 +321,7 @@ def run_estimate(
         notes.append(ctx.calibration_note)
     with user_code(spec.model):
         source = source or load_source(spec.model)
+        say_warnings(source, progress)
         with ticker(f"tracing {source.name}", progress):
             result = estimate(spec, calibration=ctx.calibration if cuda else None, source=source, notes=notes)
     fits = ctx.fit_rows(result.needed_bytes, result.fits, result.needed_range, result.needed_floor)
@@ -377,6 +385,7 @@ def run_check(
             spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
             with user_code(f"{path}: {spec.model}"):
                 source = load_source(spec.model)
+            say_warnings(source, progress)
         except MemestError as exc:
             if str(exc).startswith(str(path)):
                 raise
@@ -417,6 +426,7 @@ def planner(spec_args: dict, gpu: str | None, need_budget: bool, progress: Progr
     spec = RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability})
     with user_code(spec.model):
         runner = Runner(spec, calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress)
+    say_warnings(runner.source, progress)
     return PlannerContext(runner, ctx)
 
 
