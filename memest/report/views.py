@@ -234,6 +234,7 @@ def advise_view(run) -> View:
             blocks.append(f"  {a.command}")
     if a.parallel:
         blocks.append(_parallel_line(a.parallel))
+    blocks += [f"skipped {s['name']}: its trace fails on this step: {s['reason']}" for s in a.skipped]
     blocks.append(f"{a.traces} traces")
     doc = {"budget": label, "headroom_bytes": headroom, **a.to_dict()}
     return View(doc, blocks)
@@ -256,11 +257,13 @@ def plan_parallel_view(run) -> View:
     unit = table_unit([p.budget_bytes] + [lay.needed_bytes for lay in p.layouts if not lay.error])
     rows = []
     for lay in p.layouts:
-        if lay.error:
-            rows.append([lay.name, "-", "-", "not traced", lay.error])
+        if lay.error:  # its trace fails (the whole error in --json)
+            rows.append([lay.name, "-", format_bytes(lay.comm_bytes), "not traceable", lay.reason or lay.error])
             continue
         need = (">= " if lay.lower_bound or not lay.traced else "") + format_in(lay.needed_bytes, unit) if lay.needed_bytes else "-"
-        rows.append([lay.name, need, format_bytes(lay.comm_bytes), lay.verdict.replace("not-traced", "not traced"), lay.derived_from])
+        # "not-traced" with no need: the search stopped before it (a bounded layout has its lower bound)
+        verdict = "not searched" if lay.verdict == "not-traced" else lay.verdict
+        rows.append([lay.name, need, format_bytes(lay.comm_bytes), verdict, lay.derived_from])
     blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]

@@ -1,0 +1,105 @@
+"""Issue 22, the planners' items: plan-parallel's sequence and printed commands (10, 11), its verdicts (18),
+whatif on --target cuda (13), --quant's per-layer params and the folklore line (15), advise's failing remedies
+(17), max-batch --seq-search's cap (33)."""
+
+import json
+import shlex
+
+from typer.testing import CliRunner
+
+from memest.cli import app
+from memest.plan import parallel
+from memest.plan.parallel import Layout, layouts_for
+from memest.spec import RunSpec
+
+from .conftest import CONFIGS
+
+
+def _only(monkeypatch, keep):
+    monkeypatch.setattr(parallel, "layouts_for", lambda gpus, cfg: [lay for lay in layouts_for(gpus, cfg)
+                                                                    if (lay.dp, lay.tp, lay.pp, lay.ep) in keep])
+
+
+def _plan(args):
+    result = CliRunner().invoke(app, ["plan-parallel", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_plan_parallel_without_seq_counts_communication_at_the_traced_seq(monkeypatch):
+    """Item 10: without --seq the layouts are traced at the model's default length; the communication volume and
+    the printed command use that length (not seq 1, not '--seq None')."""
+    from memest.sources import load_source
+
+    ref = f"hf:{CONFIGS / 'llama-tiny-4l.json'}"
+    _only(monkeypatch, {(1, 2, 1, 1)})
+    doc = _plan([ref, "--gpus", "2", "--gpu", "1GB", "--batch", "2", "--target", "cpu"])
+    seq = load_source(ref).default_seq
+    assert seq and seq > 1
+    (lay,) = doc["layouts"]
+    cfg = json.loads((CONFIGS / "llama-tiny-4l.json").read_text())
+    traced = RunSpec(model=ref, batch=2, seq=seq, target="cpu")
+    assert lay["comm_bytes"] == parallel.comm_bytes(Layout(dp=1, tp=2, pp=1, sp=True), cfg, traced, doc["param_count"])
+    assert f"--seq {seq}" in lay["command"] and "None" not in lay["command"]
+    assert doc["base"]["seq"] == seq
+
+
+def test_plan_parallel_commands_round_trip_through_the_cli(monkeypatch):
+    """Item 11: every printed command parses with the CLI and gives the layout's figure (4 layers: each layout is
+    traced at its real depth), keeping --target, --checkpointing and --outputs and a runnable --gpu."""
+    ref = f"hf:{CONFIGS / 'llama-tiny-4l.json'}"
+    _only(monkeypatch, {(2, 1, 1, 1), (1, 2, 1, 1)})
+    doc = _plan([ref, "--gpus", "2", "--gpu", "1GB", "--batch", "2", "--seq", "32", "--target", "cpu",
+                 "--checkpointing", "blocks", "--outputs", "freed", "--top", "0"])
+    assert len(doc["layouts"]) == 2
+    for lay in doc["layouts"]:
+        argv = shlex.split(lay["command"])
+        assert argv[:2] == ["memest", "estimate"]
+        for flag in ("--target cpu", "--checkpointing blocks", "--outputs freed", "--gpu 1GB", "--seq 32"):
+            assert flag in lay["command"], (flag, lay["command"])
+        result = CliRunner().invoke(app, [*argv[1:], "--json"])
+        assert result.exit_code == 0, (lay["command"], result.output)
+        assert json.loads(result.stdout)["needed_bytes"] == lay["needed_bytes"], lay["command"]
+
+
+def test_plan_parallel_separates_not_traceable_from_not_searched(monkeypatch):
+    """Item 18: a layout whose trace fails (pure TP of a MoE model on cuda: the foreach optimizer step refuses
+    DTensors mixed with plain parameters) is 'not traceable' with a short reason and no temporary path; a layout
+    the search stopped before is 'not searched'."""
+    ref = f"hf:{CONFIGS / 'mixtral-tiny-4l.json'}"
+    _only(monkeypatch, {(1, 2, 1, 1), (2, 1, 1, 2), (2, 1, 1, 1)})
+    args = [ref, "--gpus", "2", "--gpu", "24GB", "--batch", "2", "--seq", "32"]
+    doc = _plan(args)
+    by = {(lay["dp"], lay["tp"], lay["ep"]): lay for lay in doc["layouts"]}
+    broken, fits, stopped = by[(1, 2, 1)], by[(2, 1, 2)], by[(2, 1, 1)]
+    assert broken["verdict"] == "not-traceable" and broken["error"] and not broken["fits"]
+    assert "/tmp" not in broken["error"] and "memest-plan-" not in broken["error"]
+    assert 0 < len(broken["reason"]) <= 80 and "DTensor" in broken["reason"]
+    assert fits["verdict"] == "fits" and stopped["verdict"] == "not-traced" and "not searched" in stopped["derived_from"]
+    table = CliRunner().invoke(app, ["plan-parallel", *args])
+    assert table.exit_code == 0, table.output
+    assert "not traceable" in table.stdout and "not searched" in table.stdout
+    assert "/tmp" not in table.stdout and "memest-plan-" not in table.stdout
+    rows = [line for line in table.stdout.splitlines() if "dp 1 x tp 2" in line]
+    assert rows and "not traceable" in rows[0] and "not traced" not in table.stdout.split("note:")[0]
+
+
+def test_advise_skips_a_remedy_whose_trace_fails():
+    """Item 17: a saver memest adds itself (here ZeRO-3, refused as for a fully frozen model) failing does not
+    abort the advice; it is listed as skipped with its reason."""
+    from memest.errors import MemestError
+    from memest.plan.advise import advise
+    from memest.plan.runner import Runner
+
+    class Refusing(Runner):
+        def run(self, **changes):
+            if changes.get("shard") == "zero3":
+                raise MemestError("every parameter is frozen (requires_grad=False); memest does not model FSDP")
+            return super().run(**changes)
+
+    runner = Refusing(RunSpec(model="examples/mlp.py", batch=2, target="cpu"))
+    advice = advise(runner, capacity=1)
+    skipped = [s["name"] for s in advice.skipped]
+    assert skipped and all("ZeRO-3" in name for name in skipped)
+    assert all("frozen" in s["reason"] for s in advice.skipped)
+    assert advice.remedies and not any("ZeRO-3" in r.name for r in advice.remedies)
