@@ -103,3 +103,17 @@ def test_advise_skips_a_remedy_whose_trace_fails():
     assert skipped and all("ZeRO-3" in name for name in skipped)
     assert all("frozen" in s["reason"] for s in advice.skipped)
     assert advice.remedies and not any("ZeRO-3" in r.name for r in advice.remedies)
+
+
+def test_max_batch_seq_search_names_the_models_positions_as_the_cap():
+    """Item 33 (part): the search capped by the model's positions says so, not '--limit 1024'; a --limit below the
+    positions is still named as --limit."""
+    ref = f"hf:{CONFIGS / 'gpt2-tiny.json'}"  # n_positions 128
+    base = ["max-batch", ref, "--seq-search", "--gpu", "24GB", "--target", "cpu", "--seq", "64"]
+    result = CliRunner().invoke(app, base)
+    assert result.exit_code == 0, result.output
+    assert "--limit" not in result.stdout and "the model's 128 positions (n_positions)" in result.stdout
+    doc = json.loads(CliRunner().invoke(app, [*base, "--json"]).stdout)
+    assert doc["value"] == doc["limit"] == 128 and doc["hit_limit"] and doc["cap"].startswith("the model's 128 positions")
+    doc = json.loads(CliRunner().invoke(app, [*base, "--limit", "96", "--json"]).stdout)
+    assert doc["value"] == 96 and doc["cap"] == "--limit 96"

@@ -186,8 +186,11 @@ def max_batch_view(run) -> View:
     if r.value == 0:
         blocks.append(f"even {r.key} 1 does not fit {run.gpu.budget_label}: it needs "
                       f"{format_in(r.next_needed_bytes or 0, unit)}; see memest advise")
+    elif r.hit_limit and r.cap.startswith("the model's"):  # the model takes no longer sequence
+        blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}), the longest the model "
+                      f"takes: the search stopped at {r.cap}")
     elif r.hit_limit:
-        blocks.append(f"largest {r.key} that fits: at least {r.value} (the search stopped at --limit {r.limit})")
+        blocks.append(f"largest {r.key} that fits: at least {r.value} (the search stopped at {r.cap or f'--limit {r.limit}'})")
     else:
         blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}); "
                       f"{r.value + 1} needs {format_in(r.next_needed_bytes, unit)}")
