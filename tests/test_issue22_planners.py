@@ -117,3 +117,25 @@ def test_max_batch_seq_search_names_the_models_positions_as_the_cap():
     assert doc["value"] == doc["limit"] == 128 and doc["hit_limit"] and doc["cap"].startswith("the model's 128 positions")
     doc = json.loads(CliRunner().invoke(app, [*base, "--limit", "96", "--json"]).stdout)
     assert doc["value"] == 96 and doc["cap"] == "--limit 96"
+
+
+def test_whatif_on_cuda_without_a_fit_derives_words_and_largest_from_the_traced_grid(tmp_path):
+    """Item 13: on --target cuda a sweep traced point by point (here gpt2's ops differ between sizes) still says the
+    scaling in plain words and the largest traced batch and seq that fit, from the traced grid, and says so."""
+    cfg = json.loads((CONFIGS.parent.parent / "memest" / "data" / "models" / "gpt2.json").read_text())
+    path = tmp_path / "gpt2-2l.json"
+    path.write_text(json.dumps({**cfg, "n_layer": 2}))
+    args = ["whatif", f"hf:{path}", "--seq", "256,512,1024", "--batch", "2,4", "--gpu", "3GB"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    points = doc["points"]
+    assert all(p["traced"] for p in points) and doc["largest_from"] == "grid"
+    fits_at_256 = [p["batch"] for p in points if p["seq"] == 256 and p["fits"]]
+    fits_at_b2 = [p["seq"] for p in points if p["batch"] == 2 and p["fits"]]
+    assert fits_at_256 and fits_at_b2 and len(fits_at_b2) < 3  # the budget cuts the grid
+    assert doc["largest_batch"] == max(fits_at_256) and doc["largest_batch_at_seq"] == 256
+    assert doc["largest_seq"] == max(fits_at_b2) and doc["largest_seq_at_batch"] == 2
+    assert len(doc["plain_words"]) == 2 and all("traced grid" in w for w in doc["plain_words"])
+    table = CliRunner().invoke(app, args)
+    assert "largest traced batch that fits at seq 256" in table.stdout and "each extra 1k tokens" in table.stdout
