@@ -139,3 +139,27 @@ def test_whatif_on_cuda_without_a_fit_derives_words_and_largest_from_the_traced_
     assert len(doc["plain_words"]) == 2 and all("traced grid" in w for w in doc["plain_words"])
     table = CliRunner().invoke(app, args)
     assert "largest traced batch that fits at seq 256" in table.stdout and "each extra 1k tokens" in table.stdout
+
+
+def test_quantized_layers_count_logical_parameters_and_folklore_is_left_out_where_it_does_not_apply():
+    """Item 15: with --quant the per-layer params count the model's parameters (not packed 4-bit storage), as the
+    summary does; the folklore formula is left out (JSON null + the reason) for QLoRA, per-rank parallel runs and
+    non-training modes, and kept for a plain training step."""
+    from memest.report.analysis import folklore_skipped
+
+    ref = f"hf:{CONFIGS / 'llama-tiny.json'}"
+    args = ["estimate", ref, "--batch", "2", "--seq", "32", "--quant", "nf4", "--lora", "r=8,targets=all-linear"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    cfg = json.loads((CONFIGS / "llama-tiny.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    assert doc["layers"][0]["params"] == doc["param_count"]
+    mlp = [lay for lay in doc["layers"] if lay["name"].endswith("layers.0.mlp.up_proj.base_layer")]
+    assert mlp and mlp[0]["params"] == h * inter  # a 4-bit packed weight stores h * inter / 2 bytes
+    assert doc["folklore_bytes"] is None and "LoRA" in doc["folklore_skipped"]
+    table = CliRunner().invoke(app, args)
+    assert "folklore formula" in table.stdout and "not applicable" in table.stdout
+    assert folklore_skipped(RunSpec(model=ref, batch=2, seq=32, world_size=2, shard="zero3")).startswith("a per-rank")
+    assert folklore_skipped(RunSpec(model=ref, batch=2, seq=32, mode="generate", new_tokens=4)).startswith("--mode generate")
+    assert folklore_skipped(RunSpec(model=ref, batch=2, seq=32)) == ""
