@@ -167,11 +167,12 @@ def largest_lines(s) -> list[str]:
     if s.largest_from == "grid":  # every point traced: the largest traced point that fits, not the boundary
         if s.largest_batch is not None:
             at = f" at seq {s.largest_batch_at_seq}" if s.largest_batch_at_seq is not None else ""
-            lines.append(f"largest traced batch that fits{at}: {s.largest_batch or 'none'} (from the traced grid, not "
-                         "fitted here; memest max-batch finds the boundary with traces)")
+            lines.append(f"largest batch that fits{at}: {s.largest_batch or 'none traced'} (the largest traced that "
+                         "fits, from the traced grid: not fitted here; memest max-batch finds the boundary with traces)")
         if s.largest_seq is not None:
-            lines.append(f"largest traced seq that fits at batch {s.largest_seq_at_batch}: {s.largest_seq or 'none'} "
-                         "(from the traced grid; memest max-batch --seq-search finds the boundary)")
+            lines.append(f"largest seq that fits at batch {s.largest_seq_at_batch}: {s.largest_seq or 'none traced'} "
+                         "(the largest traced that fits, from the traced grid; memest max-batch --seq-search finds the "
+                         "boundary)")
         return lines
     if s.largest_batch is not None:
         at = f" at seq {s.largest_batch_at_seq}" if s.largest_batch_at_seq is not None else ""
