@@ -166,3 +166,26 @@ def test_quantized_layers_count_logical_parameters_and_folklore_is_left_out_wher
     assert folklore_skipped(RunSpec(model=ref, batch=2, seq=32, world_size=2, shard="zero3")).startswith("a per-rank")
     assert folklore_skipped(RunSpec(model=ref, batch=2, seq=32, mode="generate", new_tokens=4)).startswith("--mode generate")
     assert folklore_skipped(RunSpec(model=ref, batch=2, seq=32)) == ""
+
+
+def test_plan_parallel_refuses_a_config_without_the_keys_it_cuts():
+    """Found while reproducing item 18: a GPT-2 config (n_layer, n_embd) was an internal KeyError; now one line,
+    exit 2."""
+    from .test_edge import one_line_error
+
+    result = CliRunner().invoke(app, ["plan-parallel", f"hf:{CONFIGS / 'gpt2-tiny.json'}", "--gpus", "2", "--gpu",
+                                      "24GB", "--batch", "2"])
+    line = one_line_error(result)
+    assert "num_hidden_layers" in line and "not supported yet" in line
+
+
+def test_advise_gpus_goes_on_when_the_planner_cannot_lay_the_model_out():
+    """Item 17's rule for advise --gpus: the planner refusing the model (a GPT-2 config) is recorded as the parallel
+    part's error, and the advice goes on (no layouts offered) instead of aborting."""
+    from memest.plan.advise import Advice, parallel_remedies
+    from memest.plan.runner import Runner
+
+    runner = Runner(RunSpec(model=f"hf:{CONFIGS / 'gpt2-tiny.json'}", batch=2, seq=32, target="cpu"))
+    advice = Advice(0, 1, False)
+    assert parallel_remedies(runner, 1, 2, "1 B", advice) == []
+    assert "num_hidden_layers" in advice.parallel["error"] and advice.parallel["gpus"] == 2

@@ -223,8 +223,12 @@ def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: st
         advice.parallel = {"gpus": gpus, "error": "--gpus: plan-parallel lays out hf: models (their depth is cut)"}
         return []
     base = dataclasses.replace(runner.base, seq=runner.base.seq or runner.source.default_seq)
-    plan = plan_parallel(base.model, gpus, capacity, budget_label, base, calibration=runner.calibration,
-                         progress=runner.progress, top=PARALLEL_LAYOUTS)
+    try:
+        plan = plan_parallel(base.model, gpus, capacity, budget_label, base, calibration=runner.calibration,
+                             progress=runner.progress, top=PARALLEL_LAYOUTS)
+    except MemestError as exc:  # the planner cannot lay this model out: the other savers still stand
+        advice.parallel = {"gpus": gpus, "error": str(exc)}
+        return []
     advice.parallel = {"gpus": gpus, "seconds": plan.seconds, "traces": plan.traces, "check": plan.check, "notes": plan.notes}
     out = []
     for i, lay in enumerate([lay for lay in plan.layouts if lay.traced and not lay.error and not lay.lower_bound][:PARALLEL_LAYOUTS]):

@@ -169,7 +169,13 @@ def _config(model: str) -> tuple[dict, Path]:
     path = _config_path(model[3:])
     if path is None:
         raise MemestError(f"{model}: plan-parallel needs a config file (bundled name or path), not a Hub id")
-    return json.loads(path.read_text()), path
+    config = json.loads(path.read_text())
+    missing = [key for key in ("num_hidden_layers", "hidden_size") if key not in config]
+    if missing:  # e.g. GPT-2's n_layer / n_embd: the depth cut and the communication count read these keys
+        raise MemestError(f"{model}: plan-parallel reads the config's {' and '.join(missing)} (to cut its depth and count "
+                          "its communication); this config names them otherwise: not supported yet, use memest estimate "
+                          "with --world-size/--tp/--pp per layout")
+    return config, path
 
 
 def layouts_for(gpus: int, config: dict) -> list[Layout]:
