@@ -485,13 +485,16 @@ def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
     ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     runner = ctx.runner
     key = "seq" if seq_search else "batch"
-    if seq_search and runner.source.max_seq:
-        limit = min(limit, runner.source.max_seq)
+    cap = f"--limit {limit}"
+    if seq_search and runner.source.max_seq and runner.source.max_seq < limit:  # the model's positions cap the search
+        limit = runner.source.max_seq
+        why = f" ({runner.source.max_seq_why})" if runner.source.max_seq_why else ""
+        cap = f"the model's {limit} positions{why}"
     if not seq_search:
         check_seq_limit(runner.source, [runner.base.seq])
     start = (runner.base.seq or 512) if seq_search else 1
     with user_code(spec_args["model"]):
-        result = largest_fitting(runner, key, ctx.gpu.capacity_bytes, start=min(start, limit), limit=limit)
+        result = largest_fitting(runner, key, ctx.gpu.capacity_bytes, start=min(start, limit), limit=limit, cap=cap)
     return SearchRun(result, ctx.gpu, spec_args["model"], runner.traces, _loop(runner.base))
 
 
