@@ -104,3 +104,33 @@ def test_inference_runs_seq2seq_heads_and_says_labels_count():
     assert abs(estimated - real) <= REL_TOL * real, (estimated, real)
     assert real == _real_forward_peak(model_ref("hf:t5-tiny"), 2, 32)
 
+
+def test_expandable_replay_takes_requests_beyond_a_tib():
+    """Issue 22, 26: a request above the expandable segment's address space (1 1/8 TiB when unlimited) crashed the
+    replay (AttributeError on main: the segment had no next block to map); unlimited, the replay's GPU is as large
+    as the step; under a limit such a request is an OOM."""
+    from memest.device.allocator import min_device_limit, parse_alloc_conf, replay
+
+    conf = parse_alloc_conf("expandable_segments:True")
+    tib = 2**40
+    events = [(0, 2 * tib), (1, 3 * tib), (0, -2 * tib), (2, 2**20), (1, -3 * tib), (2, -(2**20))]
+    unconstrained = replay(events, conf)
+    assert not unconstrained.oom and unconstrained.peak_reserved >= 5 * tib
+    limit = min_device_limit(events, conf, unconstrained=unconstrained)
+    assert 5 * tib <= limit <= unconstrained.peak_reserved
+    assert not replay(events, conf, device_limit_bytes=limit).oom
+    assert replay(events, conf, device_limit_bytes=tib).oom
+
+
+def test_a_billion_batch_gives_a_clean_does_not_fit():
+    """`--batch 1000000000` (issue 22, 26: an internal error from the allocator replay on main)."""
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    result = CliRunner().invoke(app, ["estimate", model_ref("hf:gpt2-tiny"), "--batch", "1000000000", "--seq", "64",
+                                      "--gpu", "80GB", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["needed_bytes"] > 1000 * 2**40  # the logits alone: 1e9 x 64 x vocab fp32
+    assert doc["verdict"] == "does-not-fit" and doc["gpus"]["fits"] is False, doc["gpus"]
