@@ -172,3 +172,19 @@ def test_needed_can_fall_as_the_batch_grows_and_the_docs_say_by_how_much():
     usage = (ROOT / "docs" / "usage.md").read_text()
     assert "a few MiB less than the one before" not in usage
     assert "31,276 MiB in the allocator at batch 1 and\n30,776 MiB at batch 2 (500 MiB less" in usage
+
+
+def test_cuda_inference_keeps_the_cuda_attention_kernel():
+    """The inference-mode decomposition leaves ops that a --target cuda trace gives their CUDA kernel (registered
+    at AutogradCPU: sdpa) whole; decomposed, sdpa would be traced as the CPU's kernels (flash attention for
+    CPU, or the math path's seq x seq softmax) in place of the CUDA one. Also: --mode generate takes no labels (the inputs held
+    are the prompt's ids only)."""
+    ref = model_ref("hf:llama-tiny")
+    trace = trace_step(load_source(ref), RunSpec(model=ref, batch=2, seq=64, target="cuda", mode="inference"))
+    ops = {s.op for s in trace.storages}
+    assert "scaled_dot_product_attention.default" in ops and not any("for_cpu" in op or op.startswith("_softmax")
+                                                                    for op in ops), ops
+    generate = trace_step(load_source(ref), RunSpec(model=ref, batch=2, seq=64, target="cuda", mode="generate",
+                                                    new_tokens=2))
+    inputs = [s.nbytes for s in generate.storages if s.category.value == "inputs"]
+    assert inputs == [2 * 64 * 8], inputs

@@ -138,6 +138,8 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
         raise _build_error(source, f"example_inputs({spec.batch}, {seq})", exc) from exc
     if dtype != torch.float32:
         inputs = _cast_floats(inputs, dtype)
+    if spec.mode == Mode.GENERATE and isinstance(inputs, dict):
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}  # decoding takes the prompt's ids only
     if spec.mode == Mode.INFERENCE and isinstance(inputs, dict) and "labels" in inputs:
         # the forward of the inputs built, labels kept (issue 22, 25a): dropping them traced a forward the
         # report did not describe (no loss: a batch x seq x vocab log_softmax less) and broke seq2seq heads

@@ -65,13 +65,18 @@ _COMPOSITE: dict = {}  # aten op -> whether it is CompositeImplicitAutograd (ask
 
 
 def _composite(func) -> bool:
-    """Whether ``func`` is an aten op with a CompositeImplicitAutograd kernel (it is made of other aten ops)."""
+    """Whether ``func`` is an aten op with a CompositeImplicitAutograd kernel (it is made of other aten ops) and
+    no kernel of its own at AutogradCPU. A --target cuda trace registers the CUDA kernels of composite ops there
+    (targets/cuda: sdpa, dropout, rms_norm, RNNs); under inference_mode that key is skipped too, and decomposing
+    such an op would trace the CPU branch (sdpa's math path) in place of the CUDA kernel: recorded whole, as
+    before."""
     known = _COMPOSITE.get(func)
     if known is None:
         known = _COMPOSITE[func] = (
             isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and func._can_decompose()
         )
-    return known
+    # asked each time: the CUDA kernels are registered only while a --target cuda trace runs
+    return known and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.AutogradCPU)
 
 
 class TrackingFakeMode(FakeTensorMode):
