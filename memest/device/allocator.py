@@ -728,7 +728,10 @@ class CachingAllocator:
         # pool; no memory mapped yet. SIMPLIFICATION: newer sources use large_segment_size() for the
         # large pool; both are 20 MiB unless large_segment_size_mb is set, and this follows the option.
         page = kSmallBuffer if pool.is_small else self.config.large_segment_size
-        va_size = -(-self.es_va_total // page) * page
+        # unlimited (the unconstrained replay): a GPU as large as the step, so its VA covers any request
+        # (a request above 1 1/8 TiB, e.g. --batch 1000000000 on a 7B model, had no room: issue 22, 26)
+        va_total = self.es_va_total if self.limit is not None else max(self.es_va_total, size)
+        va_size = -(-va_total // page) * page
         seg = _Segment(self._new_va(va_size), va_size, expandable=True, page=page)
         self.segments.add(seg)
         candidate = _Block(seg.base, va_size, pool, seg, mapped=False)
@@ -743,6 +746,8 @@ class CachingAllocator:
         while candidate.size < size:
             # invariant: free -> unmapped -> *; map_block maps some of unmapped and merges with free
             nxt = candidate.next
+            if nxt is None:  # the request is larger than the segment's address space: cuMemMap cannot grow it
+                return None
             if not self._map_block(nxt, min(size - candidate.size, nxt.size)):
                 return None
             candidate = nxt

@@ -30,8 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 aten = torch.ops.aten
-# scalar reads: the op, and item(), which reaches a dispatch mode undecomposed under inference_mode
-READS = {aten._local_scalar_dense.default, aten.item.default}
+# scalar reads: the op, and item() and is_nonzero() (`if tensor:`), which reach a dispatch mode undecomposed
+# under inference_mode
+READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default}
 IS_ALL_TRUE = aten._is_all_true.default
 _KEEP_RANGE = {aten.max.default, aten.min.default, aten.amax.default, aten.amin.default}
 _LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}

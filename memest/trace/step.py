@@ -142,8 +142,16 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
         raise error from exc
     if dtype != torch.float32:
         inputs = _cast_floats(inputs, dtype)
-    if not spec.training and isinstance(inputs, dict):
-        inputs = {k: v for k, v in inputs.items() if k != "labels"}  # no loss without training
+    if spec.mode == Mode.GENERATE and isinstance(inputs, dict):
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}  # decoding takes the prompt's ids only
+    if spec.mode == Mode.INFERENCE and isinstance(inputs, dict) and "labels" in inputs:
+        # the forward of the inputs built, labels kept (issue 22, 25a): dropping them traced a forward the
+        # report did not describe (no loss: a batch x seq x vocab log_softmax less) and broke seq2seq heads
+        built.notes.append(
+            "--mode inference: the forward gets the labels memest built, so the model computes its loss as an "
+            "evaluation step does (a causal LM's batch x seq x vocab log-softmax counts); a serving forward "
+            "without labels holds less (--mode generate, memest serve)"
+        )
     built.inputs = inputs
     return built
 

@@ -61,6 +61,24 @@ def merged(rules: Iterable[TrackerRules]) -> tuple[dict, dict, tuple[type, ...]]
     return scratch, outputs, types
 
 
+_COMPOSITE: dict = {}  # aten op -> whether it is CompositeImplicitAutograd (asked once per op)
+
+
+def _composite(func) -> bool:
+    """Whether ``func`` is an aten op with a CompositeImplicitAutograd kernel (it is made of other aten ops) and
+    no kernel of its own at AutogradCPU. A --target cuda trace registers the CUDA kernels of composite ops there
+    (targets/cuda: sdpa, dropout, rms_norm, RNNs); under inference_mode that key is skipped too, and decomposing
+    such an op would trace the CPU branch (sdpa's math path) in place of the CUDA kernel: recorded whole, as
+    before."""
+    known = _COMPOSITE.get(func)
+    if known is None:
+        known = _COMPOSITE[func] = (
+            isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and func._can_decompose()
+        )
+    # asked each time: the CUDA kernels are registered only while a --target cuda trace runs
+    return known and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.AutogradCPU)
+
+
 class TrackingFakeMode(FakeTensorMode):
     """A FakeTensorMode that hands the ops called into it to a :class:`StorageTracker`.
 
@@ -78,6 +96,16 @@ class TrackingFakeMode(FakeTensorMode):
         tracker = self.tracker
         if tracker is None or self._inside:
             return super().dispatch(func, types, args, kwargs)
+        if _composite(func) and not tracker.has_rule(func):
+            # Under torch.inference_mode() the autograd key that decomposes a CompositeImplicitAutograd op
+            # (cross_entropy, linear, matmul, ...) is skipped, so the op reaches this mode whole and the fake
+            # kernel would decompose it untracked; the real CPU kernel runs that same decomposition and
+            # allocates its intermediates (cross_entropy's batch x seq x vocab log_softmax: issue 22, 25a).
+            # Decomposed here, each of its ops is tracked, as in a step with grad mode on.
+            with self:
+                out = func.decompose(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
         return tracker.dispatch(func, types, args, kwargs, self._run_tracked)
 
     def _run_tracked(self, func, types, args, kwargs):
@@ -269,6 +297,10 @@ class StorageTracker:
         self.trace.events.append((sid, -self.trace.storages[sid].nbytes))
 
     # -- dispatch ----------------------------------------------------------------------------
+    def has_rule(self, func) -> bool:
+        """Whether a feature's kernel rules (scratch or outputs) name ``func``: such an op is recorded whole."""
+        return func in self.scratch or func in self.outputs
+
     def dispatch(self, func, types, args, kwargs, run):
         """One op called into the fake mode; ``run(func, types, args, kwargs)`` runs it there."""
         if self.ignoring:
