@@ -563,6 +563,11 @@ def run_calibrate(device: int, out: str | None = None, nccl: bool = True) -> Cal
     """Measure on the GPU (calibration.measure, which checks for one through torch and NVML); save to
     the cache for this machine and, with ``out``, to a portable profile file."""
 
+    seen = nvml.query_gpus()  # first: without the GPU, nothing is created (issue 22, item 31)
+    if device not in {g.index for g in seen.gpus}:
+        found = f"NVML sees {len(seen.gpus)}" if seen.gpus else (seen.reason or "no NVIDIA GPU visible")
+        raise MemestError(f"memest calibrate needs an NVIDIA GPU (--device {device}); {found} "
+                          "(estimates still work without one)")
     path = cache_file()
     _check_writable(path, "the calibration cache", "set XDG_CACHE_HOME to a writable folder")  # before measuring
     if out is not None:

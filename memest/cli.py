@@ -37,7 +37,7 @@ from memest.report.views import (
 )
 from memest.serve.engine import ServeSpec
 from memest.spec import options
-from memest.spec.choices import Choice, OutputFormat
+from memest.spec.choices import Choice, OutputFormat, Verdict
 
 app = typer.Typer(
     name="memest", cls=OneLineErrors,
@@ -96,6 +96,8 @@ def estimate(**o) -> None:
         if result.plot_path is not None:
             typer.echo(f"memest: wrote {result.plot_path}", err=True)
         code = EXIT_DOES_NOT_FIT if fail and result.passes(o["strict"]) is False else EXIT_OK
+        if fail and not o["strict"] and result.verdict == Verdict.TIGHT:  # as check says it (README, usage.md)
+            typer.echo("memest: warning: TIGHT: counted as fitting; --strict counts tight as not fitting", err=True)
         return estimate_view(result, o["depth"], o["expand"]), code
 
     run_command(work, _format(o), o["debug"])
