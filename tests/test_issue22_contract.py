@@ -51,3 +51,13 @@ def test_calibrate_without_gpu_creates_no_folder(tmp_path, monkeypatch):
     line = one_line_error(run("calibrate", "--out", out))
     assert "needs an NVIDIA GPU" in line
     assert not (tmp_path / "newdir").exists() and not (tmp_path / "cache").exists()
+
+
+# -- found by the property test (tests/test_cli_contract_property.py, seed 7): `model:` with no value ------
+
+
+def test_check_config_with_an_empty_model_is_one_line_error(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("gpu: 11GB\nmodel: null\n")
+    line = one_line_error(run("check", config, config, "--markdown"))
+    assert "no `model:`" in line and str(config) in line
