@@ -61,3 +61,90 @@ def test_check_config_with_an_empty_model_is_one_line_error(tmp_path):
     config.write_text("gpu: 11GB\nmodel: null\n")
     line = one_line_error(run("check", config, config, "--markdown"))
     assert "no `model:`" in line and str(config) in line
+
+
+# -- found by the property test (seed 8): a zero budget divided serve's utilization fix by zero ----------
+
+
+def test_zero_budget_is_refused_not_divided_by():
+    tiny = "hf:" + str(ROOT / "tests" / "configs" / "llama-tiny.json")
+    line = one_line_error(run("serve", tiny, "--gpu", "0GB", "--json"))
+    assert "--gpu 0GB" in line and "zero" in line
+    assert "zero" in one_line_error(run("estimate", MLP, "--gpu", "0GB"))
+
+
+# -- 35: layout --------------------------------------------------------------------------------------
+
+
+def _check_like_table():
+    from memest.report.emit import Table, View
+
+    headers = ["config", "model", "seq", "gpu", "predicted", "range", "with margin", "budget", "headroom", "verdict"]
+    rows = [["gpt2-11gb-fits", "hf:gpt2", "1024", "sm75", "6.13 GiB", "5.26 GiB-6.35 GiB", "6.74 GiB (+10%)",
+             "11.00 GiB (rtx2080ti)", "4.26 GiB", "fits"]]
+    return View({}, [Table("memest check", headers, rows, left=("config", "model", "budget", "verdict"))]), rows[0]
+
+
+def _emitted(monkeypatch, columns):
+    import io
+    import sys
+
+    from memest.report.emit import emit
+    from memest.spec.choices import OutputFormat
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)  # rich's Console writes to sys.stdout (not a terminal here)
+    view, cells = _check_like_table()
+    emit(view, OutputFormat.TABLE, out)
+    return out.getvalue(), cells
+
+
+def test_narrow_output_never_breaks_a_number_and_piped_output_honours_columns(monkeypatch):
+    for columns in (60, 80, 100):
+        text, cells = _emitted(monkeypatch, columns)
+        assert max(len(line) for line in text.splitlines()) <= columns, text  # COLUMNS honoured when piped
+        words = set(text.split())
+        for cell in cells:
+            for word in cell.split():
+                assert word in words or any(word in w for w in words), (word, text)  # each token whole
+        for number in ("6.13", "5.26", "6.35", "6.74", "11.00", "4.26"):
+            assert number in text, (number, text)
+
+
+def test_check_table_names_the_gpu_generation_and_the_budget_size_once(tmp_path):
+    from memest.plan.check import CheckRow
+    from memest.report.views import check_view
+
+    class Result:
+        rows = [CheckRow("c", "c.yaml", "hf:gpt2", 6 * 2**30, 6 * 2**30, "rtx2080ti (11 GiB)", 11 * 2**30, 0.0,
+                         True, 5 * 2**30, 1024, "sm75", "fits", 5 * 2**30, 6 * 2**30, 6 * 2**30)]
+        fits, verdict, strict, tight = True, "fits", False, []
+
+    table = check_view(Result()).blocks[0]
+    row = dict(zip(table.headers, table.rows[0], strict=True))
+    assert row["gpu"] == "sm75"
+    assert row["budget"] == "11.00 GiB (rtx2080ti)"
+
+
+def test_counts_agree_with_their_nouns_and_tib_exists():
+    from memest.units import format_bytes, plural, table_unit
+
+    assert plural(1, "GPU") == "1 GPU" and plural(8, "GPU") == "8 GPUs" and plural(1, "trace") == "1 trace"
+    assert format_bytes(3 * 2**40) == "3.00 TiB"
+    assert table_unit([2 * 2**40]) == ("TiB", 2**40)
+
+
+def test_depth_below_zero_is_refused():
+    line = one_line_error(run("estimate", MLP, "--depth", "-1"))
+    assert "--depth -1" in line
+
+
+def test_version_names_memest_torch_and_transformers():
+    from importlib import metadata
+
+    result = run("--version")
+    assert result.exit_code == 0
+    line = result.stdout.strip()
+    assert line.startswith("memest ") and f"torch {metadata.version('torch')}" in line
+    assert f"transformers {metadata.version('transformers')}" in line
