@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -28,7 +29,7 @@ from memest.plan.parallel import plan_parallel
 from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
-from memest.spec import RunSpec
+from memest.spec import RunSpec, options
 from memest.spec.choices import Target, Verdict
 from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
@@ -363,6 +364,7 @@ def run_check(
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
     file) overrides each config's ``calibration:``."""
     from memest.sources import load_source
+    from memest.trace.step import check_positions
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
@@ -377,26 +379,43 @@ def run_check(
             spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
             with user_code(f"{path}: {spec.model}"):
                 source = load_source(spec.model)
+            if cfg.serve is None:
+                check_positions(source, spec, spec.seq)  # knowable now: before any config is traced (issue 22, 28)
         except MemestError as exc:
-            if str(exc).startswith(str(path)):
-                raise
-            raise type(exc)(f"{path}: {exc}") from None
+            raise _in_config(exc, path, overrides) from None
         prepared.append((cfg, ctx, spec, source))
     rows = []
     start = time.perf_counter()
     for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
-        with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
-            if cfg.serve is not None:
-                row = check_serve_config(cfg, ctx, margin_value, strict=strict)
-            else:
-                row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+        try:
+            with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
+                if cfg.serve is not None:
+                    row = check_serve_config(cfg, ctx, margin_value, strict=strict)
+                else:
+                    row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+        except MemestError as exc:
+            raise _in_config(exc, cfg.path, overrides) from None
         rows.append(row)
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
                      f"({time.perf_counter() - start:.1f} s elapsed)")
     return CheckResult(rows, strict)
+
+
+def _in_config(exc: MemestError, path, overrides: dict) -> MemestError:
+    """The error as the config's: its file first, and a flag the user did not pass named as its YAML key
+    ("--tp 3: ..." -> "tp: 3: ..."; a check override keeps its flag)."""
+    text = str(exc)
+    for opt in options.OPTIONS:
+        key = opt.yaml or opt.name
+        if not opt.flags or opt.argument or overrides.get(opt.name) is not None or not (opt.spec_field or opt.yaml):
+            continue
+        for flag in opt.flags[0].split("/"):
+            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", f"{key}:", text)
+    text = text if text.startswith(str(path)) else f"{path}: {text}"
+    return type(exc)(text)
 
 
 # ------------------------------------------------------------------------------------- planners

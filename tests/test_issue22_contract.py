@@ -1,7 +1,9 @@
 """Issue 22, the CLI contract: items 19, 28, 29, 30, 31, 35 (each test fails on the code before the fix)."""
 
 import json
+import os
 
+import pytest
 from typer.testing import CliRunner
 
 from memest.cli import app
@@ -148,3 +150,99 @@ def test_version_names_memest_torch_and_transformers():
     line = result.stdout.strip()
     assert line.startswith("memest ") and f"torch {metadata.version('torch')}" in line
     assert f"transformers {metadata.version('transformers')}" in line
+
+
+# -- 30: third-party chatter is hidden unless --debug; the user's own warnings still show ----------------
+
+NOISY = '''
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+
+def build_model():
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+        "Failed to load CPU gemm_4bit_forward from kernels-community: no kernels")  # as bitsandbytes 0.50 logs it
+    logging.getLogger("peft.tuners").warning("peft says something")
+    warnings.warn("the user's own warning")
+    return nn.Linear(8, 8)
+
+
+def example_inputs(batch_size, seq_len=None):
+    return (torch.randn(batch_size, 8),)
+'''
+
+
+def _memest(*args):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "memest", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_library_logs_and_warnings_are_hidden_unless_debug(tmp_path):
+    model = tmp_path / "noisy.py"
+    model.write_text(NOISY)
+    quiet = _memest("estimate", model, "--target", "cpu", "--json")  # a process: pytest captures logging itself
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Failed to load" not in quiet.stderr and "peft says" not in quiet.stderr, quiet.stderr
+    assert "the user's own warning" in quiet.stderr
+    json.loads(quiet.stdout)
+    debug = _memest("estimate", model, "--target", "cpu", "--json", "--debug")
+    assert "Failed to load CPU gemm_4bit_forward" in debug.stderr
+
+
+def test_transformers_deprecation_noise_under_lora_is_hidden():
+    tiny = "hf:" + str(ROOT / "tests" / "configs" / "llama-tiny.json")
+    result = run("estimate", tiny, "--lora", "r=4", "--seq", "32", "--target", "cpu", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "Warning" not in result.stderr and "warnings.warn" not in result.stderr, result.stderr
+
+
+# -- 29: the message names what the user passed, before any wrapping or tracing ----------------------
+
+
+@pytest.mark.parametrize(("extra", "names", "rule"), [
+    (["--world-size", "2", "--pp", "2", "--pp-split", "a,b"], "--pp-split a,b", "whole layer counts"),
+    (["--world-size", "4", "--pp", "4", "--microbatches", "1"], "--microbatches 1", "--microbatches 4 or more"),
+    (["--world-size", "2", "--tp", "2", "--sp", "--seq", "33"], "--seq 33", "not a multiple of 2"),
+])
+def test_parallel_layout_errors_blame_the_flag_given(extra, names, rule):
+    tiny = "hf:" + str(ROOT / "tests" / "configs" / "llama-tiny-4l.json")
+    line = one_line_error(run("estimate", tiny, "--target", "cpu", *extra))
+    assert names in line and rule in line, line
+    assert "wrapping the model" not in line and "--shard none" not in line and "broadcast" not in line
+
+
+# -- 28: check finds what it can before tracing any config, and names the YAML file and key ----------
+
+
+def _configs(tmp_path, second: str):
+    tiny = ROOT / "tests" / "configs" / "llama-tiny.json"
+    first = tmp_path / "first.yaml"
+    first.write_text(f"model: hf:{tiny}\nseq: 32\ngpu: 11GB\ntarget: cpu\n")
+    other = tmp_path / "second.yaml"
+    other.write_text(f"model: hf:{tiny}\ngpu: 11GB\ntarget: cpu\n{second}")
+    return first, other
+
+
+def test_check_refuses_a_too_long_seq_before_tracing_and_names_the_yaml_key(tmp_path):
+    first, other = _configs(tmp_path, "seq: 100000\n")
+    result = run("check", first, other)
+    line = one_line_error(type("R", (), {"exit_code": result.exit_code, "stdout": result.stdout,
+                                         "stderr": "\n".join(s for s in result.stderr.splitlines()
+                                                             if s.startswith("memest: error"))})())
+    assert line.startswith(f"memest: error: {other}: ") and "use seq: 256 or less" in line, line
+    assert "check 1/2" not in result.stderr  # nothing was traced first
+
+
+def test_check_trace_time_errors_name_the_yaml_file_and_key(tmp_path):
+    first, other = _configs(tmp_path, "seq: 32\nworld_size: 3\ntp: 3\n")
+    result = run("check", first, other)
+    assert result.exit_code == 2
+    line = [s for s in result.stderr.splitlines() if s.startswith("memest: error")][0]
+    assert line.startswith(f"memest: error: {other}: ") and "tp: 3:" in line and "--tp" not in line, line
