@@ -246,3 +246,13 @@ def test_check_trace_time_errors_name_the_yaml_file_and_key(tmp_path):
     assert result.exit_code == 2
     line = [s for s in result.stderr.splitlines() if s.startswith("memest: error")][0]
     assert line.startswith(f"memest: error: {other}: ") and "tp: 3:" in line and "--tp" not in line, line
+
+
+def test_context_parallel_runs_are_not_labelled_data_parallel():
+    from types import SimpleNamespace
+
+    from memest.report.summary import _parallel_rows
+
+    report = SimpleNamespace(sharding={"rank": 0, "world_size": 8, "parallel": "dp 4 x cp 2"},
+                             spec={"cp": 2, "tp": 1, "pp": 1, "ep": 1}, effective_batch=8)
+    assert _parallel_rows(report)[0].label == "parallel"
