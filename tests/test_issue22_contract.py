@@ -256,3 +256,14 @@ def test_context_parallel_runs_are_not_labelled_data_parallel():
     report = SimpleNamespace(sharding={"rank": 0, "world_size": 8, "parallel": "dp 4 x cp 2"},
                              spec={"cp": 2, "tp": 1, "pp": 1, "ep": 1}, effective_batch=8)
     assert _parallel_rows(report)[0].label == "parallel"
+
+
+def test_a_pipeline_plot_title_says_which_rank():
+    from types import SimpleNamespace
+
+    from memest.report.plot import title_lines
+
+    spec = {"batch": 2, "seq": 32, "optim": "adamw", "precision": "fp32", "target": "cpu", "pp": 4, "pp_stage": 3}
+    report = SimpleNamespace(spec=spec, model="hf:llama-tiny", peak_allocated_bytes=2**20, device=None)
+    title, _ = title_lines(SimpleNamespace(iterations=2), report)
+    assert "pipeline rank 3 of 4" in title
