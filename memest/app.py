@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -28,7 +29,7 @@ from memest.plan.parallel import plan_parallel
 from memest.serve.colocate import colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
-from memest.spec import RunSpec
+from memest.spec import RunSpec, options
 from memest.spec.choices import Target, Verdict
 from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
@@ -371,6 +372,7 @@ def run_check(
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
     file) overrides each config's ``calibration:``."""
     from memest.sources import load_source
+    from memest.trace.step import check_positions
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
@@ -386,26 +388,43 @@ def run_check(
             with user_code(f"{path}: {spec.model}"):
                 source = load_source(spec.model)
             say_warnings(source, progress)
+            if cfg.serve is None:
+                check_positions(source, spec, spec.seq)  # knowable now: before any config is traced (issue 22, 28)
         except MemestError as exc:
-            if str(exc).startswith(str(path)):
-                raise
-            raise type(exc)(f"{path}: {exc}") from None
+            raise _in_config(exc, path, overrides) from None
         prepared.append((cfg, ctx, spec, source))
     rows = []
     start = time.perf_counter()
     for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
-        with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
-            if cfg.serve is not None:
-                row = check_serve_config(cfg, ctx, margin_value, strict=strict)
-            else:
-                row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+        try:
+            with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
+                if cfg.serve is not None:
+                    row = check_serve_config(cfg, ctx, margin_value, strict=strict)
+                else:
+                    row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+        except MemestError as exc:
+            raise _in_config(exc, cfg.path, overrides) from None
         rows.append(row)
         if progress:
             progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
                      f"({time.perf_counter() - start:.1f} s elapsed)")
     return CheckResult(rows, strict)
+
+
+def _in_config(exc: MemestError, path, overrides: dict) -> MemestError:
+    """The error as the config's: its file first, and a flag the user did not pass named as its YAML key
+    ("--tp 3: ..." -> "tp: 3: ..."; a check override keeps its flag)."""
+    text = str(exc)
+    for opt in options.OPTIONS:
+        key = opt.yaml or opt.name
+        if not opt.flags or opt.argument or overrides.get(opt.name) is not None or not (opt.spec_field or opt.yaml):
+            continue
+        for flag in opt.flags[0].split("/"):
+            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", f"{key}:", text)
+    text = text if text.startswith(str(path)) else f"{path}: {text}"
+    return type(exc)(text)
 
 
 # ------------------------------------------------------------------------------------- planners
@@ -576,6 +595,11 @@ def run_calibrate(device: int, out: str | None = None, nccl: bool = True) -> Cal
     """Measure on the GPU (calibration.measure, which checks for one through torch and NVML); save to
     the cache for this machine and, with ``out``, to a portable profile file."""
 
+    seen = nvml.query_gpus()  # first: without the GPU, nothing is created (issue 22, item 31)
+    if device not in {g.index for g in seen.gpus}:
+        found = f"NVML sees {len(seen.gpus)}" if seen.gpus else (seen.reason or "no NVIDIA GPU visible")
+        raise MemestError(f"memest calibrate needs an NVIDIA GPU (--device {device}); {found} "
+                          "(estimates still work without one)")
     path = cache_file()
     _check_writable(path, "the calibration cache", "set XDG_CACHE_HOME to a writable folder")  # before measuring
     if out is not None:

@@ -22,7 +22,7 @@ from memest.app import (
     run_whatif,
     stderr_progress,
 )
-from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK
+from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK, MemestError
 from memest.exits import OneLineErrors, output_format, run_command
 from memest.report.views import (
     advise_view,
@@ -37,7 +37,8 @@ from memest.report.views import (
 )
 from memest.serve.engine import ServeSpec
 from memest.spec import options
-from memest.spec.choices import Choice, OutputFormat
+from memest.spec.choices import Choice, OutputFormat, Verdict
+from memest.version import versions_line
 
 app = typer.Typer(
     name="memest", cls=OneLineErrors,
@@ -47,6 +48,18 @@ app = typer.Typer(
 
 
 _SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSpec)}
+
+
+def _show_version(asked: bool) -> None:
+    if asked:
+        typer.echo(versions_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_show_version,
+                                                help="Print memest's, torch's and transformers' versions.")] = False) -> None:
+    """How much GPU memory will this PyTorch training step need? Traced on fake tensors, no GPU touched."""
 
 
 def _parameter(opt: options.Option, command: str) -> inspect.Parameter:
@@ -88,6 +101,8 @@ def estimate(**o) -> None:
 
     def work():
 
+        if o["depth"] < 0:  # an empty table otherwise (issue 22, 35)
+            raise MemestError(f"--depth {o['depth']}: the module-tree depth is 0 (the model) or more, e.g. --depth 3")
         fail = o["fail_if_not_fits"]
         result = run_estimate(spec, o["gpu"], fail_if_not_fits=fail, plot=o["plot"],
                               timeline=_format(o)() == OutputFormat.TABLE, progress=_progress(),
@@ -96,6 +111,8 @@ def estimate(**o) -> None:
         if result.plot_path is not None:
             typer.echo(f"memest: wrote {result.plot_path}", err=True)
         code = EXIT_DOES_NOT_FIT if fail and result.passes(o["strict"]) is False else EXIT_OK
+        if fail and not o["strict"] and result.verdict == Verdict.TIGHT:  # as check says it (README, usage.md)
+            typer.echo("memest: warning: TIGHT: counted as fitting; --strict counts tight as not fitting", err=True)
         return estimate_view(result, o["depth"], o["expand"]), code
 
     run_command(work, _format(o), o["debug"])

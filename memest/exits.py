@@ -6,9 +6,13 @@ or 1 for a run that gave no answer); 130 interrupted. ``--debug`` adds traceback
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
+import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 
 import typer
@@ -65,6 +69,43 @@ def output_format(fmt: OutputFormat, json: bool, markdown: bool) -> OutputFormat
     return asked.pop() if asked else OutputFormat.TABLE
 
 
+# libraries whose import- and run-time chatter (bitsandbytes' "Failed to load CPU gemm_4bit_forward ...", peft's and
+# transformers' deprecation notes) is not about the user's step: hidden unless --debug (issue 22, item 30)
+QUIET_LOGGERS = ("transformers", "peft", "bitsandbytes", "accelerate", "huggingface_hub", "torch")
+_LIBRARY_PATHS = ("site-packages", "dist-packages")
+
+
+@contextlib.contextmanager
+def library_noise_hidden(debug: bool):
+    """Warnings raised inside installed libraries and their loggers' records below ERROR are dropped, unless
+    ``debug``; warnings from the user's own code still reach stderr."""
+    if debug:
+        yield
+        return
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    env = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read when transformers configures its logger (first import)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+            if env is None:
+                os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+            else:
+                os.environ["TRANSFORMERS_VERBOSITY"] = env
+    shown = set()
+    for w in caught:  # the user's own warnings, as Python shows them: once per place and text
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if key not in shown and not any(part in str(w.filename) for part in _LIBRARY_PATHS):
+            shown.add(key)
+            sys.stderr.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+
+
 def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True) -> None:
     """Run a command's work -> (View, exit code), print it, exit. Exit codes never depend on --debug:
     0 ok, 1 does not fit, 2 usage / config / model errors and anything unexpected (never 0 or 1).
@@ -74,7 +115,8 @@ def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debu
         hide_cuda()
     try:
         out_format = fmt()
-        view, code = work()
+        with library_noise_hidden(debug):
+            view, code = work()
     except KeyboardInterrupt:
         typer.echo("memest: interrupted", err=True)
         raise typer.Exit(130) from None

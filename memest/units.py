@@ -46,10 +46,15 @@ def format_bytes(n: int | float, precision: int = 2) -> str:
     """Binary units, labelled as such: 1536 -> '1.50 KiB'."""
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{sign}{n / size:.{precision}f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 GPU', '8 GPUs', '1 trace', '2 traces'."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
 def format_count(n: int) -> str:
@@ -60,7 +65,7 @@ def format_count(n: int) -> str:
     return str(n)
 
 
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def table_unit(values) -> tuple[str, int]:

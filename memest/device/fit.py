@@ -92,7 +92,10 @@ def resolve_budget(flag: str) -> tuple[str, int] | int:
     if card is not None:
         return f"{text} ({card / 2**30:g} GiB)", card
     if text[:1].isdigit() or text.startswith("-"):
-        return text, parse_bytes(text)
+        size = parse_bytes(text)
+        if size <= 0:  # nothing fits in it, and the planners divide by it
+            raise MemestError(f"--gpu {text}: a budget of zero bytes; pass the memory the step may use, e.g. 11GB")
+        return text, size
     raise MemestError(
         f"unknown GPU {flag!r}; pass a size such as 11GB or 11GiB, a device index such as 0, "
         f"or a known card: {', '.join(sorted(CARDS))}"

@@ -25,7 +25,7 @@ from memest.spec import RunSpec
 from memest.spec.choices import Optimizer, Outputs, Precision, Target
 from memest.spec.options import command_line
 from memest.trace.values import PlaceholderScalars
-from memest.units import format_bytes
+from memest.units import format_bytes, plural
 
 
 @dataclass
@@ -233,8 +233,8 @@ def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: st
     out = []
     for i, lay in enumerate([lay for lay in plan.layouts if lay.traced and not lay.error and not lay.lower_bound][:PARALLEL_LAYOUTS]):
         out.append(Remedy(
-            f"{lay.name} on {gpus} GPUs (plan-parallel)", lay.changes(), lay.needed_bytes, lay.fits,
-            f"~{format_bytes(lay.comm_bytes)} sent per step per rank; needs {gpus} GPUs; per-rank need from {lay.derived_from}",
+            f"{lay.name} on {plural(gpus, 'GPU')} (plan-parallel)", lay.changes(), lay.needed_bytes, lay.fits,
+            f"~{format_bytes(lay.comm_bytes)} sent per step per rank; needs {plural(gpus, 'GPU')}; per-rank need from {lay.derived_from}",
             0.3 + 0.05 * gpus + 0.001 * i, derived=True, command=command_line(lay.spec(base), **(extra or {})),
         ))
     return out

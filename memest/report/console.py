@@ -133,9 +133,14 @@ def fit_table(rows: list[FitRow], width: int | None = None) -> Table:
 
 
 def make_console() -> Console:
-    """Full-width tables also when piped to a file or a CI log (rich assumes 80 columns there)."""
+    """Full-width tables also when piped to a file or a CI log (rich assumes 80 columns there); COLUMNS,
+    when set to a width, is honoured in both cases."""
+    import os
     import sys
 
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return Console(width=int(columns))
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 

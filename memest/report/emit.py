@@ -63,7 +63,9 @@ def emit(view: View, fmt: OutputFormat, out: IO[str]) -> None:
         view.rich(console)
         return
     for block in view.blocks:
-        if isinstance(block, Table):
+        if isinstance(block, Table) and _min_width(block) > console.width:  # never a number cut in two
+            console.print(_table_as_records(block), markup=False, highlight=False, crop=False)
+        elif isinstance(block, Table):
             console.print(_rich_table(block))
         else:
             console.print(block, markup=False, highlight=False)
@@ -83,12 +85,30 @@ def _markdown(view: View) -> str:
     return "\n\n".join(parts)
 
 
+def _longest_word(block: Table, j: int) -> int:
+    texts = [block.headers[j], *(r[j] for r in block.rows)]
+    return max(len(word) for text in texts for word in (str(text).split() or [""]))
+
+
+def _min_width(block: Table) -> int:
+    """The narrowest the table is with no word or number broken: each column its longest word, padding, borders."""
+    return sum(min(_longest_word(block, j), 32) + 3 for j in range(len(block.headers))) + 1
+
+
+def _table_as_records(block: Table) -> str:
+    """A table too wide for the terminal: one record per row, 'header: value' a line."""
+    pad = max(len(h) for h in block.headers)
+    records = ["\n".join(f"  {h.ljust(pad)}  {v}" for h, v in zip(block.headers, r, strict=True)) for r in block.rows]
+    return "\n\n".join(([block.title] if block.title else []) + records)
+
+
 def _rich_table(block: Table):
     from rich.table import Table as RichTable
 
     table = RichTable(title=block.title or None, title_justify="left")
-    for h in block.headers:
-        table.add_column(h, justify="left" if h in block.left else "right", overflow="fold")
+    for j, h in enumerate(block.headers):  # wrap between words, never inside a number or a word (issue 22, 35)
+        table.add_column(h, justify="left" if h in block.left else "right", overflow="fold",
+                         min_width=min(_longest_word(block, j), 32))
     for r in block.rows:
         table.add_row(*r)
     return table

@@ -102,6 +102,10 @@ def title_lines(timeline: Timeline, report: Report | None) -> tuple[str, str]:
             run.append(f"{spec['new_tokens']} new tokens")
     if spec.get("checkpointing", "none") != "none":
         run.append(f"checkpointing {spec['checkpointing']}")
+    if spec.get("pp", 1) > 1:  # which rank this timeline is (issue 22, 35)
+        run.append(f"pipeline rank {spec.get('pp_stage', 0)} of {spec['pp']}")
+    if spec.get("cp", 1) > 1:
+        run.append(f"context-parallel rank {spec.get('cp_rank', 0)} of {spec['cp']}")
     title = f"{report.model}: " + ", ".join(run)
     sub = [f"peak allocated {format_bytes(report.peak_allocated_bytes)}", f"target {spec.get('target')}"]
     if report.device is not None:

@@ -80,7 +80,7 @@ def _parallel_rows(report: Report) -> list[SummaryRow]:
     sh = report.sharding
     if not sh:
         return []
-    label = "parallel" if max(report.spec.get(k, 1) for k in ("tp", "pp", "ep")) > 1 else "data parallel"
+    label = "parallel" if max(report.spec.get(k, 1) for k in ("tp", "pp", "ep", "cp")) > 1 else "data parallel"
     rows = [SummaryRow(label, f"rank {sh.get('rank', 0)} of {sh['world_size']}"
                        + (f", {sh['parallel']}" if sh.get("parallel") else "")
                        + f"; effective batch {report.effective_batch}")]

@@ -4,11 +4,13 @@ keeps its own text beside the binary value."""
 
 from __future__ import annotations
 
+import re
+
 from memest.device.fit import tight_reason
 from memest.report.emit import Table, View
 from memest.spec import RunSpec
 from memest.spec.choices import KvDtype, Outputs, ServeVerdict, Target, Verdict
-from memest.units import format_bytes, format_in, table_unit
+from memest.units import format_bytes, format_in, plural, table_unit
 
 
 def _yes(ok: bool | None) -> str:
@@ -81,20 +83,24 @@ def _expand_kw(fn, expand: bool) -> dict:
 VERDICT_TEXT = {Verdict.FITS: "fits", Verdict.TIGHT: "TIGHT", Verdict.DOES_NOT_FIT: "DOES NOT FIT"}
 
 
+_SIZE_IN_LABEL = re.compile(r" \([0-9.]+ [KMGT]i?B\)")  # "rtx2080ti (11 GiB)": the cell shows the size already
+
+
 def check_view(result) -> View:
     rows = result.rows
     unit = table_unit([v for r in rows for v in (r.needed_bytes, r.required_bytes, r.budget_bytes)])
-    headers = ["config", "model", "seq", "predicted", "range", "with margin", "budget", "headroom", "verdict"]
+    headers = ["config", "model", "seq", "gpu", "predicted", "range", "with margin", "budget", "headroom", "verdict"]
     cells = [
         [
             r.name,
             r.model if r.model.startswith("hf:") else r.model.rsplit("/", 1)[-1],
             str(r.seq) if r.seq is not None else "-",
+            r.arch or "-",  # the GPU generation whose kernels were modelled (--target cuda)
             format_in(r.needed_bytes, unit),
             f"{format_in(r.needed_bytes_low, unit)}-"
             + ("unbounded" if r.needed_bytes_high is None else format_in(r.needed_bytes_high, unit)),
             f"{format_in(r.required_bytes, unit)} (+{100 * r.margin:g}%)",
-            f"{format_in(r.budget_bytes, unit)} ({r.budget_label})",
+            f"{format_in(r.budget_bytes, unit)} ({_SIZE_IN_LABEL.sub('', r.budget_label)})",  # the size once
             format_in(r.headroom_bytes, unit),
             VERDICT_TEXT.get(r.verdict, r.verdict),
         ]
@@ -148,7 +154,7 @@ def whatif_view(run) -> View:
     blocks += largest_lines(s)
     blocks.append("needed: the smallest device budget the step runs in (allocator replay); "
                   + ("peak allocated: tensors only" if run.target == Target.CUDA else "--target cpu: the peak allocated"))
-    blocks.append(f"{s.traces} traces for {len(s.points)} points")
+    blocks.append(f"{plural(s.traces, 'trace')} for {plural(len(s.points), 'point')}")
     if run.outputs:
         blocks.append(loop_line(run.outputs))
     doc = {"budget": run.gpu.budget_label, "capacity_bytes": budget, **s.to_dict(), "outputs": run.outputs or None}
@@ -248,7 +254,7 @@ def advise_view(run) -> View:
     if a.parallel:
         blocks.append(_parallel_line(a.parallel))
     blocks += [f"skipped {s['name']}: its trace fails on this step: {s['reason']}" for s in a.skipped]
-    blocks.append(f"{a.traces} traces")
+    blocks.append(plural(a.traces, "trace"))
     doc = {"budget": label, "headroom_bytes": headroom, **a.to_dict()}
     return View(doc, blocks)
 
@@ -256,8 +262,8 @@ def advise_view(run) -> View:
 def _parallel_line(parallel: dict) -> str:
     """advise --gpus: where its layouts come from."""
     if parallel.get("error"):
-        return f"no layouts of {parallel['gpus']} GPUs: {parallel['error']}"
-    line = (f"layouts of {parallel['gpus']} GPUs from plan-parallel's planner ({parallel['traces']} traces of the model cut "
+        return f"no layouts of {plural(parallel['gpus'], 'GPU')}: {parallel['error']}"
+    line = (f"layouts of {plural(parallel['gpus'], 'GPU')} from plan-parallel's planner ({plural(parallel['traces'], 'trace')} of the model cut "
             f"in depth, {parallel['seconds']:.0f} s)")
     c = parallel.get("check")
     if c:
@@ -277,7 +283,7 @@ def plan_parallel_view(run) -> View:
         # "not-traced" with no need: the search stopped before it (a bounded layout has its lower bound)
         verdict = "not searched" if lay.verdict == "not-traced" else lay.verdict
         rows.append([lay.name, need, format_bytes(lay.comm_bytes), verdict, lay.derived_from])
-    blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
+    blocks: list = [Table(f"{p.model} on {plural(p.gpus, 'GPU')} of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]
 
@@ -296,7 +302,7 @@ def plan_parallel_view(run) -> View:
                       f"({100 * c['error']:+.2f}%); needed predicted {format_bytes(c['predicted_needed_bytes'])}, traced "
                       f"{format_bytes(c['traced_needed_bytes'])} ({100 * c['needed_error']:+.2f}%)")
     blocks += [f"note: {n}" for n in p.notes]
-    blocks.append(f"planned in {p.seconds:.1f} s ({p.traces} traces)")
+    blocks.append(f"planned in {p.seconds:.1f} s ({plural(p.traces, 'trace')})")
     doc = {"budget": run.gpu.budget_label, **p.to_dict()}
     for layout, command in zip(doc["layouts"], commands, strict=True):
         layout["command"] = command

@@ -119,7 +119,7 @@ def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
             close = difflib.get_close_matches(str(key), ALL_KEYS, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(ALL_KEYS)}"
             raise MemestError(f"{where}unknown key {key!r}; {hint}")
-    if "model" not in data:
+    if data.get("model") is None:  # absent, or `model:` with no value (YAML null)
         raise MemestError(f"{where}no `model:`; give a model file, hf:NAME or hf:path/config.json")
     values: dict[str, Any] = {}
     for key in SPEC_KEYS:

@@ -146,6 +146,9 @@ def validate(dims: ParallelDims, spec: RunSpec) -> None:
 def _check_tensor_parallel(d: ParallelDims, spec: RunSpec) -> None:
     if spec.sp and d.tp < 2:
         raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
+    if spec.sp and spec.seq and spec.seq % d.tp:  # each TP rank holds seq / tp positions (issue 22, item 29)
+        raise MemestError(f"--sp shards the sequence evenly over the --tp {d.tp} ranks: --seq {spec.seq} is not a multiple "
+                          f"of {d.tp} (e.g. --seq {spec.seq + d.tp - spec.seq % d.tp})")
     _check_loss_parallel(d, spec)
     if not d.tp_enabled:
         return
@@ -179,6 +182,7 @@ def _check_pipeline(d: ParallelDims, spec: RunSpec) -> None:
         if spec.microbatches or spec.pp_split or spec.pp_schedule != PipelineSchedule.ONE_F_ONE_B:
             raise MemestError("--microbatches, --pp-split and --pp-schedule describe a pipeline; add --pp N (N >= 2)")
         return
+    _check_pipeline_sizes(d, spec)
     if spec.pp_virtual < 0 or (spec.pp_virtual > 1 and spec.stages_per_rank != spec.pp_virtual):
         raise MemestError(
             f"--pp-virtual {spec.pp_virtual}: --pp-schedule {spec.pp_schedule} runs {spec.stages_per_rank} stage(s) per "
@@ -202,6 +206,20 @@ def _check_pipeline(d: ParallelDims, spec: RunSpec) -> None:
                           "--mode)")
     if not 0 <= d.pp_stage < d.pp:
         raise MemestError(f"pipeline stage {d.pp_stage} is not one of the {d.pp} stages")
+
+
+def _check_pipeline_sizes(d: ParallelDims, spec: RunSpec) -> None:
+    """--pp-split and --microbatches, before the model is built (the errors name them, not the wrapping)."""
+    if spec.pp_split:
+        counts = [c.strip() for c in spec.pp_split.split(",")]
+        stages = d.pp * spec.stages_per_rank
+        if not all(c.isdigit() for c in counts):  # how many, and their sum, are checked against the model's layers
+            raise MemestError(f"--pp-split {spec.pp_split}: give {stages} whole layer counts, one per stage, separated by "
+                              f"commas (e.g. {','.join(['2'] * stages)})")
+    # torch.distributed.pipelining.schedules.Schedule1F1B.__init__ refuses n_microbatches < num_stages (torch 2.13)
+    if spec.pp_schedule == PipelineSchedule.ONE_F_ONE_B and 0 < spec.microbatches < d.pp:
+        raise MemestError(f"--microbatches {spec.microbatches} with --pp {d.pp}: --pp-schedule 1f1b needs at least one "
+                          f"micro-batch per stage (--microbatches {d.pp} or more; torch's Schedule1F1B)")
 
 
 def _check_expert_parallel(d: ParallelDims, spec: RunSpec) -> None:
