@@ -54,11 +54,13 @@ def hide_cuda() -> None:
 @contextlib.contextmanager
 def user_code(origin: str, quiet_stdout: bool = True) -> Iterator[None]:
     """Around anything that runs the user's model code: what it prints goes to stderr (stdout carries
-    only memest's own output: one JSON document under --json), and ``sys.exit()`` in model code
-    becomes an error (exit 2) instead of deciding memest's exit code."""
+    only memest's own output: one JSON document under --json), at both levels: Python's ``sys.stdout`` and
+    file descriptor 1, which ``os.write(1, ...)``, ``os.system``, subprocesses and C extensions write to.
+    ``sys.exit()`` or any other ``BaseException`` (but Ctrl-C) raised by model code becomes an error (exit
+    2) naming ``origin`` instead of deciding memest's exit code."""
     redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
     try:
-        with redirect:
+        with stdout_fd_to_stderr() if quiet_stdout else contextlib.nullcontext(), redirect:
             yield
     except SystemExit as exc:
         raise ModelLoadError(
@@ -66,6 +68,44 @@ def user_code(origin: str, quiet_stdout: bool = True) -> Iterator[None]:
             "own exit code, so this is an error: remove the exit from the model file's import path, "
             "build_model() and example_inputs()"
         ) from None
+    except (Exception, KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as exc:  # e.g. `class Boom(BaseException)`: past every `except Exception`
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(
+            f"{origin}: the model code raised {type(exc).__name__}({first!r}), a BaseException that is not an "
+            "Exception; raise an Exception subclass (or fix the cause)"
+        ) from None
+
+
+@contextlib.contextmanager
+def stdout_fd_to_stderr() -> Iterator[None]:
+    """File descriptor 1 points at stderr's file inside the block (os.dup / os.dup2), restored after; a
+    process without a usable fd 1 or 2 is left as it is."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()  # whatever model code left in Python's buffer goes where it was written: stderr
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.contextmanager

