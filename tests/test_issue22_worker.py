@@ -113,3 +113,42 @@ def test_base_exception_from_model_code_in_check_names_the_config_and_file(tmp_p
     assert result.exit_code == 2, (result.exit_code, result.stderr)
     line = [x for x in result.stderr.splitlines() if x.startswith("memest: error")]
     assert len(line) == 1 and "boom.yaml" in line[0] and "boom.py" in line[0] and "Boom" in line[0]
+
+
+# -- item 6: a closed stdout keeps the command's own exit code -----------------------------------------
+
+
+def closed_stdout(*args) -> tuple[int, str]:
+    """Run memest with stdout a pipe whose reading end is closed before memest writes (as `| head -1` does
+    once it has its line): every write gets EPIPE."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "memest", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err.decode()
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"], ["--markdown"]])
+def test_closed_stdout_exits_with_the_answer_not_does_not_fit(tmp_path, fmt):
+    tiny = model_file(tmp_path, "tiny")
+    code, err = closed_stdout("estimate", tiny, "--gpu", "11GB", "--fail-if-not-fits", *fmt)
+    assert code == 0, err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_closed_stdout_keeps_does_not_fit_and_error_codes(tmp_path):
+    tiny = model_file(tmp_path, "tiny")
+    code, err = closed_stdout("estimate", tiny, "--gpu", "1MB", "--fail-if-not-fits")
+    assert code == 1, err[-2000:]
+    code, err = closed_stdout("estimate", tiny, "--gpu", "1MB", "--batch", "0")
+    assert code == 2 and err.count("memest: error") == 1, err[-2000:]
+
+
+def test_closed_stdout_in_check_keeps_its_code(tmp_path):
+    tiny = model_file(tmp_path, "tiny")
+    fits, too_big = tmp_path / "fits.yaml", tmp_path / "too-big.yaml"
+    fits.write_text(f"model: {tiny}\ngpu: 11GB\n")
+    too_big.write_text(f"model: {tiny}\ngpu: 1MB\n")
+    assert closed_stdout("check", fits)[0] == 0
+    assert closed_stdout("check", fits, too_big)[0] == 1
