@@ -33,6 +33,7 @@ from memest.spec.choices import Target, Verdict
 from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
 from memest.units import format_bytes
+from memest.worker import DEFAULT_TIMEOUT_S, in_worker
 
 Progress = Callable[[str], None]
 
@@ -398,16 +399,20 @@ class CheckResult:
 def run_check(
     paths: list[str], overrides: dict, gpu: str | None, margin, *, strict_unit: bool = False,
     progress: Progress | None = None, strict: bool = False, calibration: str | Path | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S, worker: bool = True,
 ) -> CheckResult:
     """Every config is read, validated, its budget resolved and its model loaded before any is traced;
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
-    file) overrides each config's ``calibration:``."""
+    file) overrides each config's ``calibration:``. ``worker``: the models are loaded and traced in one worker
+    process (memest/worker.py), stopped after ``timeout`` seconds; an exit, signal or crash there is an error
+    naming the config and its model file."""
     from memest.sources import load_source
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
     margin_value = parse_margin(margin, "--margin") if margin is not None else None
-    prepared = []
+    timeout = check_timeout(timeout)
+    configs = []
     for path in paths:
         cfg = load_config(path)
         try:
@@ -415,28 +420,51 @@ def run_check(
                               target=overrides.get("target") or cfg.values.get("target", Target.CUDA),
                               calibration=calibration if calibration is not None else cfg.calibration)
             spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
-            with user_code(f"{path}: {spec.model}"):
-                source = load_source(spec.model)
         except MemestError as exc:
-            if str(exc).startswith(str(path)):
-                raise
-            raise type(exc)(f"{path}: {exc}") from None
-        prepared.append((cfg, ctx, spec, source))
-    rows = []
-    start = time.perf_counter()
-    for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
-        if progress:
-            progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
-        with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
-            if cfg.serve is not None:
-                row = check_serve_config(cfg, ctx, margin_value, strict=strict)
-            else:
-                row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
-        rows.append(row)
-        if progress:
-            progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
-                     f"({time.perf_counter() - start:.1f} s elapsed)")
+            raise _named(exc, path) from None
+        configs.append((cfg, ctx, spec))
+
+    def traced(at: Callable[[str], None]) -> list:  # user code: in the worker process
+        prepared = []
+        for cfg, ctx, spec in configs:  # every model loaded before any is traced
+            at(f"{cfg.path}: {spec.model}")
+            try:
+                with user_code(f"{cfg.path}: {spec.model}"):
+                    prepared.append((cfg, ctx, spec, load_source(spec.model)))
+            except MemestError as exc:
+                raise _named(exc, cfg.path) from None
+        rows = []
+        start = time.perf_counter()
+        for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
+            at(f"{cfg.path}: {spec.model}")
+            if progress:
+                progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
+            with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
+                if cfg.serve is not None:
+                    row = check_serve_config(cfg, ctx, margin_value, strict=strict)
+                else:
+                    row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+            rows.append(row)
+            if progress:
+                progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
+                         f"({time.perf_counter() - start:.1f} s elapsed)")
+        return rows
+
+    rows = in_worker(traced, timeout, label=f"{configs[0][0].path}: {configs[0][2].model}") if worker else traced(
+        lambda label: None)
     return CheckResult(rows, strict)
+
+
+def _named(exc: MemestError, path) -> MemestError:
+    """``exc`` with its message starting with the config's path."""
+    return exc if str(exc).startswith(str(path)) else type(exc)(f"{path}: {exc}")
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """--timeout: seconds > 0 (None: no limit)."""
+    if timeout is not None and not (timeout > 0 and timeout != float("inf")):
+        raise MemestError(f"--timeout must be a number of seconds above 0 (default {DEFAULT_TIMEOUT_S:g}), got {timeout:g}")
+    return timeout
 
 
 # ------------------------------------------------------------------------------------- planners

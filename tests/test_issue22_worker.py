@@ -152,3 +152,65 @@ def test_closed_stdout_in_check_keeps_its_code(tmp_path):
     too_big.write_text(f"model: {tiny}\ngpu: 1MB\n")
     assert closed_stdout("check", fits)[0] == 0
     assert closed_stdout("check", fits, too_big)[0] == 1
+
+
+# -- item 8 and the worker: model code that ends the process, crashes or hangs under `check` -----------
+
+
+def configs(tmp_path, model: str) -> tuple:
+    """A config that does not fit (1 MB) and then one whose model is ``model``."""
+    tiny = model_file(tmp_path, "tiny")
+    too_big = tmp_path / "a-too-big.yaml"
+    too_big.write_text(f"model: {tiny}\ngpu: 1MB\n")
+    bad = tmp_path / "b-bad.yaml"
+    bad.write_text(f"model: {model}\ngpu: 11GB\n")
+    return too_big, bad
+
+
+@pytest.mark.parametrize("name, body, says", [
+    ("os_exit", "import os; os._exit(0)", "exit status 0"),
+    ("sigkill", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+    ("segfault", "import ctypes; ctypes.string_at(0)", "SIGSEGV"),
+])
+def test_model_code_ending_the_process_after_a_does_not_fit_is_exit_2_naming_the_file(tmp_path, name, body, says):
+    too_big, bad = configs(tmp_path, model_file(tmp_path, name, body))
+    proc = memest("check", too_big, bad, "--json")
+    line = error_line(proc)
+    assert "b-bad.yaml" in line and f"{name}.py" in line and says in line
+    assert proc.stdout == ""
+
+
+def test_model_code_exiting_on_import_in_check_is_exit_2(tmp_path):
+    exits = model_file(tmp_path, "exits_on_import", top="import os\nos._exit(0)\n")
+    too_big, bad = configs(tmp_path, exits)
+    line = error_line(memest("check", too_big, bad))
+    assert "b-bad.yaml" in line and "exits_on_import.py" in line and "exit status 0" in line
+
+
+def test_a_hang_past_timeout_is_exit_2_naming_the_file(tmp_path):
+    too_big, bad = configs(tmp_path, model_file(tmp_path, "hangs", "import time; time.sleep(600)"))
+    proc = memest("check", too_big, bad, "--timeout", "20", timeout=100)
+    line = error_line(proc)
+    assert "b-bad.yaml" in line and "hangs.py" in line and "--timeout" in line
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_timeout_must_be_positive_seconds(tmp_path, value):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {model_file(tmp_path, 'tiny')}\ngpu: 11GB\n")
+    result = runner.invoke(app, ["check", str(config), "--timeout", value])
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert [x for x in result.stderr.splitlines() if x.startswith("memest: error")][0].count("--timeout") == 1
+
+
+def test_check_in_a_worker_gives_the_same_rows_as_in_process(tmp_path):
+    """The worker changes where the trace runs, not what it finds: every row field equal."""
+    from memest.app import run_check
+
+    too_big, _ = configs(tmp_path, "unused")
+    fits = tmp_path / "fits.yaml"
+    fits.write_text(f"model: {model_file(tmp_path, 'tiny')}\nbatch: 3\ngpu: 11GB\n")
+    here = run_check([str(fits), str(too_big)], {}, None, None, worker=False)
+    there = run_check([str(fits), str(too_big)], {}, None, None, worker=True)
+    assert [r.to_dict() for r in here.rows] == [r.to_dict() for r in there.rows]
+    assert [r.verdict for r in there.rows] == ["fits", "does-not-fit"] and not there.fits
