@@ -1,8 +1,10 @@
 """User code run in a worker process: the parent owns stdout, the exit code and the time limit.
 
 ``in_worker(work, timeout)`` runs ``work(at)`` in a child process started with multiprocessing's "fork"
-method (the CLI forks before torch is imported, so no thread of torch's is copied; benchmarks/worker.md
-measures it against "forkserver") and returns what ``work`` returns, which must be picklable. ``at(label)``
+method and returns what ``work`` returns, which must be picklable. ``memest check`` forks after importing
+torch but before running any torch operation: the parent then holds one native thread besides its main one
+(the one ``import torch`` starts; counted in /proc/self/task), and the child imports nothing again.
+benchmarks/worker.md measures fork against "forkserver" (a fresh interpreter that would import torch again). ``at(label)``
 tells the parent what the child is running now (a config and its model file), so that a child that ends
 without an answer (``os._exit``, a signal, a segfault) or runs past ``timeout`` seconds is an error naming
 it, exit 2. An exception raised in the child is raised again in the parent: a ``MemestError`` as itself, any
@@ -24,7 +26,7 @@ from typing import Any
 
 from memest.errors import MemestError
 
-START_METHOD = "fork"  # benchmarks/worker.md: the cheapest, and safe here (the parent has no torch threads yet)
+START_METHOD = "fork"  # benchmarks/worker.md: the cheapest; the parent has run no torch operation at the fork
 DEFAULT_TIMEOUT_S = 1800.0
 
 
