@@ -214,3 +214,19 @@ def test_check_in_a_worker_gives_the_same_rows_as_in_process(tmp_path):
     there = run_check([str(fits), str(too_big)], {}, None, None, worker=True)
     assert [r.to_dict() for r in here.rows] == [r.to_dict() for r in there.rows]
     assert [r.verdict for r in there.rows] == ["fits", "does-not-fit"] and not there.fits
+
+
+def test_what_the_worker_raises_crosses_back_as_itself():
+    from memest.errors import TraceError
+    from memest.worker import in_worker
+
+    def fails(at):
+        raise TraceError("model.py: no")
+
+    with pytest.raises(TraceError, match="model.py: no"):
+        in_worker(fails, 60)
+    with pytest.raises(Exception) as info:  # not a memest error: the same class name, the child's traceback
+        in_worker(lambda at: int("x"), 60)
+    assert type(info.value).__name__ == "ValueError" and "invalid literal" in str(info.value)
+    assert any("memest's worker process" in note and "int(\"x\")" in note for note in info.value.__notes__)
+    assert in_worker(lambda at: {"rows": [1, 2]}, 60) == {"rows": [1, 2]}
