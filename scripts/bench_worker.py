@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="main", help="git revision without the worker")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--only", choices=sorted(COMMANDS), help="one command (default: both)")
     args = parser.parse_args()
     rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -68,9 +69,11 @@ def main() -> None:
         archive = subprocess.run(["git", "archive", args.before, "memest"], cwd=ROOT, capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        print("| command | before (s) | after (s) | after - before | exit codes |")
+        print("| command | before (s), median [min-max] | after (s), median [min-max] | after - before (medians) | exit codes |")
         print("|---|---:|---:|---:|---|")
         for name, argv in COMMANDS.items():
+            if args.only and name != args.only:
+                continue
             times = {"before": [], "after": []}
             codes = set()
             for _ in range(args.runs):
@@ -79,7 +82,9 @@ def main() -> None:
                     times[which].append(t)
                     codes.add((which, code))
             b, a = statistics.median(times["before"]), statistics.median(times["after"])
-            print(f"| `memest {name}` | {b:.2f} | {a:.2f} | {a - b:+.2f} ({(a - b) / b:+.1%}) | "
+            spread = {w: f"[{min(t):.2f}-{max(t):.2f}]" for w, t in times.items()}
+            print(f"| `memest {name}` | {b:.2f} {spread['before']} | {a:.2f} {spread['after']} | {a - b:+.2f} "
+                  f"({(a - b) / b:+.1%}) | "
                   f"{', '.join(f'{w} {c}' for w, c in sorted(codes))} |")
     print()
     print("| start method | first worker in the process (ms): what one `memest` run pays | later workers, median (ms) |")
