@@ -422,17 +422,17 @@ def run_check(
             spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
         except MemestError as exc:
             raise _named(exc, path) from None
-        configs.append((cfg, ctx, spec))
+        configs.append((path, cfg, ctx, spec))
 
     def traced(at: Callable[[str], None]) -> list:  # user code: in the worker process
         prepared = []
-        for cfg, ctx, spec in configs:  # every model loaded before any is traced
-            at(f"{cfg.path}: {spec.model}")
+        for path, cfg, ctx, spec in configs:  # every model loaded before any is traced
+            at(f"{path}: {spec.model}")
             try:
-                with user_code(f"{cfg.path}: {spec.model}"):
+                with user_code(f"{path}: {spec.model}"):
                     prepared.append((cfg, ctx, spec, load_source(spec.model)))
             except MemestError as exc:
-                raise _named(exc, cfg.path) from None
+                raise _named(exc, path) from None
         rows = []
         start = time.perf_counter()
         for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
@@ -450,7 +450,7 @@ def run_check(
                          f"({time.perf_counter() - start:.1f} s elapsed)")
         return rows
 
-    rows = in_worker(traced, timeout, label=f"{configs[0][0].path}: {configs[0][2].model}") if worker else traced(
+    rows = in_worker(traced, timeout, label=f"{configs[0][0]}: {configs[0][3].model}") if worker else traced(
         lambda label: None)
     return CheckResult(rows, strict)
 
