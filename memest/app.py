@@ -34,6 +34,7 @@ from memest.spec.choices import Target, Verdict
 from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
 from memest.units import format_bytes
+from memest.worker import DEFAULT_TIMEOUT_S, in_worker
 
 Progress = Callable[[str], None]
 
@@ -62,11 +63,13 @@ def hide_cuda() -> None:
 @contextlib.contextmanager
 def user_code(origin: str, quiet_stdout: bool = True) -> Iterator[None]:
     """Around anything that runs the user's model code: what it prints goes to stderr (stdout carries
-    only memest's own output: one JSON document under --json), and ``sys.exit()`` in model code
-    becomes an error (exit 2) instead of deciding memest's exit code."""
+    only memest's own output: one JSON document under --json), at both levels: Python's ``sys.stdout`` and
+    file descriptor 1, which ``os.write(1, ...)``, ``os.system``, subprocesses and C extensions write to.
+    ``sys.exit()`` or any other ``BaseException`` (but Ctrl-C) raised by model code becomes an error (exit
+    2) naming ``origin`` instead of deciding memest's exit code."""
     redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
     try:
-        with redirect:
+        with stdout_fd_to_stderr() if quiet_stdout else contextlib.nullcontext(), redirect:
             yield
     except SystemExit as exc:
         raise ModelLoadError(
@@ -74,6 +77,44 @@ def user_code(origin: str, quiet_stdout: bool = True) -> Iterator[None]:
             "own exit code, so this is an error: remove the exit from the model file's import path, "
             "build_model() and example_inputs()"
         ) from None
+    except (Exception, KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as exc:  # e.g. `class Boom(BaseException)`: past every `except Exception`
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(
+            f"{origin}: the model code raised {type(exc).__name__}({first!r}), a BaseException that is not an "
+            "Exception; raise an Exception subclass (or fix the cause)"
+        ) from None
+
+
+@contextlib.contextmanager
+def stdout_fd_to_stderr() -> Iterator[None]:
+    """File descriptor 1 points at stderr's file inside the block (os.dup / os.dup2), restored after; a
+    process without a usable fd 1 or 2 is left as it is."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()  # whatever model code left in Python's buffer goes where it was written: stderr
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.contextmanager
@@ -367,17 +408,21 @@ class CheckResult:
 def run_check(
     paths: list[str], overrides: dict, gpu: str | None, margin, *, strict_unit: bool = False,
     progress: Progress | None = None, strict: bool = False, calibration: str | Path | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S, worker: bool = True,
 ) -> CheckResult:
     """Every config is read, validated, its budget resolved and its model loaded before any is traced;
     errors name the file. ``strict``: a tight verdict counts as not fitting. ``calibration`` (a profile
-    file) overrides each config's ``calibration:``."""
+    file) overrides each config's ``calibration:``. ``worker``: the models are loaded and traced in one worker
+    process (memest/worker.py), stopped after ``timeout`` seconds; an exit, signal or crash there is an error
+    naming the config and its model file."""
     from memest.sources import load_source
     from memest.trace.step import check_positions
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
     margin_value = parse_margin(margin, "--margin") if margin is not None else None
-    prepared = []
+    timeout = check_timeout(timeout)
+    configs = []
     for path in paths:
         cfg = load_config(path)
         try:
@@ -385,31 +430,45 @@ def run_check(
                               target=overrides.get("target") or cfg.values.get("target", Target.CUDA),
                               calibration=calibration if calibration is not None else cfg.calibration)
             spec = cfg.spec(**overrides, compute_capability=ctx.compute_capability)
-            with user_code(f"{path}: {spec.model}"):
-                source = load_source(spec.model)
-            say_warnings(source, progress)
-            if cfg.serve is None:
-                check_positions(source, spec, spec.seq)  # knowable now: before any config is traced (issue 22, 28)
         except MemestError as exc:
             raise _in_config(exc, path, overrides) from None
-        prepared.append((cfg, ctx, spec, source))
-    rows = []
-    start = time.perf_counter()
-    for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
-        if progress:
-            progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
-        try:
-            with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
-                if cfg.serve is not None:
-                    row = check_serve_config(cfg, ctx, margin_value, strict=strict)
-                else:
-                    row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
-        except MemestError as exc:
-            raise _in_config(exc, cfg.path, overrides) from None
-        rows.append(row)
-        if progress:
-            progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
-                     f"({time.perf_counter() - start:.1f} s elapsed)")
+        configs.append((path, cfg, ctx, spec))
+
+    def traced(at: Callable[[str], None]) -> list:  # user code: in the worker process
+        prepared = []
+        for path, cfg, ctx, spec in configs:  # every model loaded before any is traced
+            at(f"{path}: {spec.model}")
+            try:
+                with user_code(f"{path}: {spec.model}"):
+                    source = load_source(spec.model)
+                say_warnings(source, progress)
+                if cfg.serve is None:
+                    check_positions(source, spec, spec.seq)  # knowable now: before any config is traced (issue 22, 28)
+            except MemestError as exc:
+                raise _in_config(exc, path, overrides) from None
+            prepared.append((cfg, ctx, spec, source))
+        rows = []
+        start = time.perf_counter()
+        for k, (cfg, ctx, spec, source) in enumerate(prepared, 1):
+            at(f"{cfg.path}: {spec.model}")
+            if progress:
+                progress(f"check {k}/{len(prepared)}: {cfg.name} ({spec.model}) ...")
+            try:
+                with user_code(f"{cfg.path}: {spec.model}"), ticker(f"check {k}/{len(prepared)} {cfg.name}", progress):
+                    if cfg.serve is not None:
+                        row = check_serve_config(cfg, ctx, margin_value, strict=strict)
+                    else:
+                        row = check_config(cfg, spec, source, ctx, margin_value, strict=strict)
+            except MemestError as exc:
+                raise _in_config(exc, cfg.path, overrides) from None
+            rows.append(row)
+            if progress:
+                progress(f"check {k}/{len(prepared)}: {cfg.name}: {row.verdict.replace('-', ' ')} "
+                         f"({time.perf_counter() - start:.1f} s elapsed)")
+        return rows
+
+    rows = in_worker(traced, timeout, label=f"{configs[0][0]}: {configs[0][3].model}") if worker else traced(
+        lambda label: None)
     return CheckResult(rows, strict)
 
 
@@ -425,6 +484,13 @@ def _in_config(exc: MemestError, path, overrides: dict) -> MemestError:
             text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", f"{key}:", text)
     text = text if text.startswith(str(path)) else f"{path}: {text}"
     return type(exc)(text)
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """--timeout: seconds > 0 (None: no limit)."""
+    if timeout is not None and not (timeout > 0 and timeout != float("inf")):
+        raise MemestError(f"--timeout must be a number of seconds above 0 (default {DEFAULT_TIMEOUT_S:g}), got {timeout:g}")
+    return timeout
 
 
 # ------------------------------------------------------------------------------------- planners

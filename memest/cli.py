@@ -127,7 +127,7 @@ def check(**o) -> None:
     def work():
 
         result = run_check(o["configs"], overrides, o["gpu"], o["margin"], progress=_progress(), strict=o["strict"],
-                           calibration=o["calibration"])
+                           calibration=o["calibration"], timeout=o["timeout"])
         if result.tight and not o["strict"]:
             typer.echo(f"memest: warning: TIGHT ({', '.join(r.name for r in result.tight)}): counted as fitting; "
                        "--strict counts tight as not fitting", err=True)

@@ -131,5 +131,24 @@ def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debu
         first = (str(exc).strip().splitlines() or [""])[0]
         typer.echo(f"memest: internal error: {type(exc).__name__}: {first} (rerun with --debug and report it)", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    emit(view, out_format, sys.stdout)
+    try:
+        emit(view, out_format, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout closed early (`| head -1`): the answer stands, the rest of the output is dropped
+        drop_stdout()
+    except SystemExit:  # rich's on_broken_pipe: stdout already on /dev/null, then SystemExit(1), "does not fit"
+        drop_stdout()
     raise typer.Exit(code)
+
+
+def drop_stdout() -> None:
+    """A closed stdout, as Python's note on SIGPIPE recommends
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe): stdout goes to /dev/null so the
+    interpreter's final flush cannot fail, and the command keeps its own exit code (0 / 1 / 2)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (e.g. a test's captured stream)
+        pass
+    finally:
+        os.close(devnull)

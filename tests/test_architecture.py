@@ -25,7 +25,7 @@ LAYERS = [
     ("memest.trace", 3),
     ("memest.sources", 2),
     ("memest.spec", 1),
-    ("memest.units", 0), ("memest.errors", 0), ("memest.imports", 0), ("memest.version", 0),
+    ("memest.units", 0), ("memest.errors", 0), ("memest.imports", 0), ("memest.version", 0), ("memest.worker", 0),
     ("memest", 10),  # the package's __init__: the public names
 ]
 

@@ -1,0 +1,98 @@
+"""What running user code in a worker process costs (benchmarks/worker.md).
+
+Wall time, median of N runs, of the same commands on this tree ("after") and on a git revision without the
+worker ("before", extracted with `git archive` to a temporary folder), runs interleaved so both see the same
+machine load; then the start-up cost of one worker under multiprocessing's "fork" and "forkserver" methods
+alone (a worker that returns at once), in a process that has imported memest's CLI as `memest check` has.
+
+    python scripts/bench_worker.py [--before main] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = {
+    "check configs/*.yaml": ["check", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml"))],
+    "estimate examples/mlp.py": ["estimate", "examples/mlp.py"],
+}
+
+
+def wall(tree: Path, argv: list[str]) -> tuple[float, int]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "200"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "memest", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start, proc.returncode
+
+
+def _returns(at):
+    return 1
+
+
+def start_cost(method: str, runs: int) -> list[float]:
+    sys.path.insert(0, str(ROOT))
+    import memest.cli  # noqa: F401  (what the parent has imported when `memest check` forks)
+    from memest.worker import in_worker
+
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        in_worker(_returns, 60, method=method)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", default="main", help="git revision without the worker")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--only", choices=sorted(COMMANDS), help="one command (default: both)")
+    args = parser.parse_args()
+    rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    after = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "memest"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; before: {args.before} ({rev}), "
+          f"after: this tree ({after}{', modified' if dirty else ''}); median of {args.runs} runs, interleaved")
+    with tempfile.TemporaryDirectory(prefix="memest-before-") as tmp:
+        archive = subprocess.run(["git", "archive", args.before, "memest"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        print("| command | before (s), median [min-max] | after (s), median [min-max] | after - before (medians) | exit codes |")
+        print("|---|---:|---:|---:|---|")
+        for name, argv in COMMANDS.items():
+            if args.only and name != args.only:
+                continue
+            times = {"before": [], "after": []}
+            codes = set()
+            for _ in range(args.runs):
+                for which, tree in (("before", Path(tmp)), ("after", ROOT)):
+                    t, code = wall(tree, argv)
+                    times[which].append(t)
+                    codes.add((which, code))
+            b, a = statistics.median(times["before"]), statistics.median(times["after"])
+            spread = {w: f"[{min(t):.2f}-{max(t):.2f}]" for w, t in times.items()}
+            print(f"| `memest {name}` | {b:.2f} {spread['before']} | {a:.2f} {spread['after']} | {a - b:+.2f} "
+                  f"({(a - b) / b:+.1%}) | "
+                  f"{', '.join(f'{w} {c}' for w, c in sorted(codes))} |")
+    print()
+    print("| start method | first worker in the process (ms): what one `memest` run pays | later workers, median (ms) |")
+    print("|---|---:|---:|")
+    for method in ("fork", "forkserver"):
+        times = start_cost(method, args.runs + 1)
+        print(f"| {method} | {times[0] * 1e3:.1f} | {statistics.median(times[1:]) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
