@@ -148,7 +148,8 @@ def _check_tensor_parallel(d: ParallelDims, spec: RunSpec) -> None:
         raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
     if spec.sp and spec.seq and spec.seq % d.tp:  # each TP rank holds seq / tp positions (issue 22, item 29)
         raise MemestError(f"--sp shards the sequence evenly over the --tp {d.tp} ranks: --seq {spec.seq} is not a multiple "
-                          f"of {d.tp} (e.g. --seq {spec.seq + d.tp - spec.seq % d.tp})")
+                          f"of {d.tp}; the sequence must divide by --tp {d.tp} "
+                          f"(e.g. --seq {spec.seq + d.tp - spec.seq % d.tp})")
     _check_loss_parallel(d, spec)
     if not d.tp_enabled:
         return

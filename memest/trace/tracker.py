@@ -96,7 +96,7 @@ class TrackingFakeMode(FakeTensorMode):
         tracker = self.tracker
         if tracker is None or self._inside:
             return super().dispatch(func, types, args, kwargs)
-        if _composite(func) and not tracker.has_rule(func):
+        if torch.is_inference_mode_enabled() and _composite(func) and not tracker.has_rule(func):
             # Under torch.inference_mode() the autograd key that decomposes a CompositeImplicitAutograd op
             # (cross_entropy, linear, matmul, ...) is skipped, so the op reaches this mode whole and the fake
             # kernel would decompose it untracked; the real CPU kernel runs that same decomposition and
