@@ -55,6 +55,7 @@ class Advice:
     command: str = ""
     traces: int = 0
     parallel: dict | None = None  # advise --gpus: the planner's run (gpus, seconds, traces, check, notes)
+    skipped: list[dict] = field(default_factory=list)  # savers whose trace fails on this step: {name, changes, reason}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,7 +183,11 @@ def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label:
             spec = dataclasses.replace(runner.base, **changes)
         except MemestError:
             continue  # the saver contradicts the base's own options (e.g. ZeRO-3 over 2 GPUs of a --tp 2 run)
-        result = runner.run(**changes)
+        try:
+            result = runner.run(**changes)
+        except MemestError as exc:  # a saver the user never asked for fails on this step: skip it, say why
+            advice.skipped.append({"name": name, "changes": changes, "reason": str(exc)})
+            continue
         remedy = Remedy(name, changes, result.needed_bytes, result.fits(capacity),
                         _time_cost(name, changes, result, runner.base), rank, command=command_line(spec, **extra))
         if result.needed_bytes >= base.needed_bytes:
@@ -218,8 +223,12 @@ def parallel_remedies(runner: Runner, capacity: int, gpus: int, budget_label: st
         advice.parallel = {"gpus": gpus, "error": "--gpus: plan-parallel lays out hf: models (their depth is cut)"}
         return []
     base = dataclasses.replace(runner.base, seq=runner.base.seq or runner.source.default_seq)
-    plan = plan_parallel(base.model, gpus, capacity, budget_label, base, calibration=runner.calibration,
-                         progress=runner.progress, top=PARALLEL_LAYOUTS)
+    try:
+        plan = plan_parallel(base.model, gpus, capacity, budget_label, base, calibration=runner.calibration,
+                             progress=runner.progress, top=PARALLEL_LAYOUTS)
+    except MemestError as exc:  # the planner cannot lay this model out: the other savers still stand
+        advice.parallel = {"gpus": gpus, "error": str(exc)}
+        return []
     advice.parallel = {"gpus": gpus, "seconds": plan.seconds, "traces": plan.traces, "check": plan.check, "notes": plan.notes}
     out = []
     for i, lay in enumerate([lay for lay in plan.layouts if lay.traced and not lay.error and not lay.lower_bound][:PARALLEL_LAYOUTS]):
@@ -256,7 +265,10 @@ def _cheapest_combination(runner: Runner, capacity: int, remedies: list[Remedy])
         if keys & seen_keys and not ({"batch", "grad_accum"} >= keys or {"world_size", "shard"} >= keys):
             continue  # e.g. a second optimizer swap
         trial = {**changes, **remedy.changes}
-        result = runner.run(**trial)
+        try:
+            result = runner.run(**trial)
+        except MemestError:  # these savers do not combine on this step: go on without this one
+            continue
         changes = trial
         seen_keys |= keys
         if result.fits(capacity):

@@ -96,7 +96,8 @@ class Layout:
     fits: bool = False
     verdict: str = ""
     derived_from: str = ""
-    error: str = ""
+    error: str = ""  # why its trace failed (verdict not-traceable), the planner's temporary paths named as the model
+    reason: str = ""  # that error in one short line (the table's cell)
     ep: int = 1  # expert parallel (MoE): experts over ep of the dp ranks (expert_layouts)
     traced: bool = True  # False: left out before tracing (needed_bytes a lower bound, or 0 where ranked below)
     lower_bound: bool = False  # needed_bytes is a lower bound (a floor, or the first stage's need alone)
@@ -168,7 +169,13 @@ def _config(model: str) -> tuple[dict, Path]:
     path = _config_path(model[3:])
     if path is None:
         raise MemestError(f"{model}: plan-parallel needs a config file (bundled name or path), not a Hub id")
-    return json.loads(path.read_text()), path
+    config = json.loads(path.read_text())
+    missing = [key for key in ("num_hidden_layers", "hidden_size") if key not in config]
+    if missing:  # e.g. GPT-2's n_layer / n_embd: the depth cut and the communication count read these keys
+        raise MemestError(f"{model}: plan-parallel reads the config's {' and '.join(missing)} (to cut its depth and count "
+                          "its communication); this config names them otherwise: not supported yet, use memest estimate "
+                          "with --world-size/--tp/--pp per layout")
+    return config, path
 
 
 def layouts_for(gpus: int, config: dict) -> list[Layout]:
@@ -399,6 +406,12 @@ class _Tracer:
             self.pool = concurrent.futures.ProcessPoolExecutor(self.workers - 1, mp_context=context)
         return self.pool
 
+    def untemp(self, text: str, model: str) -> str:
+        """``text`` with the cut configs' temporary paths named as ``model`` (the path means nothing to the user)."""
+        import re
+
+        return re.sub(r"(hf:)?" + re.escape(str(self.tmp)) + r"/depth\d+/config\.json", lambda _: model, text)
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
@@ -536,6 +549,7 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
     start = time.perf_counter()
     config, _ = _config(model)
     layers = config["num_hidden_layers"]
+    base = with_traced_seq(base)
     plan = ParallelPlan(model, gpus, budget, budget_label, base.to_dict(), layers)
     per_param = state_bytes_per_param(base)
     with tempfile.TemporaryDirectory(prefix="memest-plan-") as tmp:
@@ -568,6 +582,16 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
     return plan
 
 
+def with_traced_seq(base: RunSpec) -> RunSpec:
+    """``base`` with the sequence length every layout is traced at (the model's default without --seq), so the
+    communication volume and the printed commands use the length the needs come from (issue 22, item 10)."""
+    if base.seq is not None:
+        return base
+    from memest.sources import load_source
+
+    return dataclasses.replace(base, seq=load_source(base.model).default_seq)
+
+
 def _search(plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, per_param: int | None, prune: bool,
             top: int | None, check: bool) -> _Search:
     """Each layout in ranking order: left out (``_Search``) or traced and derived; then the check."""
@@ -595,7 +619,9 @@ def _search(plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, pe
                 derived[id(layout)] = _derive(layout, tracer, layers, budget if prune else None,
                                               search.own_floor if prune else None)
         except MemestError as exc:
-            layout.error = str(exc)
+            layout.error = tracer.untemp(str(exc), plan.model)
+            layout.reason = short_reason(layout.error, plan.model)
+            layout.traced, layout.verdict = False, "not-traceable"
             continue
         layout.fits = layout.needed_bytes <= budget
         layout.verdict = "fits" if layout.fits else "does-not-fit"
@@ -608,6 +634,23 @@ def _search(plan: ParallelPlan, tracer: _Tracer, config: dict, base: RunSpec, pe
             _trace_full_depth(best, tracer, budget, plan)
     plan.traces = tracer.traces
     return search
+
+
+REASON_CHARS = 80  # the longest reason a table cell shows (the whole error is in --json's layout "error")
+
+
+def short_reason(error: str, model: str) -> str:
+    """``error`` (a layout's failed trace) in one line of at most REASON_CHARS: what raised and its first clause,
+    without the model's path or the hint after " — " (the whole error stays in the layout's ``error``)."""
+    text = error.split(" — ")[0].strip()
+    if text.startswith(f"{model}: "):
+        text = text[len(model) + 2:]
+    where, raised, message = text.partition(" raised ")
+    if raised:  # "optimizer.step() raised RuntimeError: aten... got mixed ..., need to ..."
+        message = message.split(": ", 1)[-1]
+        text = f"{where}: {message}"
+    text = text.split(", ")[0].splitlines()[0] if text else "the trace failed"
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1].rstrip() + "…"
 
 
 def _rank(lay: Layout) -> tuple:
@@ -643,7 +686,7 @@ class _Search:
         layout.floor_bytes = max(floor, act[0] if act else 0)
         if self.top and self.fitting >= self.top:
             layout.traced, layout.verdict = False, "not-traced"
-            layout.derived_from = (f"not traced: sends more per step than the {self.top} layout{'s' if self.top > 1 else ''} "
+            layout.derived_from = (f"not searched: sends more per step than the {self.top} layout{'s' if self.top > 1 else ''} "
                                    "that fit above it, where the search stopped (--top 0 traces every layout)")
             self.stopped += 1
             return True
@@ -726,11 +769,14 @@ class _Search:
         if "stage 0 alone" in how:
             out.append("pipelines marked 'stage 0 alone': the first stage's derived need already exceeds the budget; the "
                        "layout's need (the worst stage's) is at least that")
+        if any(lay.error for lay in self.plan.layouts):
+            out.append("layouts marked 'not traceable': their trace fails as laid out (the cell shows what raised; "
+                       "--json's layout 'error' holds the whole message); they are not ranked")
         if self.stopped:
             out.append(
                 f"layouts are searched in their ranking order (bytes sent per step, known before tracing); the search "
                 f"stopped once {self.top} fit, so {self.stopped} layout{'s' if self.stopped > 1 else ''} that send more "
-                "are listed as not traced (they may or may not fit); --top 0 traces every layout"
+                "are listed as not searched (they may or may not fit); --top 0 traces every layout"
             )
         return out
 

@@ -18,12 +18,21 @@ class SearchResult:
     limit: int
     hit_limit: bool
     probes: list[tuple[int, int, bool]] = field(default_factory=list)  # (value, needed, fits)
+    cap: str = ""  # what sets ``limit``: "--limit N", or the model's positions ("the model's N positions (...)")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def largest_fitting(runner: Runner, key: str, capacity: int, start: int = 1, limit: int = 1 << 16) -> SearchResult:
+def largest_fitting(runner: Runner, key: str, capacity: int, start: int = 1, limit: int = 1 << 16,
+                    cap: str = "") -> SearchResult:
+    """``cap``: what sets ``limit``, as the result names it (default "--limit N")."""
+    result = _largest_fitting(runner, key, capacity, start, limit)
+    result.cap = cap or f"--limit {limit}"
+    return result
+
+
+def _largest_fitting(runner: Runner, key: str, capacity: int, start: int, limit: int) -> SearchResult:
     probes: list[tuple[int, int, bool]] = []
 
     def fits(value: int) -> bool:

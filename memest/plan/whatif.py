@@ -51,6 +51,7 @@ class Sweep:
     largest_batch_at_seq: int | None = None
     largest_seq_at_batch: int | None = None
     plain_words: list[str] = field(default_factory=list)
+    largest_from: str = ""  # "fit" (the fitted sizes), "grid" (the largest traced point that fits: no fit here), ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,15 +149,15 @@ def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, cap
     if len(fitted_region) <= len(design) + 1 or (len(batches) > 1 and len(batch_design) < 2) or (
         len(seq_values) > 1 and len(seq_design) < 3
     ):  # a fit would save nothing, or there are too few sizes to fit
-        return Sweep([direct_point(b, s) for b, s in grid], None, "", runner.traces)
+        return _from_grid(Sweep([direct_point(b, s) for b, s in grid], None, "", runner.traces), capacity)
 
     for bs in design:
         trace(*bs)
     structures = {_structure(results[bs].trace) for bs in design}
     if len(structures) != 1:
         points = [direct_point(b, s) for b, s in grid]
-        return Sweep(points, None, "the model runs different ops at different sizes; every point was traced",
-                     runner.traces)
+        return _from_grid(Sweep(points, None, "the model runs different ops at different sizes; every point was traced",
+                                runner.traces), capacity)
     active = [0] + ([1, 2] if len(seq_design) >= 3 else [])
     if len(batch_design) >= 2:
         active += [3] + ([4, 5] if len(seq_design) >= 3 else [])
@@ -172,8 +173,8 @@ def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, cap
     direct, predicted = trace(vb, vs), fitted(vb, vs)
     if _structure(direct.trace) not in structures:
         points = [direct_point(b, s) for b, s in grid]
-        return Sweep(points, None, "the model runs different ops at different sizes; every point was traced",
-                     runner.traces)
+        return _from_grid(Sweep(points, None, "the model runs different ops at different sizes; every point was traced",
+                                runner.traces), capacity)
     err_peak = (predicted[0] - direct.report.peak_allocated_bytes) / direct.report.peak_allocated_bytes
     err_needed = (predicted[1] - direct.needed_bytes) / direct.needed_bytes
     verification = {"batch": vb, "seq": vs, "predicted_peak": predicted[0], "traced_peak": direct.report.peak_allocated_bytes,
@@ -182,7 +183,7 @@ def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, cap
     if abs(err_peak) > FIT_TOLERANCE or abs(err_needed) > FIT_TOLERANCE:
         points = [direct_point(b, s) for b, s in grid]
         why = f"the fit missed the check point by {100 * max(abs(err_peak), abs(err_needed)):.2f}%; every point was traced"
-        return Sweep(points, verification, why, runner.traces)
+        return _from_grid(Sweep(points, verification, why, runner.traces), capacity)
 
     points = []
     for b, s in grid:
@@ -193,6 +194,7 @@ def sweep(runner: Runner, batches: list[int] | None, seqs: list[int] | None, cap
         points.append(GridPoint(b, s, peak, needed, check(capacity) if capacity is not None else None, False))
     result = Sweep(points, verification, "", runner.traces)
     result.plain_words = _plain_words(model, fit_batches[0], fit_seqs)
+    result.largest_from = "fit"
     if capacity is not None:
         seq_max = (runner.source.max_seq or 1 << 20) if len(seq_design) >= 3 else None
         _largest_from_fit(result, lambda b, s: fitted(b, s)[2](capacity), fit_batches[0], fit_seqs[0], seq_max)
@@ -207,6 +209,39 @@ def _largest_from_fit(result: Sweep, fits, batch: int, seq: int | None, seq_max:
     if seq is not None and seq_max is not None:
         result.largest_seq = _largest(lambda s: fits(batch, s), seq_max)
         result.largest_seq_at_batch = batch
+
+
+def _from_grid(result: Sweep, capacity: int | None) -> Sweep:
+    """Where the sizes are not fitted (every point traced): the scaling in plain words from the traced points' peaks
+    (slopes between the two largest sizes swept), and the largest traced batch (at the smallest seq) and seq (at the
+    smallest batch) that fit: a traced point, not the boundary (memest max-batch finds that with traces)."""
+    peak = {(p.batch, p.seq): p.peak_bytes for p in result.points}
+    batches = sorted({p.batch for p in result.points})
+    seqs = sorted({p.seq for p in result.points}, key=lambda s: s or 0)
+    b0, s_top = batches[0], seqs[-1]
+    words = []
+    if len(seqs) > 1 and seqs[0] is not None:
+        s1, s2 = seqs[-2], seqs[-1]
+        per_token = (peak[(b0, s2)] - peak[(b0, s1)]) / (s2 - s1)
+        words.append(f"at batch {b0}, seq {s1} to {s2}: each extra 1k tokens costs {format_bytes(per_token * 1024)} at "
+                     "the peak (from the traced grid)")
+    if len(batches) > 1:
+        b1, b2 = batches[-2], batches[-1]
+        per_sample = (peak[(b2, s_top)] - peak[(b1, s_top)]) / (b2 - b1)
+        at = f" at seq {s_top}" if s_top is not None else ""
+        words.append(f"each extra sample in the batch{at} ({b1} to {b2}) costs {format_bytes(per_sample)} at the peak "
+                     "(from the traced grid)")
+    result.plain_words = words
+    if capacity is None:
+        return result
+    result.largest_from = "grid"
+    fitting = [p for p in result.points if p.fits]
+    result.largest_batch = max((p.batch for p in fitting if p.seq == seqs[0]), default=0)
+    result.largest_batch_at_seq = seqs[0]
+    if seqs[0] is not None:
+        result.largest_seq = max((p.seq for p in fitting if p.batch == b0), default=0)
+        result.largest_seq_at_batch = b0
+    return result
 
 
 def _rebuild(runner: Runner):

@@ -10,7 +10,7 @@ from memest.features.checkpointing import within
 from memest.features.loss_head import describe
 from memest.features.optim import FOLKLORE_N
 from memest.spec import RunSpec
-from memest.spec.choices import Outputs
+from memest.spec.choices import Outputs, Quant
 from memest.trace.events import Category, Phase, Trace
 from memest.trace.step import TRACED_MICRO_STEPS
 from memest.units import format_bytes
@@ -83,9 +83,15 @@ class Report:
     # --data-dependent upper-bound: data-dependent op -> calls answered at their bound (every element selected
     # or distinct); non-empty means the peak is an upper bound for them
     bounded_ops: dict[str, int]
+    # why the folklore formula does not apply to this step ('' where it does): its figure is left out of the
+    # summary and of --json (folklore_bytes null); folklore_bytes stays computed for the accuracy benchmark
+    folklore_skipped: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        doc = asdict(self)
+        if self.folklore_skipped:
+            doc["folklore_bytes"] = None
+        return doc
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str, parts: ReportParts = R
         layers=layers,
         folklore_bytes=folklore,
         folklore_formula=formula,
+        folklore_skipped=folklore_skipped(spec),
         trace_seconds=parts.trace_seconds,
         attention_backends=dict(trace.attention_backends),
         device=parts.device,
@@ -251,6 +258,20 @@ def _flops(trace: Trace, spec: RunSpec) -> tuple[int, int]:
     total = sum(n * scale if phase in micro_phases else n for phase, _, n in last)
     recompute = sum(n for phase, module, n in last if phase is Phase.FORWARD and within(module, trace.checkpointed))
     return int(total), int(recompute * scale)
+
+
+def folklore_skipped(spec: RunSpec) -> str:
+    """Why the folklore formula (one device training every parameter with its optimizer) does not apply to
+    ``spec``; '' where it does."""
+    if not spec.training:
+        return f"--mode {spec.mode}: the formula counts gradients and optimizer state a {spec.mode} step does not hold"
+    if spec.lora or spec.quant != Quant.NONE:
+        return ("LoRA / quantized base: the formula counts every weight at its stored size as trained, with its "
+                "gradient and optimizer state")
+    if spec.world_size > 1:
+        return ("a per-rank figure of a parallel run: the formula is for one device holding the whole step (no "
+                "sharding, no communication buffers)")
+    return ""
 
 
 def _folklore(trace: Trace, spec: RunSpec) -> tuple[int, str]:

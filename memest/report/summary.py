@@ -136,6 +136,8 @@ def _device_rows(report: Report) -> list[SummaryRow]:
 
 
 def _folklore_row(report: Report) -> SummaryRow:
+    if report.folklore_skipped:  # the rule of thumb does not apply here: no figure, the reason
+        return SummaryRow("folklore formula", "not applicable", f"({report.folklore_skipped})")
     peak = report.peak_allocated_bytes
     rel = (report.folklore_bytes - peak) / peak if peak else 0
     return SummaryRow("folklore formula", format_bytes(report.folklore_bytes),

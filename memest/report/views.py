@@ -164,6 +164,16 @@ def loop_line(outputs: str) -> str:
 
 def largest_lines(s) -> list[str]:
     lines = []
+    if s.largest_from == "grid":  # every point traced: the largest traced point that fits, not the boundary
+        if s.largest_batch is not None:
+            at = f" at seq {s.largest_batch_at_seq}" if s.largest_batch_at_seq is not None else ""
+            lines.append(f"largest batch that fits{at}: {s.largest_batch or 'none traced'} (the largest traced that "
+                         "fits, from the traced grid: not fitted here; memest max-batch finds the boundary with traces)")
+        if s.largest_seq is not None:
+            lines.append(f"largest seq that fits at batch {s.largest_seq_at_batch}: {s.largest_seq or 'none traced'} "
+                         "(the largest traced that fits, from the traced grid; memest max-batch --seq-search finds the "
+                         "boundary)")
+        return lines
     if s.largest_batch is not None:
         at = f" at seq {s.largest_batch_at_seq}" if s.largest_batch_at_seq is not None else ""
         lines.append(f"largest batch that fits{at}: {s.largest_batch} (from the fit; memest max-batch confirms "
@@ -186,8 +196,11 @@ def max_batch_view(run) -> View:
     if r.value == 0:
         blocks.append(f"even {r.key} 1 does not fit {run.gpu.budget_label}: it needs "
                       f"{format_in(r.next_needed_bytes or 0, unit)}; see memest advise")
+    elif r.hit_limit and r.cap.startswith("the model's"):  # the model takes no longer sequence
+        blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}), the longest the model "
+                      f"takes: the search stopped at {r.cap}")
     elif r.hit_limit:
-        blocks.append(f"largest {r.key} that fits: at least {r.value} (the search stopped at --limit {r.limit})")
+        blocks.append(f"largest {r.key} that fits: at least {r.value} (the search stopped at {r.cap or f'--limit {r.limit}'})")
     else:
         blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}); "
                       f"{r.value + 1} needs {format_in(r.next_needed_bytes, unit)}")
@@ -234,6 +247,7 @@ def advise_view(run) -> View:
             blocks.append(f"  {a.command}")
     if a.parallel:
         blocks.append(_parallel_line(a.parallel))
+    blocks += [f"skipped {s['name']}: its trace fails on this step: {s['reason']}" for s in a.skipped]
     blocks.append(f"{a.traces} traces")
     doc = {"budget": label, "headroom_bytes": headroom, **a.to_dict()}
     return View(doc, blocks)
@@ -256,11 +270,13 @@ def plan_parallel_view(run) -> View:
     unit = table_unit([p.budget_bytes] + [lay.needed_bytes for lay in p.layouts if not lay.error])
     rows = []
     for lay in p.layouts:
-        if lay.error:
-            rows.append([lay.name, "-", "-", "not traced", lay.error])
+        if lay.error:  # its trace fails (the whole error in --json)
+            rows.append([lay.name, "-", format_bytes(lay.comm_bytes), "not traceable", lay.reason or lay.error])
             continue
         need = (">= " if lay.lower_bound or not lay.traced else "") + format_in(lay.needed_bytes, unit) if lay.needed_bytes else "-"
-        rows.append([lay.name, need, format_bytes(lay.comm_bytes), lay.verdict.replace("not-traced", "not traced"), lay.derived_from])
+        # "not-traced" with no need: the search stopped before it (a bounded layout has its lower bound)
+        verdict = "not searched" if lay.verdict == "not-traced" else lay.verdict
+        rows.append([lay.name, need, format_bytes(lay.comm_bytes), verdict, lay.derived_from])
     blocks: list = [Table(f"{p.model} on {p.gpus} GPUs of {run.gpu.budget_label}: per-rank need, fitting layouts first "
                           "(least communication first)", ["layout", "needed per rank", "sent per rank per step", "verdict",
                                                           "how"], rows, left=("layout", "verdict", "how"))]

@@ -24,6 +24,10 @@ class ModelSource:
     # its MoE kernel choice on the target device)
     trace_context: Callable[[Any], Any] | None = None
     notes: list[str] = field(default_factory=list)  # facts about the model or its inputs, for the report
+    # what the model's inputs are when they have no sequence (hf: image models): --seq is refused for it
+    no_seq: str = ""
+    # notes a user must not miss (memest built something the model's config did not name): also said on stderr
+    warnings: list[str] = field(default_factory=list)
     # what to check when the step fails on its inputs (model files: their example_inputs())
     inputs_hint: str = "check that example_inputs() matches the model's forward"
     # what to change when the step reads tensor values (model files: their forward)

@@ -13,17 +13,20 @@ Inputs follow the model's head (sources/hf_inputs.py). Training runs with ``use_
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import logging
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from memest.errors import ModelLoadError
 from memest.imports import imports_without_gc
 from memest.sources.base import ModelSource
+from memest.sources.hf_auto import class_for, refuse_remote_code, unknown_model_type
 from memest.sources.hf_experts import cuda_experts_dispatch
-from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, forward_params, head_of, make_inputs, value_ranges
+from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, make_inputs, value_ranges
 from memest.sources.hf_masks import real_mask_branches
 from memest.sources.hf_values import known_values
 from memest.spec.choices import Target
@@ -52,8 +55,14 @@ def _config_path(name: str) -> Path | None:
     if "/" not in name:
         bundled = BUNDLED / f"{name}.json"
         if not bundled.exists():
+            names = bundled_names()
+            folded = [n for n in names if n.lower() == name.lower()]  # hf:Llama-2-7B is hf:llama-2-7b
+            if len(folded) == 1:
+                return BUNDLED / f"{folded[0]}.json"
+            close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(f'hf:{c}' for c in close)}? " if close else ""
             raise ModelLoadError(
-                f"unknown hf model {name!r}; bundled: {', '.join(bundled_names())} — or pass a hub id "
+                f"unknown hf model {name!r}; {hint}bundled: {', '.join(names)} — or pass a hub id "
                 "hf:org/name or hf:path/to/config.json"
             )
         return bundled
@@ -75,27 +84,16 @@ def load_hf_source(name: str) -> ModelSource:
             raise ModelLoadError("hf: models need transformers; install memest[hf] (pip install transformers)") from exc
 
         transformers.logging.set_verbosity_error()  # config warnings are noise for a config-only model
-        config = _from_file(transformers, path) if path is not None else _from_hub(transformers, name)
-        archs = getattr(config, "architectures", None) or []
-        arch = archs[0] if archs else None
-        cls = getattr(transformers, arch, None) if arch else None
-        if cls is None:
-            cls, arch = transformers.AutoModel, "AutoModel"
-            params = forward_params(_auto_class(transformers, config))
-        else:
-            params = forward_params(cls)
-    display = (path.stem if path.parent == BUNDLED else str(path)) if path is not None else name
-    try:
-        head = head_of(arch, config, params)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"hf:{display}: {exc}") from None
+        display = (path.stem if path.parent == BUNDLED else str(path)) if path is not None else name
+        config = _from_file(transformers, path, f"hf:{display}") if path is not None else _from_hub(transformers, name)
+        refuse_remote_code(f"hf:{display}", config)
+        built = class_for(transformers, config, f"hf:{display}")
+    cls, arch, head = built.cls, built.arch, built.head
     config.use_cache = False
-    notes = list(head.notes) + _layerdrop_off(config) + _rms_norm_note(config)
+    notes = list(built.warnings) + list(head.notes) + _layerdrop_off(config) + _rms_norm_note(config)
     ranges = _weak_ranges() if head.reads_values else None
 
     def build_model():
-        if cls is transformers.AutoModel:
-            return cls.from_config(config)
         return cls(config)
 
     def example_inputs(batch_size: int, seq_len: int | None = None):
@@ -136,20 +134,32 @@ def load_hf_source(name: str) -> ModelSource:
             "model file with your own example_inputs() (memest estimate model.py)"
         ),
         values_hint=_values_hint(arch, config),
+        warnings=list(built.warnings),
+        no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",
     )
 
 
-def _from_file(transformers, path: Path):
+def _from_file(transformers, path: Path, where: str):
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(
+            f"{path}: cannot read config: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+            "config.json is JSON, which is UTF-8: save it as UTF-8"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path}: cannot read config: {exc}") from exc
-    if "model_type" not in raw:
+    if not isinstance(raw, dict) or "model_type" not in raw:
         raise ModelLoadError(f"{path}: config has no \"model_type\"; it is not a transformers config.json")
+    refuse_remote_code(where, SimpleNamespace(auto_map=raw.get("auto_map")))
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if raw["model_type"] not in known:
+        raise ModelLoadError(f"{path}: {unknown_model_type(raw['model_type'], known)}")
     try:
         return transformers.AutoConfig.for_model(**raw)
     except Exception as exc:
-        raise ModelLoadError(f"{path}: transformers cannot read this config: {exc}") from exc
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path}: transformers cannot read this config: {first}") from exc
 
 
 def _from_hub(transformers, repo_id: str):
@@ -211,13 +221,6 @@ def _values_hint(arch: str, config) -> str:
         f"transformers' {arch} reads them here (for example an MoE layer that loops over the experts its router "
         "picked, whose buffers depend on the routing), so memest cannot trace this model yet"
     )
-
-
-def _auto_class(transformers, config):
-    try:
-        return transformers.AutoModel._model_mapping[type(config)]
-    except (KeyError, AttributeError):
-        return None
 
 
 def _layerdrop_off(config) -> list[str]:

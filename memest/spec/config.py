@@ -1,7 +1,7 @@
 """YAML run configs for `memest check` (and any command that takes a config).
 
     # configs/gpt2-finetune-11gb.yaml
-    model: hf:gpt2            # model.py[:factory] (relative to this file), hf:NAME or hf:path/config.json
+    model: hf:gpt2            # model.py[:factory] or hf:path/config.json (relative to this file), or hf:NAME
     batch: 4
     seq: 1024
     optim: adamw
@@ -44,6 +44,7 @@ from typing import Any
 from memest.errors import MemestError
 from memest.spec import options
 from memest.spec.choices import CudaGraphs, Engine, KvDtype
+from memest.spec.lora import freeze_patterns
 from memest.spec.run import RunSpec
 
 SPEC_KEYS = sorted(options.spec_options())  # every RunSpec field a user sets (spec/options.py)
@@ -188,9 +189,15 @@ def _serve_choices(block: dict, where: str) -> None:
 
 
 def _relative_to(model: str, config_path: str | Path) -> str:
-    """Model files named in a config are relative to the config's folder."""
-    if model.startswith("hf:") or not config_path:
+    """Model files and hf: config paths named in a config are relative to the config's folder (a bundled name
+    or a hub id is left alone unless a config.json by that path lies beside the config)."""
+    if not config_path:
         return model
+    if model.startswith("hf:"):
+        name = model[3:]
+        candidate = Path(config_path).parent / name
+        found = candidate.is_file() if name.endswith(".json") else (candidate / "config.json").is_file()
+        return f"hf:{candidate.resolve()}" if name and not Path(name).is_absolute() and found else model
     file, sep, factory = model.rpartition(":")
     if not (sep and file.endswith(".py") and factory.isidentifier()):
         file, sep, factory = model, "", ""
@@ -203,6 +210,11 @@ def _relative_to(model: str, config_path: str | Path) -> str:
 def _typed(key: str, value: Any, where: str) -> Any:
     if key == "lora" and isinstance(value, (dict, bool)):
         return value  # a mapping (r:, alpha:, dropout:, targets:) or true (peft's defaults); RunSpec parses it
+    if key == "freeze" and isinstance(value, (list, tuple, dict)):
+        try:
+            return ",".join(freeze_patterns(value))
+        except MemestError as exc:
+            raise MemestError(f"{where}{exc}") from None
     kind = options.yaml_kind(key)
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):

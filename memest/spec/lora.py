@@ -113,5 +113,13 @@ def _split(text: str) -> list[str]:
     return out
 
 
-def freeze_patterns(text: str) -> list[str]:
+def freeze_patterns(text: str | list | tuple) -> list[str]:
+    """Comma-separated glob patterns, or a list of them (YAML ``freeze: [a, b]``, the API's freeze=[...])."""
+    if isinstance(text, (list, tuple)):
+        bad = [p for p in text if not isinstance(p, str)]
+        if bad:
+            raise MemestError(f"freeze: expected parameter-name patterns (text), got {bad[0]!r} in {list(text)!r}")
+        text = ",".join(text)
+    elif text is not None and not isinstance(text, str):
+        raise MemestError(f"freeze: expected parameter-name patterns (a, b.* or a list of them), got {text!r}")
     return [p.strip() for p in str(text or "").split(",") if p.strip()]

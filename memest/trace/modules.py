@@ -35,7 +35,7 @@ def describe_modules(model: torch.nn.Module, trace: Trace) -> dict[int, str]:
         for depth in range(len(parts) + 1):
             rec = trace.modules.get(".".join(parts[:depth]))
             if rec is not None:
-                rec.params += p.numel()
+                rec.params += getattr(p, "logical_numel", None) or p.numel()  # a packed 4-bit weight: its elements
                 rec.param_bytes += p.numel() * p.element_size()
     notes = [
         f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} {first_name[pid]} (shared): counted once, "

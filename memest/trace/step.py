@@ -135,7 +135,11 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
     except MemestError:
         raise
     except Exception as exc:
-        raise _build_error(source, f"example_inputs({spec.batch}, {seq})", exc) from exc
+        error = _build_error(source, f"example_inputs({spec.batch}, {seq})", exc)
+        if seq is None:  # no --seq and no default: the model file's example_inputs got seq_len=None
+            error = TraceError(f"{error}; no --seq was given and example_inputs has no seq_len default: pass --seq N "
+                               "(or give seq_len a default)")
+        raise error from exc
     if dtype != torch.float32:
         inputs = _cast_floats(inputs, dtype)
     if not spec.training and isinstance(inputs, dict):
@@ -162,6 +166,11 @@ def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None
     """Refuse a sequence longer than the model takes (``source.max_seq``: learned position embeddings
     end there; for RoPE models it is the configured maximum, see sources/hf.py). A generation counts
     the prompt and the new tokens: the sequence it produces must have a position for each token."""
+    if spec.seq is not None and source.no_seq:
+        raise MemestError(
+            f"--seq {spec.seq}: {source.name} takes no sequence ({source.no_seq}), so --seq would change nothing; "
+            "drop it (--batch sets the step's size)"
+        )
     limit = source.max_seq
     if limit is None or seq is None:
         return
@@ -295,6 +304,12 @@ def run_iteration(
             del out  # --outputs freed: the output goes here, before backward
             done(Phase.LOSS)
             backward = optimizer is not None or loss.requires_grad
+            if not backward and spec.freeze:
+                raise TraceError(
+                    f"--freeze {spec.freeze!r} leaves no parameter trainable and the loss does not require grad: a "
+                    "real training step raises at loss.backward(); freeze fewer parameters, or drop --freeze and "
+                    "pass --mode inference to estimate the forward alone"
+                )
             if backward:
                 mark(Phase.BACKWARD)
                 loss.backward()
@@ -477,7 +492,7 @@ def _step_errors(step: _Step):
     except MemestError:
         raise
     except Exception as exc:
-        fix = _cuda_hint(exc) or _dtensor_mix_hint(exc) or f"; {step.source.inputs_hint}"
+        fix = _cuda_hint(exc) or _dtensor_mix_hint(exc) or _phase_hint(step)
         raise TraceError(
             f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
             f"{_first_line(exc)}{fix}"
@@ -649,6 +664,20 @@ def _own(tracker: StorageTracker, trace: Trace, t: torch.Tensor, category: Categ
     if sid is not None:
         trace.storages[sid].classify(category)
         trace.owner_module[sid] = module
+
+
+def _phase_hint(step: _Step) -> str:
+    """What to check for a failure in this phase: the inputs for the forward, compute_loss (or what the forward
+    returns) for the loss; after the loss the inputs are not the cause."""
+    phase = step.tracker.phase if step.tracker is not None else Phase.FORWARD
+    if phase in (Phase.SETUP, Phase.FORWARD, Phase.DECODE):
+        return f"; {step.source.inputs_hint}"
+    if phase == Phase.LOSS:
+        if step.source.compute_loss is not None:
+            return "; check that compute_loss(output, inputs) matches what the model's forward returns"
+        return ("; memest takes output.loss, else the mean of the output's first floating-point tensor: return one "
+                "from forward, or define compute_loss(output, inputs) in the model file")
+    return "; it failed after the loss, in the model's own backward or optimizer code (--debug shows the traceback)"
 
 
 def _where(stack: ModuleStack, tracker: StorageTracker) -> str:
