@@ -24,7 +24,7 @@ def load_config(model: str):
 
         transformers.logging.set_verbosity_error()
         path = _config_path(name)
-        return _from_file(transformers, path) if path is not None else _from_hub(transformers, name)
+        return _from_file(transformers, path, model) if path is not None else _from_hub(transformers, name)
 
 
 def build_meta(config):
