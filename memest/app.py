@@ -26,7 +26,7 @@ from memest.device.fit import FitRow, passes, resolve_budget, verdict, worst
 from memest.errors import MemestError, ModelLoadError
 from memest.plan.check import check_config, check_serve_config
 from memest.plan.parallel import plan_parallel
-from memest.serve.colocate import colocated_engine
+from memest.serve.colocate import check_colocate, colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec, options
@@ -351,6 +351,8 @@ def run_estimate(
     ctx = resolve_gpu(gpu, need_budget=False, target=spec_args.get("target", Target.CUDA), calibration=calibration)
     if colocate is not None and ctx.capacity_bytes is None:
         raise MemestError("--colocate-serve needs the GPU it shares: pass --gpu with a card name (h100) or a size")
+    if colocate is not None:
+        check_colocate(RunSpec(**{**spec_args, "compute_capability": ctx.compute_capability}), colocate)
     if fail_if_not_fits and ctx.capacity_bytes is None:
         raise MemestError(
             f"--fail-if-not-fits needs something to compare with, and there is none ({ctx.no_gpu_reason or 'no GPU'}); "
@@ -425,6 +427,10 @@ def run_check(
     configs = []
     for path in paths:
         cfg = load_config(path)
+        given = [k for k, v in overrides.items() if v is not None]
+        if cfg.serve is not None and given:
+            flags = ", ".join(options.spec_options()[k].flags[0] for k in given)
+            raise MemestError(f"{path}: a serving config (serve:) takes no training options; {flags} would be ignored")
         try:
             ctx = resolve_gpu(cfg.gpu if gpu is None else gpu, need_budget=True,
                               target=overrides.get("target") or cfg.values.get("target", Target.CUDA),

@@ -98,7 +98,7 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
     settings = {field: s[key] for key, field in SERVE_SPEC_KEYS.items() if key in s}  # ServeSpec's defaults else
     spec = ServeSpec(config.values["model"], total, gpu.flag, **settings, compute_capability=gpu.compute_capability,
                      **serve_measured(gpu, s.get("tp", 1), s.get("non_torch_memory")))
-    plan = plan_serve(spec)
+    plan = plan_serve(spec, recheck=False)  # the gate prints no fixes
     gate = plan.engine.gate(max(s.get("min_concurrency", 1), 1))
     needed, low, high, budget = gate.needed, gate.low, gate.high, gate.budget
     required = math.ceil(needed * (1 + margin))

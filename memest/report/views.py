@@ -395,7 +395,8 @@ def serve_view(run) -> View:
     if run.colocate is not None:
         doc["colocate"] = run.colocate.to_dict()
     unit = ("GiB", 2**30)
-    blocks: list = [serve_budget_table(p, run, unit)]
+    table, sources = serve_budget_table(p, run, unit)
+    blocks: list = [table] + sources
     blocks += serve_lines(p, unit)
     if run.colocate is not None:
         blocks += colocate_lines(run.colocate, unit)
@@ -406,15 +407,23 @@ def _range(low: int, high: int, unit) -> str:
     return "-" if low == high else f"{format_in(low, unit)}-{format_in(high, unit)}"
 
 
-def serve_budget_table(p, run, unit) -> Table:
-    """The engine's budget steps from the GPU's total to the KV cache."""
+def serve_budget_table(p, run, unit) -> tuple[Table, list[str]]:
+    """The engine's budget steps from the GPU's total to the KV cache; each step's source is a short reference in
+    the table ([1], [2], ...) and a line under it, so the table stays a few lines wide and long (the JSON document
+    has every source in its budget)."""
     s = p.spec
     title = f"memest serve {s.model} on {run.gpu.budget_label} ({s.engine}, tp {s.tp})"
-    rows = [["GPU total", format_in(s.total_bytes, unit), "-", run.total_source]]
-    rows += [[x.name, format_in(x.bytes, unit), _range(x.low, x.high, unit), x.source] for x in p.engine.steps()]
     a = p.engine.kv_cache
-    rows.append(["= KV cache", format_in(a.bytes, unit), _range(a.low, a.high, unit), a.source])
-    return Table(title, ["step", "GiB", "range", "source"], rows, left=("step", "source"))
+    steps = [("GPU total", s.total_bytes, "-", run.total_source)]
+    steps += [(x.name, x.bytes, _range(x.low, x.high, unit), x.source) for x in p.engine.steps()]
+    steps.append(("= KV cache", a.bytes, _range(a.low, a.high, unit), a.source))
+    refs: dict[str, int] = {}
+    rows = []
+    for name, value, spread, source in steps:
+        ref = refs.setdefault(source, len(refs) + 1)
+        rows.append([name, format_in(value, unit), spread, f"[{ref}]"])
+    return (Table(title, ["step", "GiB", "range", "source"], rows, left=("step", "source")),
+            [f"[{n}] {source}" for source, n in refs.items()])
 
 
 def serve_lines(p, unit) -> list[str]:

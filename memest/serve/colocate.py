@@ -79,18 +79,32 @@ def colocate(needed_range: tuple[int, int, int | None], total: int, utilization:
                     starts, smallest, engine_plan.max_model_len, notes)
 
 
+def check_colocate(spec: RunSpec, block: dict) -> None:
+    """The colocated engine's settings, checked before the training step is traced: an hf: model, a share in
+    (0, 1) (0 is a value, not "the default"), whole numbers of at least 1."""
+    if not spec.model.startswith("hf:"):
+        raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
+    util = block.get("utilization")
+    if util is not None and not 0 < float(util) < 1:
+        raise MemestError(f"--colocate-serve / colocate.utilization must be in (0, 1), got {float(util):g}")
+    for key in ("max_model_len", "max_num_seqs", "tp"):
+        if block.get(key) is not None and block[key] < 1:
+            raise MemestError(f"colocate.{key} must be at least 1, got {block[key]}")
+
+
 def colocated_engine(spec: RunSpec, ctx, needed_range, block: dict) -> Colocate:
     """The training step of ``spec`` plus a vLLM engine at ``block['utilization']`` on the GPU of ``ctx`` (the app
     layer's GpuContext); ``block``: utilization, max_model_len, max_num_seqs, tp, non_torch_memory."""
-    if not spec.model.startswith("hf:"):
-        raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
+    check_colocate(spec, block)
     total, _ = serve_total(ctx)
-    util = float(block.get("utilization") or TRL_UTILIZATION)
-    if not 0 < util < 1:
-        raise MemestError(f"colocate utilization must be in (0, 1), got {util}")
-    tp = int(block.get("tp") or 1)
-    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(block.get("max_model_len") or TRL_MAX_MODEL_LEN),
-                       utilization=util, tp=tp, max_num_seqs=int(block.get("max_num_seqs") or spec.batch * tp),
+
+    def given(key: str, default):  # None: the default; 0 is a value (refused by check_colocate or plan_serve)
+        return default if block.get(key) is None else block[key]
+
+    util = float(given("utilization", TRL_UTILIZATION))
+    tp = int(given("tp", 1))
+    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(given("max_model_len", TRL_MAX_MODEL_LEN)),
+                       utilization=util, tp=tp, max_num_seqs=int(given("max_num_seqs", spec.batch * tp)),
                        max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability,
                        **serve_measured(ctx, tp, block.get("non_torch_memory")))
-    return colocate(needed_range, total, util, plan_serve(engine))
+    return colocate(needed_range, total, util, plan_serve(engine, recheck=False))  # no fixes shown

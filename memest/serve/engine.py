@@ -50,6 +50,7 @@ class Setup:
     batching_source: str
     context: Part  # the CUDA context (measured or the evidence spread)
     notes: list[str]  # the KV notes every plan starts with
+    profiles: dict = field(default_factory=dict)  # traced profile runs by their inputs, shared by the fixes' re-plans
 
     @property
     def model_name(self) -> str:

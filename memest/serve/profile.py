@@ -114,9 +114,14 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     split = tp == 1 or rank is not config
     rank = copy.deepcopy(rank)
     rank.use_cache = False
-    extended = bool(getattr(rank, "max_position_embeddings", 0)) and rank.max_position_embeddings < tokens
-    if extended:  # vLLM's profile forward is max_num_batched_tokens long whatever the model's positions
-        rank.max_position_embeddings = tokens
+    positions = getattr(rank, "max_position_embeddings", 0) or 0
+    # never a sequence longer than the model's positions: vLLM's profile run spreads its tokens over up to
+    # max_num_seqs requests (gpu_model_runner.py _dummy_run), so a short-context model's forward is several sequences
+    batch = -(-tokens // positions) if positions and positions < tokens else 1
+    seq, keep = -(-tokens // batch), -(-min(logit_rows, tokens) // batch)
+    if batch > 1:
+        notes.append(f"profile forward traced as {batch} sequences of {seq} tokens (the model has {positions} "
+                     f"positions; vLLM spreads the {tokens} tokens over up to max_num_seqs requests)")
     arch = (getattr(rank, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
@@ -124,7 +129,7 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     rows = min(logit_rows, tokens)
 
     def inputs(batch_size: int, seq_len: int | None = None):
-        return {"input_ids": torch.zeros((1, tokens), dtype=torch.long), "logits_to_keep": rows}
+        return {"input_ids": torch.zeros((batch, seq), dtype=torch.long), "logits_to_keep": keep}
 
     built = []
 
@@ -135,7 +140,7 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     source = ModelSource(name=f"vLLM profile run ({tokens} tokens)", build_model=build,
                          example_inputs=inputs, trace_context=lambda spec: real_mask_branches())
     precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
-    spec = RunSpec(model="serve-profile", batch=1, seq=tokens, mode="inference", precision=precision,
+    spec = RunSpec(model="serve-profile", batch=batch, seq=seq, mode="inference", precision=precision,
                    compute_capability=compute_capability)
     start = time.perf_counter()
     est = estimate(spec, source=source)
@@ -167,5 +172,4 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
     part = Part("activation peak (profile run)", expected, low, expected,
                 "traced forward of max_num_batched_tokens tokens (transformers' code, --target cuda) and the sampler "
                 "phase (vllm/v1/sample); gpu_model_runner.py profile_run")
-    # the traced model stands for one rank's weights unless its positions were extended for the forward
-    return ProfileRun(part, forward, sampler, tokens, rows, seconds, notes, None if extended else built[-1], split)
+    return ProfileRun(part, forward, sampler, tokens, rows, seconds, notes, built[-1], split)

@@ -100,8 +100,9 @@ class SglangEngine(ServeEngine):
                          "measured non-torch value is not used")
         plan = ServePlan(spec, setup.model_name, max_len, setup.max_positions, fraction, src, 0, 0, "", setup.kv,
                          weights, None, cls(setup, budget), context=context, notes=notes)
-        plan.longest_context = budget.tokens
-        plan.longest_context_low, plan.longest_context_high = budget.tokens_low, budget.tokens_high
+        limit = max(setup.max_positions or 0, max_len)  # as vLLM's path: no longer than the model's positions
+        plan.longest_context = min(budget.tokens, limit)
+        plan.longest_context_low, plan.longest_context_high = min(budget.tokens_low, limit), min(budget.tokens_high, limit)
         _verdict(plan, budget, weights.bytes)
         return plan
 

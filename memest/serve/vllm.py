@@ -156,13 +156,18 @@ class VllmEngine(ServeEngine):
         spec, config, kv = setup.spec, setup.config, setup.kv
         util = spec.utilization if spec.utilization is not None else evidence.DEFAULT_UTILIZATION
         util_src = "--gpu-memory-utilization" if spec.utilization is not None else "vLLM default 0.9 (config/cache.py)"
-        profile = trace_profile_run(config, spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs, setup.dtype,
-                                    spec.compute_capability)
-        if profile.model is not None:
-            weights = weights_per_rank(profile.model, config, spec.tp, setup.dtype, split=profile.split)
+        key = (spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs, setup.dtype, spec.compute_capability)
+        if key in setup.profiles:  # a fix's re-plan that changes none of the profile's inputs
+            profile, weights = setup.profiles[key]
         else:
-            weights = weights_per_rank(build_meta(config), config, spec.tp, setup.dtype)
-        profile.model = None  # the fake model is not needed past here
+            profile = trace_profile_run(config, spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs,
+                                        setup.dtype, spec.compute_capability)
+            if profile.model is not None:
+                weights = weights_per_rank(profile.model, config, spec.tp, setup.dtype, split=profile.split)
+            else:
+                weights = weights_per_rank(build_meta(config), config, spec.tp, setup.dtype)
+            profile.model = None  # the fake model is not needed past here
+            setup.profiles[key] = (profile, weights)
         parts = [Part.exact("weights", weights.bytes, f"{weights.parameters:,} parameters as {setup.dtype} on one of "
                             f"{spec.tp} rank(s), + rotary cache (serve/weights.py)"), profile.activation,
                  spec.non_torch or evidence.non_torch(spec.tp)]
@@ -298,6 +303,8 @@ def _kv_fixes(plan: ServePlan, b: VllmBudget, available: int, non_kv: int, longe
     start_limit = (spec.total_bytes - plan.context.bytes) / spec.total_bytes
     if longest >= spec.block_size:
         plan.fixes.append(f"--max-model-len {longest} (the longest one sequence {surely}fits)")
+    if not surely and plan.longest_context_low >= spec.block_size and plan.longest_context_low < longest:
+        plan.fixes.append(f"--max-model-len {plan.longest_context_low} (the longest one sequence surely fits)")
     if b.utilization < need_util <= start_limit:
         plan.fixes.append(f"--gpu-memory-utilization {math.ceil(need_util * 100) / 100:.2f}")
     if spec.kv_dtype == KvDtype.AUTO and available > 0 and plan.config is not None:

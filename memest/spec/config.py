@@ -143,6 +143,14 @@ def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
     colocate = _block(data, "colocate", COLOCATE_KEYS, where)
     if serve is not None:
         _serve_choices(serve, where)
+        if serve.get("min_concurrency") is not None and serve["min_concurrency"] < 1:
+            raise MemestError(f"{where}serve.min_concurrency: full-length sequences that must fit at once, at least 1; "
+                              f"got {serve['min_concurrency']}")
+        ignored = [k for k in data if (k in SPEC_KEYS and k != "model" or k == "colocate") and data[k] is not None]
+        if ignored:
+            raise MemestError(f"{where}a serving config (serve:) sizes the engine from model: and serve: only; "
+                              f"{', '.join(repr(k) for k in ignored)} would be ignored: drop it, or put training keys in "
+                              "a config without serve:")
         if not values["model"].startswith("hf:"):
             raise MemestError(f"{where}serve: needs an hf: model (a decoder LM config), not {values['model']!r}")
     return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin, calibration=calibration,
