@@ -21,7 +21,7 @@ from pathlib import Path
 from memest.device import calibration, nvml  # by module: tests stand in for NVML and the measurement
 from memest.device.calibration import cache_file, describe, load_profile, lookup, save, write_profile
 from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
-from memest.device.fit import FitRow, passes, resolve_budget, verdict, worst
+from memest.device.fit import FitRow, no_device, passes, resolve_budget, verdict, worst
 from memest.errors import MemestError, ModelLoadError
 from memest.plan.check import check_config, check_serve_config
 from memest.plan.parallel import plan_parallel
@@ -180,7 +180,7 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
             if not gpus:
                 visible = sorted(g.index for g in query.gpus) if query is not None else []
                 why = no_gpu_reason or f"visible GPUs: {visible or 'none'}"
-                raise MemestError(f"--gpu {resolved}: no such GPU ({why}); pass a budget such as 11GB instead")
+                raise MemestError(no_device(resolved, why))
         targets = [Budget(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes) for g in gpus]
     if need_budget and not targets:
         raise MemestError(
