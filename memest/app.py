@@ -195,6 +195,9 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
         cc = DEFAULT_COMPUTE_CAPABILITY
         why = "default: no GPU named or visible; --gpu CARD (e.g. --gpu a100) models another generation"
     profile = None
+    if calibration is not None and Target.parse(target, "--target") != Target.CUDA:
+        raise MemestError("--calibration replaces measured CUDA costs (context, libraries, workspace); --target "
+                          f"{target} has none of them: drop the calibration, or use --target cuda")
     if calibration is not None:
         profile = load_calibration(calibration)
         if named_card and tuple(cc) != tuple(profile["compute_capability"]):

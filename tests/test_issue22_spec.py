@@ -17,8 +17,8 @@ def run(*args):
 
 def one_line_error(result, code=2):
     assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("memest: error")]
+    assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr  # progress lines may precede it
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
     return lines[0]
 
@@ -112,3 +112,106 @@ def test_yaml_pp_virtual_is_a_whole_number(tmp_path):
     path.write_text("model: hf:llama-3.2-1b\npp: 2\nworld_size: 2\npp_schedule: interleaved\npp_virtual: '3'\n")
     with pytest.raises(Exception, match="pp_virtual: expected a whole number"):
         load_config(path)
+
+
+# -- 24: options that would change nothing are refused with the reason -------------------------------
+
+
+def test_pp_virtual_without_a_pipeline_is_refused():
+    line = one_line_error(run("estimate", model_ref("mlp"), "--pp-virtual", "3"))
+    assert "--pp-virtual" in line and "--pp N" in line
+
+
+def test_pp_virtual_without_a_pipeline_is_refused_in_yaml(tmp_path):
+    line = one_line_error(run("check", config(tmp_path, "gpu: 11GB\npp_virtual: 3\n")))
+    assert "--pp-virtual" in line and "run.yaml" in line
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_no_double_quant_without_4bit_quant_is_refused(quant):
+    extra = ["--lora", "r=4", "--quant", quant] if quant else []
+    line = one_line_error(run("estimate", model_ref("mlp"), "--no-double-quant", *extra))
+    assert "--no-double-quant" in line and "nf4" in line
+
+
+def test_calibration_with_target_cpu_is_refused():
+    from .conftest import ROOT
+
+    profile = next((ROOT / "profiles").glob("*.json"))
+    line = one_line_error(run("estimate", model_ref("mlp"), "--target", "cpu", "--calibration", profile))
+    assert "--calibration" in line and "--target cpu" in line
+
+
+def test_calibration_with_target_cpu_is_refused_in_yaml(tmp_path):
+    from .conftest import ROOT
+
+    profile = next((ROOT / "profiles").glob("*.json"))
+    line = one_line_error(run("check", config(tmp_path, f"gpu: 11GB\ntarget: cpu\ncalibration: {profile}\n")))
+    assert "--calibration" in line and "run.yaml" in line
+
+
+@pytest.mark.parametrize("split", ["0,4", "4,0"])
+def test_pp_split_with_an_empty_stage_is_refused(split):
+    line = one_line_error(run("estimate", model_ref("hf:llama-tiny-4l"), "--batch", "2", "--seq", "16", "--pp", "2",
+                              "--world-size", "2", "--pp-split", split))
+    assert f"--pp-split {split}" in line and "no layer" in line
+
+
+def test_pp_split_with_every_stage_filled_still_runs():
+    result = run("estimate", model_ref("hf:llama-tiny-4l"), "--batch", "2", "--seq", "16", "--pp", "2",
+                 "--world-size", "2", "--pp-split", "1,3", "--json")
+    assert result.exit_code == 0, result.stderr
+
+
+# -- 16: LoRA specs are read exactly or refused ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [{"r": 2.7}, {"r": True}, {"alpha": float("nan")}, {"alpha": float("inf")},
+                                  {"alpha": -5}, {"alpha": True}, "alpha=nan", "alpha=inf", "alpha=-5",
+                                  "r=8,r=16", {"r": 8, "rank": 16}])
+def test_bad_lora_values_are_refused(lora):
+    from memest.errors import MemestError
+    from memest.spec.lora import parse_lora
+
+    with pytest.raises(MemestError, match="--lora: (bad value|r is given twice)"):
+        parse_lora(lora)
+
+
+def test_lora_whole_numbers_still_read():
+    from memest.spec.lora import parse_lora
+
+    assert parse_lora({"r": 8.0, "alpha": 16}) == "r=8,alpha=16"
+    assert parse_lora("r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj") == \
+        "r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj"
+
+
+@pytest.mark.parametrize("body", ["lora: {r: 2.7}\n", "lora: {r: true}\n", "lora: {alpha: .nan}\n"])
+def test_bad_lora_values_are_refused_in_yaml(tmp_path, body):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {model_ref('hf:llama-tiny')}\nbatch: 1\nseq: 16\ngpu: 11GB\n{body}")
+    line = one_line_error(run("check", path))
+    assert "run.yaml" in line and "--lora: bad value" in line
+
+
+def _tiny_lora(text):
+    from torch import nn
+
+    from memest.features.finetune import apply_lora
+    from memest.spec.lora import lora_settings, parse_lora
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))
+    return apply_lora(model, lora_settings(parse_lora(text)), "tiny.py")
+
+
+def test_lora_rank_above_a_targeted_layer_is_refused():
+    from memest.errors import MemestError
+
+    with pytest.raises(MemestError, match=r"r=100000 is above .*64 in, 32 out, so at most r=32"):
+        _tiny_lora("r=100000,targets=0,2")
+    with pytest.raises(MemestError, match="at most r=32"):
+        _tiny_lora("r=33,targets=0,2")
+
+
+def test_lora_rank_within_the_layers_still_applies():
+    model = _tiny_lora("r=32,targets=0,2")
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * (32 * 64 + 32 * 32)
