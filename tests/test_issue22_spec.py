@@ -215,3 +215,61 @@ def test_lora_rank_above_a_targeted_layer_is_refused():
 def test_lora_rank_within_the_layers_still_applies():
     model = _tiny_lora("r=32,targets=0,2")
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * (32 * 64 + 32 * 32)
+
+
+# -- 26 (part): calibration compute_capability, plot paths ---------------------------------------------
+
+
+def _profile(tmp_path, cc):
+    import json
+
+    from .conftest import ROOT
+
+    data = json.loads(next((ROOT / "profiles").glob("*.json")).read_text())
+    data["compute_capability"] = cc
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("cc", [90, [9], "9", [9.5, 0], True])
+def test_ambiguous_compute_capability_is_one_clear_error(tmp_path, cc):
+    line = one_line_error(run("estimate", model_ref("mlp"), "--calibration", _profile(tmp_path, cc)))
+    assert "compute_capability must be [major, minor]" in line and "profile.json" in line
+
+
+@pytest.mark.parametrize("cc", ["9.0", [9, 0]])
+def test_unambiguous_compute_capability_is_read(tmp_path, cc):
+    from memest.app import resolve_gpu
+
+    assert resolve_gpu("11GB", calibration=_profile(tmp_path, cc)).compute_capability == (9, 0)
+
+
+def test_plot_name_over_the_file_system_limit_is_a_user_error(tmp_path):
+    line = one_line_error(run("estimate", model_ref("mlp"), "--plot", tmp_path / ("a" * 300 + ".html")))
+    assert "cannot write a plot" in line and "limit" in line
+
+
+def test_plot_folder_over_the_file_system_limit_is_a_user_error(tmp_path):
+    line = one_line_error(run("estimate", model_ref("mlp"), "--plot", tmp_path / ("a" * 300) / "step.html"))
+    assert "cannot write a plot" in line
+
+
+def test_plot_name_just_under_the_limit_is_written(tmp_path):
+    path = tmp_path / ("b" * 250 + ".html")
+    result = run("estimate", model_ref("mlp"), "--plot", path)
+    assert result.exit_code == 0, result.stderr
+    assert path.exists()
+
+
+def test_full_disk_under_plot_is_a_user_error(tmp_path, monkeypatch):
+    import errno
+
+    from memest.report import plot
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plot, "atomic_write", full)
+    line = one_line_error(run("estimate", model_ref("mlp"), "--plot", tmp_path / "step.html"))
+    assert "No space left on device" in line and "step.html" in line
