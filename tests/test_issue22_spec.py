@@ -273,3 +273,86 @@ def test_full_disk_under_plot_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(plot, "atomic_write", full)
     line = one_line_error(run("estimate", model_ref("mlp"), "--plot", tmp_path / "step.html"))
     assert "No space left on device" in line and "step.html" in line
+
+
+# -- 27: the Python API checks its arguments; every error is one MemestError line ------------------------
+
+
+def _api_error(call):
+    from memest.errors import MemestError
+
+    with pytest.raises(MemestError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message.strip(), message
+    return message
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"batch": "8"}, "batch: expected a whole number"),
+    ({"batch": None}, "batch: a value is required"),
+    ({"batch": 2.5}, "batch: expected a whole number"),
+    ({"batch": True}, "batch: expected a whole number"),
+    ({"seq": "128"}, "seq: expected a whole number"),
+    ({"tp": "2"}, "tp: expected a whole number"),
+    ({"bach": 4}, "did you mean 'batch'"),
+    ({"gpu": 11}, "gpu: expected a card name"),
+    ({"gpu": "11XB"}, "11XB"),
+    ({"gpu": "0"}, "device index"),
+    ({"checkpointing": 3}, "checkpointing: expected a string"),
+    ({"calibration": {"x": 1}}, "calibration dict lacks"),
+    ({"calibration": 5}, "calibration: expected a profile file"),
+    ({"optim": 3}, "optim: expected one of"),
+    ({"fused": "yes"}, "fused: expected True or False"),
+    ({"lr": "0.1"}, "lr: expected a number"),
+])
+def test_api_estimate_refuses_wrong_arguments(kwargs, words):
+    import memest
+
+    message = _api_error(lambda: memest.estimate(model_ref("mlp"), **kwargs))
+    assert words in message and message.startswith("memest.estimate()") or "calibration" in words
+
+
+def test_api_estimate_refuses_calibration_with_target_cpu():
+    import memest
+
+    from .conftest import ROOT
+
+    profile = str(next((ROOT / "profiles").glob("*.json")))
+    assert "target='cpu'" in _api_error(lambda: memest.estimate(model_ref("mlp"), target="cpu", calibration=profile))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"tp": 2.5}, "tp: expected a whole number"),
+    ({"tp": "2"}, "tp: expected a whole number"),
+    ({"max_model_length": 8192}, "did you mean 'max_model_len'"),
+    ({"utilization": "0.9"}, "utilization: expected a number"),
+    ({"engine": 1}, "engine: expected one of"),
+    ({"gpu": 11}, "gpu: expected a card name"),
+    ({"gpu": "11XB"}, "11XB"),
+])
+def test_api_serve_capacity_refuses_wrong_arguments(kwargs, words):
+    import memest
+
+    kwargs = {"gpu": "h100", **kwargs}
+    message = _api_error(lambda: memest.serve_capacity("hf:llama-3-8b", **kwargs))
+    assert words in message
+
+
+@pytest.fixture(scope="module")
+def mlp_estimate():
+    import memest
+
+    return memest.estimate(model_ref("mlp"), batch=2, gpu="11GB")
+
+
+@pytest.mark.parametrize("budget", [-5, 0, True, None, 2.5, "0GB", "24.0"])
+def test_api_fits_refuses_a_budget_that_holds_nothing(mlp_estimate, budget):
+    _api_error(lambda: mlp_estimate.fits(budget))
+    _api_error(lambda: mlp_estimate.verdict(budget))
+
+
+def test_api_estimate_has_trainable_param_count(mlp_estimate):
+    assert mlp_estimate.trainable_param_count == mlp_estimate.report.trainable_param_count > 0
+    assert mlp_estimate.trainable_param_count == mlp_estimate.to_dict()["trainable_param_count"]
+    assert mlp_estimate.fits("11GB") is True
