@@ -15,16 +15,18 @@ does not hide CUDA devices from torch (the CLI does); it allocates nothing on a 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
 from memest.app import load_calibration, run_serve, user_code
 from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
+from memest.device.fit import resolve_budget
 from memest.errors import MemestError
 from memest.report.views import serve_view
 from memest.spec import RunSpec
 from memest.spec.choices import Target
-from memest.spec.options import serve_args, serve_names
+from memest.spec.options import serve_args, serve_names, typed_serve, typed_spec
 
 
 def estimate(
@@ -50,6 +52,14 @@ def estimate(
     Returns an estimator.Estimate."""
     from memest.estimator import estimate as run
 
+    where = "memest.estimate(): "
+    step = typed_spec({"batch": batch, "seq": seq, "optim": optim, "precision": precision, "target": target, **options},
+                      where, extra=("model", "inputs", "loss", "gpu", "calibration"))
+    gpu = _card_or_size(gpu, where)
+    if calibration is not None and Target.parse(step["target"], "target") != Target.CUDA:
+        raise MemestError(f"{where}calibration= replaces measured CUDA costs; target='{step['target']}' has none of them")
+    if not isinstance(model, str) and not callable(model):
+        raise MemestError(f"{where}model: expected a model.py path, hf:NAME or a zero-argument factory, got {model!r}")
     if isinstance(model, str):
         if inputs is not None or loss is not None:
             raise MemestError("inputs= and loss= go with a model factory; a model file defines its own")
@@ -67,15 +77,14 @@ def estimate(
     if calibration is not None:
 
         profile = load_calibration(calibration)
-    cc = options.pop("compute_capability", None)
+    cc = step.pop("compute_capability", None)
     if cc is None:
         named = compute_capability(gpu) if gpu and not gpu[:1].isdigit() else None
         if named and profile and tuple(named) != tuple(profile["compute_capability"]):
             raise MemestError(f"the calibration profile was measured on {profile['gpu_name']}, not a {gpu}; pass a "
                               "profile measured on that card")
         cc = named or (profile["compute_capability"] if profile else None) or DEFAULT_COMPUTE_CAPABILITY
-    spec = RunSpec(model=ref, batch=batch, seq=seq, optim=optim, precision=precision, target=target,
-                   compute_capability=cc, **options)
+    spec = RunSpec(model=ref, compute_capability=cc, **step)
     with user_code(source.origin or ref, quiet_stdout=False):
         result = run(spec, calibration=profile if spec.target == Target.CUDA else None, source=source)
     result.default_budget = gpu
@@ -90,10 +99,33 @@ def serve_capacity(model: str, gpu: str, **options: Any) -> dict:
     ``blocks``, ``concurrency``, ``sequences``, ``longest_context``, ``verdict``, ``reasons``, ``fixes``, the
     budget steps under ``budget``)."""
 
+    where = "memest.serve_capacity(): "
     known = {*serve_names(), "calibration"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise MemestError(f"memest.serve_capacity(): unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(known))}"
+        raise MemestError(f"{where}unknown option(s) {', '.join(unknown)}; {hint}")
+    if not isinstance(model, str):
+        raise MemestError(f"{where}model: expected hf:NAME or hf:path/config.json, got {model!r}")
+    if gpu is None:
+        raise MemestError(f"{where}gpu: a card name (h100) or a size (80GB) is required")
+    gpu = _card_or_size(gpu, where)
     calibration = options.pop("calibration", None)
-    args = {"model": model, **serve_args(options)}
+    args = {"model": model, **serve_args(typed_serve(options, where))}
     return serve_view(run_serve(args, gpu, calibration=calibration)).doc
+
+
+def _card_or_size(gpu, where: str) -> str | None:
+    """gpu=: a card name or a size, checked now (never a device index: the API models a GPU, it queries none)."""
+    if gpu is None:
+        return None
+    if not isinstance(gpu, str):
+        raise MemestError(f"{where}gpu: expected a card name such as 'a100' or a size such as '11GB', got {gpu!r}")
+    try:
+        resolved = resolve_budget(gpu)
+    except MemestError as exc:
+        raise MemestError(f"{where}gpu: {exc}") from None
+    if isinstance(resolved, int):
+        raise MemestError(f"{where}gpu={gpu!r} is a device index; pass a size such as '{gpu.strip()}GB' or a card name")
+    return gpu.strip()

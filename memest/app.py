@@ -9,6 +9,7 @@ module; views (report/views.py) turn results into tables, Markdown and JSON.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import sys
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memest.device import calibration, nvml  # by module: tests stand in for NVML and the measurement
-from memest.device.calibration import cache_file, describe, load_profile, lookup, save, write_profile
+from memest.device.calibration import cache_file, check_profile, describe, load_profile, lookup, save, write_profile
 from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
-from memest.device.fit import FitRow, passes, resolve_budget, verdict, worst
+from memest.device.fit import FitRow, no_device, passes, resolve_budget, verdict, worst
 from memest.errors import MemestError, ModelLoadError
 from memest.plan.check import check_config, check_serve_config
 from memest.plan.parallel import plan_parallel
@@ -229,7 +230,7 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
             if not gpus:
                 visible = sorted(g.index for g in query.gpus) if query is not None else []
                 why = no_gpu_reason or f"visible GPUs: {visible or 'none'}"
-                raise MemestError(f"--gpu {resolved}: no such GPU ({why}); pass a budget such as 11GB instead")
+                raise MemestError(no_device(resolved, why))
         targets = [Budget(f"GPU {g.index} {g.name} (free)", g.free_bytes, g.total_bytes, g.used_bytes) for g in gpus]
     if need_budget and not targets:
         raise MemestError(
@@ -244,6 +245,9 @@ def resolve_gpu(gpu: str | None, *, need_budget: bool = False, target: Target | 
         cc = DEFAULT_COMPUTE_CAPABILITY
         why = "default: no GPU named or visible; --gpu CARD (e.g. --gpu a100) models another generation"
     profile = None
+    if calibration is not None and Target.parse(target, "--target") != Target.CUDA:
+        raise MemestError("--calibration replaces measured CUDA costs (context, libraries, workspace); --target "
+                          f"{target} has none of them: drop the calibration, or use --target cuda")
     if calibration is not None:
         profile = load_calibration(calibration)
         if named_card and tuple(cc) != tuple(profile["compute_capability"]):
@@ -263,7 +267,10 @@ def load_calibration(calibration: str | Path | dict) -> dict:
     """A calibration profile from a file (checked, device/calibration.load_profile) or a dict."""
 
     if isinstance(calibration, dict):
-        return {**calibration, "compute_capability": tuple(calibration["compute_capability"])}
+        return check_profile(calibration, "calibration dict")
+    if not isinstance(calibration, (str, Path)):
+        raise MemestError(f"calibration: expected a profile file (from `memest calibrate --out`) or its dict, got "
+                          f"{calibration!r}")
     return load_profile(calibration)
 
 
@@ -317,16 +324,30 @@ def check_plot_path(path: str | None) -> Path | None:
     if out.suffix.lower() not in FORMATS:
         raise MemestError(f"cannot write a plot to {path!r}: use a file name ending in {', '.join(FORMATS)}")
     folder = out.parent if str(out.parent) else Path(".")
-    if out.is_dir():
-        raise MemestError(f"cannot write a plot to {path!r}: it is a folder; name a file such as step.html")
-    if not folder.is_dir():
-        raise MemestError(f"cannot write a plot to {path!r}: folder {str(folder)!r} does not exist")
-    try:
+    try:  # a path component over the file system's limit (ENAMETOOLONG) fails here, not after the trace
+        longest = _name_max(folder)
+        if len(os.fsencode(out.name)) > longest:
+            raise MemestError(f"cannot write a plot to {path!r}: the file name is {len(os.fsencode(out.name))} bytes, "
+                              f"over this file system's limit of {longest}; choose a shorter name")
+        if out.is_dir():
+            raise MemestError(f"cannot write a plot to {path!r}: it is a folder; name a file such as step.html")
+        if not folder.is_dir():
+            raise MemestError(f"cannot write a plot to {path!r}: folder {str(folder)!r} does not exist")
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".memest-", suffix=".check"):
             pass
     except OSError as exc:
-        raise MemestError(f"cannot write a plot to {path!r}: {exc.strerror or exc} (choose a writable folder)") from None
+        fix = ("a folder name is over the file system's limit; choose shorter names" if exc.errno == errno.ENAMETOOLONG
+               else "choose a writable folder")
+        raise MemestError(f"cannot write a plot to {path!r}: {exc.strerror or exc} ({fix})") from None
     return out
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name ``folder``'s file system takes (POSIX NAME_MAX; 255 on ext4, xfs, btrfs, NTFS, APFS)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # no pathconf (Windows) or no answer
+        return 255
 
 
 def run_estimate(
@@ -380,7 +401,11 @@ def run_estimate(
     if plot_path is not None:
         from memest.report.plot import plot_timeline
 
-        out.plot_path = plot_timeline(out.timeline, result.report, plot_path)
+        try:
+            out.plot_path = plot_timeline(out.timeline, result.report, plot_path)
+        except OSError as exc:  # a full disk (ENOSPC), a quota, the folder removed meanwhile: the user's to fix
+            raise MemestError(f"cannot write a plot to {str(plot_path)!r}: {exc.strerror or exc} (free space or "
+                              "choose another folder)") from None
     return out
 
 

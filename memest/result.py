@@ -13,9 +13,11 @@ from memest.version import __version__
 
 def budget_bytes(budget: int | str) -> int:
     """11GB (10^9 B), 11GiB (2^30 B), 11000MiB, a card name (rtx2080ti) or a byte count."""
-    if isinstance(budget, bool):
-        raise TypeError("a budget is a size such as '11GB', a card name or a number of bytes")
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise MemestError(f"a budget is a size such as '11GB', a card name or a number of bytes, not {budget!r}")
     if isinstance(budget, int):
+        if budget <= 0:
+            raise MemestError(f"a budget of {budget} bytes holds nothing; pass a positive size such as '11GB'")
         return budget
 
     resolved = resolve_budget(str(budget))
@@ -34,6 +36,12 @@ class EstimateViews:
     def peak_allocated_bytes(self) -> int:
         """The most bytes of tensors alive at once during the step."""
         return self.report.peak_allocated_bytes
+
+    @property
+    def trainable_param_count(self) -> int:
+        """Elements of the parameters that require grad (all of them; with --lora the adapters, with --freeze
+        the unfrozen ones)."""
+        return self.report.trainable_param_count
 
     @property
     def device_bytes(self) -> int | None:

@@ -89,16 +89,36 @@ def load_profile(path: str | Path) -> dict:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise MemestError(f"calibration {str(path)!r} is not a memest calibration profile (schema {SCHEMA!r}); "
                           "write one with `memest calibrate --out FILE` on the GPU machine")
+    data = check_profile(data, f"calibration {str(path)!r}")
+    data["profile_path"] = str(path)
+    return data
+
+
+def check_profile(data: dict, where: str) -> dict:
+    """A profile's fields checked (a file's, or a dict given to the Python API), one-line errors naming
+    ``where``; compute_capability as a (major, minor) tuple."""
     missing = [k for k in REQUIRED if data.get(k) is None]
     if missing:
-        raise MemestError(f"calibration {str(path)!r} lacks {', '.join(missing)}; re-run `memest calibrate --out`")
+        raise MemestError(f"{where} lacks {', '.join(missing)}; re-run `memest calibrate --out`")
     for key in BYTE_KEYS:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise MemestError(f"calibration {str(path)!r}: {key} must be a whole number of bytes, got {value!r}")
-    data["compute_capability"] = tuple(data["compute_capability"])
-    data["profile_path"] = str(path)
-    return data
+            raise MemestError(f"{where}: {key} must be a whole number of bytes, got {value!r}")
+    return {**data, "compute_capability": compute_capability_of(data["compute_capability"], where)}
+
+
+def compute_capability_of(value, where: str) -> tuple[int, int]:
+    """[9, 0] (as `memest calibrate` writes it) or the unambiguous "9.0" -> (9, 0); 90 or [9] is refused (is 90
+    sm90, or 9.0? is [9] 9.0?)."""
+    parts = value.strip().split(".") if isinstance(value, str) else value
+    if isinstance(parts, (list, tuple)) and len(parts) == 2:
+        try:
+            major, minor = (int(p) if isinstance(p, str) and p.strip().isdigit() else p for p in parts)
+        except ValueError:
+            major = minor = None
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (major, minor)):
+            return major, minor
+    raise MemestError(f"{where}: compute_capability must be [major, minor] such as [9, 0] (or \"9.0\"), got {value!r}")
 
 
 def describe(profile: dict) -> str:

@@ -20,6 +20,7 @@ By default a tight step counts as fitting for exit codes (said loudly); with --s
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from memest.device.catalogue import CARDS, card_bytes
@@ -28,6 +29,7 @@ from memest.errors import MemestError
 from memest.spec.choices import Verdict
 from memest.units import parse_bytes
 
+_UNITLESS = re.compile(r"^[0-9]*\.[0-9]*$")  # a bare decimal number
 FITS, TIGHT, DOES_NOT_FIT = Verdict.FITS, Verdict.TIGHT, Verdict.DOES_NOT_FIT  # short names
 
 
@@ -91,15 +93,23 @@ def resolve_budget(flag: str) -> tuple[str, int] | int:
     card = card_bytes(text)
     if card is not None:
         return f"{text} ({card / 2**30:g} GiB)", card
-    if text[:1].isdigit() or text.startswith("-"):
+    if text[:1].isdigit() or text.startswith("-") or text.startswith("."):
+        if _UNITLESS.match(text):  # 24.0 or 0.5: bytes, GB or GiB? never guessed (an integer is a device index)
+            raise MemestError(f"--gpu {text} has no unit; write {text}GB (10^9 bytes) or {text}GiB (2^30 bytes)")
         size = parse_bytes(text)
-        if size <= 0:  # nothing fits in it, and the planners divide by it
-            raise MemestError(f"--gpu {text}: a budget of zero bytes; pass the memory the step may use, e.g. 11GB")
+        if size <= 0:
+            raise MemestError(f"--gpu {text} is an empty budget: nothing fits in it; pass a size such as 11GB")
         return text, size
     raise MemestError(
         f"unknown GPU {flag!r}; pass a size such as 11GB or 11GiB, a device index such as 0, "
         f"or a known card: {', '.join(sorted(CARDS))}"
     )
+
+
+def no_device(index: int, why: str) -> str:
+    """A bare whole number names a device index; where there is none, say how to write a budget."""
+    return (f"--gpu {index}: no such GPU ({why}); a bare number is a device index: for a budget write {index}GB "
+            f"(10^9 bytes) or {index}GiB (2^30 bytes)")
 
 
 def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None, check=None) -> list[FitRow]:
@@ -113,7 +123,7 @@ def fit_rows(needed: int, gpu_flag: str | None, query: GpuQuery | None, check=No
         gpus = {g.index: g for g in (query.gpus if query else [])}
         if target not in gpus:
             why = query.reason if query and query.reason else f"visible GPUs: {sorted(gpus) or 'none'}"
-            raise MemestError(f"--gpu {target}: no such GPU ({why}); pass a budget such as 11GB instead")
+            raise MemestError(no_device(target, why))
         gpu_list = [gpus[target]]
     else:
         gpu_list = query.gpus if query else []

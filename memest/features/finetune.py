@@ -60,9 +60,26 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
         elif quant != Quant.NONE:
 
             config._register_custom_module({Linear4bitModel: quant_layers.lora_layer_class()})
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
     except ValueError as exc:  # peft's own message: no target modules found, unknown model type, ...
         raise MemestError(f"{where}: peft's get_peft_model: {str(exc).strip().splitlines()[0]}") from exc
+    _check_rank(wrapped, config.r, where)
+    return wrapped
+
+
+def _check_rank(model, r: int, where: str) -> None:
+    """A rank above min(in, out) of a targeted layer adds adapter parameters (memory) but no rank: refused
+    (B @ A has rank at most min(in, out)), so a typo such as r=100000 is never estimated silently."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            smallest = min(module.in_features, module.out_features)
+            if r > smallest:
+                raise MemestError(
+                    f"{where}: --lora r={r} is above the rank a targeted layer can hold ({name}: {module.in_features} "
+                    f"in, {module.out_features} out, so at most r={smallest}); choose r <= {smallest} or other targets"
+                )
 
 
 def _prepare_kbit(model, where: str) -> str:

@@ -91,6 +91,12 @@ def stage_modules(model: nn.Module, spec: RunSpec) -> list[tuple[int, StageModul
     bounds = split_layers(len(base.layers), spec)
     n_stages = len(bounds)
     mine = rank_stages(spec.pp_schedule, spec.pp, spec.stages_per_rank, spec.pp_stage)
+    empty = [s for s in mine if bounds[s][0] == bounds[s][1]]
+    if empty and spec.pp_split:  # a user's split (the planner's proxy leaves only untraced stages empty)
+        raise MemestError(
+            f"--pp-split {spec.pp_split}: stage {empty[0]} holds no layer (an empty stage still takes a pipeline rank "
+            "and a send/recv per micro-batch); give every stage at least one layer"
+        )
     layers = list(base.layers)
     _prune(model, base, [layers[k] for s in mine for k in range(*bounds[s])], 0 in mine, n_stages - 1 in mine)
     if len(mine) == 1:

@@ -59,7 +59,7 @@ def atomic_write(path: Path, write) -> Path:
     import os
     import tempfile
 
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")  # within NAME_MAX
     os.close(fd)
     tmp = Path(name)
     try:

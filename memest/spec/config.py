@@ -70,8 +70,8 @@ class RunConfig:
 
 
 def parse_margin(value: Any, what: str = "margin") -> float:
-    """Required headroom: '10%' or a fraction 0.1 -> 0.1. A bare number above 1 is ambiguous (10 could
-    mean 10% or x11) and is rejected with the fix."""
+    """Required headroom: '10%' or a fraction 0.1 -> 0.1. A bare number of 1 or more is ambiguous (10 could
+    mean 10% or x11, 1 could mean 1% or +100%) and is rejected with the fix."""
     if isinstance(value, bool):
         raise MemestError(f"{what} {value!r} is not a number; write a percentage such as 10%")
     text = str(value).strip()
@@ -84,9 +84,11 @@ def parse_margin(value: Any, what: str = "margin") -> float:
         raise MemestError(f"{what} {value!r} is not a finite number; write a percentage such as 10%")
     if margin < 0:
         raise MemestError(f"{what} {value!r} is below zero; write 0% or more")
-    if not percent and margin > 1:
+    if not percent and margin >= 1:  # a bare 1 reads as +100% or as 1%: as ambiguous as a bare 10
+        whole = f"{margin:g}"
         raise MemestError(
-            f"{what} {value!r} is ambiguous: write {text}% for {text} percent (a bare number is a fraction: 0.1 = 10%)"
+            f"{what} {value!r} is ambiguous: write {whole}% for {whole} percent, or {margin / 100:g} as a fraction "
+            "(a bare number is a fraction below 1: 0.1 = 10%)"
         )
     return margin
 

@@ -8,6 +8,7 @@ dropout=0, peft's target modules for the model type). The YAML ``lora:`` mapping
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from memest.errors import MemestError
@@ -67,20 +68,41 @@ def parse_lora(value) -> str:
     return settings_from(items).text()
 
 
+def _whole(v) -> int:
+    """r: a whole number (8, '8', 8.0), never a bool or a fraction read as its floor."""
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError
+    return int(v)
+
+
+def _number(v) -> float:
+    """alpha, dropout: a finite number, never a bool."""
+    if isinstance(v, bool):
+        raise ValueError
+    out = float(v)
+    if not math.isfinite(out):
+        raise ValueError
+    return out
+
+
 def settings_from(items) -> LoraSettings:
     fields: dict = {}
     for key, v in items:
         name = _ALIASES.get(str(key).lower(), str(key).lower())
         if name not in _KEYS:
             raise MemestError(f"--lora: unknown key {key!r}; use r, alpha, dropout, targets")
+        if name in fields:
+            raise MemestError(f"--lora: {name} is given twice; give each of r, alpha, dropout, targets once")
         try:
             if name == "r":
-                fields["r"] = int(v)
+                fields["r"] = _whole(v)
                 if fields["r"] < 1:
                     raise ValueError
             elif name in ("alpha", "dropout"):
-                fields[name] = float(v)
+                fields[name] = _number(v)
                 if name == "dropout" and not 0 <= fields[name] < 1:
+                    raise ValueError
+                if name == "alpha" and fields[name] <= 0:
                     raise ValueError
             else:
                 targets = [v] if isinstance(v, str) else list(v)
@@ -89,7 +111,7 @@ def settings_from(items) -> LoraSettings:
                     raise ValueError
                 fields["targets"] = targets
         except (TypeError, ValueError):
-            raise MemestError(f"--lora: bad value for {name}: {v!r} (r: a whole number >= 1, alpha: a number, "
+            raise MemestError(f"--lora: bad value for {name}: {v!r} (r: a whole number >= 1, alpha: a number > 0, "
                               "dropout: 0 <= p < 1, targets: module names or all-linear)") from None
     return LoraSettings(**fields)
 

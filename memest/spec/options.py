@@ -11,11 +11,13 @@ sizes, estimate's one size). A step option's default is RunSpec's (``SPEC``), ne
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import shlex
 import typing
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memest.errors import MemestError
 from memest.spec.choices import (
     Choice,
     CudaGraphs,
@@ -278,6 +280,55 @@ def yaml_kind(key: str) -> type:
     """The type a run config's step key takes (int, bool or str)."""
     kind = spec_options()[key].kind
     return kind if kind in (int, bool) else str
+
+
+def typed(name: str, value: Any, kind: Any, optional: bool, where: str = "", flag: str = "") -> Any:
+    """``value`` checked against an option's type (spec/options' rows, RunSpec's fields): a whole number is an
+    int (never a bool, "8" or 8.5), a number an int or float, a switch a bool, a choice its enum member or string;
+    ``None`` only where None is a value. One-line MemestError naming ``where`` and ``name`` otherwise."""
+    if value is None:
+        if optional:
+            return None
+        raise MemestError(f"{where}{name}: a value is required, got None")
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        if not isinstance(value, (str, kind)):
+            raise MemestError(f"{where}{name}: expected one of {', '.join(kind.values())}, got {value!r}")
+        return kind.parse(value, flag or name)
+    wrong = {
+        int: lambda v: isinstance(v, bool) or not isinstance(v, int),
+        float: lambda v: isinstance(v, bool) or not isinstance(v, (int, float)),
+        bool: lambda v: not isinstance(v, bool),
+        str: lambda v: not isinstance(v, str),
+    }.get(kind)
+    if wrong is not None and wrong(value):
+        what = {int: "a whole number", float: "a number", bool: "True or False", str: "a string"}[kind]
+        raise MemestError(f"{where}{name}: expected {what}, got {value!r}")
+    return value
+
+
+def typed_spec(values: dict, where: str = "", extra: tuple[str, ...] = ()) -> dict:
+    """RunSpec fields given by name (the Python API's keyword arguments), each checked by ``typed``; an unknown
+    name gets a did-you-mean over the fields and ``extra`` (the caller's own parameters)."""
+    out = {}
+    for name, value in values.items():
+        if name not in _FIELD_TYPES:
+            known = sorted(spec_options()) + list(extra)
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+            raise MemestError(f"{where}unknown option {name!r}; {hint}")
+        kind, optional = _FIELD_TYPES[name]
+        if name in ("lora", "compute_capability"):
+            out[name] = value  # lora: a dict, True or the string (spec/lora.py checks it); compute_capability: a pair
+        else:
+            row = spec_options().get(name)
+            out[name] = typed(name, value, kind, optional, where, row.flag if row else name)
+    return out
+
+
+def typed_serve(values: dict, where: str = "") -> dict:
+    """memest serve's engine options by name (the Python API's serve_capacity), each checked by ``typed``."""
+    rows = {o.name: o for o in OPTIONS if o.yaml and "serve" in o.commands}
+    return {name: typed(name, value, rows[name].kind, True, where) for name, value in values.items()}
 
 
 def serve_keys() -> dict[str, type]:

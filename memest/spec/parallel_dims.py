@@ -180,8 +180,9 @@ def _check_pipeline(d: ParallelDims, spec: RunSpec) -> None:
     if spec.microbatches < 0:
         raise MemestError(f"--microbatches must be at least 1, got {spec.microbatches}")
     if not d.pp_enabled:
-        if spec.microbatches or spec.pp_split or spec.pp_schedule != PipelineSchedule.ONE_F_ONE_B:
-            raise MemestError("--microbatches, --pp-split and --pp-schedule describe a pipeline; add --pp N (N >= 2)")
+        if spec.microbatches or spec.pp_split or spec.pp_virtual or spec.pp_schedule != PipelineSchedule.ONE_F_ONE_B:
+            raise MemestError("--microbatches, --pp-split, --pp-virtual and --pp-schedule describe a pipeline; add --pp N "
+                              "(N >= 2)")
         return
     _check_pipeline_sizes(d, spec)
     if spec.pp_virtual < 0 or (spec.pp_virtual > 1 and spec.stages_per_rank != spec.pp_virtual):

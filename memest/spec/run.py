@@ -192,6 +192,9 @@ class RunSpec:
         if self.quant != Quant.NONE and not self.lora:
             raise MemestError(f"--quant {self.quant} quantizes the frozen base of a QLoRA run; add --lora (e.g. "
                               "--lora r=16,alpha=32,targets=all-linear)")
+        if not self.double_quant and self.quant not in (Quant.NF4, Quant.FP4):
+            raise MemestError("--no-double-quant turns off bitsandbytes' 4-bit double quantization; it applies with "
+                              f"--quant nf4 or fp4 only (here --quant {self.quant}); drop it")
         if self.prepare_kbit and self.quant == Quant.NONE:
             raise MemestError("--prepare-kbit prepares a quantized base (peft's prepare_model_for_kbit_training); "
                               "add --quant nf4")
