@@ -98,7 +98,7 @@ def resolve_budget(flag: str) -> tuple[str, int] | int:
             raise MemestError(f"--gpu {text} has no unit; write {text}GB (10^9 bytes) or {text}GiB (2^30 bytes)")
         size = parse_bytes(text)
         if size <= 0:
-            raise MemestError(f"--gpu {text} is an empty budget: nothing fits in it; pass a size such as 11GB")
+            raise MemestError(f"--gpu {text} is an empty budget (zero bytes): nothing fits in it; pass a size such as 11GB")
         return text, size
     raise MemestError(
         f"unknown GPU {flag!r}; pass a size such as 11GB or 11GiB, a device index such as 0, "
