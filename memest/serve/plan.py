@@ -82,8 +82,9 @@ def _fix_verdict(fix: str, spec: ServeSpec, config, profiles: dict) -> ServeVerd
 def _check(spec: ServeSpec) -> None:
     if spec.utilization is not None and not 0 < spec.utilization <= 1:
         raise MemestError(f"--gpu-memory-utilization must be in (0, 1], got {spec.utilization}")
-    if spec.block_size < 1 or spec.tp < 1:
-        raise MemestError("--block-size and --tp must be at least 1")
+    for name, value in (("--tp", spec.tp), ("--block-size", spec.block_size)):
+        if value < 1:
+            raise MemestError(f"{name} must be at least 1, got {value}")
     for name, value in (("--max-model-len", spec.max_model_len), ("--max-num-seqs", spec.max_num_seqs),
                         ("--max-num-batched-tokens", spec.max_num_batched_tokens)):
         if value is not None and value < 1:

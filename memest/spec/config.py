@@ -93,16 +93,39 @@ def parse_margin(value: Any, what: str = "margin") -> float:
     return margin
 
 
+def _unique_keys_loader():
+    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last silently, so
+    ``batch: 4`` then ``batch: 8`` would gate a run the user did not mean (issue 22, a fresh battery)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (YAML would keep the last silently)",
+                        key_node.start_mark)
+                seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def load_config(path: str | Path) -> RunConfig:
     import yaml
 
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise MemestError(f"config {str(path)!r} not found or unreadable ({exc.strerror}); pass a YAML run config") from exc
+    except UnicodeDecodeError as exc:
+        raise MemestError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          "save the config as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_keys_loader())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
