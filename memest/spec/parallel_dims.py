@@ -146,7 +146,9 @@ def validate(dims: ParallelDims, spec: RunSpec) -> None:
 def _check_tensor_parallel(d: ParallelDims, spec: RunSpec) -> None:
     if spec.sp and d.tp < 2:
         raise MemestError("--sp shards the sequence across the tensor-parallel ranks; it needs --tp 2 or more")
-    if spec.sp and spec.seq and spec.seq % d.tp:  # each TP rank holds seq / tp positions (issue 22, item 29)
+    # each TP rank holds seq / tp positions (issue 22, item 29); a pipeline checks it per stage at trace time, with
+    # the reason that holds there (pipeline_parallel.py: each stage sends its rank's slice)
+    if spec.sp and spec.seq and spec.seq % d.tp and not d.pp_enabled:
         raise MemestError(f"--sp shards the sequence evenly over the --tp {d.tp} ranks: --seq {spec.seq} is not a multiple "
                           f"of {d.tp}; the sequence must divide by --tp {d.tp} "
                           f"(e.g. --seq {spec.seq + d.tp - spec.seq % d.tp})")
