@@ -34,8 +34,10 @@ def lowest_of_runs(spec, ranks: list[dict], traced=None, more: int = 4) -> list[
     worker thread freeing a collective's buffer late on this 2-core machine only ever lifts a measured peak
     (docs/sharding.md): a context-parallel CP 2 case read +1.6% to +5.8% on one rank in 2 of 10 runs with the two
     cores busy (the lifted peak moved to FSDP's next all-gather), the rest within 12 B of the trace, and under CI
-    plus other jobs three runs in a row were lifted once. So a truth test whose ranks read above the trace measures
-    again; an estimate that is low on every run still fails."""
+    plus other jobs three runs in a row were lifted once. The harness now waits for gloo's worker threads after each
+    collective (distributed_truth._gloo_workers_settle_after_each_wait: 16 of 16 runs of that case exact), so this is
+    a second guard only. A truth test whose ranks read above the trace measures again; an estimate that is low on
+    every run still fails."""
     from memest.validate.distributed_truth import measure_distributed_peaks
 
     for _ in range(more):
