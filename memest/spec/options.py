@@ -243,7 +243,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("json", ("--json",), "Same as --format json.", bool, OUTPUT, False),
     Option("markdown", ("--markdown",), "Same as --format markdown.", bool,
            tuple(c for c in OUTPUT if c != "calibrate"), False),
-    Option("debug", ("--debug",), "Also print tracebacks (exit codes stay the same).", bool, OUTPUT, False),
+    Option("debug", ("--debug",), "Also print tracebacks and what installed libraries warn, log or print (exit codes stay the same).", bool, OUTPUT, False),
 )
 
 
