@@ -128,3 +128,110 @@ def test_library_log_records_and_warnings_are_kept_errors_shown(capfd):
 def test_keep_outside_the_cli_keeps_nothing():
     assert keep_library_message("x") is False
 
+
+# ---- item 35: the budget and the needed line; a pipeline plot's rank ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp_2gb():
+    """examples/mlp.py estimated as the CLI does with --gpu 2GB (a budget of 2 * 10^9 bytes)."""
+    from memest.app import run_estimate
+    from memest.report.timeline import category_timeline
+
+    from .conftest import model_ref
+
+    result = run_estimate({"model": model_ref("mlp"), "batch": 32, "optim": "adam"}, "2GB")
+    return result, category_timeline(result.estimate.trace)
+
+
+def _lines(result):
+    from memest.report.plot import budget_lines
+
+    return budget_lines(result.estimate.needed_bytes, [(row.label, row.capacity_bytes) for row in result.fits])
+
+
+def test_matplotlib_plot_draws_the_budget_and_the_needed_line(mlp_2gb):
+    pytest.importorskip("matplotlib")
+    from memest.report.plot import _matplotlib_figure, display_unit
+
+    result, timeline = mlp_2gb
+    assert [row.capacity_bytes for row in result.fits] == [2 * 10**9]
+    figure = _matplotlib_figure(timeline, result.report, _lines(result))
+    ax = figure.axes[0]
+    _, size = display_unit(timeline.peak.bytes)
+    drawn = {line.get_gid(): line.get_ydata()[0] * size for line in ax.get_lines() if line.get_gid()}
+    assert drawn["memest-budget"] == pytest.approx(2 * 10**9)
+    assert drawn["memest-needed"] == pytest.approx(result.estimate.needed_bytes)
+    assert result.estimate.needed_bytes > timeline.peak.bytes  # cuda: + allocator rounding and the CUDA context
+    top = ax.get_ylim()[1] * size
+    assert top > 2 * 10**9 and top > result.estimate.needed_bytes  # both inside the axes
+    labels = {t.get_gid(): t.get_text() for t in ax.texts if t.get_gid()}
+    assert "2GB" in labels["memest-budget-label"] and "needed" in labels["memest-needed-label"]
+
+
+def test_a_budget_far_above_the_step_is_named_not_drawn(mlp_2gb):
+    pytest.importorskip("matplotlib")
+    from memest.report.plot import OFF_CHART, _matplotlib_figure, budget_lines, display_unit
+
+    result, timeline = mlp_2gb
+    far = 100 * OFF_CHART * result.estimate.needed_bytes
+    figure = _matplotlib_figure(timeline, result.report, budget_lines(result.estimate.needed_bytes, [("budget far", far)]))
+    ax = figure.axes[0]
+    _, size = display_unit(timeline.peak.bytes)
+    gids = {line.get_gid() for line in ax.get_lines()}
+    assert "memest-needed" in gids and "memest-budget" not in gids
+    assert ax.get_ylim()[1] * size < far
+    above = [t.get_text() for t in ax.texts if t.get_gid() == "memest-above"]
+    assert len(above) == 1 and "budget far" in above[0]
+
+
+def test_no_budget_no_lines():
+    from memest.report.plot import budget_lines
+
+    assert budget_lines(10**9, []) == []
+
+
+def test_html_plot_draws_the_lines_at_their_heights(mlp_2gb, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from memest.report.plot import plot_timeline
+
+    result, timeline = mlp_2gb
+    text = plot_timeline(timeline, result.report, tmp_path / "step.html", _lines(result)).read_text()
+    root = ET.fromstring(text[text.index("<svg"): text.index("</svg>") + len("</svg>")])
+    ns = "{http://www.w3.org/2000/svg}"
+    lines = {el.get("class"): float(el.get("y1")) for el in root.iter(f"{ns}line") if el.get("class")}
+    assert set(lines) == {"memest-budget", "memest-needed"}
+    assert lines["memest-budget"] < lines["memest-needed"]  # SVG y grows downwards: the budget is higher
+    titles = {el.get("class"): el.find(f"{ns}title").text for el in root.iter(f"{ns}line") if el.get("class")}
+    assert "2GB" in titles["memest-budget"]
+
+
+def test_cli_plot_with_a_budget_writes_both_lines(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "step.svg"
+    proc = _memest(tmp_path, "estimate", "examples/mlp.py", "--batch", "32", "--gpu", "2GB", "--plot", out)
+    assert proc.returncode == 0, proc.stderr
+    svg = out.read_text()
+    assert 'id="memest-budget"' in svg and 'id="memest-needed"' in svg
+    cpu = tmp_path / "cpu.svg"  # --target cpu: the need is the peak (about 400 MiB), 1GB within 4x of it
+    proc = _memest(tmp_path, "estimate", "examples/mlp.py", "--batch", "32", "--gpu", "1GB", "--target", "cpu",
+                   "--plot", cpu)
+    assert proc.returncode == 0, proc.stderr
+    assert 'id="memest-budget"' in cpu.read_text() and 'id="memest-needed"' in cpu.read_text()
+
+
+def test_a_pipeline_plot_names_the_rank_the_document_reports(tmp_path):
+    """The plot is the timeline of the stage whose figures the document reports, and its title says which."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "pp.svg"
+    proc = _memest(tmp_path, "estimate", TINY_LLAMA, "--batch", "2", "--seq", "32", "--pp", "2", "--world-size", "2",
+                   "--target", "cpu", "--gpu", "1GB", "--plot", out, "--json")
+    assert proc.returncode in (0, 1), proc.stderr
+    doc = json.loads(proc.stdout)
+    stage = next(s["stage"] for s in doc["pipeline_stages"] if s["peak_allocated_bytes"] == doc["peak_allocated_bytes"])
+    svg = out.read_text()
+    assert f"pipeline rank {stage} of 2" in svg
+    from memest.units import format_bytes
+
+    assert f"peak {format_bytes(doc['peak_allocated_bytes'])}" in svg
