@@ -136,3 +136,20 @@ def test_option_reaches_cli_json_and_refuses_inference(tmp_path):
                                      "--target", "cuda", "--gpu", "h100", "--json"])
     assert json.loads(plain.stdout)["activation_host"] is None
     assert doc["peak_allocated_bytes"] < json.loads(plain.stdout)["peak_allocated_bytes"]
+
+
+def test_with_checkpointing_the_step_still_matches_the_real_one(monkeypatch):
+    """Checkpointed blocks save through checkpoint's own hooks (as in a real run); the rest goes through save_on_cpu."""
+    model = model_ref("transformer")
+    source = load_source(model)
+    spec = RunSpec(model=model, batch=8, seq=128, target="cpu", optim="sgd", checkpointing="blocks",
+                   activation_offload="save-on-cpu-pinned")
+    trace, _ = _traced(source, spec)
+    real, copied = _real(source, spec, monkeypatch)
+    assert trace.combined_peak() == real
+    assert trace.host_peak(saved=True) == max(copied) > 0
+
+
+def test_compile_is_refused_with_the_reason():
+    with pytest.raises(MemestError, match="--compile is not traced yet"):
+        RunSpec(model="m.py", compile=True, activation_offload="save-on-cpu-pinned")
