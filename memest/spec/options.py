@@ -158,6 +158,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("world_size", ("--world-size",), "Data-parallel ranks (estimates are per rank).", searched=True),
     Option("shard", ("--shard",), "none | zero1 | zero2 | zero3 (FSDP full shard).", searched=True),
     Option("offload", ("--offload",), "none | optimizer | params (params: --shard zero3)."),
+    Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
+           "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu; "
+           "pinned host memory counted in the host column).", override="Override activation offloading."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
     Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "
