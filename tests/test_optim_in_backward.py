@@ -136,3 +136,18 @@ def test_fsdp2_ranks_match_real_gloo_runs_and_the_saving_is_real():
             assert abs(traced_on - rank["peak_bytes"]) <= FSDP_TOL, (on.model, traced_on, ranks_on)
         assert max(r["peak_bytes"] for r in ranks_on) < min(r["peak_bytes"] for r in ranks_off), (ranks_on, ranks_off)
         assert traced_on < traced_off
+
+
+def test_advise_offers_it_with_its_cost_and_a_command_that_reproduces_it():
+    from memest.plan.advise import advise
+    from memest.plan.runner import Runner
+
+    run = Runner(RunSpec(model=model_ref("mlp"), batch=4, optim="adamw", target="cpu"))
+    advice = advise(run, capacity=2**40)  # every saver is traced and listed (no combination is searched)
+    (remedy,) = [r for r in advice.remedies if r.changes == {"optim_in_backward": True}]
+    assert remedy.lowers_need and remedy.needed_bytes < advice.base_needed_bytes
+    assert "0% FLOPs" in remedy.time_cost and "no gradient accumulation" in remedy.time_cost
+    assert "--optim-in-backward" in remedy.command
+    # with accumulation in the base it cannot apply: not offered, not an error
+    accum = Runner(RunSpec(model=model_ref("mlp"), batch=4, optim="adamw", target="cpu", grad_accum=2))
+    assert not any("optim_in_backward" in r.changes for r in advise(accum, capacity=2**40).remedies)
