@@ -81,6 +81,9 @@ def test_the_hooks_step_each_parameter_once_and_free_its_gradient():
 @pytest.mark.parametrize("more,needle", [
     ({"grad_accum": 2}, "--grad-accum 2"),
     ({"mode": "inference"}, "--mode inference"),
+    ({"zero_grad": "zeros"}, "--zero-grad zeros"),
+    ({"pp": 2, "world_size": 2}, "--pp"),
+    ({"compile": True}, "--compile"),
     ({"world_size": 2}, "--shard zero3"),
     ({"world_size": 2, "shard": "zero2"}, "--shard zero3"),
     ({"world_size": 2, "shard": "zero3", "offload": "params"}, "--offload"),

@@ -225,6 +225,11 @@ class RunSpec:
                 "left to accumulate over micro-steps (torchtune refuses optimizer_in_bwd with gradient accumulation); "
                 "use --grad-accum 1"
             )
+        if self.zero_grad != ZeroGrad.NONE:
+            raise MemestError(
+                f"{flag} with --zero-grad {self.zero_grad}: each gradient is set to None in its hook as it steps "
+                "(torchtune's optimizer_in_bwd), which is the saving; drop --zero-grad"
+            )
         if self.pp > 1:
             raise MemestError(f"{flag} with --pp: a pipeline stage accumulates gradients over its micro-batches; drop one")
         if self.world_size > 1 and self.shard != Shard.ZERO3:
