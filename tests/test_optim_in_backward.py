@@ -154,3 +154,20 @@ def test_advise_offers_it_with_its_cost_and_a_command_that_reproduces_it():
     # with accumulation in the base it cannot apply: not offered, not an error
     accum = Runner(RunSpec(model=model_ref("mlp"), batch=4, optim="adamw", target="cpu", grad_accum=2))
     assert not any("optim_in_backward" in r.changes for r in advise(accum, capacity=2**40).remedies)
+
+
+COMBINED = [  # (model, batch, seq, optim, more options)
+    ("hf:llama-tiny", 1, 8, "adamw", {"lora": "r=8,targets=all-linear"}),  # the peak is not the optimizer's: no saving
+    ("transformer", 1, 8, "adam", {"precision": "bf16-mixed"}),
+    ("hf:gpt2-tiny", 1, 8, "sgd-momentum", {"checkpointing": "blocks"}),
+]
+
+
+@pytest.mark.parametrize("case", COMBINED, ids=["lora", "bf16-mixed", "checkpointing"])
+def test_combined_with_other_savers_the_trace_reads_the_real_step(case):
+    name, batch, seq, optim, more = case
+    on, off = _spec(name, batch, seq, optim, True, **more), _spec(name, batch, seq, optim, False, **more)
+    traced_on, real_on, traced_off, real_off = _traced(on), _real(on), _traced(off), _real(off)
+    # the plain step's residual (0 to 112 B on these), unchanged by the feature
+    assert traced_on - real_on == traced_off - real_off, (traced_on, real_on, traced_off, real_off)
+    assert (traced_on < traced_off) == (real_on < real_off) and traced_on <= traced_off
