@@ -122,7 +122,10 @@ def test_yaml_key_and_api_keyword(tmp_path):
 
 # -- FSDP2: the hooks on the sharded parameters, called by FSDP2 after the reduce-scatter --------------------
 FSDP_CASES = [("transformer", 1, 8, "adamw"), ("hf:gpt2-tiny", 1, 8, "sgd")]
-FSDP_TOL = 64  # B: the plain FSDP step reads 0 to 12 B off; with the hooks gpt2-tiny SGD read 36 B below
+# B: the plain FSDP step reads 0 to 12 B off; with the hooks gpt2-tiny SGD reads 36 B below: its peak moves into
+# backward, where the real rank holds small CPU scalars the trace does not (at the peak: three 8 B blocks with no op,
+# an 8 B one from aten::div_, a 4 B empty_strided; listed from the rank's profiler events on 2026-11-27)
+FSDP_TOL = 64
 
 
 def test_fsdp2_ranks_match_real_gloo_runs_and_the_saving_is_real():
