@@ -12,6 +12,7 @@ from memest.features.compiled import CompileFeature
 from memest.features.finetune import FinetuneFeature
 from memest.features.loss_head import LossHeadFeature
 from memest.features.optim import OptimizerFeature, step_optimizer
+from memest.features.optim_in_backward import OptimInBackwardFeature
 from memest.features.upper_bound import UpperBoundFeature
 from memest.parallel.feature import ParallelFeature
 from memest.spec import RunSpec
@@ -42,6 +43,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
     if spec.world_size > 1 or spec.offload in (Offload.OPTIMIZER, Offload.PARAMS):  # CPU offload of model state
         features.append(ParallelFeature())
     features.append(OptimizerFeature())
+    if spec.optim_in_backward:
+        features.append(OptimInBackwardFeature())
     return features
 
 

@@ -124,6 +124,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("target", ("--target",), "cuda: what a CUDA run allocates; cpu: CPU training."),
     Option("attention", ("--attention",), "--target cuda SDPA kernel (auto: PyTorch's rules)."),
     Option("fused", ("--fused",), "--target cuda: fused optimizer kernels instead of foreach."),
+    Option("optim_in_backward", ("--optim-in-backward",), "One optimizer per parameter stepped in its "
+           "post-accumulate-grad hook, each gradient freed as it steps (torchtune's optimizer_in_bwd); not with "
+           "--grad-accum > 1.", override="Override the optimizer step in backward."),
     Option("grad_accum", ("--grad-accum",), "Micro-steps per optimizer step (--batch is the micro-batch).",
            override="Override accumulation steps."),
     Option("checkpointing", ("--checkpointing",), "none | blocks | every:N | module.name,other.name",

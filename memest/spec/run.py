@@ -67,6 +67,8 @@ class RunSpec:
     iterations: int = 2
     attention: Attention = Attention.AUTO  # --target cuda: SDPA backend (auto follows PyTorch's selection rules)
     fused: bool = False  # --target cuda: fused optimizer kernels instead of foreach
+    # one optimizer per parameter stepped in its post-accumulate-grad hook (features/optim_in_backward.py)
+    optim_in_backward: bool = False
     cudnn_benchmark: bool = False  # --target cuda: torch.backends.cudnn.benchmark (cuDNN searches its algorithms)
     compute_capability: tuple[int, int] = (9, 0)  # of the target GPU; decides e.g. flash availability
     grad_accum: int = 1  # micro-steps per optimizer step; batch is the micro-batch
@@ -157,6 +159,7 @@ class RunSpec:
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         validate(self.parallel, self)
         self._check_compile()
+        self._check_optim_in_backward()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
@@ -224,6 +227,37 @@ class RunSpec:
             )
         if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
+
+    def _check_optim_in_backward(self) -> None:
+        if not self.optim_in_backward:
+            return
+        flag = "--optim-in-backward"
+        if not self.training:
+            raise MemestError(f"{flag} fuses the optimizer step into backward; drop it with --mode {self.mode}")
+        if self.grad_accum > 1:
+            raise MemestError(
+                f"{flag} with --grad-accum {self.grad_accum}: each gradient is freed as its parameter steps, so none is "
+                "left to accumulate over micro-steps (torchtune refuses optimizer_in_bwd with gradient accumulation); "
+                "use --grad-accum 1"
+            )
+        if self.zero_grad != ZeroGrad.NONE:
+            raise MemestError(
+                f"{flag} with --zero-grad {self.zero_grad}: each gradient is set to None in its hook as it steps "
+                "(torchtune's optimizer_in_bwd), which is the saving; drop --zero-grad"
+            )
+        if self.pp > 1:
+            raise MemestError(f"{flag} with --pp: a pipeline stage accumulates gradients over its micro-batches; drop one")
+        if self.world_size > 1 and self.shard != Shard.ZERO3:
+            raise MemestError(
+                f"{flag} with --world-size and --shard {self.shard}: the hook would step on the gradient before DDP's "
+                "all-reduce (or ZeRO's own step); memest traces it under FSDP2 only: use --shard zero3"
+            )
+        if self.tp > 1 or self.cp > 1 or self.ep > 1:
+            raise MemestError(f"{flag} with --tp, --cp or --ep is not traced; with --world-size use --shard zero3 alone")
+        if self.offload != Offload.NONE:
+            raise MemestError(f"{flag} with --offload is not traced (the step's host memory is marked by phase); drop one")
+        if self.compile:
+            raise MemestError(f"{flag} with --compile is not traced; drop one")
 
     @property
     def training(self) -> bool:
