@@ -120,3 +120,28 @@ def test_recompute_flops_are_what_the_step_reruns(name, value):
     none, sac = report("none"), report(value)
     assert sac.recompute_flops == sac.step_flops - none.step_flops
     assert 0 <= sac.recompute_flops < report("blocks").recompute_flops
+
+
+def test_cli_yaml_and_api_take_it(tmp_path):
+    """One option row: the CLI flag, the YAML key and the API keyword give the same traced peak as trace_step."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import memest
+    from memest.cli import app
+    from memest.spec.config import load_config
+
+    ref = model_ref("sac_transformer")
+    value = "selective:checkpoint_policy"
+    spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", optim="sgd", checkpointing=value)
+    traced, _ = trace_step(load_source(ref), spec).peak()
+    result = CliRunner().invoke(app, ["estimate", ref, "--batch", "2", "--seq", "32", "--target", "cpu", "--optim",
+                                      "sgd", "--checkpointing", value, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["peak_allocated_bytes"] == traced
+    est = memest.estimate(ref, batch=2, seq=32, target="cpu", optim="sgd", checkpointing=value)
+    assert est.peak_allocated_bytes == traced
+    config = tmp_path / "sac.yaml"
+    config.write_text(f"model: {ref}\nbatch: 2\nseq: 32\ntarget: cpu\noptim: sgd\ncheckpointing: {value}\n")
+    assert load_config(config).spec() == spec
