@@ -16,7 +16,7 @@ from memest.spec import RunSpec
 from memest.spec.choices import CheckpointPolicy
 from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import model_ref
+from .conftest import lowest_of_runs, model_ref
 
 # (model, batch, seq, optimizer, the SAC value): torchtitan's policy on the example, a tiny Llama and transformers'
 # GPT-2 (hf: configs); a policy of the model file's own on the same three models built in model files
@@ -145,3 +145,17 @@ def test_cli_yaml_and_api_take_it(tmp_path):
     config = tmp_path / "sac.yaml"
     config.write_text(f"model: {ref}\nbatch: 2\nseq: 32\ntarget: cpu\noptim: sgd\ncheckpointing: {value}\n")
     assert load_config(config).spec() == spec
+
+
+def test_sac_under_fsdp_and_tensor_parallel_matches_real_gloo_ranks():
+    """torchtitan's order (SAC per block, then FSDP2 / TP+SP around it), each rank against the same step run for real
+    as 2 gloo processes (validate/distributed_truth.py): every rank to the byte."""
+    from memest.validate.distributed_truth import measure_distributed_peaks
+
+    ref = model_ref("hf:llama-tiny")
+    specs = [RunSpec(model=ref, batch=2, seq=64, target="cpu", optim="adamw", checkpointing="selective", **extra)
+             for extra in ({"world_size": 2, "shard": "zero3"}, {"world_size": 2, "tp": 2, "sp": True})]
+    for spec, ranks in zip(specs, measure_distributed_peaks(specs), strict=True):
+        traced, _ = trace_step(load_source(ref), spec).peak()
+        ranks = lowest_of_runs(spec, ranks, traced=lambda r, traced=traced: traced)
+        assert [r["peak_bytes"] for r in ranks] == [traced, traced], (spec.shard, spec.tp, traced, ranks)
