@@ -120,6 +120,8 @@ def test_recompute_flops_are_what_the_step_reruns(name, value):
     none, sac = report("none"), report(value)
     assert sac.recompute_flops == sac.step_flops - none.step_flops
     assert 0 <= sac.recompute_flops < report("blocks").recompute_flops
+    # the report names the policy (torchtitan's with its source address)
+    assert any((TORCHTITAN if value == "selective" else "policy checkpoint_policy") in note for note in sac.notes)
 
 
 def test_cli_yaml_and_api_take_it(tmp_path):

@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.features.selective import selective_context_fn
+from memest.features.selective import selective_context_fn, selective_note
 from memest.spec.choices import CheckpointPolicy
+from memest.trace.step import TRACED_MICRO_STEPS
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -111,7 +112,7 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
             if policy in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):
                 # torchtitan's SelectiveAC: checkpoint_wrapper(block, context_fn=..., early_stop=False)
                 context_fn = selective_context_fn(value, model, hf, lookup, model_name,
-                                                  recomputed if recomputed is not None else [0])
+                                                  recomputed if recomputed is not None else [0, 0, 0])
                 options.update(context_fn=context_fn, early_stop=False)
             if _hf_switch(model, options):
                 return _hf_checkpointed(model) or blocks
@@ -148,7 +149,8 @@ class CheckpointingFeature(StepFeature):
     name = "checkpointing"
 
     def __init__(self) -> None:
-        self.recomputed = [0]  # FLOPs a selective policy left to recompute, over every traced micro-step
+        # a selective policy's [FLOPs left to recompute, op calls saved, op calls recomputed], over the traced steps
+        self.recomputed = [0, 0, 0]
 
     def build(self, built, spec) -> None:
         built.checkpointed = apply_checkpointing(built.model, spec.checkpointing, built.where, built.lookup,
@@ -158,4 +160,6 @@ class CheckpointingFeature(StepFeature):
         if CheckpointPolicy.of(step.spec.checkpointing) in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):
             # the ops its policy recomputes, not the blocks' whole forward (report/analysis.py); per traced iteration
             step.trace.recompute_flops = self.recomputed[0] // step.spec.iterations
+            forwards = step.spec.iterations * min(step.spec.grad_accum, TRACED_MICRO_STEPS)
+            return [selective_note(step.spec.checkpointing, self.recomputed, forwards)]
         return []

@@ -149,8 +149,9 @@ def _op_flops(func, args, kwargs, out) -> int:
 
 
 def _counted(policy, recomputed: list[int]) -> Callable:
-    """``policy`` that adds, in the forward, the FLOPs of every op it leaves to recompute to ``recomputed[0]``:
-    with early_stop=False the backward re-runs exactly those ops (torch's _CachedTorchDispatchMode)."""
+    """``policy`` that adds, in the forward, the FLOPs of every op it leaves to recompute to ``recomputed[0]``
+    (and counts the forward's op calls saved and recomputed in ``recomputed[1]`` and ``[2]``): with
+    early_stop=False the backward re-runs exactly those ops (torch's _CachedTorchDispatchMode)."""
     if isinstance(policy, list):  # the list form, as create_selective_checkpoint_contexts reads it
         ops = policy
 
@@ -160,8 +161,10 @@ def _counted(policy, recomputed: list[int]) -> Callable:
     def counted(ctx, func, *args, **kwargs):
         decision = policy(ctx, func, *args, **kwargs)
         saved = decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-        if not ctx.is_recompute and not saved:
-            recomputed[0] += _op_flops(func, args, kwargs, ctx.op_output)
+        if not ctx.is_recompute:
+            recomputed[1 if saved else 2] += 1
+            if not saved:
+                recomputed[0] += _op_flops(func, args, kwargs, ctx.op_output)
         return decision
 
     return counted
@@ -170,7 +173,7 @@ def _counted(policy, recomputed: list[int]) -> Callable:
 def selective_context_fn(value: str, model: nn.Module, blocks: list[str], lookup, where: str,
                          recomputed: list[int]) -> Callable:
     """``context_fn`` for torch.utils.checkpoint: the SAC contexts of ``--checkpointing value``, one policy per call;
-    ``recomputed[0]`` sums the FLOPs the backward recomputes."""
+    ``recomputed`` = [FLOPs the backward recomputes, op calls saved, op calls recomputed] (see _counted)."""
     _, _, name = value.partition(":")
     if name:
         make = _user_policy(name, lookup, where)
@@ -178,3 +181,13 @@ def selective_context_fn(value: str, model: nn.Module, blocks: list[str], lookup
         save_ops, shapes = torchtitan_save_ops(), _forced_recompute_shapes(model, blocks)
         make = functools.partial(torchtitan_policy, save_ops, shapes)
     return lambda: create_selective_checkpoint_contexts(_counted(make(), recomputed))
+
+
+def selective_note(value: str, recomputed: list[int], forwards: int) -> str:
+    """The report's note: which policy (torchtitan's with its source), and what it saved and recomputed per
+    forward (``forwards``: the traced micro-steps)."""
+    _, _, name = value.partition(":")
+    which = f"the model file's policy {name}" if name else f"torchtitan's SelectiveAC op policy ({TORCHTITAN})"
+    saved, rerun = recomputed[1] // forwards, recomputed[2] // forwards
+    return (f"--checkpointing {value}: op-level selective activation checkpointing of every repeated block with "
+            f"{which}; per forward, the outputs of {saved} op calls in the blocks kept, {rerun} recomputed in backward")
