@@ -161,3 +161,27 @@ def test_sac_under_fsdp_and_tensor_parallel_matches_real_gloo_ranks():
         traced, _ = trace_step(load_source(ref), spec).peak()
         ranks = lowest_of_runs(spec, ranks, traced=lambda r, traced=traced: traced)
         assert [r["peak_bytes"] for r in ranks] == [traced, traced], (spec.shard, spec.tp, traced, ranks)
+
+
+def test_advise_offers_sac_between_none_and_blocks():
+    """advise traces SAC as a remedy: it lowers the need less than checkpointing every block and recomputes less."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    result = CliRunner().invoke(app, ["advise", model_ref("hf:llama-tiny"), "--batch", "4", "--seq", "64",
+                                      "--target", "cpu", "--optim", "sgd", "--gpu", "1MiB", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    remedies = {r["name"]: r for r in doc["remedies"]}
+    sac = remedies["selective activation checkpointing (torchtitan's op policy)"]
+    blocks = remedies["activation checkpointing"]
+    assert sac["changes"] == {"checkpointing": "selective"} and "--checkpointing selective" in sac["command"]
+    assert blocks["needed_bytes"] < sac["needed_bytes"] < doc["base_needed_bytes"]
+
+    def pct(r):
+        return float(r["time_cost"].removeprefix("+").split("%")[0])
+
+    assert pct(sac) < pct(blocks)
