@@ -5,6 +5,8 @@ the real recomputation in backward.
   blocks          every repeated block (see repeated_blocks: transformer layers, a ViT's blocks, the
                   residual blocks of each ResNet stage); transformers models use their own switch
   every:N         every N-th repeated block (0, N, 2N, ...)
+  selective[:F]   every repeated block under op-level selective checkpointing: torchtitan's op policy, or the
+                  model file's policy F (features/selective.py)
   a.b,c.d         the named modules
 """
 
@@ -17,6 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
+from memest.features.selective import selective_context_fn, selective_note
+from memest.spec.choices import CheckpointPolicy
+from memest.trace.step import TRACED_MICRO_STEPS
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -48,20 +53,20 @@ def _block_list(module: nn.Module) -> bool:
     return isinstance(module, nn.ModuleList) or all(next(e.children(), None) is not None for e in entries)
 
 
-def _wrap(module: nn.Module) -> None:
+def _wrap(module: nn.Module, options: dict) -> None:
     forward = module.forward
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, **options, **kwargs)
 
     module.forward = checkpointed_forward
 
 
-def _hf_switch(model: nn.Module) -> bool:
-    """transformers' own gradient checkpointing (non-reentrant), for the model's layers."""
+def _hf_switch(model: nn.Module, kwargs: dict) -> bool:
+    """transformers' own gradient checkpointing (non-reentrant; ``kwargs`` go to torch.utils.checkpoint), for the
+    model's layers."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         return False
-    kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed the switch
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -81,11 +86,18 @@ def _hf_checkpointed(model: nn.Module) -> list[str]:
     ]
 
 
-def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the model") -> list[str]:
-    """Apply ``--checkpointing value``; return the names of the checkpointed modules."""
-    if value == "none":
+def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the model", lookup=None,
+                        recomputed: list[int] | None = None) -> list[str]:
+    """Apply ``--checkpointing value``; return the names of the checkpointed modules. ``lookup(name)`` finds a
+    name the model file defines (``selective:NAME``); ``recomputed[0]`` sums the FLOPs selective checkpointing
+    leaves to recompute."""
+    policy = CheckpointPolicy.of(value)
+    if policy is CheckpointPolicy.NONE:
         return []
-    if value == "blocks" or value.startswith("every:"):
+    options: dict = {"use_reentrant": False}
+    if policy is CheckpointPolicy.NAMES:
+        chosen = [name.strip() for name in value.split(",") if name.strip()]
+    else:
         blocks = repeated_blocks(model)
         if not blocks:
             raise MemestError(
@@ -93,28 +105,37 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
                 "nn.Sequential of blocks, of same-class modules); name the modules to checkpoint instead, "
                 "e.g. --checkpointing encoder,decoder"
             )
-        if value == "blocks":
-            if _hf_switch(model):
+        if policy is CheckpointPolicy.EVERY:
+            chosen = blocks[::int(value.split(":", 1)[1])]
+        else:
+            hf = _hf_checkpointed_names(model) or blocks
+            if policy in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):
+                # torchtitan's SelectiveAC: checkpoint_wrapper(block, context_fn=..., early_stop=False)
+                context_fn = selective_context_fn(value, model, hf, lookup, model_name,
+                                                  recomputed if recomputed is not None else [0, 0, 0])
+                options.update(context_fn=context_fn, early_stop=False)
+            if _hf_switch(model, options):
                 return _hf_checkpointed(model) or blocks
             chosen = blocks
-        else:
-            try:
-                step = int(value.split(":", 1)[1])
-            except ValueError:
-                step = 0
-            if step < 1:
-                raise MemestError(f"--checkpointing {value}: N must be a whole number >= 1, e.g. every:2")
-            chosen = blocks[::step]
-    else:
-        chosen = [name.strip() for name in value.split(",") if name.strip()]
     modules = dict(model.named_modules())
     for name in chosen:
         if name not in modules or name == "":
             close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else "; see the module names in the memest table"
             raise MemestError(f"--checkpointing: {model_name} has no module {name!r}{hint}")
-        _wrap(modules[name])
+        _wrap(modules[name], options)
     return chosen
+
+
+def _hf_checkpointed_names(model: nn.Module) -> list[str]:
+    """The layers transformers' switch would checkpoint (before it is set), for the policy's block names."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def within(name: str, roots: list[str]) -> bool:
@@ -127,5 +148,18 @@ class CheckpointingFeature(StepFeature):
 
     name = "checkpointing"
 
+    def __init__(self) -> None:
+        # a selective policy's [FLOPs left to recompute, op calls saved, op calls recomputed], over the traced steps
+        self.recomputed = [0, 0, 0]
+
     def build(self, built, spec) -> None:
-        built.checkpointed = apply_checkpointing(built.model, spec.checkpointing, built.where)
+        built.checkpointed = apply_checkpointing(built.model, spec.checkpointing, built.where, built.lookup,
+                                                 self.recomputed)
+
+    def finish(self, step) -> list[str]:
+        if CheckpointPolicy.of(step.spec.checkpointing) in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):
+            # the ops its policy recomputes, not the blocks' whole forward (report/analysis.py); per traced iteration
+            step.trace.recompute_flops = self.recomputed[0] // step.spec.iterations
+            forwards = step.spec.iterations * min(step.spec.grad_accum, TRACED_MICRO_STEPS)
+            return [selective_note(step.spec.checkpointing, self.recomputed, forwards)]
+        return []

@@ -123,6 +123,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     # a compiled step is traced without checkpointing and data parallelism (features/compiled.py)
     if base.checkpointing == "none" and base.training and blocks and not compiled:
         out.append(("activation checkpointing", {"checkpointing": "blocks"}, 0.2))
+        # torchtitan's op-level SAC: keeps the matmuls' outputs, so it recomputes less and saves less than blocks
+        out.append(("selective activation checkpointing (torchtitan's op policy)", {"checkpointing": "selective"}, 0.15))
     k = 2
     while base.batch // k >= 1 and base.batch % k == 0 and k <= 64:
         out.append((f"micro-batch {base.batch // k} x {k} accumulation",

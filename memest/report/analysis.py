@@ -261,7 +261,8 @@ def _peak_by(trace: Trace, key) -> dict:
 
 def _flops(trace: Trace, spec: RunSpec) -> tuple[int, int]:
     """FLOPs of the last traced step, and the part that is recomputation: checkpointing re-runs the
-    forward ops of the checkpointed modules in backward, so their forward FLOPs are counted twice."""
+    forward ops of the checkpointed modules in backward, so their forward FLOPs are counted twice (selective
+    checkpointing: the ops its policy recomputes, ``trace.recompute_flops``)."""
     last = [(phase, module, n) for (it, phase, module), n in trace.flops.items() if it == spec.iterations]
     # accumulation: the tracer runs min(K, 2) identical micro-steps; a step has K of them
     traced = min(spec.grad_accum, TRACED_MICRO_STEPS) if spec.training else 1
@@ -269,6 +270,8 @@ def _flops(trace: Trace, spec: RunSpec) -> tuple[int, int]:
     micro_phases = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
     total = sum(n * scale if phase in micro_phases else n for phase, _, n in last)
     recompute = sum(n for phase, module, n in last if phase is Phase.FORWARD and within(module, trace.checkpointed))
+    if trace.recompute_flops is not None:  # selective checkpointing: only the ops its policy recomputes
+        recompute = trace.recompute_flops
     return int(total), int(recompute * scale)
 
 

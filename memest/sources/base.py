@@ -26,6 +26,8 @@ class ModelSource:
     notes: list[str] = field(default_factory=list)  # facts about the model or its inputs, for the report
     # what the model's inputs are when they have no sequence (hf: image models): --seq is refused for it
     no_seq: str = ""
+    # name -> what the model file defines under that name, or None (e.g. --checkpointing selective:NAME's policy)
+    lookup: Callable[[str], Any] | None = None
     # notes a user must not miss (memest built something the model's config did not name): also said on stderr
     warnings: list[str] = field(default_factory=list)
     # what to check when the step fails on its inputs (model files: their example_inputs())

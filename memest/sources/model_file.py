@@ -57,6 +57,7 @@ def load_model_file(ref: str) -> ModelSource:
         compute_loss=loss if callable(loss) else None,
         default_seq=default_seq,
         origin=str(path),
+        lookup=lambda name: getattr(module, name, None),
     )
 
 

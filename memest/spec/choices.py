@@ -222,25 +222,34 @@ class OutputFormat(Choice):
 
 
 class CheckpointPolicy(Choice):
-    """--checkpointing: none | blocks | every:N | module.name,other.name (the policy of a value)."""
+    """--checkpointing: none | blocks | every:N | selective | selective:NAME | module.name,other.name (the policy
+    of a value; features/checkpointing.py, features/selective.py)."""
 
     NONE = "none"
     BLOCKS = "blocks"
     EVERY = "every"
+    SELECTIVE = "selective"  # op-level SAC of every repeated block, torchtitan's op policy
+    SELECTIVE_USER = "selective-user"  # selective:NAME, the model file's policy NAME
     NAMES = "names"
 
     @classmethod
     def of(cls, text: str) -> CheckpointPolicy:
         text = text.strip()
-        if text in ("none", "blocks"):
+        if text in ("none", "blocks", "selective"):
             return cls(text)
         if text.startswith("every:"):
             if not re.fullmatch(r"every:[1-9][0-9]*", text):
                 raise MemestError(f"--checkpointing {text!r}: write every:N with N a whole number >= 1, e.g. every:2")
             return cls.EVERY
+        if text.startswith("selective:"):
+            if not text.partition(":")[2].isidentifier():
+                raise MemestError(f"--checkpointing {text!r}: write selective:NAME with NAME a function of the model "
+                                  "file, e.g. selective:checkpoint_policy")
+            return cls.SELECTIVE_USER
         if not text or not all(part.strip() for part in text.split(",")):
             raise MemestError(
-                f"--checkpointing {text!r}: choose none, blocks, every:N or module names separated by commas"
+                f"--checkpointing {text!r}: choose none, blocks, every:N, selective, selective:NAME or module names "
+                "separated by commas"
             )
         return cls.NAMES
 

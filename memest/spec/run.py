@@ -72,7 +72,7 @@ class RunSpec:
     cudnn_benchmark: bool = False  # --target cuda: torch.backends.cudnn.benchmark (cuDNN searches its algorithms)
     compute_capability: tuple[int, int] = (9, 0)  # of the target GPU; decides e.g. flash availability
     grad_accum: int = 1  # micro-steps per optimizer step; batch is the micro-batch
-    checkpointing: str = "none"  # none | blocks | every:N | module.name,other.name
+    checkpointing: str = "none"  # none | blocks | every:N | selective | selective:NAME | module.name,other.name
     zero_grad: ZeroGrad = ZeroGrad.NONE  # after the step: grads set to None, or kept as zeros
     mode: Mode = Mode.TRAIN  # train | inference (no grad, no optimizer) | generate (decoder KV cache)
     new_tokens: int = 0  # --mode generate: tokens generated after a prompt of --seq tokens

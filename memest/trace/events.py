@@ -84,6 +84,9 @@ class Trace:
     flops: dict[tuple[int, Phase, str], int] = field(default_factory=dict)
     uncounted_flop_ops: set[str] = field(default_factory=set)  # ops whose flop formula failed (counted as 0)
     checkpointed: list[str] = field(default_factory=list)  # modules wrapped by --checkpointing
+    # FLOPs one traced iteration recomputes, where a feature knows them (selective checkpointing); None: the
+    # checkpointed modules' whole forward
+    recompute_flops: int | None = None
     param_count: int = 0
     param_bytes: int = 0
     trainable_count: int = 0  # elements of the parameters that require grad

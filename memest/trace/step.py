@@ -91,6 +91,7 @@ class Built:
     compiled: Any = None  # the step runs torch.compile'd: a features/compiled.CompileRequest (set by its feature)
     dtype: torch.dtype = torch.float32  # the parameters' dtype (--precision)
     where: str = ""  # the model's name in messages
+    lookup: Any = None  # name -> what the model file defines under it (None: not a model file); sources/base.py
 
     @property
     def runnable(self) -> torch.nn.Module:
@@ -126,7 +127,7 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
     notes = [note] if (note := _own_cast_note(model, dtype)) else []
     if dtype != torch.float32:
         model = cast_floating(model, dtype)
-    built = Built(model, None, notes=notes, dtype=dtype, where=source.origin or source.name)
+    built = Built(model, None, notes=notes, dtype=dtype, where=source.origin or source.name, lookup=source.lookup)
     for feature in features:
         feature.build(built, spec)
     built.model.train(spec.training)
