@@ -237,6 +237,11 @@ def _typed(key: str, value: Any, where: str) -> Any:
             return ",".join(freeze_patterns(value))
         except MemestError as exc:
             raise MemestError(f"{where}{exc}") from None
+    if key == "pp_split" and isinstance(value, (list, tuple)):  # [16, 16]: the flag's "16,16"
+        if not value or any(isinstance(c, bool) or not isinstance(c, int) for c in value):
+            raise MemestError(f"{where}pp_split: expected whole layer counts, one per stage (e.g. [16, 16] or 16,16), "
+                              f"got {value!r}")
+        return ",".join(str(c) for c in value)
     kind = options.yaml_kind(key)
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
