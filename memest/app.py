@@ -25,11 +25,12 @@ from memest.device.calibration import cache_file, check_profile, describe, load_
 from memest.device.catalogue import DEFAULT_COMPUTE_CAPABILITY, compute_capability
 from memest.device.fit import FitRow, no_device, passes, resolve_budget, verdict, worst
 from memest.errors import MemestError, ModelLoadError
-from memest.plan.check import check_config, check_serve_config
+from memest.plan.check import check_config, check_serve_config, serve_spec
 from memest.plan.parallel import plan_parallel
 from memest.serve.colocate import check_colocate, colocated_engine
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
+from memest.serve.plan import validate as validate_serve
 from memest.spec import RunSpec, options
 from memest.spec.choices import Target, Verdict
 from memest.spec.config import load_config, parse_margin
@@ -443,8 +444,8 @@ def run_check(
     file) overrides each config's ``calibration:``. ``worker``: the models are loaded and traced in one worker
     process (memest/worker.py), stopped after ``timeout`` seconds; an exit, signal or crash there is an error
     naming the config and its model file."""
+    from memest.plan.precheck import check_before_trace
     from memest.sources import load_source
-    from memest.trace.step import check_positions
 
     if not paths:
         raise MemestError("memest check needs at least one YAML run config (see configs/)")
@@ -474,8 +475,11 @@ def run_check(
                 with user_code(f"{path}: {spec.model}"):
                     source = load_source(spec.model)
                 say_warnings(source, progress)
-                if cfg.serve is None:
-                    check_positions(source, spec, spec.seq)  # knowable now: before any config is traced (issue 22, 28)
+                with user_code(f"{path}: {spec.model}"):  # knowable now: before any config is traced (issue 22, 28)
+                    if cfg.serve is None:
+                        check_before_trace(source, spec)
+                    else:
+                        validate_serve(serve_spec(cfg, ctx))
             except MemestError as exc:
                 raise _in_config(exc, path, overrides) from None
             prepared.append((cfg, ctx, spec, source))

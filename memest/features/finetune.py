@@ -27,15 +27,23 @@ def _matches(name: str, pattern: str) -> bool:
     return any(fnmatch.fnmatchcase(".".join(parts[:k]), pattern) for k in range(1, len(parts) + 1))
 
 
+def unmatched_freeze(names: list[str], patterns: list[str], of: str = "") -> str | None:
+    """The first pattern that matches none of the parameter ``names`` (of the model ``of``), in words (None: each
+    matches one)."""
+    for pattern in patterns:
+        if not any(_matches(name, pattern) for name in names):
+            examples = ", ".join(names[:3])
+            model = f" of {of}" if of else ""
+            return f"--freeze {pattern!r} matches no parameter{model} (names look like: {examples}, ...)"
+    return None
+
+
 def apply_freeze(model, patterns: list[str], where: str) -> int:
     """requires_grad=False for every parameter matching a pattern; each pattern must match one."""
     frozen = 0
-    names = [name for name, _ in model.named_parameters()]
-    for pattern in patterns:
-        hits = [name for name in names if _matches(name, pattern)]
-        if not hits:
-            examples = ", ".join(names[:3])
-            raise MemestError(f"{where}: --freeze {pattern!r} matches no parameter (names look like: {examples}, ...)")
+    missing = unmatched_freeze([name for name, _ in model.named_parameters()], patterns)
+    if missing:
+        raise MemestError(f"{where}: {missing}")
     for name, p in model.named_parameters():
         if any(_matches(name, pattern) for pattern in patterns) and p.requires_grad:
             p.requires_grad_(False)

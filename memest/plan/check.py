@@ -94,10 +94,7 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
 
     margin = margin if margin is not None else config.margin
     s = config.serve
-    total, _ = serve_total(gpu)
-    settings = {field: s[key] for key, field in SERVE_SPEC_KEYS.items() if key in s}  # ServeSpec's defaults else
-    spec = ServeSpec(config.values["model"], total, gpu.flag, **settings, compute_capability=gpu.compute_capability,
-                     **serve_measured(gpu, s.get("tp", 1), s.get("non_torch_memory")))
+    spec = serve_spec(config, gpu)
     plan = plan_serve(spec, recheck=False)  # the gate prints no fixes
     gate = plan.engine.gate(max(s.get("min_concurrency", 1), 1))
     needed, low, high, budget = gate.needed, gate.low, gate.high, gate.budget
@@ -114,3 +111,12 @@ def check_serve_config(config: RunConfig, gpu, margin: float | None, strict: boo
         verdict=outcome, needed_bytes_low=low, needed_bytes_high=high, required_bytes_high=required_high,
         calibration=plan.non_torch.source if plan.non_torch is not None and spec.non_torch is not None else "",
     )
+
+
+def serve_spec(config: RunConfig, gpu) -> ServeSpec:
+    """The ServeSpec of a serving config (``serve:``) on the app layer's GpuContext ``gpu``."""
+    s = config.serve
+    total, _ = serve_total(gpu)
+    settings = {field: s[key] for key, field in SERVE_SPEC_KEYS.items() if key in s}  # ServeSpec's defaults else
+    return ServeSpec(config.values["model"], total, gpu.flag, **settings, compute_capability=gpu.compute_capability,
+                     **serve_measured(gpu, s.get("tp", 1), s.get("non_torch_memory")))

@@ -18,17 +18,14 @@ from memest.serve.kv import model_dtype, model_kv
 from memest.serve.model import load_config, require_decoder
 from memest.spec.choices import ServeVerdict
 
-__all__ = ["ServePlan", "ServeSpec", "load_config", "plan_serve"]
+__all__ = ["ServePlan", "ServeSpec", "load_config", "plan_serve", "validate"]
 
 
 def plan_serve(spec: ServeSpec, config=None, *, recheck: bool = True, profiles: dict | None = None) -> ServePlan:
     """``recheck``: keep only the fixes that, applied, make the verdict 'starts' (each re-planned); ``profiles``:
     traced profile runs to reuse (the re-plans share the first plan's)."""
     start = time.perf_counter()
-    config = config if config is not None else load_config(spec.model)
-    _check(spec)
-    require_decoder(config, spec.model)
-    check_layout(config, spec.tp)
+    config = validate(spec, config)
     engine = engine_for(spec.engine)
     dtype = model_dtype(config, spec.dtype)
     kv = model_kv(config, spec.tp, spec.kv_dtype, spec.dtype)
@@ -77,6 +74,16 @@ def _fix_verdict(fix: str, spec: ServeSpec, config, profiles: dict) -> ServeVerd
         return plan_serve(replace(spec, **{name: value}), config, recheck=False, profiles=profiles).verdict
     except (MemestError, ValueError):
         return ServeVerdict.WILL_NOT_START
+
+
+def validate(spec: ServeSpec, config=None):
+    """What the plan refuses before it plans (nothing traced): the settings' ranges, a model that is not a decoder LM,
+    a tensor-parallel layout vLLM refuses. The model's config (read from ``spec.model`` when not given)."""
+    config = config if config is not None else load_config(spec.model)
+    _check(spec)
+    require_decoder(config, spec.model)
+    check_layout(config, spec.tp)
+    return config
 
 
 def _check(spec: ServeSpec) -> None:

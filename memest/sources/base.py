@@ -33,6 +33,9 @@ class ModelSource:
     # what to check when the step fails on its inputs (model files: their example_inputs())
     inputs_hint: str = "check that example_inputs() matches the model's forward"
     # what to change when the step reads tensor values (model files: their forward)
+    # build_model() makes its tensors on torch's default device (transformers from a config): under the meta
+    # device it gives the model's structure (names, heads, layers) at no memory, for checks before any trace
+    meta_build: bool = False
     values_hint: str = (
         "make the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
         "boolean-mask indexing or nonzero"

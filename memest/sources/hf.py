@@ -135,6 +135,7 @@ def load_hf_source(name: str) -> ModelSource:
             "model file with your own example_inputs() (memest estimate model.py)"
         ),
         values_hint=_values_hint(arch, config),
+        meta_build=True,
         warnings=list(built.warnings),
         no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",
     )

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from memest.errors import MemestError
 from memest.spec import options
 from memest.spec.choices import CudaGraphs, Engine, KvDtype
@@ -93,29 +95,24 @@ def parse_margin(value: Any, what: str = "margin") -> float:
     return margin
 
 
-def _unique_keys_loader():
+class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last silently, so
     ``batch: 4`` then ``batch: 8`` would gate a run the user did not mean (issue 22, a fresh battery)."""
-    import yaml
 
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if isinstance(key, (str, int, float, bool)) and key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (YAML would keep the last silently)",
-                        key_node.start_mark)
-                seen.add(key) if isinstance(key, (str, int, float, bool)) else None
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (YAML would keep the last silently)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | Path) -> RunConfig:
-    import yaml
-
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -125,7 +122,7 @@ def load_config(path: str | Path) -> RunConfig:
         raise MemestError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
                           "save the config as UTF-8") from None
     try:
-        data = yaml.load(text, Loader=_unique_keys_loader())
+        data = yaml.load(text, Loader=UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -240,6 +237,11 @@ def _typed(key: str, value: Any, where: str) -> Any:
             return ",".join(freeze_patterns(value))
         except MemestError as exc:
             raise MemestError(f"{where}{exc}") from None
+    if key == "pp_split" and isinstance(value, (list, tuple)):  # [16, 16]: the flag's "16,16"
+        if not value or any(isinstance(c, bool) or not isinstance(c, int) for c in value):
+            raise MemestError(f"{where}pp_split: expected whole layer counts, one per stage (e.g. [16, 16] or 16,16), "
+                              f"got {value!r}")
+        return ",".join(str(c) for c in value)
     kind = options.yaml_kind(key)
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -193,7 +193,8 @@ def check_positions(source: ModelSource, spec: RunSpec, seq: int | None) -> None
                 f"{name} takes at most {limit} positions{why}; use --seq + --new-tokens of {limit} or less"
             )
     elif seq > limit:
-        raise MemestError(f"{name} takes at most {limit} positions{why}; use --seq {limit} or less")
+        given = f"--seq {seq}: " if spec.seq is not None else ""  # the option named first (check: the YAML key)
+        raise MemestError(f"{given}{name} takes at most {limit} positions{why}; use --seq {limit} or less")
 
 
 def _build_error(source: ModelSource, what: str, exc: Exception) -> TraceError:
