@@ -47,6 +47,18 @@ _CHOICE_FIELDS = {
 }
 
 
+def quant_layout_unmodelled(spec) -> list[str]:
+    """The options of ``spec``'s layout that memest does not model under a quantized base (--quant): any
+    --shard, --offload, --tp, --pp, --cp or --ep (RunSpec refuses them; plan-parallel refuses --quant)."""
+    out = []
+    if spec.shard != Shard.NONE:
+        out.append(f"--shard {spec.shard}")
+    if spec.offload != Offload.NONE:
+        out.append(f"--offload {spec.offload}")
+    out += [f"--{name} {getattr(spec, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(spec, name) > 1]
+    return out
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training configuration of one model.
@@ -151,6 +163,7 @@ class RunSpec:
         if self.offload == Offload.PARAMS and self.shard != Shard.ZERO3:
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         validate(self.parallel, self)
+        self._check_quant_layout()
         self._check_compile()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
@@ -200,6 +213,24 @@ class RunSpec:
                               "add --quant nf4")
         if (self.lora or self.freeze) and not self.training:
             raise MemestError(f"--lora and --freeze describe fine-tuning; drop them with --mode {self.mode}")
+
+    def _check_quant_layout(self) -> None:
+        """A quantized base under sharding, offload or model parallelism is refused until it is modelled: the
+        stand-ins (features/quant.py, quant_int8.py) store bitsandbytes' uint8 layout, while the FSDP-QLoRA recipe
+        stores the packed weights as bf16 (``bnb_4bit_quant_storage``) for FSDP to shard, and neither is checked
+        against a real sharded run; plain DDP (--world-size N, --shard none) is, against real gloo ranks
+        (tests/test_fsdp_qlora.py)."""
+        if self.quant == Quant.NONE:
+            return
+        unmodelled = quant_layout_unmodelled(self)
+        if unmodelled:
+            raise MemestError(
+                f"--quant {self.quant} with {' and '.join(unmodelled)} is not modelled (FSDP-QLoRA / DeepSpeed ZeRO-3 "
+                "QLoRA: how they shard a bitsandbytes base, its quant_storage and quantization state, is not checked against "
+                "a real run); "
+                f"drop {unmodelled[0].split()[0]} (plain DDP, --world-size N --shard none, is modelled), or drop --quant "
+                "to estimate a 16-bit base sharded"
+            )
 
     def _check_compile(self) -> None:
         if self.compile and self.world_size > 1:
