@@ -26,7 +26,7 @@ QLORA = ["--lora", "r=8,targets=all-linear", "--quant", "nf4"]
 # (flags that lay the run out, the option the error names first)
 UNMODELLED = [
     (["--world-size", "2", "--shard", "zero3", "--precision", "bf16-mixed"], "--shard zero3"),
-    (["--world-size", "2", "--shard", "zero2"], "--shard zero2"),
+    (["--world-size", "2", "--shard", "zero2", "--precision", "fp16"], "--shard zero2"),
     (["--world-size", "2", "--shard", "zero1"], "--shard zero1"),
     (["--world-size", "2", "--shard", "zero3", "--offload", "params"], "--offload params"),
     (["--offload", "optimizer"], "--offload optimizer"),
@@ -59,9 +59,10 @@ def test_int8_base_under_zero3_stays_refused(precision):
                 precision=precision, target="cpu")
 
 
-def test_fsdp_qlora_in_bf16_and_fp32_is_accepted():
+@pytest.mark.parametrize("shard", ["zero3", "zero2"])
+def test_fsdp_qlora_in_bf16_and_fp32_is_accepted(shard):
     for precision in ("bf16", "fp32"):
-        spec = RunSpec(model=model_ref("hf:llama-tiny"), lora="r=8", quant="nf4", world_size=2, shard="zero3",
+        spec = RunSpec(model=model_ref("hf:llama-tiny"), lora="r=8", quant="nf4", world_size=2, shard=shard,
                        precision=precision, target="cpu")
         assert spec.parallel.dp_shard == 2
 
@@ -78,11 +79,11 @@ def test_the_issue_s_command_under_mixed_precision_is_refused():
 def test_yaml_config_refuses_it(tmp_path):
     path = tmp_path / "qlora.yaml"
     path.write_text(f"model: {model_ref('hf:llama-tiny')}\nbatch: 1\nseq: 16\nlora: r=8\nquant: nf4\n"
-                    "world_size: 2\nshard: zero2\n")
-    with pytest.raises(MemestError, match="--quant nf4 with --shard zero2 is not modelled"):
+                    "world_size: 2\nshard: zero1\n")
+    with pytest.raises(MemestError, match="--quant nf4 with --shard zero1 is not modelled"):
         load_config(path).spec()
     line = _one_line(CliRunner().invoke(app, ["check", str(path), "--gpu", "1GB"]))
-    assert "--quant nf4 with --shard zero2 is not modelled" in line
+    assert "--quant nf4 with --shard zero1 is not modelled" in line
 
 
 def test_check_override_that_shards_a_quantized_config_is_refused(tmp_path):
@@ -93,9 +94,9 @@ def test_check_override_that_shards_a_quantized_config_is_refused(tmp_path):
 
 
 def test_api_refuses_it():
-    with pytest.raises(MemestError, match="--quant fp4 with --shard zero2 is not modelled"):
+    with pytest.raises(MemestError, match="--quant fp4 with --shard zero1 is not modelled"):
         memest.estimate(model_ref("hf:llama-tiny"), batch=1, seq=16, lora="r=8", quant="fp4", world_size=2,
-                        shard="zero2", target="cpu")
+                        shard="zero1", target="cpu")
 
 
 def test_plan_parallel_refuses_a_quantized_base():
@@ -175,14 +176,15 @@ def test_ddp_over_a_quantized_base_matches_real_gloo_ranks(case, ddp_measured):
 
 # FSDP-QLoRA: --shard zero3 over a 4-bit base, the packed weights stored as the model's dtype
 FSDP_CASES = [
-    ("nf4", "bf16", True),  # the recipe: bf16 weights, bnb_4bit_quant_storage=bfloat16, double quantization
-    ("fp4", "fp32", False),
+    ("nf4", "bf16", True, "zero3"),  # the recipe: bf16 weights, bnb_4bit_quant_storage=bfloat16, double quantization
+    ("fp4", "fp32", False, "zero3"),
+    ("nf4", "bf16", True, "zero2"),  # FSDP2 reshard_after_forward=False (SHARD_GRAD_OP)
 ]
 
 
-def _fsdp_spec(quant: str, precision: str, double_quant: bool) -> RunSpec:
+def _fsdp_spec(quant: str, precision: str, double_quant: bool, shard: str) -> RunSpec:
     return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", precision=precision,
-                   lora="r=8,targets=all-linear", quant=quant, double_quant=double_quant, world_size=2, shard="zero3")
+                   lora="r=8,targets=all-linear", quant=quant, double_quant=double_quant, world_size=2, shard=shard)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +193,7 @@ def fsdp_measured():
     return dict(zip(FSDP_CASES, measure_distributed_peaks(specs), strict=True))
 
 
-@pytest.mark.parametrize("case", FSDP_CASES, ids=[f"{q}-{p}" for q, p, _ in FSDP_CASES])
+@pytest.mark.parametrize("case", FSDP_CASES, ids=[f"{q}-{p}-{sh}" for q, p, _, sh in FSDP_CASES])
 def test_fsdp_qlora_matches_real_gloo_ranks(case, fsdp_measured):
     """FSDP2 fully_shard over the 4-bit stand-in (packed weights in the model's dtype, sharded and all-gathered
     per block; the quantization state whole on each rank; only the adapters' gradients reduce-scattered and

@@ -122,7 +122,7 @@ def _quantize(model, spec, dtype, where: str) -> str:
 
         compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
         # FSDP-QLoRA: the packed weights stored as the model's dtype for FSDP to shard (features/quant.py)
-        storage = dtype if spec.shard == Shard.ZERO3 else torch.uint8
+        storage = dtype if spec.shard in (Shard.ZERO2, Shard.ZERO3) else torch.uint8
         n = quantize_linears(model, str(spec.quant), spec.double_quant, compute, storage)
         note = (
             f"--quant {spec.quant}: {n} linear layers stored as bitsandbytes' Linear4bit stores them (packed 4-bit, "

@@ -7,8 +7,9 @@ backward allocations are those of bitsandbytes 0.50 (the version installed and r
 
 Stored, per layer of N x K weights, n = N*K elements (``functional.quantize_4bit``, ``quantize_blockwise``):
   - packed weight: uint8 ``[(n + 1) // 2, 1]`` (two 4-bit codes per byte; ``quant_storage=torch.uint8``); under
-    FSDP (--shard zero3) the same bytes viewed as the model's dtype, ``bnb_4bit_quant_storage=torch_dtype``, so
-    FSDP shards and all-gathers them like the other weights (the FSDP-QLoRA recipe: Answer.AI's fsdp_qlora,
+    FSDP (--shard zero3 / zero2) the same bytes viewed as the model's dtype, ``bnb_4bit_quant_storage=torch_dtype``,
+    so FSDP shards and all-gathers them like the other weights (the FSDP-QLoRA recipe: Answer.AI's fsdp_qlora,
+    train.py's ``replace_linear(model.model, Linear4bit, ..., quant_storage=torch_dtype)``,
     https://github.com/AnswerDotAI/fsdp_qlora/blob/05ed9f2a60f96a0795cb082bceab70a9b19fd213/train.py, and
     peft's guide, https://github.com/huggingface/peft/blob/5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40/docs/source/accelerate/fsdp.md);
     the quantization state below is no parameter, so FSDP leaves it whole on every rank;

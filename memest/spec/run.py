@@ -25,7 +25,7 @@ from memest.spec.choices import (
     ZeroGrad,
 )
 from memest.spec.lora import freeze_patterns, parse_lora
-from memest.spec.parallel_dims import ParallelDims, validate
+from memest.spec.parallel_dims import FSDP_SHARDS, ParallelDims, validate
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
@@ -49,16 +49,15 @@ _CHOICE_FIELDS = {
 
 def quant_layout_unmodelled(spec) -> list[str]:
     """The options of ``spec``'s layout that memest does not model under a quantized base (--quant): --shard
-    other than zero3 over nf4/fp4 in fp32 or bf16, any --offload, --tp, --pp, --cp or --ep (RunSpec refuses
+    other than FSDP2's zero3 / zero2 over nf4/fp4 in fp32 or bf16, any --offload, --tp, --pp, --cp or --ep (RunSpec refuses
     them; plan-parallel refuses --quant)."""
     out = []
-    # FSDP-QLoRA (--shard zero3 over a 4-bit base in fp32 or bf16, pure data parallel) is modelled and checked
-    # against real gloo ranks (tests/test_fsdp_qlora.py); mixed precision would cast the packed storage
-    fsdp_qlora = (spec.shard == Shard.ZERO3 and spec.quant in (Quant.NF4, Quant.FP4)
-                  and spec.precision in (Precision.FP32, Precision.BF16))
+    # FSDP-QLoRA (FSDP2: --shard zero3 or zero2 over a 4-bit base in fp32 or bf16, pure data parallel) is modelled
+    # and checked against real gloo ranks (tests/test_fsdp_qlora.py); mixed precision would cast the packed storage
+    fsdp = spec.shard in FSDP_SHARDS and spec.quant in (Quant.NF4, Quant.FP4)
+    fsdp_qlora = fsdp and spec.precision in (Precision.FP32, Precision.BF16)
     if spec.shard != Shard.NONE and not fsdp_qlora:
-        out.append(f"--shard {spec.shard}" + (f" with --precision {spec.precision}" if spec.shard == Shard.ZERO3
-                                               and spec.quant != Quant.INT8 else ""))
+        out.append(f"--shard {spec.shard}" + (f" with --precision {spec.precision}" if fsdp else ""))
     if spec.offload != Offload.NONE:
         out.append(f"--offload {spec.offload}")
     out += [f"--{name} {getattr(spec, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(spec, name) > 1]
@@ -223,7 +222,7 @@ class RunSpec:
     def _check_quant_layout(self) -> None:
         """A quantized base under sharding, offload or model parallelism is refused where it is not modelled
         (quant_layout_unmodelled). Modelled, each against real gloo ranks (tests/test_fsdp_qlora.py): plain DDP
-        (--world-size N, --shard none) and FSDP-QLoRA, --shard zero3 over a 4-bit base in bf16 or fp32, whose
+        (--world-size N, --shard none) and FSDP-QLoRA, --shard zero3 / zero2 over a 4-bit base in bf16 or fp32, whose
         packed weights are stored as the model's dtype (``bnb_4bit_quant_storage``, features/quant.py)."""
         if self.quant == Quant.NONE:
             return
@@ -233,7 +232,7 @@ class RunSpec:
                 f"--quant {self.quant} with {' and '.join(unmodelled)} is not modelled (a bitsandbytes base laid out so, "
                 "e.g. DeepSpeed ZeRO-3 or FSDP with offload over QLoRA, is not checked against a real run); "
                 f"drop {unmodelled[0].split()[0]} (plain DDP, --world-size N --shard none, is modelled"
-                f"{'; so is --shard zero3 in --precision bf16 or fp32, the FSDP-QLoRA recipe' if self.quant != Quant.INT8 else ''}), "
+                f"{'; so is --shard zero3 or zero2 in --precision bf16 or fp32, the FSDP-QLoRA recipe' if self.quant != Quant.INT8 else ''}), "
                 "or drop --quant to estimate a 16-bit base sharded"
             )
 
