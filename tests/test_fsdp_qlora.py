@@ -174,16 +174,32 @@ def test_ddp_over_a_quantized_base_matches_real_gloo_ranks(case, ddp_measured):
         assert abs(error) <= REL_TOL, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
 
 
+def test_ddp_over_a_wide_quantized_base_is_within_one_percent_of_real_gloo_ranks():
+    """A config whose 4-bit weights dominate (llama-tiny-wide): DDP over the stand-in reads 0.48% below the real
+    ranks when written (trace 11,432,652 B, measured 11,488,112 B; plain LoRA DDP on the same config, no --quant:
+    -0.19%); DDP's per-forward broadcast of module buffers (the stand-in keeps the quantization state as buffers,
+    bitsandbytes keeps it on the weight) is the suspected cause, not established. The test holds it under 1%."""
+    spec = RunSpec(model=model_ref("hf:llama-tiny-wide"), batch=1, seq=16, target="cpu", precision="bf16",
+                   lora="r=8,targets=all-linear", quant="nf4", world_size=2)
+    traced = trace_step(load_source(spec.model), spec).peak()[0]
+    for rank in measure_distributed_peaks([spec])[0]:
+        error = (traced - rank["peak_bytes"]) / rank["peak_bytes"]
+        assert abs(error) <= 0.01, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
+
+
 # FSDP-QLoRA: --shard zero3 over a 4-bit base, the packed weights stored as the model's dtype
 FSDP_CASES = [
     ("nf4", "bf16", True, "zero3"),  # the recipe: bf16 weights, bnb_4bit_quant_storage=bfloat16, double quantization
     ("fp4", "fp32", False, "zero3"),
     ("nf4", "bf16", True, "zero2"),  # FSDP2 reshard_after_forward=False (SHARD_GRAD_OP)
+    ("nf4", "bf16", True, "zero3-wide"),  # the 4-bit weights dominate (vocabulary 128)
 ]
 
 
 def _fsdp_spec(quant: str, precision: str, double_quant: bool, shard: str) -> RunSpec:
-    return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", precision=precision,
+    shard, _, wide = shard.partition("-")
+    model, batch, seq = ("hf:llama-tiny-wide", 1, 16) if wide else ("hf:llama-tiny", 2, 32)
+    return RunSpec(model=model_ref(model), batch=batch, seq=seq, target="cpu", precision=precision,
                    lora="r=8,targets=all-linear", quant=quant, double_quant=double_quant, world_size=2, shard=shard)
 
 
