@@ -399,10 +399,11 @@ def run_estimate(
 
         out.timeline = category_timeline(result.trace)
     if plot_path is not None:
-        from memest.report.plot import plot_timeline
+        from memest.report.plot import budget_lines, plot_timeline
 
+        lines = budget_lines(result.needed_bytes, [(row.label, row.capacity_bytes) for row in fits])
         try:
-            out.plot_path = plot_timeline(out.timeline, result.report, plot_path)
+            out.plot_path = plot_timeline(out.timeline, result.report, plot_path, lines)
         except OSError as exc:  # a full disk (ENOSPC), a quota, the folder removed meanwhile: the user's to fix
             raise MemestError(f"cannot write a plot to {str(plot_path)!r}: {exc.strerror or exc} (free space or "
                               "choose another folder)") from None

@@ -173,7 +173,7 @@ def _pipeline_ranks(spec: RunSpec, calibration: dict | None, source) -> _Gathere
             f"{stages.index(worst)}, the one that needs the most (the verdict is its)")
     listed = [
         {"stage": i, "rank": r.trace.rank, "traced": r.trace.parallel, "peak_allocated_bytes": r.peak_bytes,
-         "needed_bytes": r.needed_bytes, "host_peak_bytes": r.trace.host_peak(), "trace_seconds": r.seconds}
+         "needed_bytes": r.needed_bytes, "host_peak_bytes": r.trace.host_peak(saved=False), "trace_seconds": r.seconds}
         for i, r in enumerate(stages)
     ]
     return _Gathered(worst, sum(r.seconds for r in stages), (note,), pipeline_stages=listed)
@@ -284,7 +284,7 @@ def _parallel_notes(trace: Trace, spec: RunSpec) -> list[str]:
     if spec.offload != Offload.NONE:
         where = "host (CPU) memory" if spec.target == Target.CUDA else "host memory (the same memory on --target cpu)"
         notes.append(
-            f"--offload {spec.offload}: {format_bytes(trace.host_peak())} peak held in {where}, "
+            f"--offload {spec.offload}: {format_bytes(trace.host_peak(saved=False))} peak held in {where}, "
             "not counted in the peak above"
         )
     return notes

@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 
 from memest.app import hide_cuda
 from memest.errors import EXIT_OK, EXIT_USAGE, MemestError
+from memest.imports import keep_library_message, library_output_kept
 from memest.report.emit import emit
 from memest.report.text import ascii_fallback_streams
 from memest.spec.choices import OutputFormat
@@ -70,40 +71,69 @@ def output_format(fmt: OutputFormat, json: bool, markdown: bool) -> OutputFormat
 
 
 # libraries whose import- and run-time chatter (bitsandbytes' "Failed to load CPU gemm_4bit_forward ...", peft's and
-# transformers' deprecation notes) is not about the user's step: hidden unless --debug (issue 22, item 30)
+# transformers' deprecation notes) is not about the user's step: kept off stderr unless --debug (issue 22, item 30)
 QUIET_LOGGERS = ("transformers", "peft", "bitsandbytes", "accelerate", "huggingface_hub", "torch")
+# their records below ERROR are kept (memest.imports); transformers and torch attach their own stderr handlers,
+# so theirs are dropped by level instead
+KEPT_LOGGERS = ("peft", "bitsandbytes", "accelerate", "huggingface_hub")
 _LIBRARY_PATHS = ("site-packages", "dist-packages")
+
+
+class _KeepRecords(logging.Handler):
+    """A library logger's records: below ERROR kept (``keep_library_message``), ERROR and above to stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{record.name}: {record.levelname}: {record.getMessage()}"
+        except Exception:  # a record whose arguments do not format: logging's own report
+            self.handleError(record)
+            return
+        if record.levelno >= logging.ERROR or not keep_library_message(text + "\n"):
+            sys.stderr.write(text + "\n")
 
 
 @contextlib.contextmanager
 def library_noise_hidden(debug: bool):
-    """Warnings raised inside installed libraries and their loggers' records below ERROR are dropped, unless
-    ``debug``; warnings from the user's own code still reach stderr."""
+    """Warnings raised inside installed libraries, their loggers' records below ERROR and what they write to
+    file descriptor 2 while memest imports them are kept off stderr, unless ``debug`` (then they show as they
+    happen); warnings from the user's own code, errors and tracebacks still reach stderr."""
     if debug:
         yield
         return
     levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    propagate = {name: logging.getLogger(name).propagate for name in KEPT_LOGGERS}
+    keeper = _KeepRecords()
     env = os.environ.get("TRANSFORMERS_VERBOSITY")
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read when transformers configures its logger (first import)
     for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings(record=True) as caught:
+        if name in KEPT_LOGGERS:
+            logging.getLogger(name).addHandler(keeper)
+            logging.getLogger(name).propagate = False
+        else:
+            logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings(record=True) as caught, library_output_kept():
         warnings.simplefilter("always")
         try:
             yield
         finally:
             for name, level in levels.items():
                 logging.getLogger(name).setLevel(level)
+            for name, flag in propagate.items():
+                logging.getLogger(name).removeHandler(keeper)
+                logging.getLogger(name).propagate = flag
             if env is None:
                 os.environ.pop("TRANSFORMERS_VERBOSITY", None)
             else:
                 os.environ["TRANSFORMERS_VERBOSITY"] = env
-    shown = set()
-    for w in caught:  # the user's own warnings, as Python shows them: once per place and text
-        key = (str(w.message), w.category, w.filename, w.lineno)
-        if key not in shown and not any(part in str(w.filename) for part in _LIBRARY_PATHS):
-            shown.add(key)
-            sys.stderr.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+        shown = set()
+        for w in caught:  # the user's own warnings, as Python shows them: once per place and text
+            key = (str(w.message), w.category, w.filename, w.lineno)
+            text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+            if any(part in str(w.filename) for part in _LIBRARY_PATHS):
+                keep_library_message(text)
+            elif key not in shown:
+                shown.add(key)
+                sys.stderr.write(text)
 
 
 def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True) -> None:

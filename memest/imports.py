@@ -1,9 +1,13 @@
-"""Importing the heavy libraries (torch, transformers) without the garbage collector rescanning them."""
+"""Importing the heavy libraries (torch, transformers) without the garbage collector rescanning them, and
+without their import-time chatter reaching the terminal unless asked (--debug)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import sys
+import tempfile
 
 
 @contextlib.contextmanager
@@ -23,3 +27,66 @@ def imports_without_gc():
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+# -- what installed libraries write while memest imports them (issue 22, item 30) ----------------------------
+# bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community ..." when peft imports it on a CPU
+# with AVX512-BF16 (bitsandbytes/backends/cpu/ops.py, 0.50.x); C extensions can write to file descriptor 2
+# directly. None: nothing is kept (the API, --debug): the output goes where it goes.
+_kept: list[str] | None = None
+
+
+@contextlib.contextmanager
+def library_output_kept():
+    """Inside, installed libraries' import-time output (``quiet_library_import``) and the messages handed to
+    ``keep_library_message`` are kept in the yielded list instead of reaching stderr (the CLI without --debug)."""
+    global _kept
+    previous, _kept = _kept, []
+    try:
+        yield _kept
+    finally:
+        _kept = previous
+
+
+def keep_library_message(text: str) -> bool:
+    """Keep ``text`` (an installed library's warning or log record) when output is being kept; False when
+    not, so the caller prints it."""
+    if _kept is None:
+        return False
+    if text.strip():
+        _kept.append(text)
+    return True
+
+
+@contextlib.contextmanager
+def quiet_library_import():
+    """Around importing an installed library (peft, which imports bitsandbytes; transformers): what it
+    writes to file descriptor 2 while it imports (C code's fprintf, a logging handler, a print to
+    sys.stderr) goes to a temporary file (os.dup / os.dup2) and is kept, when output is being kept. If the
+    block raises, the captured text is written to stderr first: nothing is hidden around an error."""
+    if _kept is None:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no usable fd 2: nothing to capture
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            if ok:
+                keep_library_message(text)
+            elif text:
+                sys.stderr.write(text)

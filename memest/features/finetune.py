@@ -16,6 +16,7 @@ from memest.features import quant_int8
 from memest.features.base import StepFeature
 from memest.features.quant import Linear4bitModel, quantize_linears
 from memest.features.quant_int8 import Linear8bitModel
+from memest.imports import quiet_library_import
 from memest.spec.choices import Quant, Shard, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
@@ -46,7 +47,8 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
     """peft's get_peft_model with a LoraConfig of ``settings`` (memest's 4-bit / int8 stand-in registered
     with peft's LoRA layer for bitsandbytes' Linear4bit / Linear8bitLt)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        with quiet_library_import():  # peft imports bitsandbytes, which may log or print while it loads
+            from peft import LoraConfig, get_peft_model
     except ImportError:
         raise MemestError("--lora runs peft's own LoRA: pip install 'memest[peft]' (or pip install peft)") from None
     kwargs = settings.peft_kwargs()
@@ -89,7 +91,8 @@ def _prepare_kbit(model, where: str) -> str:
     import torch
 
     try:
-        from peft import prepare_model_for_kbit_training
+        with quiet_library_import():
+            from peft import prepare_model_for_kbit_training
     except ImportError:
         raise MemestError("--prepare-kbit runs peft's prepare_model_for_kbit_training: pip install 'memest[peft]'") from None
     before = sum(p.numel() for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16))

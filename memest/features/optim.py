@@ -9,6 +9,7 @@ import torch
 
 from memest.features.adam8bit import Adam8bitModel
 from memest.features.base import StepFeature
+from memest.features.optim_in_backward import InBackwardOptimizer
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Optimizer, Target
 from memest.trace.events import Phase
@@ -42,8 +43,11 @@ FOLKLORE_N = {o.value: info.folklore_n for o, info in OPTIMIZERS.items()}
 
 def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
     """``--target cuda``: foreach implementations (what a CUDA run defaults to).
-    ``--target cpu``: torch's own defaults for CPU tensors (single-tensor loops)."""
+    ``--target cpu``: torch's own defaults for CPU tensors (single-tensor loops).
+    ``--optim-in-backward``: one such optimizer per parameter, stepped in its post-accumulate-grad hook."""
     cls, kwargs = optimizer_class(spec)
+    if spec.optim_in_backward:
+        return InBackwardOptimizer(params, cls, kwargs)
     return cls(params, **kwargs)
 
 

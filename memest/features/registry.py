@@ -5,16 +5,18 @@ Adding a technique: a StepFeature (features/base.py) in its own module, one line
 
 from __future__ import annotations
 
+from memest.features.activation_offload import ActivationOffloadFeature
 from memest.features.base import StepFeature
 from memest.features.checkpointing import CheckpointingFeature
 from memest.features.compiled import CompileFeature
 from memest.features.finetune import FinetuneFeature
 from memest.features.loss_head import LossHeadFeature
 from memest.features.optim import OptimizerFeature, step_optimizer
+from memest.features.optim_in_backward import OptimInBackwardFeature
 from memest.features.upper_bound import UpperBoundFeature
 from memest.parallel.feature import ParallelFeature
 from memest.spec import RunSpec
-from memest.spec.choices import DataDependent, LossHead, Offload, Quant, Target
+from memest.spec.choices import ActivationOffload, DataDependent, LossHead, Offload, Quant, Target
 from memest.targets.cpu.feature import CpuTarget
 from memest.targets.cuda.feature import CudaTarget
 from memest.trace import step as core
@@ -31,6 +33,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
         features.append(FinetuneFeature())
     if spec.checkpointing != "none":
         features.append(CheckpointingFeature())
+    if spec.activation_offload != ActivationOffload.NONE:  # saved tensors to host memory (save_on_cpu's hooks)
+        features.append(ActivationOffloadFeature(spec.activation_offload, ActivationOffloadFeature.moves_for(spec)))
     if LossHead.of(spec.loss_head)[0] is not LossHead.STANDARD:
         features.append(LossHeadFeature())
     features.append(CudaTarget() if spec.target == Target.CUDA else CpuTarget())
@@ -39,6 +43,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
     if spec.world_size > 1 or spec.offload in (Offload.OPTIMIZER, Offload.PARAMS):  # CPU offload of model state
         features.append(ParallelFeature())
     features.append(OptimizerFeature())
+    if spec.optim_in_backward:
+        features.append(OptimInBackwardFeature())
     return features
 
 

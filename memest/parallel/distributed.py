@@ -586,6 +586,6 @@ def sharding_summary(trace: Trace) -> dict:
         "parallel": trace.parallel,
         "shard_units": list(trace.shard_units),
         "device_peak_bytes": device_peak,
-        "host_peak_bytes": trace.host_peak(),
+        "host_peak_bytes": trace.host_peak(saved=False),
         "model_state_bytes": model_state_bytes(trace),
     }

@@ -4,9 +4,10 @@ cost in time, and the cheapest combination that fits with the command line that 
 Time costs are what the trace can price: recomputed FLOPs for checkpointing (flop counter formulas),
 communication volume per step for sharding, PCIe volume for offload; "0% FLOPs" for the optimizer
 and precision swaps (they change numerics or dynamics, not work), for accumulation (same work in
-smaller kernels), for freeing the outputs before backward (a loop change) and for the chunked and
-fused loss heads of causal LMs (the same matmuls in chunks; Liger computes the head's gradients in
-forward instead of recomputing, features/loss_head.py).
+smaller kernels), for freeing the outputs before backward (a loop change), for the optimizer step in
+backward (the same steps, each parameter's in its gradient's hook; no accumulation, no whole-model
+clipping) and for the chunked and fused loss heads of causal LMs (the same matmuls in chunks; Liger
+computes the head's gradients in forward instead of recomputing, features/loss_head.py).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
         out.append(("fused linear cross-entropy (Liger-Kernel)", {"loss_head": "fused"}, 0.04))
     if base.precision == Precision.FP32 and base.target == Target.CUDA:
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, -0.1))
+    if base.training and not base.optim_in_backward and not compiled:  # a spec it cannot apply to is refused
+        out.append(("optimizer step in backward (torchtune optimizer_in_bwd)", {"optim_in_backward": True}, 0.01))
     if base.optim in (Optimizer.ADAM, Optimizer.ADAMW):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
         out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
@@ -162,6 +165,9 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
         return trains + (QLORA_CAVEAT + "; " if "quant" in changes else "") + LORA_CAVEAT
     if "precision" in changes:
         return "faster on tensor cores; changes numerics"
+    if "optim_in_backward" in changes:
+        return ("0% FLOPs (the same optimizer, one parameter at a time in its backward hook); no gradient "
+                "accumulation, no clipping over the whole model's gradients")
     if "optim" in changes:
         return "0% FLOPs; changes optimizer dynamics"
     return "0% FLOPs (same work in smaller kernels)"

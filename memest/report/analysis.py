@@ -10,7 +10,7 @@ from memest.features.checkpointing import within
 from memest.features.loss_head import describe
 from memest.features.optim import FOLKLORE_N
 from memest.spec import RunSpec
-from memest.spec.choices import Outputs, Quant
+from memest.spec.choices import ActivationOffload, Outputs, Quant
 from memest.trace.events import Category, Phase, Trace
 from memest.trace.step import TRACED_MICRO_STEPS
 from memest.units import format_bytes
@@ -86,6 +86,9 @@ class Report:
     # why the folklore formula does not apply to this step ('' where it does): its figure is left out of the
     # summary and of --json (folklore_bytes null); folklore_bytes stays computed for the accuracy benchmark
     folklore_skipped: str = ""
+    # --activation-offload: the saved tensors' host copies (mode, pinned, host_peak_bytes), apart from --offload's
+    # host memory (``sharding``); None without it
+    activation_host: dict | None = None
 
     def to_dict(self) -> dict:
         doc = asdict(self)
@@ -207,7 +210,16 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str, parts: ReportParts = R
         notes=[*parts.notes_before, *trace.notes, *_loop_notes(trace, spec, peak_i), *parts.notes_after],
         outputs_held_bytes=trace.held_output_bytes(peak_i) if trace.events else 0,
         bounded_ops=dict(trace.bounded_ops),
+        activation_host=_activation_host(trace, spec),
     )
+
+
+def _activation_host(trace: Trace, spec: RunSpec) -> dict | None:
+    """--activation-offload: the peak of the saved tensors' host copies (pinned host memory is page-locked)."""
+    if spec.activation_offload == ActivationOffload.NONE:
+        return None
+    return {"mode": spec.activation_offload.value, "pinned": spec.activation_offload == ActivationOffload.SAVE_ON_CPU_PINNED,
+            "host_peak_bytes": trace.host_peak(saved=True)}
 
 
 def _loop_notes(trace: Trace, spec: RunSpec, peak_i: int) -> list[str]:

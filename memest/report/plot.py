@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from memest.errors import MemestError
@@ -40,16 +42,18 @@ FORMATS = (".png", ".svg", ".html")
 HEADROOM = 1.32  # y axis up to 1.32 x the peak: room above the data for the peak annotation
 
 
-def plot_timeline(timeline: Timeline, report: Report | None, path: str | Path) -> Path:
-    """Write the memory timeline to ``path``: ``.png``/``.svg`` (matplotlib) or ``.html`` (inline SVG)."""
+def plot_timeline(timeline: Timeline, report: Report | None, path: str | Path,
+                  lines: Sequence[Line] = ()) -> Path:
+    """Write the memory timeline to ``path``: ``.png``/``.svg`` (matplotlib) or ``.html`` (inline SVG).
+    ``lines``: horizontal lines to draw (``budget_lines``: each budget and what the step needs)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise MemestError(f"cannot write a plot to {str(path)!r}: use a file name ending in {', '.join(FORMATS)}")
     if suffix == ".html":
-        page = html_page(timeline, report)
+        page = html_page(timeline, report, lines)
         return atomic_write(path, lambda tmp: tmp.write_text(page, encoding="utf-8"))
-    figure = _matplotlib_figure(timeline, report)
+    figure = _matplotlib_figure(timeline, report, lines)
     return atomic_write(path, lambda tmp: figure.savefig(tmp, format=suffix[1:], dpi=150))
 
 
@@ -75,6 +79,42 @@ def atomic_write(path: Path, write) -> Path:
 
 
 # ---- shared pieces -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Line:
+    """A horizontal line across the plot: ``kind`` "budget" or "needed", its label and height in bytes."""
+
+    kind: str
+    label: str
+    bytes: int
+
+
+LINE_STYLE = {"budget": ("#222222", "-"), "needed": ("#C44E52", "--")}  # colour, dash
+OFF_CHART = 4  # a budget more than 4x the step's peak (or need) is named above the chart, not drawn
+
+
+def budget_lines(needed_bytes: int | None, budgets: Sequence[tuple[str, int]]) -> list[Line]:
+    """The lines a plot draws when a budget is known (issue 22, 35): each budget (``label``, capacity) and
+    what the step needs (the smallest budget it runs in: peak + allocator + fixed costs; the verdict's
+    figure). None without a budget."""
+    if not budgets:
+        return []
+    out = [Line("budget", label if format_bytes(capacity) in label else f"{label}: {format_bytes(capacity)}", capacity)
+           for label, capacity in budgets]
+    if needed_bytes is not None:
+        out.append(Line("needed", f"needed {format_bytes(needed_bytes)} (the smallest budget it runs in)",
+                        needed_bytes))
+    return out
+
+
+def chart_lines(timeline: Timeline, lines: Sequence[Line]) -> tuple[int, list[Line], list[Line]]:
+    """(the y axis's top in bytes, lines drawn, lines named above the chart): the axis reaches every line
+    within OFF_CHART x the larger of the peak and the need, so a far budget does not flatten the step."""
+    base = max([timeline.peak.bytes, *(x.bytes for x in lines if x.kind == "needed")], default=0)
+    drawn = [x for x in lines if x.bytes <= OFF_CHART * max(base, 1)]
+    top = max([base, *(x.bytes for x in drawn)], default=0)
+    return max(int(top * HEADROOM), 1), drawn, [x for x in lines if x not in drawn]
 
 
 def display_unit(peak: int) -> tuple[str, int]:
@@ -166,7 +206,7 @@ def _iteration_ranges(timeline: Timeline) -> list[tuple[int, int, int]]:
 # ---- matplotlib ------------------------------------------------------------------------------------
 
 
-def _matplotlib_figure(timeline: Timeline, report: Report | None):
+def _matplotlib_figure(timeline: Timeline, report: Report | None, lines: Sequence[Line] = ()):
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter
@@ -192,8 +232,9 @@ def _matplotlib_figure(timeline: Timeline, report: Report | None):
             labels=[_legend_text(c, at_peak, timeline.peak.bytes) for c, _ in stack],
         )
     ax.set_xlim(0, n)
-    top = max(timeline.peak.bytes / size, 1e-9) * HEADROOM
-    ax.set_ylim(0, top)
+    top_bytes, drawn, above = chart_lines(timeline, lines)
+    ax.set_ylim(0, max(top_bytes / size, 1e-9))
+    _mpl_lines(ax, drawn, above, size)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_tick(v)))
     ax.set_ylabel(f"allocated ({unit})")
     ax.set_xlabel(f"memory events in order (allocations and frees; {timeline.n_events:,} in all)")
@@ -240,6 +281,23 @@ def _mpl_phases(fig, ax, timeline: Timeline, n: int) -> None:
                 weight="bold")
 
 
+def _mpl_lines(ax, drawn: Sequence[Line], above: Sequence[Line], size: int) -> None:
+    """Each line across the axes, labelled at its right end; lines off the chart named at the top right."""
+    from matplotlib.transforms import blended_transform_factory
+
+    trans = blended_transform_factory(ax.transAxes, ax.transData)
+    for line in drawn:
+        colour, dash = LINE_STYLE[line.kind]
+        artist = ax.axhline(line.bytes / size, color=colour, linestyle=dash, linewidth=1.2, zorder=4)
+        artist.set_gid(f"memest-{line.kind}")
+        ax.text(0.995, line.bytes / size, line.label, transform=trans, ha="right", va="bottom", fontsize=8.5,
+                color=colour, zorder=4, gid=f"memest-{line.kind}-label")
+    if above:
+        text = "above the chart: " + "; ".join(x.label for x in above)
+        ax.text(0.995, 0.995, text, transform=ax.transAxes, ha="right", va="top", fontsize=8.5, color="#222222",
+                gid="memest-above")
+
+
 def _mpl_peak(ax, timeline: Timeline, n: int, size: int) -> None:
     p = timeline.peak
     y = p.bytes / size
@@ -273,13 +331,13 @@ _W, _H = 1100, 500
 _LEFT, _RIGHT, _TOP, _BOTTOM = 70, 250, 70, 50  # margins of the plot area
 
 
-def timeline_svg(timeline: Timeline, report: Report | None = None) -> str:
-    """The timeline as a standalone SVG element (stacked areas, phases, peak, legend); no script."""
+def timeline_svg(timeline: Timeline, report: Report | None = None, lines: Sequence[Line] = ()) -> str:
+    """The timeline as a standalone SVG element (stacked areas, phases, peak, budget lines, legend); no script."""
     esc = html.escape
     unit, size = display_unit(timeline.peak.bytes)
     pw, ph = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
     n = max(timeline.n_events, 1)
-    top = max(timeline.peak.bytes, 1) * HEADROOM
+    top, drawn, above = chart_lines(timeline, lines)
 
     def x(i: float) -> float:
         return _LEFT + i / n * pw
@@ -341,6 +399,18 @@ def timeline_svg(timeline: Timeline, report: Report | None = None) -> str:
                f"(allocations and frees; {timeline.n_events:,} in all)</text>")
     out.append(f'<text transform="translate(20 {_TOP + ph / 2:.1f}) rotate(-90)" text-anchor="middle">'
                f"allocated ({unit})</text>")
+    for line in drawn:
+        colour, dash = LINE_STYLE[line.kind]
+        yy = y(line.bytes)
+        dashes = ' stroke-dasharray="6 4"' if dash == "--" else ""
+        out.append(f'<line class="memest-{line.kind}" x1="{_LEFT}" x2="{_LEFT + pw}" y1="{yy:.1f}" y2="{yy:.1f}" '
+                   f'stroke="{colour}" stroke-width="1.2"{dashes}>'
+                   f"<title>{esc(line.label)}</title></line>")
+        out.append(f'<text class="memest-{line.kind}-label" x="{_LEFT + pw - 4}" y="{yy - 4:.1f}" text-anchor="end" '
+                   f'fill="{colour}">{esc(line.label)}</text>')
+    if above:
+        out.append(f'<text class="memest-above" x="{_LEFT + pw - 4}" y="{_TOP + 14}" text-anchor="end">'
+                   f"{esc('above the chart: ' + '; '.join(x.label for x in above))}</text>")
     out += _svg_peak(timeline, x, y, pw)
     out += _svg_legend(timeline, stack)
     out.append("</svg>")
@@ -393,7 +463,7 @@ def _svg_legend(timeline: Timeline, stack) -> list[str]:
     return out
 
 
-def html_page(timeline: Timeline, report: Report | None) -> str:
+def html_page(timeline: Timeline, report: Report | None, lines: Sequence[Line] = ()) -> str:
     """A self-contained page: title, the SVG, and the breakdown at the peak as a table."""
     esc = html.escape
     title, sub = title_lines(timeline, report)
@@ -423,7 +493,7 @@ td.n {{ text-align: right; font-variant-numeric: tabular-nums; }}
 <body>
 <h1>{esc(title)}</h1>
 <p class="sub">{esc(sub)}</p>
-{timeline_svg(timeline, report)}
+{timeline_svg(timeline, report, lines)}
 <p>peak {esc(peak_label(timeline))}</p>
 <table>
 <tr><th>alive at the peak</th><th>bytes</th><th>share</th></tr>

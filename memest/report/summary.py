@@ -59,6 +59,11 @@ def _run_rows(report: Report) -> list[SummaryRow]:
                                                f"effective batch {report.effective_batch}"))
     if report.checkpointed:
         rows.append(_checkpointing_row(report))
+    if report.activation_host:
+        host = report.activation_host
+        kind = "pinned" if host["pinned"] else "pageable"
+        rows.append(SummaryRow("activation offload", f"{format_bytes(host['host_peak_bytes'])} {kind} host memory",
+                               f"at its peak ({host['mode']}: saved tensors copied to the host, not in the device peak)"))
     return rows + _parallel_rows(report)
 
 

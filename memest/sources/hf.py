@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from memest.errors import ModelLoadError
-from memest.imports import imports_without_gc
+from memest.imports import imports_without_gc, quiet_library_import
 from memest.sources.base import ModelSource
 from memest.sources.hf_auto import class_for, refuse_remote_code, unknown_model_type
 from memest.sources.hf_experts import cuda_experts_dispatch
@@ -79,7 +79,8 @@ def load_hf_source(name: str) -> ModelSource:
     # transformers imports its modules lazily: the config class here, the model's module on getattr
     with contextlib.nullcontext() if "transformers" in sys.modules else imports_without_gc():
         try:
-            import transformers
+            with quiet_library_import():
+                import transformers
         except ImportError as exc:
             raise ModelLoadError("hf: models need transformers; install memest[hf] (pip install transformers)") from exc
 

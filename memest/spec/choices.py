@@ -144,6 +144,15 @@ class Offload(Choice):
     PARAMS = "params"
 
 
+class ActivationOffload(Choice):
+    """--activation-offload: tensors saved for backward moved to host memory in the forward and back in backward
+    (features/activation_offload.py); separate from --offload, which moves model state."""
+
+    NONE = "none"
+    SAVE_ON_CPU = "save-on-cpu"  # torch.autograd.graph.save_on_cpu(pin_memory=False)
+    SAVE_ON_CPU_PINNED = "save-on-cpu-pinned"  # torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
 class Outputs(Choice):
     """--outputs: what the training loop does with the model's output (design.md §7)."""
 

@@ -124,6 +124,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("target", ("--target",), "cuda: what a CUDA run allocates; cpu: CPU training."),
     Option("attention", ("--attention",), "--target cuda SDPA kernel (auto: PyTorch's rules)."),
     Option("fused", ("--fused",), "--target cuda: fused optimizer kernels instead of foreach."),
+    Option("optim_in_backward", ("--optim-in-backward",), "One optimizer per parameter stepped in its "
+           "post-accumulate-grad hook, each gradient freed as it steps (torchtune's optimizer_in_bwd); not with "
+           "--grad-accum > 1.", override="Override the optimizer step in backward."),
     Option("grad_accum", ("--grad-accum",), "Micro-steps per optimizer step (--batch is the micro-batch).",
            override="Override accumulation steps."),
     Option("checkpointing", ("--checkpointing",), "none | blocks | every:N | module.name,other.name",
@@ -158,6 +161,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("world_size", ("--world-size",), "Data-parallel ranks (estimates are per rank).", searched=True),
     Option("shard", ("--shard",), "none | zero1 | zero2 | zero3 (FSDP full shard).", searched=True),
     Option("offload", ("--offload",), "none | optimizer | params (params: --shard zero3)."),
+    Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
+           "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu; "
+           "pinned host memory counted in the host column).", override="Override activation offloading."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
     Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "
@@ -243,7 +249,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("json", ("--json",), "Same as --format json.", bool, OUTPUT, False),
     Option("markdown", ("--markdown",), "Same as --format markdown.", bool,
            tuple(c for c in OUTPUT if c != "calibrate"), False),
-    Option("debug", ("--debug",), "Also print tracebacks (exit codes stay the same).", bool, OUTPUT, False),
+    Option("debug", ("--debug",), "Also print tracebacks and what installed libraries warn, log or print (exit codes stay the same).", bool, OUTPUT, False),
 )
 
 

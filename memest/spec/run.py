@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from memest.errors import MemestError
 from memest.spec.choices import (
+    ActivationOffload,
     Attention,
     Cache,
     CheckpointPolicy,
@@ -38,6 +39,7 @@ _CHOICE_FIELDS = {
     "cache": (Cache, "--cache"),
     "shard": (Shard, "--shard"),
     "offload": (Offload, "--offload"),
+    "activation_offload": (ActivationOffload, "--activation-offload"),
     "outputs": (Outputs, "--outputs"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
@@ -82,6 +84,8 @@ class RunSpec:
     iterations: int = 2
     attention: Attention = Attention.AUTO  # --target cuda: SDPA backend (auto follows PyTorch's selection rules)
     fused: bool = False  # --target cuda: fused optimizer kernels instead of foreach
+    # one optimizer per parameter stepped in its post-accumulate-grad hook (features/optim_in_backward.py)
+    optim_in_backward: bool = False
     cudnn_benchmark: bool = False  # --target cuda: torch.backends.cudnn.benchmark (cuDNN searches its algorithms)
     compute_capability: tuple[int, int] = (9, 0)  # of the target GPU; decides e.g. flash availability
     grad_accum: int = 1  # micro-steps per optimizer step; batch is the micro-batch
@@ -93,6 +97,8 @@ class RunSpec:
     world_size: int = 1  # data-parallel ranks; estimates are per rank
     shard: Shard = Shard.NONE  # zero1: optimizer state, zero2: + gradients, zero3 (FSDP full shard): + parameters
     offload: Offload = Offload.NONE  # optimizer: state (and step) on the CPU; params: params+grads+optimizer on the CPU
+    # tensors saved for backward moved to host memory in the forward (features/activation_offload.py)
+    activation_offload: ActivationOffload = ActivationOffload.NONE
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
@@ -134,6 +140,7 @@ class RunSpec:
         object.__setattr__(self, "loss_head", str(self.loss_head).strip().lower())
         if LossHead.of(self.loss_head)[0] != LossHead.STANDARD and not self.training:
             raise MemestError(f"--loss-head {self.loss_head} replaces a training loss; drop it with --mode {self.mode}")
+        self._check_training_only()
         self._check_finetune()
         if self.batch < 1:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
@@ -170,6 +177,7 @@ class RunSpec:
         validate(self.parallel, self)
         self._check_quant_layout()
         self._check_compile()
+        self._check_optim_in_backward()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
@@ -202,6 +210,16 @@ class RunSpec:
     def expert_copies(self) -> int:
         """--ep: copies of each expert group (ParallelDims.expert_copies)."""
         return self.parallel.expert_copies
+
+    def _check_training_only(self) -> None:
+        if self.activation_offload != ActivationOffload.NONE and not self.training:
+            raise MemestError(f"--activation-offload {self.activation_offload} moves tensors saved for backward; "
+                              f"--mode {self.mode} saves none: drop it")
+        if self.activation_offload != ActivationOffload.NONE and self.compile:
+            # the compiled backward asserts the saved tensors' strides; save_on_cpu_pinned's torch.empty(size) copy
+            # is contiguous (traced: AssertionError in the backward); not measured for real here
+            raise MemestError(f"--activation-offload {self.activation_offload} with --compile is not traced yet "
+                              "(docs/limitations.md); drop one of them")
 
     def _check_finetune(self) -> None:
 
@@ -244,6 +262,37 @@ class RunSpec:
             )
         if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
+
+    def _check_optim_in_backward(self) -> None:
+        if not self.optim_in_backward:
+            return
+        flag = "--optim-in-backward"
+        if not self.training:
+            raise MemestError(f"{flag} fuses the optimizer step into backward; drop it with --mode {self.mode}")
+        if self.grad_accum > 1:
+            raise MemestError(
+                f"{flag} with --grad-accum {self.grad_accum}: each gradient is freed as its parameter steps, so none is "
+                "left to accumulate over micro-steps (torchtune refuses optimizer_in_bwd with gradient accumulation); "
+                "use --grad-accum 1"
+            )
+        if self.zero_grad != ZeroGrad.NONE:
+            raise MemestError(
+                f"{flag} with --zero-grad {self.zero_grad}: each gradient is set to None in its hook as it steps "
+                "(torchtune's optimizer_in_bwd), which is the saving; drop --zero-grad"
+            )
+        if self.pp > 1:
+            raise MemestError(f"{flag} with --pp: a pipeline stage accumulates gradients over its micro-batches; drop one")
+        if self.world_size > 1 and self.shard != Shard.ZERO3:
+            raise MemestError(
+                f"{flag} with --world-size and --shard {self.shard}: the hook would step on the gradient before DDP's "
+                "all-reduce (or ZeRO's own step); memest traces it under FSDP2 only: use --shard zero3"
+            )
+        if self.tp > 1 or self.cp > 1 or self.ep > 1:
+            raise MemestError(f"{flag} with --tp, --cp or --ep is not traced; with --world-size use --shard zero3 alone")
+        if self.offload != Offload.NONE:
+            raise MemestError(f"{flag} with --offload is not traced (the step's host memory is marked by phase); drop one")
+        if self.compile:
+            raise MemestError(f"{flag} with --compile is not traced; drop one")
 
     @property
     def training(self) -> bool:

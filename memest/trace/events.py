@@ -46,6 +46,9 @@ class StorageRecord:
     saved_for_backward: bool = False
     # held in host (CPU) memory by an offloading run (--offload): not part of the per-GPU events
     host: bool = False
+    # a saved tensor's host copy made by activation offloading (--activation-offload; also ``host``), apart from
+    # --offload's model state
+    saved_copy: bool = False
 
     def classify(self, category: Category) -> None:
         if CATEGORY_PRIORITY.index(category) < CATEGORY_PRIORITY.index(self.category):
@@ -152,12 +155,14 @@ class Trace:
         self.host_marks = [new_index[i][1] for i, _, _ in self.phase_marks]
         self.phase_marks = [(new_index[i][0], it, phase) for i, it, phase in self.phase_marks]
 
-    def host_peak(self) -> int:
-        """Peak bytes held in host memory (0 without offloading)."""
+    def host_peak(self, saved: bool | None = None) -> int:
+        """Peak bytes held in host memory (0 without offloading). ``saved``: True counts only the saved tensors'
+        copies of --activation-offload, False only the rest (--offload's model state, paged optimizer state)."""
         live = best = 0
-        for _, _, delta in self.host_events:
-            live += delta
-            best = max(best, live)
+        for _, sid, delta in self.host_events:
+            if saved is None or self.storages[sid].saved_copy == saved:
+                live += delta
+                best = max(best, live)
         return best
 
     def combined_peak(self) -> int:
