@@ -17,7 +17,7 @@ from memest.features.base import StepFeature
 from memest.features.quant import Linear4bitModel, quantize_linears
 from memest.features.quant_int8 import Linear8bitModel
 from memest.imports import quiet_library_import
-from memest.spec.choices import Quant, Target
+from memest.spec.choices import Quant, Shard, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
 
@@ -132,7 +132,9 @@ def _quantize(model, spec, dtype, where: str) -> str:
     else:
 
         compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
-        n = quantize_linears(model, str(spec.quant), spec.double_quant, compute)
+        # FSDP-QLoRA: the packed weights stored as the model's dtype for FSDP to shard (features/quant.py)
+        storage = dtype if spec.shard in (Shard.ZERO2, Shard.ZERO3) else torch.uint8
+        n = quantize_linears(model, str(spec.quant), spec.double_quant, compute, storage)
         note = (
             f"--quant {spec.quant}: {n} linear layers stored as bitsandbytes' Linear4bit stores them (packed 4-bit, "
             f"block-wise absmax{', double quantization' if spec.double_quant else ''}; modelled: features/quant.py), "
@@ -140,6 +142,9 @@ def _quantize(model, spec, dtype, where: str) -> str:
             "and backward (bitsandbytes' dequant + F.linear path; at <= 1536 tokens per step bitsandbytes may pick a "
             "fused kernel on some GPUs that skips the forward copy)"
         )
+        if storage != torch.uint8:
+            note += (f"; FSDP-QLoRA: packed weights stored as {str(storage).removeprefix('torch.')} "
+                     "(bnb_4bit_quant_storage) so FSDP shards them; the quantization state stays whole on every rank")
     if not n:
         raise MemestError(f"{where}: --quant {spec.quant} found no nn.Linear layer to quantize")
     return note

@@ -6,7 +6,13 @@ backward allocations are those of bitsandbytes 0.50 (the version installed and r
 ``bitsandbytes/...`` paths of github.com/bitsandbytes-foundation/bitsandbytes, 0.50.x):
 
 Stored, per layer of N x K weights, n = N*K elements (``functional.quantize_4bit``, ``quantize_blockwise``):
-  - packed weight: uint8 ``[(n + 1) // 2, 1]`` (two 4-bit codes per byte; ``quant_storage=torch.uint8``);
+  - packed weight: uint8 ``[(n + 1) // 2, 1]`` (two 4-bit codes per byte; ``quant_storage=torch.uint8``); under
+    FSDP (--shard zero3 / zero2) the same bytes viewed as the model's dtype, ``bnb_4bit_quant_storage=torch_dtype``,
+    so FSDP shards and all-gathers them like the other weights (the FSDP-QLoRA recipe: Answer.AI's fsdp_qlora,
+    train.py's ``replace_linear(model.model, Linear4bit, ..., quant_storage=torch_dtype)``,
+    https://github.com/AnswerDotAI/fsdp_qlora/blob/05ed9f2a60f96a0795cb082bceab70a9b19fd213/train.py, and
+    peft's guide, https://github.com/huggingface/peft/blob/5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40/docs/source/accelerate/fsdp.md);
+    the quantization state below is no parameter, so FSDP leaves it whole on every rank;
   - ``absmax``: one per block of ``blocksize`` = 64 elements (quantize_4bit's default), float32; with double
     quantization (``compress_statistics=True``, transformers' ``bnb_4bit_use_double_quant``) uint8 instead,
     plus the nested state: ``absmax`` float32 per 256 blocks, its own ``code`` (a copy of the 256-value
@@ -64,7 +70,8 @@ class Linear4bitModel(nn.Linear):
     target matching and ``all-linear`` see the layers they see on a bitsandbytes model; its own
     ``__init__`` holds only what bitsandbytes stores."""
 
-    def __init__(self, linear: nn.Module, quant_type: str, double_quant: bool, compute_dtype: torch.dtype):
+    def __init__(self, linear: nn.Module, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
+                 quant_storage: torch.dtype = torch.uint8):
         nn.Module.__init__(self)
         if isinstance(linear, nn.Linear):
             self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -75,7 +82,10 @@ class Linear4bitModel(nn.Linear):
         device = linear.weight.device
         n = self.in_features * self.out_features
         b = blocks(n, BLOCKSIZE)
-        weight = torch.zeros(((n + 1) // 2, 1), dtype=torch.uint8, device=device)
+        # quant_storage (bnb_4bit_quant_storage): the packed bytes viewed as that dtype, [(n + 1) // 2 / itemsize, 1]
+        # (backends/default/ops.py _quantize_4bit_impl: `packed.squeeze().view(quant_storage).unsqueeze(1)`)
+        packed = (n + 1) // 2 // quant_storage.itemsize
+        weight = torch.zeros((packed, 1), dtype=quant_storage, device=device)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.logical_numel = n  # what the weight was: parameter counts stay those of the model
         self.bias = linear.bias
@@ -154,11 +164,13 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
 
 
-def quantize_linears(model: nn.Module, quant_type: str, double_quant: bool, compute_dtype: torch.dtype) -> int:
+def quantize_linears(model: nn.Module, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
+                     quant_storage: torch.dtype = torch.uint8) -> int:
     """Replace every nn.Linear (and transformers' Conv1D) but the output head with the stand-in, as
     transformers' bitsandbytes integration (``replace_with_bnb_linear``) replaces them with Linear4bit (embeddings and norms are not linear and stay as they are).
     Returns the number of layers replaced."""
-    return replace_linears(model, lambda child: Linear4bitModel(child, quant_type, double_quant, compute_dtype))
+    return replace_linears(model, lambda child: Linear4bitModel(child, quant_type, double_quant, compute_dtype,
+                                                                quant_storage))
 
 
 def replace_linears(model: nn.Module, make) -> int:

@@ -547,6 +547,10 @@ def plan_parallel(model: str, gpus: int, budget: int, budget_label: str, base: R
     not traced (None or 0: every layout is traced). ``prune=False, top=None`` traces every layout. ``workers``:
     processes tracing at once (default: WORKERS); the plan is the same with any number."""
     start = time.perf_counter()
+    if base.quant != Quant.NONE:  # every layout of 2+ GPUs shards the base (spec/run.py quant_layout_unmodelled)
+        raise MemestError(f"plan-parallel with --quant {base.quant}: a quantized base sharded over GPUs (FSDP-QLoRA, "
+                          "DeepSpeed ZeRO-3 QLoRA) is not modelled; drop --quant to lay out a 16-bit base, or estimate "
+                          "plain DDP with memest estimate --world-size N --shard none")
     config, _ = _config(model)
     layers = config["num_hidden_layers"]
     base = with_traced_seq(base)

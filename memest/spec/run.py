@@ -26,7 +26,7 @@ from memest.spec.choices import (
     ZeroGrad,
 )
 from memest.spec.lora import freeze_patterns, parse_lora
-from memest.spec.parallel_dims import ParallelDims, validate
+from memest.spec.parallel_dims import FSDP_SHARDS, ParallelDims, validate
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
@@ -47,6 +47,23 @@ _CHOICE_FIELDS = {
     "ep_routing": (ExpertRouting, "ep_routing"),
     "cp_rotate": (CpRotate, "--cp-rotate"),
 }
+
+
+def quant_layout_unmodelled(spec) -> list[str]:
+    """The options of ``spec``'s layout that memest does not model under a quantized base (--quant): --shard
+    other than FSDP2's zero3 / zero2 over nf4/fp4 in fp32 or bf16, any --offload, --tp, --pp, --cp or --ep (RunSpec refuses
+    them; plan-parallel refuses --quant)."""
+    out = []
+    # FSDP-QLoRA (FSDP2: --shard zero3 or zero2 over a 4-bit base in fp32 or bf16, pure data parallel) is modelled
+    # and checked against real gloo ranks (tests/test_fsdp_qlora.py); mixed precision would cast the packed storage
+    fsdp = spec.shard in FSDP_SHARDS and spec.quant in (Quant.NF4, Quant.FP4)
+    fsdp_qlora = fsdp and spec.precision in (Precision.FP32, Precision.BF16)
+    if spec.shard != Shard.NONE and not fsdp_qlora:
+        out.append(f"--shard {spec.shard}" + (f" with --precision {spec.precision}" if fsdp else ""))
+    if spec.offload != Offload.NONE:
+        out.append(f"--offload {spec.offload}")
+    out += [f"--{name} {getattr(spec, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(spec, name) > 1]
+    return out
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,7 @@ class RunSpec:
         if self.offload == Offload.PARAMS and self.shard != Shard.ZERO3:
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         validate(self.parallel, self)
+        self._check_quant_layout()
         self._check_compile()
         self._check_optim_in_backward()
         if self.iterations < 1:
@@ -218,6 +236,23 @@ class RunSpec:
                               "add --quant nf4")
         if (self.lora or self.freeze) and not self.training:
             raise MemestError(f"--lora and --freeze describe fine-tuning; drop them with --mode {self.mode}")
+
+    def _check_quant_layout(self) -> None:
+        """A quantized base under sharding, offload or model parallelism is refused where it is not modelled
+        (quant_layout_unmodelled). Modelled, each against real gloo ranks (tests/test_fsdp_qlora.py): plain DDP
+        (--world-size N, --shard none) and FSDP-QLoRA, --shard zero3 / zero2 over a 4-bit base in bf16 or fp32, whose
+        packed weights are stored as the model's dtype (``bnb_4bit_quant_storage``, features/quant.py)."""
+        if self.quant == Quant.NONE:
+            return
+        unmodelled = quant_layout_unmodelled(self)
+        if unmodelled:
+            raise MemestError(
+                f"--quant {self.quant} with {' and '.join(unmodelled)} is not modelled (a bitsandbytes base laid out so, "
+                "e.g. DeepSpeed ZeRO-3 or FSDP with offload over QLoRA, is not checked against a real run); "
+                f"drop {unmodelled[0].split()[0]} (plain DDP, --world-size N --shard none, is modelled"
+                f"{'; so is --shard zero3 or zero2 in --precision bf16 or fp32, the FSDP-QLoRA recipe' if self.quant != Quant.INT8 else ''}), "
+                "or drop --quant to estimate a 16-bit base sharded"
+            )
 
     def _check_compile(self) -> None:
         if self.compile and self.world_size > 1:
