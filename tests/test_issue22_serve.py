@@ -11,20 +11,10 @@ from memest.cli import app
 from memest.errors import MemestError
 from memest.serve.plan import ServeSpec, plan_serve
 
+from .conftest import one_line_error, run
+
 runner = CliRunner()
 GiB = 2**30
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, code=2):
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("memest: error")]
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
 
 
 def write(tmp_path, name, text):
