@@ -1,7 +1,7 @@
 """What re-checking serve's fixes costs: plan_serve with and without the re-check, each in a fresh process (no
 cache carried over), median of N runs; wall and CPU seconds, and how many profile runs were traced.
 
-    PYTHONPATH=$PWD python scripts/bench_serve_recheck.py [--runs 3]
+    PYTHONPATH=$PWD python scripts/bench_serve_recheck.py [--runs 3] [--modes off,on,fixes-only]
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ CHILD = r"""
 import json, sys, time
 from memest.serve import profile as prof, vllm
 from memest.serve.plan import ServeSpec, load_config, plan_serve
-model, total, card, extra, recheck = json.loads(sys.argv[1])
+model, total, card, extra, mode = json.loads(sys.argv[1])
+recheck = mode != "off"
+if mode == "fixes-only":  # the engine's fixes re-checked, no larger-GPU search (what main re-checked)
+    import memest.serve.plan as plan_module
+    plan_module._larger_gpu = lambda *a: None
 config = load_config(model)
 traced = []
 real = vllm.trace_profile_run
@@ -42,9 +46,9 @@ print(json.dumps({"wall": time.perf_counter() - w, "cpu": time.process_time() - 
 """
 
 
-def _child(model, total, card, extra, recheck) -> dict:
+def _child(model, total, card, extra, mode) -> dict:
     for _ in range(2):  # one retry: a child that fails prints why on stderr
-        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([model, total, card, extra, recheck])],
+        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([model, total, card, extra, mode])],
                               capture_output=True, text=True)
         if done.returncode == 0:
             return json.loads(done.stdout.splitlines()[-1])
@@ -55,13 +59,16 @@ def _child(model, total, card, extra, recheck) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
-    runs = ap.parse_args().runs
+    ap.add_argument("--modes", default="off,on", help="off: no re-check; on: the re-check; fixes-only: the re-check "
+                    "without the larger-GPU search")
+    args = ap.parse_args()
+    runs = args.runs
     for name, (model, total, card, extra) in CASES.items():
-        for recheck in (False, True):
-            out = [_child(model, total, card, extra, recheck) for _ in range(runs)]
+        for mode in args.modes.split(","):
+            out = [_child(model, total, card, extra, mode) for _ in range(runs)]
             wall = statistics.median(o["wall"] for o in out)
             cpu = statistics.median(o["cpu"] for o in out)
-            print(f"{name} | recheck={recheck} | wall {wall:.2f} s | cpu {cpu:.2f} s | traced at tp "
+            print(f"{name} | re-check {mode} | wall {wall:.2f} s | cpu {cpu:.2f} s | traced at tp "
                   f"{out[0]['traced_tp']} | {out[0]['verdict']} | fixes {out[0]['fixes']} | larger GPU "
                   f"{out[0]['larger_gpu']}")
 
