@@ -46,3 +46,39 @@ def lowest_of_runs(spec, ranks: list[dict], traced=None, more: int = 4) -> list[
         again = measure_distributed_peaks([spec])[0]
         ranks = [min(a, b, key=lambda r: r["peak_bytes"]) for a, b in zip(ranks, again, strict=True)]
     return ranks
+
+
+_RUNNER = []
+
+
+def run(*args, env=None):
+    """The CLI in-process on ``args`` (each made a string), as a user would type them."""
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    if not _RUNNER:
+        _RUNNER.append(CliRunner())
+    return _RUNNER[0].invoke(app, [str(a) for a in args], env=env)
+
+
+def one_line_error(result, code=2, *, alone: bool = False, full_prefix: bool = False, traceback: bool = True,
+                   internal: bool = False) -> str:
+    """The one error line of a CLI ``result`` that exited ``code``. The strictness: ``alone``: it is stderr's only
+    line, starting 'memest: error: ' (else: the only line starting 'memest: error' among progress lines, and with
+    ``full_prefix`` starting 'memest: error: '); ``traceback``: stderr holds no 'Traceback'; ``internal``: nor
+    'internal error'. Each test file binds the strictness it has always asserted."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    if alone:
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr
+    else:
+        lines = [line for line in result.stderr.strip().splitlines() if line.startswith("memest: error")]
+        assert len(lines) == 1, result.stderr
+        if full_prefix:
+            assert lines[0].startswith("memest: error: "), result.stderr
+    if traceback:
+        assert "Traceback" not in result.stderr, result.stderr
+    if internal:
+        assert "internal error" not in result.stderr, result.stderr
+    return lines[0]

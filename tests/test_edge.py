@@ -6,25 +6,8 @@ import os
 import stat
 
 import pytest
-from typer.testing import CliRunner
 
-from memest.cli import app
-
-from .conftest import ROOT, model_ref
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, code=2):
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("memest: error")]
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr or "--debug" in " ".join(result.args if hasattr(result, "args") else [])
-    return lines[0]
+from .conftest import ROOT, model_ref, one_line_error, run
 
 
 def write(tmp_path, name, text):

@@ -7,16 +7,10 @@ from typer.testing import CliRunner
 from memest.cli import app
 
 from .conftest import ROOT
+from .conftest import one_line_error as error_line  # exit 2, the one error line, no traceback
 
 runner = CliRunner()
 MLP = str(ROOT / "examples" / "mlp.py")
-
-
-def error_line(result):
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("memest: error")]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 def test_a_yaml_key_given_twice_is_refused_not_the_last_kept(tmp_path):

@@ -2,27 +2,15 @@
 
 import json
 import os
+from functools import partial
 
 import pytest
-from typer.testing import CliRunner
 
-from memest.cli import app
+from .conftest import ROOT, run
+from .conftest import one_line_error as shared_one_line_error
 
-from .conftest import ROOT
-
-runner = CliRunner()
+one_line_error = partial(shared_one_line_error, alone=True, traceback=False)  # its strictness: the error is stderr's only line
 MLP = str(ROOT / "examples" / "mlp.py")
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, code=2):
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr
-    return lines[0]
 
 
 # -- 19: estimate --fail-if-not-fits says TIGHT on stderr, as check does ----------------------------

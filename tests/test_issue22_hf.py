@@ -1,31 +1,18 @@
 """Issue 22, hf: sources and their inputs: items 1, 9, 23, 32, 33 and the non-UTF-8 clause of 26."""
 
 import json
+from functools import partial
 
-from typer.testing import CliRunner
-
-from memest.cli import app
 from memest.estimator import estimate
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import CONFIGS
+from .conftest import CONFIGS, run
+from .conftest import one_line_error as shared_one_line_error
 
-runner = CliRunner()
+one_line_error = partial(shared_one_line_error, alone=True)  # its strictness: stderr's only line, no traceback
 REL_TOL = 0.02  # as tests/test_accuracy_cpu.py
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, code=2):
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
 
 
 def tiny_llama(tmp_path, name="tiny", **changes) -> str:

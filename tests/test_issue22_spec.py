@@ -1,26 +1,14 @@
 """Issue 22, the spec and value items (4, 7, 16, 24, 25, 26 in part, 27): inputs a CI gate could read wrongly
 are refused with one line naming the fix; none reaches an internal error."""
 
+from functools import partial
+
 import pytest
-from typer.testing import CliRunner
 
-from memest.cli import app
+from .conftest import model_ref, run
+from .conftest import one_line_error as shared_one_line_error
 
-from .conftest import model_ref
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, code=2):
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("memest: error")]
-    assert len(lines) == 1 and lines[0].startswith("memest: error: "), result.stderr  # progress lines may precede it
-    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
-    return lines[0]
+one_line_error = partial(shared_one_line_error, full_prefix=True, internal=True)  # progress lines may precede it
 
 
 def config(tmp_path, body: str, name: str = "run.yaml"):

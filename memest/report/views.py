@@ -374,6 +374,7 @@ def serve_doc(plan) -> dict:
         "profile_run": plan.profile.to_dict() if plan.profile else None,
         "context": plan.context.to_dict() if plan.context else None,
         "verdict": plan.verdict, "starts": plan.starts, "reasons": plan.reasons, "fixes": plan.fixes,
+        "larger_gpu": plan.larger_gpu,
         "longest_context": plan.longest_context, "notes": plan.notes, "seconds": round(plan.seconds, 3),
         "non_torch": plan.non_torch.to_dict() if plan.non_torch else None,
         "non_torch_calibrated": bool(plan.spec.non_torch is not None),
@@ -441,6 +442,9 @@ def serve_lines(p, unit) -> list[str]:
     lines.append(f"verdict: {SERVE_VERDICT[p.verdict]}")
     lines += [f"  why: {r}" for r in p.reasons]
     lines += [f"  fix: {f}" for f in p.fixes]
+    if p.larger_gpu:
+        lines.append(f"  on a larger GPU: --gpu {p.larger_gpu} starts with these settings (re-planned with its "
+                     "compute capability and vLLM's defaults for it)")
     lines += [f"note: {n}" for n in p.notes]
     return lines
 

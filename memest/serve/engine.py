@@ -51,6 +51,7 @@ class Setup:
     context: Part  # the CUDA context (measured or the evidence spread)
     notes: list[str]  # the KV notes every plan starts with
     profiles: dict = field(default_factory=dict)  # traced profile runs by their inputs, shared by the fixes' re-plans
+    floor: bool = False  # a fix's first re-check: the profile run's lower bound, not traced (serve/profile.py)
 
     @property
     def model_name(self) -> str:
@@ -135,7 +136,8 @@ class ServePlan:
     context: Part | None = None
     verdict: ServeVerdict = ServeVerdict.STARTS
     reasons: list[str] = field(default_factory=list)
-    fixes: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)  # each re-planned: applied alone, the verdict is 'starts'
+    larger_gpu: str | None = None  # the smallest catalogue GPU these settings start on (when they do not here)
     longest_context: int = 0  # the longest max_model_len one sequence fits at this budget
     longest_context_low: int = 0  # ... with every cost at the high end of its range
     longest_context_high: int = 0  # ... with every cost at the low end of its range

@@ -3,7 +3,7 @@ sees, and the measured terms (non-torch, CUDA context) of a calibration profile 
 
 from __future__ import annotations
 
-from memest.device.catalogue import normalise
+from memest.device.catalogue import CARDS, normalise
 from memest.serve.evidence import TOTALS, measured_context, measured_non_torch
 
 
@@ -32,3 +32,16 @@ def serve_measured(ctx, tp: int, non_torch_memory: float | None) -> dict:
     if context is not None:
         out["context"] = context
     return out
+
+
+def larger_cards(total: int) -> list[tuple[str, int, tuple[int, int]]]:
+    """The catalogue's cards (device/catalogue.py) whose total as the engine sees it (a logged total where TOTALS has
+    one, else the nominal size) is above ``total``: (name, total, compute capability), smallest first, one name per
+    (total, generation) (h100 for h100-80gb)."""
+    seen, out = set(), []
+    for name, (nominal, cc) in sorted(CARDS.items(), key=lambda kv: (kv[1][0], len(kv[0]), kv[0])):
+        size = TOTALS.get(name, (nominal,))[0]
+        if size > total and (size, cc) not in seen:
+            seen.add((size, cc))
+            out.append((name, size, cc))
+    return sorted(out, key=lambda c: c[1])

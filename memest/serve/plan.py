@@ -12,18 +12,23 @@ from memest.device.overheads import context_spread
 from memest.errors import MemestError
 from memest.serve import evidence
 from memest.serve.budget import Part
-from memest.serve.engine import ServePlan, ServeSpec, Setup
+from memest.serve.engine import ServePlan, ServeSpec, Setup, gib
 from memest.serve.engines import engine_for
+from memest.serve.gpu import larger_cards
 from memest.serve.kv import model_dtype, model_kv
 from memest.serve.model import load_config, require_decoder
+from memest.serve.profile import TRACED
 from memest.spec.choices import ServeVerdict
 
 __all__ = ["ServePlan", "ServeSpec", "load_config", "plan_serve", "validate"]
 
 
-def plan_serve(spec: ServeSpec, config=None, *, recheck: bool = True, profiles: dict | None = None) -> ServePlan:
-    """``recheck``: keep only the fixes that, applied, make the verdict 'starts' (each re-planned); ``profiles``:
-    traced profile runs to reuse (the re-plans share the first plan's)."""
+def plan_serve(spec: ServeSpec, config=None, *, recheck: bool = True, profiles: dict | None = None,
+               floor: bool = False) -> ServePlan:
+    """``recheck``: keep only the fixes that, applied, make the verdict 'starts' (each re-planned), and look for
+    the smallest GPU class of memest's catalogue it starts on; ``profiles``: traced profile runs to reuse (default:
+    the process's, serve/profile.py TRACED); ``floor``: plan with the profile run's lower bound, untraced (a fix's
+    first, cheap re-check)."""
     start = time.perf_counter()
     config = validate(spec, config)
     engine = engine_for(spec.engine)
@@ -36,20 +41,11 @@ def plan_serve(spec: ServeSpec, config=None, *, recheck: bool = True, profiles: 
     tokens, seqs, batching = evidence.default_batching(spec.total_bytes, spec.card)
     batched = spec.max_num_batched_tokens or tokens
     num_seqs = min(spec.max_num_seqs or seqs, batched)
-    profiles = {} if profiles is None else profiles
+    profiles = TRACED if profiles is None else profiles
     plan = engine.plan(Setup(spec, config, kv, dtype, max_len, positions, num_seqs, batched, batching, _context(spec),
-                             list(kv.notes), profiles))
-    if recheck and plan.fixes:
-        offered, plan.fixes = plan.fixes, []
-        for fix in offered:
-            verdict = _fix_verdict(fix, spec, config, profiles)
-            if verdict == ServeVerdict.STARTS:
-                plan.fixes.append(fix)
-            elif verdict == ServeVerdict.MAY_NOT_START and plan.verdict == ServeVerdict.WILL_NOT_START:
-                plan.fixes.append(f"{fix}; then it MAY NOT START (it fits only with the expected or low-end costs)")
-        if not plan.fixes:
-            plan.notes.append(f"no single change memest checks makes it start ({'; '.join(offered)}: each re-planned, "
-                              "none starts): a larger GPU, more GPUs or a smaller model")
+                             list(kv.notes), profiles, floor))
+    if recheck and plan.verdict != ServeVerdict.STARTS:
+        recheck_fixes(plan, config, profiles)
     plan.seconds = time.perf_counter() - start
     return plan
 
@@ -58,22 +54,78 @@ def plan_serve(spec: ServeSpec, config=None, *, recheck: bool = True, profiles: 
 FIX_FIELDS = {"--max-model-len": ("max_model_len", int), "--gpu-memory-utilization": ("utilization", float),
               "--kv-dtype": ("kv_dtype", str), "--tp": ("tp", int)}
 FIX = re.compile(r"^(--[a-z-]+) (\S+)(?: or (higher|lower))?")
+# --tp fixes: doublings of the given tp up to one 8-GPU node (NVIDIA DGX/HGX H100 and H200 systems hold 8 GPUs:
+# nvidia.com/en-us/data-center/dgx-h100/), or twice the given tp where that is already more
+MAX_TP = 8
 
 
-def _fix_verdict(fix: str, spec: ServeSpec, config, profiles: dict) -> ServeVerdict:
-    """The verdict with a printed fix applied (the plan again). A bound ("X or lower", "X or higher") is tried at
-    the best value it allows (X for the utilization's upper bound; 1.0, the whole GPU, for SGLang's lower one). A
-    suggestion that is not a setting (measure the non-torch memory) counts as starting: it narrows a range, which no
-    re-plan here can stand for. A fix memest itself refuses (a layout vLLM refuses) does not start."""
-    m = FIX.match(fix)
-    if m is None or m.group(1) not in FIX_FIELDS:
-        return ServeVerdict.STARTS
-    name, kind = FIX_FIELDS[m.group(1)]
+def recheck_fixes(plan: ServePlan, config, profiles: dict) -> None:
+    """Keep only the engine's fixes that, applied one at a time, make the verdict 'starts' (each re-planned; a
+    '--tp' fix becomes the smallest doubling up to MAX_TP that starts), then the smallest larger GPU class that
+    starts with the same settings (``plan.larger_gpu``). When no fix starts, one note says so and what was tried."""
+    spec = plan.spec
+    offered, plan.fixes, tried = plan.fixes, [], []
+    for fix in offered:
+        m = FIX.match(fix)
+        if m is not None and m.group(1) == "--tp":
+            tps = _tp_candidates(spec.tp)
+            found = next((t for t in tps if _starts(replace(spec, tp=t), config, profiles)), None)
+            if found is not None:
+                plan.fixes.append(f"--tp {found} (weights and KV heads split over {found} GPUs)")
+            tried.append("--tp " + ", ".join(map(str, tps)))
+        elif m is not None and m.group(1) in FIX_FIELDS:
+            name, kind = FIX_FIELDS[m.group(1)]
+            try:  # a bound ("X or lower", "X or higher") at the best value it allows (1.0: the whole GPU)
+                value = 1.0 if m.group(3) == "higher" and name == "utilization" else kind(m.group(2))
+            except ValueError:
+                continue
+            if _starts(replace(spec, **{name: value}), config, profiles):
+                plan.fixes.append(fix)
+            tried.append(fix.split(" (")[0])
+        elif fix.startswith("--non-torch-memory") and plan.non_torch is not None:
+            # a measurement, not a setting: kept when a measured value at the low end of the range starts it
+            nt = plan.non_torch
+            if _starts(replace(spec, non_torch=Part.exact(nt.name, nt.low, "the range's low end")), config, profiles):
+                plan.fixes.append(f"{fix} (with a measured {gib(nt.low)} GiB, the range's low end, it starts)")
+            tried.append("--non-torch-memory")
+    plan.larger_gpu = _larger_gpu(spec, config, profiles)
+    if not plan.fixes:
+        found = (f"; it starts on a larger GPU: --gpu {plan.larger_gpu}" if plan.larger_gpu else
+                 ": a GPU larger than memest's catalogue holds, more GPUs or a smaller model")
+        plan.notes.append(f"no single change memest checks makes it start ({'; '.join(tried) or 'no setting to try'}: "
+                          f"each re-planned, none starts){found}")
+
+
+def _tp_candidates(tp: int) -> list[int]:
+    out, t = [], tp * 2
+    while t <= max(MAX_TP, tp * 2):
+        out.append(t)
+        t *= 2
+    return out
+
+
+def _starts(spec: ServeSpec, config, profiles: dict) -> bool:
+    """Whether ``spec`` starts: first planned with the profile run's untraced lower bound (no trace when even that
+    does not start), then, only if it does, with the traced run (traced once per inputs: ``profiles``). A setting
+    memest refuses (a layout vLLM refuses) does not start."""
     try:
-        value = 1.0 if m.group(3) == "higher" and name == "utilization" else kind(m.group(2))
-        return plan_serve(replace(spec, **{name: value}), config, recheck=False, profiles=profiles).verdict
+        if plan_serve(spec, config, recheck=False, profiles=profiles, floor=True).verdict != ServeVerdict.STARTS:
+            return False
+        return plan_serve(spec, config, recheck=False, profiles=profiles).verdict == ServeVerdict.STARTS
     except (MemestError, ValueError):
-        return ServeVerdict.WILL_NOT_START
+        return False
+
+
+def _larger_gpu(spec: ServeSpec, config, profiles: dict) -> str | None:
+    """The smallest GPU class of memest's catalogue (device/catalogue.py; the engine's logged total where
+    serve/evidence.py TOTALS has one) above this one's total on which these settings start: its compute capability
+    and vLLM's batching defaults for it, the evidence's ranges (a measured context or non-torch term belongs to the
+    user's own GPU)."""
+    for name, total, cc in larger_cards(spec.total_bytes):
+        other = replace(spec, total_bytes=total, card=name, compute_capability=cc, non_torch=None, context=None)
+        if _starts(other, config, profiles):
+            return f"{name} ({gib(total)} GiB)"
+    return None
 
 
 def validate(spec: ServeSpec, config=None):

@@ -160,16 +160,46 @@ def trace_profile_run(config, tp: int, tokens: int, logit_rows: int, dtype: str,
         notes.append("profile forward: the embedding output transformers keeps referenced through the layers is "
                      "not held by vLLM's forward (one tokens x hidden tensor subtracted)")
     vocab = int(config.vocab_size)
-    held = tokens * hidden * size + 2 * rows * hidden * size  # hidden states of the forward, last rows, rand_like
-    logits = rows * vocab * (size + 4)  # model-dtype logits + the sampler's fp32 copy
-    sampler = held + logits + rows * vocab * sampler_sort_extra(rows)
-    sampler_low = held + logits + rows * vocab * SAMPLER_FUSED_EXTRA
+    sampler, sampler_low = sampler_phase(config, tokens, rows, dtype)
     expected = max(forward, sampler)
     low = max(forward, sampler_low)
     notes.append(f"profile run: forward of {tokens} tokens traced ({forward / 2**30:.2f} GiB above the weights); "
                  f"sampler on {rows} requests x {vocab} vocab ({sampler / 2**30:.2f} GiB, top-k/top-p sort path; "
                  f"{sampler_low / 2**30:.2f} GiB with a fused kernel)")
-    part = Part("activation peak (profile run)", expected, low, expected,
+    part = Part(ACTIVATION_NAME, expected, low, expected,
                 "traced forward of max_num_batched_tokens tokens (transformers' code, --target cuda) and the sampler "
                 "phase (vllm/v1/sample); gpu_model_runner.py profile_run")
     return ProfileRun(part, forward, sampler, tokens, rows, seconds, notes, built[-1], split)
+
+
+ACTIVATION_NAME = "activation peak (profile run)"
+TRACED: dict = {}  # the process's traced profile runs (serve/vllm.py _profile), at most TRACED_KEPT of them
+TRACED_KEPT = 32
+
+
+def remember(cache: dict, key, value) -> None:
+    """Keep ``value`` under ``key``, dropping the oldest entry past TRACED_KEPT (each holds a few numbers)."""
+    cache[key] = value
+    while len(cache) > TRACED_KEPT:
+        del cache[next(iter(cache))]
+
+
+def sampler_phase(config, tokens: int, rows: int, dtype: str) -> tuple[int, int]:
+    """The sampler phase's bytes on ``rows`` requests: the PyTorch sort path (expected) and a fused top-k/top-p
+    kernel (low); see SAMPLER_SORT_OUTPUTS above. No trace: arithmetic on the config."""
+    hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
+    size, vocab = DTYPE_BYTES[dtype], int(config.vocab_size)
+    held = tokens * hidden * size + 2 * rows * hidden * size  # hidden states of the forward, last rows, rand_like
+    logits = rows * vocab * (size + 4)  # model-dtype logits + the sampler's fp32 copy
+    return held + logits + rows * vocab * sampler_sort_extra(rows), held + logits + rows * vocab * SAMPLER_FUSED_EXTRA
+
+
+def profile_floor(config, tokens: int, logit_rows: int, dtype: str) -> ProfileRun:
+    """A lower bound of the profile run without tracing it: the activation peak is max(traced forward, sampler
+    phase) at every end of its range, so the sampler phase alone bounds it from below. A plan with this floor that
+    does not start cannot start with the traced run either (less activation only leaves more KV cache): the fixes'
+    re-check uses it to skip traces that cannot change the answer."""
+    rows = min(logit_rows, tokens)
+    sampler, sampler_low = sampler_phase(config, tokens, rows, dtype)
+    part = Part(ACTIVATION_NAME, sampler, sampler_low, sampler, "lower bound: the sampler phase alone (not traced)")
+    return ProfileRun(part, 0, sampler, tokens, rows, 0.0, ["profile run not traced: its lower bound only"])

@@ -26,7 +26,7 @@ from memest.serve.budget import Part
 from memest.serve.engine import Gate, ServeEngine, ServePlan, Setup, Sizes, gib
 from memest.serve.kv import ModelKV, cdiv, model_kv
 from memest.serve.model import build_meta
-from memest.serve.profile import trace_profile_run
+from memest.serve.profile import profile_floor, rank_config, remember, trace_profile_run
 from memest.serve.weights import weights_per_rank
 from memest.spec.choices import CudaGraphs, KvDtype, ServeVerdict
 
@@ -156,18 +156,7 @@ class VllmEngine(ServeEngine):
         spec, config, kv = setup.spec, setup.config, setup.kv
         util = spec.utilization if spec.utilization is not None else evidence.DEFAULT_UTILIZATION
         util_src = "--gpu-memory-utilization" if spec.utilization is not None else "vLLM default 0.9 (config/cache.py)"
-        key = (spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs, setup.dtype, spec.compute_capability)
-        if key in setup.profiles:  # a fix's re-plan that changes none of the profile's inputs
-            profile, weights = setup.profiles[key]
-        else:
-            profile = trace_profile_run(config, spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs,
-                                        setup.dtype, spec.compute_capability)
-            if profile.model is not None:
-                weights = weights_per_rank(profile.model, config, spec.tp, setup.dtype, split=profile.split)
-            else:
-                weights = weights_per_rank(build_meta(config), config, spec.tp, setup.dtype)
-            profile.model = None  # the fake model is not needed past here
-            setup.profiles[key] = (profile, weights)
+        profile, weights = _profile(setup)
         parts = [Part.exact("weights", weights.bytes, f"{weights.parameters:,} parameters as {setup.dtype} on one of "
                             f"{spec.tp} rank(s), + rotary cache (serve/weights.py)"), profile.activation,
                  spec.non_torch or evidence.non_torch(spec.tp)]
@@ -229,6 +218,37 @@ class VllmEngine(ServeEngine):
     @property
     def non_torch(self) -> Part | None:
         return next((p for p in self.budget.parts if p.name == evidence.NON_TORCH_NAME), None)
+
+
+def _profile(setup: Setup):
+    """The profile run and the weights on one rank: traced once per model and profile inputs (``setup.profiles``,
+    by default kept for the process: the same config, tp, tokens, requests, dtype and GPU generation trace the same
+    run), or, for ``setup.floor``, the profile run's lower bound and the weights of the rank's model on the meta
+    device (the same parameters the traced rank model holds), without a trace."""
+    spec, config = setup.spec, setup.config
+    to_json = getattr(config, "to_json_string", None)
+    key = (to_json() if to_json else id(config), spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs,
+           setup.dtype, spec.compute_capability)
+    if key in setup.profiles:  # traced before (a fix's re-plan that changes none of the profile's inputs)
+        return setup.profiles[key]
+    if setup.floor:
+        weights_key = ("weights",) + key[:2] + (setup.dtype,)
+        if weights_key not in setup.profiles:
+            rank, _ = rank_config(config, spec.tp)
+            split = spec.tp == 1 or rank is not config
+            remember(setup.profiles, weights_key,
+                     weights_per_rank(build_meta(rank), config, spec.tp, setup.dtype, split=split))
+        floor = profile_floor(config, setup.max_num_batched_tokens, setup.max_num_seqs, setup.dtype)
+        return floor, setup.profiles[weights_key]
+    profile = trace_profile_run(config, spec.tp, setup.max_num_batched_tokens, setup.max_num_seqs,
+                                setup.dtype, spec.compute_capability)
+    if profile.model is not None:
+        weights = weights_per_rank(profile.model, config, spec.tp, setup.dtype, split=profile.split)
+    else:
+        weights = weights_per_rank(build_meta(config), config, spec.tp, setup.dtype)
+    profile.model = None  # the fake model is not needed past here
+    remember(setup.profiles, key, (profile, weights))
+    return profile, weights
 
 
 # ------------------------------------------------------------------------------------ verdict, fixes
