@@ -53,6 +53,8 @@ class _Stderr(io.TextIOBase):
         self.send, self.like = send, like
 
     def write(self, text: str) -> int:
+        if not isinstance(text, str):  # as a text file does: click's echo probes with write(b"") for a binary one
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if text:
             self.send("stderr", text)
         return len(text)
