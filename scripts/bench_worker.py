@@ -85,13 +85,48 @@ def warm_cost(runs: int, argv: list[str]) -> tuple[list[float], list[float]]:
     return here, there
 
 
+def fork_after_openmp(wait: float = 60) -> None:
+    """Why the CLI forks before any torch operation: after this process ran an OpenMP parallel region (a real
+    1500x1500 matmul), a forked child's own parallel region hangs (GNU OpenMP's pool does not survive fork), unless
+    the child runs one thread; an estimate on fake tensors in such a child completes."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from memest.worker import WorkerError, in_worker
+
+    a = torch.randn(1500, 1500)
+    (a @ a).sum()
+
+    def matmul(at, threads=None):
+        if threads:
+            torch.set_num_threads(threads)
+        return float((a @ a).sum())
+
+    for name, work in (("a matmul in the child", matmul),
+                       ("a matmul in the child, torch.set_num_threads(1) first", lambda at: matmul(at, 1)),
+                       ("`memest estimate examples/mlp.py`'s work and rendering in the child", lambda at: _estimate_text(
+                           ["estimate", "examples/mlp.py"]) and "done")):
+        start = time.perf_counter()
+        try:
+            in_worker(work, wait)
+            how = "completed"
+        except WorkerError:
+            how = f"still running after {wait:g} s: stopped"
+        print(f"| {name} | {how} | {time.perf_counter() - start:.1f} s |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="main", help="git revision without the worker")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", choices=sorted(COMMANDS), action="append",
                         help="a command to time (repeatable; default: every one)")
+    parser.add_argument("--openmp", action="store_true", help="only: fork after an OpenMP parallel region")
     args = parser.parse_args()
+    if args.openmp:
+        print("| after this process ran an OpenMP parallel region | the worker | wall |\n|---|---|---:|")
+        fork_after_openmp()
+        return
     rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     after = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
