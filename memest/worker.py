@@ -2,7 +2,7 @@
 
 ``in_worker(work, timeout)`` runs ``work(at)`` in a child process started with multiprocessing's "fork"
 method and returns what ``work`` returns, which must be picklable. The CLI (``memest check``, and through
-``exits.run_command`` every other command that runs model code) forks after importing torch but before running
+``exits.run_command`` ``memest estimate``) forks after importing torch but before running
 any torch operation: the parent then holds one native thread besides its main one (the one ``import torch``
 starts; counted in /proc/self/task), and the child imports nothing again. benchmarks/worker.md measures fork
 against "forkserver" (a fresh interpreter that would import torch again). ``at(label)`` tells the parent what
