@@ -23,7 +23,7 @@ from memest.app import (
     stderr_progress,
 )
 from memest.errors import EXIT_DOES_NOT_FIT, EXIT_OK, MemestError
-from memest.exits import OneLineErrors, output_format, run_command
+from memest.exits import InWorker, OneLineErrors, output_format, run_command
 from memest.report.views import (
     advise_view,
     calibrate_view,
@@ -115,7 +115,7 @@ def estimate(**o) -> None:
             typer.echo("memest: warning: TIGHT: counted as fitting; --strict counts tight as not fitting", err=True)
         return estimate_view(result, o["depth"], o["expand"]), code
 
-    run_command(work, _format(o), o["debug"])
+    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
 
 
 @command("check")

@@ -14,16 +14,18 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import typer
 from typer.core import TyperGroup
 
-from memest.app import hide_cuda
+from memest.app import check_timeout, hide_cuda
 from memest.errors import EXIT_OK, EXIT_USAGE, MemestError
 from memest.imports import keep_library_message, library_output_kept
-from memest.report.emit import emit
+from memest.report.emit import emit, render
 from memest.report.text import ascii_fallback_streams
 from memest.spec.choices import OutputFormat
+from memest.worker import in_worker
 
 
 class OneLineErrors(TyperGroup):
@@ -136,17 +138,34 @@ def library_noise_hidden(debug: bool):
                 sys.stderr.write(text)
 
 
-def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True) -> None:
+@dataclass(frozen=True)
+class InWorker:
+    """Run a command's work in a worker process (memest/worker.py): ``label`` names what runs (the model file)
+    when the process ends, crashes or runs past ``timeout`` seconds (None: no limit)."""
+
+    label: str
+    timeout: float | None
+
+
+def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True,
+                worker: InWorker | None = None) -> None:
     """Run a command's work -> (View, exit code), print it, exit. Exit codes never depend on --debug:
     0 ok, 1 does not fit, 2 usage / config / model errors and anything unexpected (never 0 or 1).
-    CUDA devices are hidden from torch first (only calibrate uses the GPU)."""
+    CUDA devices are hidden from torch first (only calibrate uses the GPU). ``worker``: the work runs in a
+    worker process, which renders the View in the output format and sends back only that text and the exit
+    code; this process writes the text (it owns stdout, the exit code and the time limit)."""
 
     if hide_gpus:
         hide_cuda()
+    text = None
     try:
         out_format = fmt()
         with library_noise_hidden(debug):
-            view, code = work()
+            if worker is None:
+                view, code = work()
+            else:
+                timeout = check_timeout(worker.timeout)
+                text, code = in_worker(lambda at: _rendered(work, out_format, debug), timeout, label=worker.label)
     except KeyboardInterrupt:
         typer.echo("memest: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -162,13 +181,26 @@ def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debu
         typer.echo(f"memest: internal error: {type(exc).__name__}: {first} (rerun with --debug and report it)", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     try:
-        emit(view, out_format, sys.stdout)
+        if text is None:
+            emit(view, out_format, sys.stdout)
+        else:
+            sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:  # stdout closed early (`| head -1`): the answer stands, the rest of the output is dropped
         drop_stdout()
     except SystemExit:  # rich's on_broken_pipe: stdout already on /dev/null, then SystemExit(1), "does not fit"
         drop_stdout()
     raise typer.Exit(code)
+
+
+def _rendered(work: Callable[[], tuple], out_format: OutputFormat, debug: bool) -> tuple[str, int]:
+    """In the worker: the work, then its View rendered as ``emit`` would write it to this stdout. While the work
+    runs, Python's stdout is stderr (only the parent writes stdout); the user's own warnings are shown here, as
+    the parent's ``library_noise_hidden`` would (what the child records never reaches the parent's list)."""
+    like = sys.stdout
+    with library_noise_hidden(debug), contextlib.redirect_stdout(sys.stderr):
+        view, code = work()
+    return render(view, out_format, like), code
 
 
 def drop_stdout() -> None:

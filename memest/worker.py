@@ -1,14 +1,18 @@
 """User code run in a worker process: the parent owns stdout, the exit code and the time limit.
 
 ``in_worker(work, timeout)`` runs ``work(at)`` in a child process started with multiprocessing's "fork"
-method and returns what ``work`` returns, which must be picklable. ``memest check`` forks after importing
-torch but before running any torch operation: the parent then holds one native thread besides its main one
-(the one ``import torch`` starts; counted in /proc/self/task), and the child imports nothing again.
-benchmarks/worker.md measures fork against "forkserver" (a fresh interpreter that would import torch again). ``at(label)``
-tells the parent what the child is running now (a config and its model file), so that a child that ends
-without an answer (``os._exit``, a signal, a segfault) or runs past ``timeout`` seconds is an error naming
-it, exit 2. An exception raised in the child is raised again in the parent: a ``MemestError`` as itself, any
-other as an exception of the same class name carrying the child's traceback as a note (``--debug``).
+method and returns what ``work`` returns, which must be picklable. The CLI (``memest check``, and through
+``exits.run_command`` ``memest estimate``) forks after importing torch but before running
+any torch operation: the parent then holds one native thread besides its main one (the one ``import torch``
+starts; counted in /proc/self/task), and the child imports nothing again. benchmarks/worker.md measures fork
+against "forkserver" (a fresh interpreter that would import torch again). ``at(label)`` tells the parent what
+the child is running now (a config and its model file), so that a child that ends without an answer
+(``os._exit``, a signal, a segfault) or runs past ``timeout`` seconds is an error naming it, exit 2. Forking
+after the parent ran an OpenMP parallel region is unsafe: GNU OpenMP's thread pool does not survive ``fork``
+and the child hangs at its first parallel region (measured: benchmarks/worker.md; the estimates measured there,
+on fake tensors, ran none). An exception raised in the child is raised again in the parent: a ``MemestError``
+as itself, any other as an exception of the same class name carrying the child's traceback as a note
+(``--debug``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class _Stderr(io.TextIOBase):
         self.send, self.like = send, like
 
     def write(self, text: str) -> int:
+        if not isinstance(text, str):  # as a text file does: click's echo probes with write(b"") for a binary one
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if text:
             self.send("stderr", text)
         return len(text)

@@ -7,7 +7,10 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -69,6 +72,39 @@ def emit(view: View, fmt: OutputFormat, out: IO[str]) -> None:
             console.print(_rich_table(block))
         else:
             console.print(block, markup=False, highlight=False)
+
+
+class _Captured(io.StringIO):
+    """A string that rich takes for ``like`` (the real stdout): the same terminal answer and encoding, so the
+    text rendered into it is, byte for byte, what ``emit`` writes to ``like`` itself."""
+
+    def __init__(self, like) -> None:
+        super().__init__()
+        self.like = like
+
+    def isatty(self) -> bool:
+        try:
+            return bool(self.like.isatty())
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.like, "encoding", None) or "utf-8"
+
+    @property
+    def errors(self) -> str | None:
+        return getattr(self.like, "errors", None)
+
+
+def render(view: View, fmt: OutputFormat, like: IO[str] | None = None) -> str:
+    """What ``emit(view, fmt, like)`` writes, as a string (memest's worker renders in the child and the parent
+    writes it: a View holds renderers closed over the trace, a string crosses a pipe in microseconds)."""
+    like = like if like is not None else sys.stdout
+    out = _Captured(like)
+    with contextlib.redirect_stdout(out):  # rich's Console writes to sys.stdout
+        emit(view, fmt, out)
+    return out.getvalue()
 
 
 def _markdown(view: View) -> str:

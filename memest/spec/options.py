@@ -208,7 +208,7 @@ OPTIONS: tuple[Option, ...] = (
            "GPU, as in trl's GRPO colocate mode (trl's default: 0.3); needs --gpu.", float, ("estimate",), None,
            optional=True),
     Option("timeout", ("--timeout",), "Seconds the model code may run (loading and tracing, in a worker process) "
-           "before memest stops it: exit 2 naming the file.", float, ("check",), 1800.0),
+           "before memest stops it: exit 2 naming the file.", float, ("check", "estimate"), 1800.0),
     Option("seq_search", ("--seq-search",), "Search the longest sequence instead.", bool, ("max-batch",), False),
     Option("limit", ("--limit",), "Largest size tried.", int, ("max-batch",), 65536),
     Option("gpus", ("--gpus",), "Also lay the model out on this many GPUs (plan-parallel's layouts; hf: models).", int,

@@ -1,0 +1,138 @@
+"""Issue 22's worker mechanism for `estimate`: the trace runs in a worker process, which sends
+back only the rendered output and the exit code. The output is byte for byte what the in-process path prints
+(the timing figures aside), and model code that ends the process, crashes or hangs is exit 2 naming the file.
+The CLI runs as a real subprocess where file descriptors and process exits are what is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from memest.cli import app
+
+from .conftest import CONFIGS, ROOT
+from .test_issue22_worker import error_line, memest, model_file
+
+TINY_HF = f"hf:{CONFIGS / 'gpt2-tiny.json'}"
+
+# the pre-worker path: the same CLI with `run_command` given no worker, so each command's View is built and
+# emitted in memest's own process, exactly as before the worker
+IN_PROCESS = "import sys, memest.cli as c; c.InWorker = lambda label, timeout: None; sys.argv[0] = 'memest'; c.main()"
+
+# the only figures that differ between two runs of the same command: how long the trace took
+_TIMINGS = [(re.compile(r"(traced in[*:\s]+)[0-9.]+ s"), r"\1<t> s"),
+            (re.compile(r'("(?:trace_)?seconds": )[0-9.e+-]+'), r"\1<t>")]
+
+
+def _masked(text: str) -> str:
+    for pattern, repl in _TIMINGS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def _in_process(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", IN_PROCESS, *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize("args", [
+    ("estimate", "examples/mlp.py"),
+    ("estimate", "examples/mlp.py", "--json"),
+    ("estimate", "examples/mlp.py", "--markdown", "--gpu", "11GB"),
+    ("estimate", TINY_HF, "--seq", "32"),
+    ("estimate", TINY_HF, "--seq", "32", "--json", "--gpu", "1MB", "--fail-if-not-fits"),
+], ids=["mlp-text", "mlp-json", "mlp-markdown", "hf-text", "hf-json-does-not-fit"])
+def test_worker_output_is_byte_identical_to_the_in_process_output(args):
+    before, after = _in_process(*args), memest(*args)
+    assert before.returncode == after.returncode, (before.stderr[-2000:], after.stderr[-2000:])
+    assert before.stdout.strip() and after.returncode in (0, 1), after.stderr[-2000:]
+    assert _masked(after.stdout) == _masked(before.stdout)
+    if "--json" in args:
+        json.loads(after.stdout)  # one document
+
+
+def test_masking_hides_only_the_timing_figures():
+    """The comparison above is not vacuous: a changed byte elsewhere shows."""
+    text = 'traced in                  0.62 s\n- **traced in**: 1.14 s\n  "trace_seconds": 0.79,\n "needed_bytes": 123'
+    assert _masked(text) == ('traced in                  <t> s\n- **traced in**: <t> s\n  "trace_seconds": <t>,\n'
+                             ' "needed_bytes": 123')
+    assert _masked(text) != _masked(text.replace("123", "124"))
+
+
+@pytest.mark.parametrize("name, body, says", [
+    ("os_exit", "import os; os._exit(0)", "exit status 0"),
+    ("sigkill", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+    ("segfault", "import ctypes; ctypes.string_at(0)", "SIGSEGV"),
+])
+@pytest.mark.parametrize("fmt", [(), ("--json",)], ids=["text", "json"])
+def test_estimate_model_code_ending_the_process_is_exit_2_naming_the_file(tmp_path, name, body, says, fmt):
+    proc = memest("estimate", model_file(tmp_path, name, body), "--gpu", "11GB", "--fail-if-not-fits", *fmt)
+    line = error_line(proc)
+    assert f"{name}.py" in line and says in line, line
+    assert proc.stdout == ""
+
+
+def test_estimate_hang_past_timeout_is_exit_2_naming_the_file(tmp_path):
+    proc = memest("estimate", model_file(tmp_path, "hangs", "import time; time.sleep(600)"), "--json",
+                  "--timeout", "15", timeout=100)
+    line = error_line(proc)
+    assert "hangs.py" in line and "--timeout" in line and "15 s" in line
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_timeout_must_be_positive_seconds(tmp_path, value):
+    result = CliRunner().invoke(app, ["estimate", model_file(tmp_path, "tiny"), "--timeout", value])
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert [x for x in result.stderr.splitlines() if x.startswith("memest: error")][0].count("--timeout") == 1
+
+
+def test_user_warnings_and_progress_from_the_worker_reach_stderr(tmp_path):
+    """What the child writes to stderr crosses back: the model code's own warning (shown once, as in-process)
+    and memest's notes; stdout stays the one JSON document."""
+    warns = model_file(tmp_path, "warns", "import warnings; warnings.warn('MODEL-WARNING-42')")
+    plot = tmp_path / "step.html"
+    proc = memest("estimate", warns, "--json", "--plot", plot)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("UserWarning: MODEL-WARNING-42") == 1, proc.stderr
+    assert f"memest: wrote {plot}" in proc.stderr and plot.stat().st_size > 0
+    assert json.loads(proc.stdout)["model"] == "warns"
+
+
+def test_tight_warning_and_exit_code_cross_back_under_the_cli_runner(tmp_path):
+    """Under typer's CliRunner (sys.stdout a captured stream, not fd 1) the parent writes the child's text into
+    it: the same document the app layer gives in-process, and the exit code of --fail-if-not-fits."""
+    from memest.app import run_estimate
+    from memest.report.emit import json_text
+    from memest.report.views import estimate_view
+
+    tiny = model_file(tmp_path, "tiny")
+    result = CliRunner().invoke(app, ["estimate", tiny, "--json", "--gpu", "1MB", "--fail-if-not-fits"])
+    assert result.exit_code == 1, result.stderr
+    here = json_text(estimate_view(run_estimate({"model": tiny}, "1MB")).doc)
+    assert _masked(result.stdout) == _masked(here + "\n")
+
+
+def test_python_api_runs_in_the_callers_process(tmp_path):
+    """The API stays in-process (documented): the model code sees the caller's pid."""
+    import memest
+
+    marker = tmp_path / "pid.txt"
+    tiny = model_file(tmp_path, "pid", f"import os; open({str(marker)!r}, 'w').write(str(os.getpid()))")
+    memest.estimate(tiny, batch=2)
+    assert int(marker.read_text()) == os.getpid()
+
+
+def test_cli_runs_model_code_in_another_process(tmp_path):
+    marker = tmp_path / "pid.txt"
+    tiny = model_file(tmp_path, "pid", f"import os; open({str(marker)!r}, 'w').write(str(os.getpid()))")
+    result = CliRunner().invoke(app, ["estimate", tiny, "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert int(marker.read_text()) != os.getpid()
