@@ -30,6 +30,15 @@ from typing import Any
 
 from memest.errors import MemestError
 
+_modelled_threads: int | None = None  # in a worker: the thread count of the process that forked it
+
+
+def modelled_threads(current: int) -> int:
+    """The CPU thread count an estimate models (oneDNN's per-thread scratch, the norms' per-thread buffers, the
+    serial/parallel split of data-dependent ops): ``current`` (``torch.get_num_threads()`` here), except in a
+    worker, which runs with one thread (``_child``) and models its parent's."""
+    return current if _modelled_threads is None else _modelled_threads
+
 START_METHOD = "fork"  # benchmarks/worker.md: the cheapest; the parent has run no torch operation at the fork
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -75,6 +84,15 @@ class _Stderr(io.TextIOBase):
 
 
 def _child(work: Callable, conn) -> None:
+    global _modelled_threads
+    import torch  # already imported by the parent: a dictionary lookup
+
+    # GNU OpenMP's thread pool does not survive fork: after the parent ran a parallel region (a pytest process
+    # that ran real steps, an API caller), the child's first parallel region hangs (a real matmul: stopped at
+    # 60 s; with one thread 0.8 s, benchmarks/worker.md). The child runs its real operations on one thread and
+    # models the parent's count.
+    _modelled_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     send = _Sender(conn)
     sys.stderr = _Stderr(send, sys.stderr)
     try:

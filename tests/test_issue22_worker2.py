@@ -136,3 +136,30 @@ def test_cli_runs_model_code_in_another_process(tmp_path):
     result = CliRunner().invoke(app, ["estimate", tiny, "--json"])
     assert result.exit_code == 0, result.stderr
     assert int(marker.read_text()) != os.getpid()
+
+
+def test_a_worker_forked_after_real_parallel_kernels_does_not_hang(tmp_path):
+    """GNU OpenMP's pool does not survive fork: a process that ran a real parallel matmul (this pytest process, an
+    API caller) forked a worker whose own real matmul hung (stopped at 100 s on main before the fix). The worker
+    runs on one thread and models its parent's thread count (worker.modelled_threads)."""
+    import torch
+
+    from memest import worker
+
+    a = torch.randn(1500, 1500)
+    assert float((a @ a).sum()) == float((a @ a).sum())  # a real parallel region in this process
+    path = tmp_path / "realcompute.py"
+    path.write_text(
+        "import torch\n"
+        "_W = torch.randn(1500, 1500)\n"
+        "_ = (_W @ _W).sum()  # a real parallel kernel at import, in the worker\n"
+        "def build_model():\n    return torch.nn.Linear(64, 64)\n"
+        "def example_inputs(batch, seq):\n    return (torch.randn(batch, 64),)\n"
+    )
+    result = CliRunner().invoke(app, ["estimate", str(path), "--target", "cpu", "--json", "--timeout", "120"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"] == "realcompute"
+    parent = torch.get_num_threads()
+    got = worker.in_worker(lambda at: (worker.modelled_threads(torch.get_num_threads()), torch.get_num_threads()), 60)
+    assert got == (parent, 1)
+    assert worker.modelled_threads(7) == 7  # this process is no worker

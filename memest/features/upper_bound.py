@@ -48,6 +48,7 @@ from memest.spec.choices import Target
 from memest.trace.events import Phase
 from memest.trace.fake_kernels import registered_fake_kernels
 from memest.trace.tracker import TrackerRules
+from memest.worker import modelled_threads
 
 aten = torch.ops.aten
 _INDEX_BYTES = 8  # int64 indices (nonzero's output dtype)
@@ -220,7 +221,7 @@ def _masked_select_cpu_scratch(args, kwargs) -> list[int]:
     x, mask = args[0], args[1]
     shape = tuple(torch.broadcast_shapes(x.shape, mask.shape))
     numel = math.prod(shape)
-    serial = ((x.numel() < GRAIN_SIZE or torch.get_num_threads() == 1) and x.is_contiguous() and tuple(x.shape) == shape
+    serial = ((x.numel() < GRAIN_SIZE or modelled_threads(torch.get_num_threads()) == 1) and x.is_contiguous() and tuple(x.shape) == shape
               and mask.is_contiguous() and tuple(mask.shape) == shape)
     if serial:
         return [numel * _INDEX_BYTES + 8]

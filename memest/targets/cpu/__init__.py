@@ -16,6 +16,7 @@ from memest.spec.choices import Mode
 from memest.targets.cpu import aten_losses, aten_norms, onednn_rnn
 from memest.targets.cpu.onednn_conv import ConvScratch
 from memest.units import format_bytes
+from memest.worker import modelled_threads
 
 aten = torch.ops.aten
 
@@ -52,7 +53,7 @@ def conv_modelled() -> bool:
 def cpu_kernels(nthreads: int | None = None) -> tuple[dict, dict, ConvScratch]:
     """(scratch, outputs, conv) hooks for one trace; ``conv`` counts the convolutions it modelled.
     ``nthreads``: oneDNN's thread count (some scratchpads are per thread), this process's by default."""
-    conv = ConvScratch(torch.get_num_threads() if nthreads is None else nthreads)
+    conv = ConvScratch(modelled_threads(torch.get_num_threads()) if nthreads is None else nthreads)
     scratch = dict(CPU_SCRATCH)
     if conv_modelled():
         scratch[aten.convolution.default] = conv.forward

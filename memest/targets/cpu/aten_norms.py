@@ -23,6 +23,7 @@ import math
 import torch
 
 from memest.targets.cuda.workspace import Workspace
+from memest.worker import modelled_threads
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -40,7 +41,7 @@ def forward_scratch(args, kwargs) -> list[int]:
 def backward_scratch(args, kwargs, nthreads: int | None = None) -> list[int]:
     dy, x, normalized_shape = args[0], args[1], args[2]
     mask = args[7] if len(args) > 7 else kwargs.get("output_mask", [True, True, True])
-    threads = torch.get_num_threads() if nthreads is None else nthreads
+    threads = modelled_threads(torch.get_num_threads()) if nthreads is None else nthreads
     n = math.prod(normalized_shape)
     buffer = 2 * threads * n * x.element_size() if (mask[1] or mask[2]) else 0
     return [_copy_if_strided(x), Workspace(_copy_if_strided(dy)), Workspace(buffer)]
