@@ -154,7 +154,7 @@ def whatif(**o) -> None:
                          progress=_progress(), calibration=o["calibration"])
         return whatif_view(run), EXIT_OK
 
-    run_command(work, _format(o), o["debug"])
+    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
 
 
 @command("max-batch")
@@ -169,7 +169,7 @@ def max_batch(**o) -> None:
                             calibration=o["calibration"])
         return max_batch_view(run), EXIT_OK
 
-    run_command(work, _format(o), o["debug"])
+    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
 
 
 @command("advise")
@@ -183,7 +183,7 @@ def advise(**o) -> None:
         return advise_view(run_advise(spec, o["gpu"], progress=_progress(), calibration=o["calibration"],
                                       gpus=o["gpus"])), EXIT_OK
 
-    run_command(work, _format(o), o["debug"])
+    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
 
 
 @command("serve")
@@ -197,7 +197,7 @@ def serve(**o) -> None:
         code = EXIT_DOES_NOT_FIT if o["fail_if_not_starts"] and not run.plan.starts else EXIT_OK
         return serve_view(run), code
 
-    run_command(work, _format(o), o["debug"])
+    run_command(work, _format(o), o["debug"], worker=InWorker(o["model"], o["timeout"]))
 
 
 @command("plan-parallel")
@@ -210,7 +210,7 @@ def plan_parallel(**o) -> None:
         return plan_parallel_view(run_plan_parallel(spec, o["gpus"], o["gpu"], progress=_progress(),
                                                     calibration=o["calibration"], top=o["top"])), EXIT_OK
 
-    run_command(work, _format(o), o["debug"])
+    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
 
 
 @command("gpus")

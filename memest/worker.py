@@ -2,15 +2,16 @@
 
 ``in_worker(work, timeout)`` runs ``work(at)`` in a child process started with multiprocessing's "fork"
 method and returns what ``work`` returns, which must be picklable. The CLI (``memest check``, and through
-``exits.run_command`` ``memest estimate``) forks after importing torch but before running
+``exits.run_command`` every other command that runs model code) forks after importing torch but before running
 any torch operation: the parent then holds one native thread besides its main one (the one ``import torch``
 starts; counted in /proc/self/task), and the child imports nothing again. benchmarks/worker.md measures fork
 against "forkserver" (a fresh interpreter that would import torch again). ``at(label)`` tells the parent what
 the child is running now (a config and its model file), so that a child that ends without an answer
 (``os._exit``, a signal, a segfault) or runs past ``timeout`` seconds is an error naming it, exit 2. Forking
 after the parent ran an OpenMP parallel region is unsafe: GNU OpenMP's thread pool does not survive ``fork``
-and the child hangs at its first parallel region (measured: benchmarks/worker.md; the estimates measured there,
-on fake tensors, ran none). An exception raised in the child is raised again in the parent: a ``MemestError``
+and the child hangs at its first parallel region (measured: benchmarks/worker.md). So the child runs its real
+operations (a model file's own computing, ``whatif``'s least-squares fit) on one thread and models its
+parent's thread count (``modelled_threads``). An exception raised in the child is raised again in the parent: a ``MemestError``
 as itself, any other as an exception of the same class name carrying the child's traceback as a note
 (``--debug``).
 """

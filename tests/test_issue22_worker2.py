@@ -1,4 +1,4 @@
-"""Issue 22's worker mechanism for `estimate`: the trace runs in a worker process, which sends
+"""Issue 22's worker mechanism for `estimate` and the planners: the trace runs in a worker process, which sends
 back only the rendered output and the exit code. The output is byte for byte what the in-process path prints
 (the timing figures aside), and model code that ends the process, crashes or hangs is exit 2 naming the file.
 The CLI runs as a real subprocess where file descriptors and process exits are what is tested."""
@@ -48,7 +48,9 @@ def _in_process(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     ("estimate", "examples/mlp.py", "--markdown", "--gpu", "11GB"),
     ("estimate", TINY_HF, "--seq", "32"),
     ("estimate", TINY_HF, "--seq", "32", "--json", "--gpu", "1MB", "--fail-if-not-fits"),
-], ids=["mlp-text", "mlp-json", "mlp-markdown", "hf-text", "hf-json-does-not-fit"])
+    ("whatif", "examples/mlp.py", "--batch", "1,2", "--target", "cpu"),
+    ("advise", "examples/mlp.py", "--gpu", "5MB", "--target", "cpu", "--json"),
+], ids=["mlp-text", "mlp-json", "mlp-markdown", "hf-text", "hf-json-does-not-fit", "whatif", "advise-json"])
 def test_worker_output_is_byte_identical_to_the_in_process_output(args):
     before, after = _in_process(*args), memest(*args)
     assert before.returncode == after.returncode, (before.stderr[-2000:], after.stderr[-2000:])
@@ -87,9 +89,30 @@ def test_estimate_hang_past_timeout_is_exit_2_naming_the_file(tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("command, extra", [
+    ("whatif", ("--batch", "1,2")),
+    ("max-batch", ("--gpu", "11GB")),
+    ("advise", ("--gpu", "1MB")),
+])
+def test_planner_model_code_ending_the_process_is_exit_2_naming_the_file(tmp_path, command, extra):
+    proc = memest(command, model_file(tmp_path, "os_exit", "import os; os._exit(0)"), "--target", "cpu", *extra)
+    line = error_line(proc)
+    assert "os_exit.py" in line and "exit status 0" in line, line
+    assert proc.stdout == ""
+
+
+def test_planner_hang_past_timeout_is_exit_2(tmp_path):
+    proc = memest("whatif", model_file(tmp_path, "hangs", "import time; time.sleep(600)"), "--batch", "1,2",
+                  "--timeout", "15", timeout=100)
+    line = error_line(proc)
+    assert "hangs.py" in line and "--timeout" in line
+
+
+@pytest.mark.parametrize("command", ["estimate", "whatif"])
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
-def test_timeout_must_be_positive_seconds(tmp_path, value):
-    result = CliRunner().invoke(app, ["estimate", model_file(tmp_path, "tiny"), "--timeout", value])
+def test_timeout_must_be_positive_seconds(tmp_path, command, value):
+    extra = ("--batch", "1,2") if command == "whatif" else ()
+    result = CliRunner().invoke(app, [command, model_file(tmp_path, "tiny"), *extra, "--timeout", value])
     assert result.exit_code == 2, (result.exit_code, result.stderr)
     assert [x for x in result.stderr.splitlines() if x.startswith("memest: error")][0].count("--timeout") == 1
 
@@ -163,3 +186,11 @@ def test_a_worker_forked_after_real_parallel_kernels_does_not_hang(tmp_path):
     got = worker.in_worker(lambda at: (worker.modelled_threads(torch.get_num_threads()), torch.get_num_threads()), 60)
     assert got == (parent, 1)
     assert worker.modelled_threads(7) == 7  # this process is no worker
+
+
+def test_plan_parallel_in_a_worker_gives_the_in_process_document():
+    args = ("plan-parallel", f"hf:{CONFIGS / 'llama-tiny.json'}", "--gpus", "2", "--gpu", "1GB", "--seq", "32",
+            "--batch", "2", "--target", "cpu", "--json")
+    before, after = _in_process(*args), memest(*args, timeout=600)
+    assert before.returncode == after.returncode == 0, (before.stderr[-2000:], after.stderr[-2000:])
+    assert _masked(after.stdout) == _masked(before.stdout)

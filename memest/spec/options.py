@@ -209,6 +209,9 @@ OPTIONS: tuple[Option, ...] = (
            optional=True),
     Option("timeout", ("--timeout",), "Seconds the model code may run (loading and tracing, in a worker process) "
            "before memest stops it: exit 2 naming the file.", float, ("check", "estimate"), 1800.0),
+    Option("timeout", ("--timeout",), "Seconds the command may run (in a worker process, with the model code) before "
+           "memest stops it: exit 2 naming the model (default: no limit; a planner traces many steps).", float,
+           ("whatif", "max-batch", "advise", "plan-parallel", "serve"), None, optional=True),
     Option("seq_search", ("--seq-search",), "Search the longest sequence instead.", bool, ("max-batch",), False),
     Option("limit", ("--limit",), "Largest size tried.", int, ("max-batch",), 65536),
     Option("gpus", ("--gpus",), "Also lay the model out on this many GPUs (plan-parallel's layouts; hf: models).", int,
