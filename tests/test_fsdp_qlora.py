@@ -252,6 +252,9 @@ def _bnb_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     from memest.features.quant import Linear4bitModel
 
+    # a forked child of a process that ran OpenMP kernels (this pytest session) hangs at its first parallel
+    # region (GNU OpenMP's pool does not survive fork; seen: CI stopped in bitsandbytes' quantize_4bit): one thread
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
