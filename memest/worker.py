@@ -84,6 +84,16 @@ class _Stderr(io.TextIOBase):
         return getattr(self.like, "encoding", None) or "utf-8"
 
 
+def _forget_parents_forkserver() -> None:
+    """A forkserver the parent started (multiprocessing's module-level one) is not this child's child: using it
+    fails at ``os.waitpid`` (ChildProcessError: No child processes; seen: plan-parallel's forkserver pool in a
+    worker forked from a test session that had run gloo ranks). The child starts its own when it needs one."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+
+
 def _child(work: Callable, conn) -> None:
     global _modelled_threads
     import torch  # already imported by the parent: a dictionary lookup
@@ -94,6 +104,7 @@ def _child(work: Callable, conn) -> None:
     # models the parent's count.
     _modelled_threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    _forget_parents_forkserver()
     send = _Sender(conn)
     sys.stderr = _Stderr(send, sys.stderr)
     try:

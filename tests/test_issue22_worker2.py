@@ -194,3 +194,24 @@ def test_plan_parallel_in_a_worker_gives_the_in_process_document():
     before, after = _in_process(*args), memest(*args, timeout=600)
     assert before.returncode == after.returncode == 0, (before.stderr[-2000:], after.stderr[-2000:])
     assert _masked(after.stdout) == _masked(before.stdout)
+
+
+def test_a_worker_starts_its_own_forkserver_when_its_parent_ran_one():
+    """plan-parallel's pool uses a forkserver; in a worker forked from a process whose forkserver was running (a
+    test session that ran gloo ranks), multiprocessing waited on the parent's server, not the worker's child:
+    ChildProcessError, exit 2 (CI, test_plan_parallel). The worker forgets the parent's server."""
+    import multiprocessing
+
+    from memest import worker
+
+    server = multiprocessing.get_context("forkserver").Process(target=int)
+    server.start()
+    server.join()
+
+    def work(at):
+        child = multiprocessing.get_context("forkserver").Process(target=int)
+        child.start()
+        child.join()
+        return child.exitcode
+
+    assert worker.in_worker(work, 120) == 0
