@@ -6,7 +6,8 @@
 """
 
 from memest.api import estimate, serve_capacity  # the Python API; torch is imported only when it runs
-from memest.errors import MemestError
+from memest.errors import DoesNotFitError, MemestError
+from memest.integrations.preflight import preflight  # hand-written loops; torch is imported only when it runs
 from memest.version import __version__
 
-__all__ = ["estimate", "serve_capacity", "MemestError", "__version__"]
+__all__ = ["estimate", "serve_capacity", "preflight", "DoesNotFitError", "MemestError", "__version__"]

@@ -20,3 +20,10 @@ class ModelLoadError(MemestError):
 
 class TraceError(MemestError):
     """The model was loaded but its training step could not run on fake tensors."""
+
+
+class DoesNotFitError(MemestError):
+    """A preflight check (memest.preflight, memest.integrations' callbacks) found that the step will not fit the
+    device's budget, and was asked to raise (``on_fail="raise"``)."""
+
+    exit_code = EXIT_DOES_NOT_FIT

@@ -16,7 +16,7 @@ PACKAGE = ROOT / "memest"
 # The direction rule (docs/ARCHITECTURE.md): a module may import its own layer and the layers below it, never
 # one above. The most specific prefix wins.
 LAYERS = [
-    ("memest.cli", 9), ("memest.api", 9), ("memest.__main__", 9), ("memest.exits", 9),
+    ("memest.cli", 9), ("memest.api", 9), ("memest.integrations", 9), ("memest.__main__", 9), ("memest.exits", 9),
     ("memest.app", 8),
     ("memest.plan", 7), ("memest.serve", 7),
     ("memest.estimator", 6), ("memest.validate", 6),

@@ -279,6 +279,14 @@ def optim_help() -> str:
     return "; ".join(f"{'/'.join(names)}: {state}" for state, names in groups.items()) + "."
 
 
+class OnFail(Choice):
+    """What a preflight check (memest.preflight, memest.integrations' callbacks) does when the step will not fit."""
+
+    WARN = "warn"  # warnings.warn and a log record; training goes on
+    RAISE = "raise"  # raise errors.DoesNotFitError
+    STOP = "stop"  # the callbacks: ask the trainer to stop before its first step (preflight: as raise)
+
+
 class Verdict(Choice):
     """Does a training step fit a budget? Read on its needed range (low, expected, high; device/fit.py).
     Declared best to worst."""
