@@ -123,6 +123,15 @@ def test_preflight_allocates_far_less_than_the_model():
     assert param_bytes > 200e6
     opt = torch.optim.AdamW(model.parameters())
     memest.preflight(model, opt, torch.randn(2, 4096), gpu="a100")  # warm: imports, caches
+    growth, result = _peak_growth(lambda: memest.preflight(model, opt, torch.randn(2, 4096), gpu="a100"))
+    assert result.estimate.report.param_bytes >= param_bytes
+    assert growth < param_bytes / 10, f"RSS grew {growth / 1e6:.1f} MB during preflight of {param_bytes / 1e6:.0f} MB"
+    # the control: the same sampler sees a real copy of the weights (what a preflight must not do)
+    copied, _ = _peak_growth(lambda: [p.detach().clone() for p in model.parameters()])
+    assert copied > 0.9 * param_bytes
+
+
+def _peak_growth(fn):
     base, peak, done = _rss(), [0], threading.Event()
 
     def sample():
@@ -133,13 +142,11 @@ def test_preflight_allocates_far_less_than_the_model():
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        result = memest.preflight(model, opt, torch.randn(2, 4096), gpu="a100")
+        out = fn()
     finally:
         done.set()
         sampler.join()
-    growth = max(peak[0], _rss()) - base
-    assert result.estimate.report.param_bytes >= param_bytes
-    assert growth < param_bytes / 10, f"RSS grew {growth / 1e6:.1f} MB during preflight of {param_bytes / 1e6:.0f} MB"
+    return max(peak[0], _rss()) - base, out
 
 
 def test_measured_record_is_pure_and_after_step_needs_a_gpu(monkeypatch):
@@ -270,6 +277,7 @@ def _fit(callback, extra=()):
 
 
 def test_lightning_callback_matches_a_real_cpu_run():
+    _lightning()
     from memest.integrations.lightning import MemestCallback
 
     cb = MemestCallback(target="cpu")
@@ -298,6 +306,7 @@ def test_lightning_callback_matches_a_real_cpu_run():
 
 
 def test_lightning_callback_stops_before_the_first_batch():
+    _lightning()
     from memest.integrations.lightning import MemestCallback
 
     cb = MemestCallback(gpu="1MB", on_fail="stop")

@@ -15,7 +15,10 @@ import torch
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError as exc:
+        raise ImportError("memest.integrations.lightning needs Lightning: pip install 'memest[lightning]'") from exc
 
 from memest.errors import MemestError
 from memest.integrations.check import Preflight, react
