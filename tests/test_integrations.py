@@ -77,6 +77,10 @@ def test_fake_copy_keeps_tied_weights_tied():
         built = fake_factory(lm)()
     assert isinstance(built[0].weight, FakeTensor) and built[1].weight is built[0].weight
     assert built[0].weight is not lm[0].weight
+    lm.table = torch.ones(50, 50)  # a plain tensor attribute: faked too, not copied
+    with FakeTensorMode():
+        built = fake_factory(lm)()
+    assert isinstance(built.table, FakeTensor) and built.table.shape == (50, 50)
 
 
 def test_preflight_raises_or_warns_when_it_does_not_fit():

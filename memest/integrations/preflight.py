@@ -67,7 +67,8 @@ def fake_factory(model, wrap: Callable | None = None, shared: tuple = ()) -> Cal
 
     def build():
         memo: dict = {id(obj): obj for obj in shared}
-        for t in [*model.parameters(), *model.buffers()]:
+        loose = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        for t in [*model.parameters(), *model.buffers(), *loose]:  # loose: tensors kept as plain attributes
             if id(t) in memo:
                 continue
             if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.parameter.Buffer):
