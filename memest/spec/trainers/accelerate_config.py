@@ -28,7 +28,10 @@ NEUTRAL = {
     "mpirun_config",
 }
 FSDP_NEUTRAL = {"auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_ram_efficient_loading",
-                "state_dict_type", "sync_module_states", "use_orig_params", "forward_prefetch", "backward_prefetch"}
+                "state_dict_type", "sync_module_states", "use_orig_params"}
+# FSDP's own prefetch defaults (torch.distributed.fsdp.FullyShardedDataParallel: backward_prefetch=BACKWARD_PRE,
+# forward_prefetch=False), read as memest's FSDP2 trace with its default schedule; any other value is unknown
+FSDP_AS_TRACED = {"backward_prefetch": "BACKWARD_PRE", "forward_prefetch": False}
 DS_NEUTRAL = {"zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher", "deepspeed_hostfile",
               "gradient_clipping", "offload_optimizer_nvme_path", "offload_param_nvme_path"}
 # FSDP1 sharding strategies (by name, or the 1-based index accelerate's older configs wrote)
@@ -121,8 +124,10 @@ def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:
         put("checkpointing", "fsdp_config.fsdp_activation_checkpointing = True", "blocks",
             "checkpointing: blocks (FSDP's checkpoint wrapper on every wrapped block)")
     for key, value in conf.items():
-        if key not in ("version", "sharding_strategy", "reshard_after_forward", "offload_params",
-                       "activation_checkpointing") and key not in FSDP_NEUTRAL:
+        if key in FSDP_AS_TRACED and value == FSDP_AS_TRACED[key]:
+            cfg.mapping.append((f"fsdp_config.fsdp_{key} = {value!r}", "FSDP's default prefetch, as memest traces FSDP2"))
+        elif key not in ("version", "sharding_strategy", "reshard_after_forward", "offload_params",
+                         "activation_checkpointing") and key not in FSDP_NEUTRAL:
             cfg.unknown.append(f"fsdp_config.fsdp_{key} = {value!r}")
 
 

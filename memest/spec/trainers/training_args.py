@@ -199,7 +199,7 @@ def _deepspeed(cfg, get, where: str) -> None:
 
 FSDP_OPTIONS = {"full_shard": "zero3", "shard_grad_op": "zero2"}
 FSDP_NEUTRAL = {"min_num_params", "transformer_layer_cls_to_wrap", "sync_module_states", "cpu_ram_efficient_loading",
-                "use_orig_params", "limit_all_gathers", "state_dict_type", "auto_wrap_policy", "xla", "xla_fsdp_v2",
+                "use_orig_params", "state_dict_type", "auto_wrap_policy", "xla", "xla_fsdp_v2",
                 "xla_fsdp_grad_ckpt", "xla_fsdp_settings"}
 
 
