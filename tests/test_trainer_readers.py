@@ -210,6 +210,21 @@ def test_torchtitan_precision_follows_the_layout(tmp_path):
     assert torchtitan.read(path, data).keys["precision"] == "bf16"
 
 
+def test_torchtitan_pipeline_and_tensor_parallel(tmp_path):
+    text = ('[model]\nhf_assets_path = "./assets/tiny"\n[training]\nlocal_batch_size = 4\nseq_len = 64\n'
+            '[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 2\npipeline_parallel_degree = 2\n'
+            'pipeline_parallel_schedule = "GPipe"\npipeline_parallel_microbatch_size = 2\ndisable_loss_parallel = true\n'
+            '[activation_checkpoint]\nmode = "none"\n')
+    path, data = _toml(tmp_path, text)
+    cfg = torchtitan.read(path, data)
+    assert {k: v for k, v in cfg.keys.items() if k != "model"} == {
+        "batch": 2, "seq": 64, "world_size": 8, "shard": "zero2", "tp": 2, "pp": 2, "sp": True, "loss_parallel": False,
+        "pp_schedule": "gpipe", "microbatches": 2, "precision": "bf16-mixed", "checkpointing": "none", "optim": "adamw",
+        "fused": True}
+    assert cfg.unknown == []
+    config_from_dict(cfg.keys, path)  # a layout RunSpec accepts
+
+
 def test_torchtitan_unknown_flavor_names_the_fix(tmp_path):
     text = '[model]\nname = "llama3"\nflavor = "70B"\n[training]\nlocal_batch_size = 1\n'
     cfg = torchtitan.read(tmp_path / "x.toml", tomllib.loads(text))
@@ -302,8 +317,21 @@ def test_each_reader_detects_its_own_files_only(tmp_path):
     toml_path, toml_data = _toml(tmp_path, TINY_TOML)
     files = {"torchtitan": (toml_path, toml_data), "training-args": _training_args(tmp_path),
              "accelerate": _accelerate(tmp_path)}
+    # the other readers' formats (issue 25 part A), as their documentation writes them: none is ours
+    files["axolotl"] = (tmp_path / "qlora.yml", {  # axolotl examples/llama-3/qlora.yml
+        "base_model": "NousResearch/Meta-Llama-3-8B", "load_in_4bit": True, "adapter": "qlora", "lora_r": 32,
+        "sequence_len": 4096, "sample_packing": True, "gradient_accumulation_steps": 4, "micro_batch_size": 2,
+        "optimizer": "paged_adamw_32bit", "bf16": "auto", "gradient_checkpointing": True})
+    files["llamafactory"] = (tmp_path / "llama3_lora_sft.yaml", {  # LLaMA-Factory examples/train_lora/llama3_lora_sft.yaml
+        "model_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct", "stage": "sft", "do_train": True,
+        "finetuning_type": "lora", "lora_target": "all", "cutoff_len": 2048, "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 8, "learning_rate": 1.0e-4, "bf16": True, "output_dir": "saves/llama3-8b"})
+    files["deepspeed"] = (tmp_path / "ds_z3_config.json", {  # a DeepSpeed ZeRO-3 JSON as trainers ship it
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3, "overlap_comm": True}})
     for fmt, (path, data) in files.items():
-        assert [r.FORMAT for r in (torchtitan, training_args, accelerate_config) if r.detect(path, data)] == [fmt]
+        found = [r.FORMAT for r in (torchtitan, training_args, accelerate_config) if r.detect(path, data)]
+        assert found == ([fmt] if fmt in ("torchtitan", "training-args", "accelerate") else []), fmt
     assert {torchtitan, training_args, accelerate_config} <= set(READERS)
 
 

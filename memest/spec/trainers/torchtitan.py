@@ -155,6 +155,8 @@ def _parallel(cfg, get, put) -> tuple:
 
 def _model(cfg: TrainerConfig, path: Path, get, where: str) -> None:
     name, flavor = get("model.name", "llama3"), str(get("model.flavor", "debugmodel"))
+    cfg.notes.append("the model is traced as transformers builds it from the config (same shapes), not as "
+                     "torchtitan's own model code runs it")
     assets = get("model.hf_assets_path")
     if assets:
         for base in (path.parent, Path.cwd()):
@@ -190,8 +192,11 @@ def _pipeline(cfg, flat, get, put, pp: int, batch: int, where: str) -> None:
     if batch % mbs:
         raise MemestError(f"{where}training.local_batch_size {batch} is not a multiple of "
                           f"parallelism.pipeline_parallel_microbatch_size {mbs}")
-    put("microbatches", "parallelism.pipeline_parallel_microbatch_size", batch // mbs,
-        f"microbatches: {batch // mbs} (local_batch_size / microbatch size)")
+    # torchtitan splits local_batch_size into micro-batches of pipeline_parallel_microbatch_size; memest's --batch
+    # under --pp is one micro-batch (docs/sharding.md: --microbatches micro-batches of --batch)
+    put("batch", "parallelism.pipeline_parallel_microbatch_size", mbs, f"batch: {mbs} (one pipeline micro-batch)")
+    put("microbatches", "training.local_batch_size", batch // mbs,
+        f"microbatches: {batch // mbs} (local_batch_size / pipeline_parallel_microbatch_size)")
     for key in ("layers_per_stage", "schedule_csv"):
         if flat.get(f"parallelism.pipeline_parallel_{key}"):
             cfg.unknown.append(f"parallelism.pipeline_parallel_{key} = {flat[f'parallelism.pipeline_parallel_{key}']!r}")

@@ -152,8 +152,10 @@ def _precision(cfg, data, get, put) -> None:
             f"{loaded}: 16-bit weights, gradients and optimizer state, autocast on top)")
     else:
         put("precision", half, f"{half}-mixed", f"precision: {half}-mixed (autocast over fp32 weights)")
-        cfg.notes.append(f"{half}: memest assumes the model is loaded in fp32 (Trainer's autocast keeps fp32 master "
-                         f"weights); if your script loads it in 16 bits, give --precision {half}")
+        why = ("model_init_kwargs dtype 'auto' loads the checkpoint's own dtype, which the file does not say"
+               if loaded == "auto" else "Trainer's autocast keeps the weights as loaded")
+        cfg.notes.append(f"{half}: memest assumes the model is loaded in fp32 ({why}); if it is loaded in 16 bits, "
+                         f"give --precision {half}")
 
 
 def _checkpointing(cfg, get, put) -> None:
