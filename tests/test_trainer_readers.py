@@ -294,6 +294,17 @@ def test_accelerate_fsdp(tmp_path):
     assert cfg.unknown == ["fsdp_config.fsdp_limit_all_gathers = True"]
 
 
+def test_accelerate_every_cluster_config_field_is_known():
+    """Every field of accelerate's ClusterConfig (and BaseConfig) is mapped, a plugin reported when set, or
+    documented as memory-neutral: a field accelerate adds or renames fails here, not in a user's report."""
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config_args.ClusterConfig)}
+    known = set(accelerate_config.MAPPED) | set(accelerate_config.PLUGINS) | accelerate_config.NEUTRAL
+    assert sorted(fields - known) == []
+
+
 def test_accelerate_deepspeed_and_fsdp2(tmp_path):
     data = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "mixed_precision": "fp16",
             "num_processes": 4, "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "cpu",

@@ -38,6 +38,8 @@ DS_NEUTRAL = {"zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_
 SHARDING = {"FULL_SHARD": "zero3", "SHARD_GRAD_OP": "zero2", "NO_SHARD": "none", "HYBRID_SHARD": "zero3",
             "HYBRID_SHARD_ZERO2": "zero2", "1": "zero3", "2": "zero2", "3": "none", "4": "zero3", "5": "zero2"}
 PRECISION = {"no": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+MAPPED = ("distributed_type", "num_processes", "mixed_precision", "fsdp_config", "deepspeed_config", "use_cpu")
+PLUGINS = ("fp8_config", "parallelism_config", "megatron_lm_config", "dynamo_config")  # unknown when set
 
 
 def detect(path, data) -> bool:
@@ -47,7 +49,7 @@ def detect(path, data) -> bool:
 def read(path, data) -> TrainerConfig:
     cfg = TrainerConfig(format=FORMAT, path=str(path))
     where = f"{path}: "
-    used = {"distributed_type", "num_processes", "mixed_precision", "fsdp_config", "deepspeed_config", "use_cpu"}
+    used = set(MAPPED)
 
     def put(key: str, source: str, value: Any, meaning: str = "") -> None:
         cfg.keys[key] = value
@@ -85,7 +87,7 @@ def read(path, data) -> TrainerConfig:
 
 def _leftovers(cfg, data: dict, used: set) -> None:
     """Plugins memest does not model are unknown when set; every other key is unknown or ignored (neutral)."""
-    for key in ("fp8_config", "parallelism_config", "megatron_lm_config", "dynamo_config"):
+    for key in PLUGINS:
         used.add(key)
         if data.get(key):
             cfg.unknown.append(f"{key} = {data[key]!r}")
