@@ -225,6 +225,18 @@ def test_torchtitan_pipeline_and_tensor_parallel(tmp_path):
     config_from_dict(cfg.keys, path)  # a layout RunSpec accepts
 
 
+def test_torchtitan_older_layout_keys_are_reported(tmp_path):
+    """torchtitan's 2024 TOMLs kept the degrees under [training] and pipeline parallel under [experimental]; this
+    reader follows job_config.py at its cited commit, so those keys are listed as unknown, never dropped."""
+    text = ('[model]\nhf_assets_path = "./assets/tiny"\n[training]\nbatch_size = 4\ndata_parallel_shard_degree = 2\n'
+            '[experimental]\npipeline_parallel_degree = 2\n[debug]\nmoe_force_load_balance = true\n')
+    path, data = _toml(tmp_path, text)
+    cfg = torchtitan.read(path, data)
+    assert cfg.keys["batch"] == 4
+    assert cfg.unknown == ["training.data_parallel_shard_degree = 2", "experimental.pipeline_parallel_degree = 2",
+                           "debug.moe_force_load_balance = True"]
+
+
 def test_torchtitan_unknown_flavor_names_the_fix(tmp_path):
     text = '[model]\nname = "llama3"\nflavor = "70B"\n[training]\nlocal_batch_size = 1\n'
     cfg = torchtitan.read(tmp_path / "x.toml", tomllib.loads(text))

@@ -26,8 +26,10 @@ FLAVORS = {("llama3", "8B"): "hf:llama-3.1-8b"}
 
 # sections, and keys, with no effect on a training step's GPU memory (reported as ignored, not unknown)
 NEUTRAL_SECTIONS = ("job", "profiling", "metrics", "lr_scheduler", "checkpoint", "comm", "fault_tolerance",
-                    "experimental", "debug", "memory_estimation", "validation")
+                    "memory_estimation", "validation")
 NEUTRAL_KEYS = {
+    "experimental.custom_import", "experimental.custom_args_module", "debug.seed", "debug.deterministic",
+    "debug.deterministic_warn_only",
     "model.hf_assets_path", "model.tokenizer_path", "model.print_after_conversion",
     "optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2",
     "training.dataset", "training.dataset_path", "training.steps", "training.gc_freq", "training.gc_debug",
@@ -97,6 +99,8 @@ def read(path, data) -> TrainerConfig:
     if get("compile.enable", False):
         put("compile", "compile.enable", True, "compile: true (torchtitan compiles each block; memest compiles "
             "the model as torch.compile(model) does)")
+    if flat.get("validation.enable"):
+        cfg.notes.append("validation.enable: the validation forward (no grad, its own local_batch_size) is not estimated")
     converters = get("model.converters", [])
     if converters:
         cfg.unknown.append(f"model.converters = {converters!r}")
