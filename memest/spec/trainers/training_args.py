@@ -183,6 +183,9 @@ def _optimizer(cfg, get, put, where: str) -> None:
     elif args:
         cfg.unknown.append(f"optim_args = {args!r}")
     put("optim", "optim", optim)
+    if name == "adafactor":  # transformers' Adafactor (beta1 None: Trainer's default) vs torch.optim.Adafactor
+        cfg.notes.append("adafactor: Trainer builds transformers' Adafactor; memest traces torch.optim.Adafactor, "
+                         "whose factored second moments (a row and a column vector per matrix) have the same sizes")
     if fused:
         put("fused", "optim", True, "fused: true (torch.optim.AdamW(fused=True))")
 
