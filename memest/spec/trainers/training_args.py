@@ -169,7 +169,7 @@ def _checkpointing(cfg, get, put) -> None:
     put("checkpointing", source, "blocks", "checkpointing: blocks (the model's own checkpointing of every layer)")
     if kwargs.get("use_reentrant", False):
         cfg.notes.append("use_reentrant=True: memest traces non-reentrant checkpointing (transformers 5's default); "
-                         "reentrant checkpointing keeps the same block inputs")
+                         "reentrant checkpointing is not traced, the estimate is the non-reentrant one")
 
 
 def _optimizer(cfg, get, put, where: str) -> None:
