@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
+from memest.imports import quiet_library_import
 
 SOURCES = (
     "https://github.com/pytorch/ao/blob/main/torchao/float8/README.md",
@@ -39,8 +40,10 @@ def fp8_filter(module, fqn: str) -> bool:
 def convert(model, recipe: str):
     """``model`` with its eligible Linear layers converted to torchao's Float8Linear (in place); the count."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
+        # torchao 0.18 prints "Failed to load ... _C_mxfp8 ..." for its CUDA-only extensions on a CPU machine
+        with quiet_library_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            from torchao.float8.float8_linear import Float8Linear
     except ImportError as exc:
         raise MemestError(f"--fp8 {recipe} traces torchao's float8 training and needs torchao: pip install torchao "
                           f"({exc})") from exc
