@@ -10,13 +10,14 @@ from memest.features.base import StepFeature
 from memest.features.checkpointing import CheckpointingFeature
 from memest.features.compiled import CompileFeature
 from memest.features.finetune import FinetuneFeature
+from memest.features.fp8 import Fp8Feature
 from memest.features.loss_head import LossHeadFeature
 from memest.features.optim import OptimizerFeature, step_optimizer
 from memest.features.optim_in_backward import OptimInBackwardFeature
 from memest.features.upper_bound import UpperBoundFeature
 from memest.parallel.feature import ParallelFeature
 from memest.spec import RunSpec
-from memest.spec.choices import ActivationOffload, DataDependent, LossHead, Offload, Quant, Target
+from memest.spec.choices import ActivationOffload, DataDependent, Fp8, LossHead, Offload, Quant, Target
 from memest.targets.cpu.feature import CpuTarget
 from memest.targets.cuda.feature import CudaTarget
 from memest.trace import step as core
@@ -31,6 +32,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
     features: list[StepFeature] = [CompileFeature()]  # also a model file that compiles itself
     if spec.lora or spec.freeze or spec.quant != Quant.NONE:
         features.append(FinetuneFeature())
+    if spec.fp8 != Fp8.NONE:  # torchao converts the Linear layers before checkpointing (torchtitan's order)
+        features.append(Fp8Feature())
     if spec.checkpointing != "none":
         features.append(CheckpointingFeature())
     if spec.activation_offload != ActivationOffload.NONE:  # saved tensors to host memory (save_on_cpu's hooks)

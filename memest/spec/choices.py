@@ -153,6 +153,15 @@ class ActivationOffload(Choice):
     SAVE_ON_CPU_PINNED = "save-on-cpu-pinned"  # torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
+class Fp8(Choice):
+    """--fp8: torchao's float8 training (features/fp8.py): nn.Linear layers converted by
+    ``torchao.float8.convert_to_float8_training`` with the recipe of this name."""
+
+    NONE = "none"
+    TENSORWISE = "tensorwise"  # Float8LinearConfig.from_recipe_name("tensorwise"): one scale per tensor
+    ROWWISE = "rowwise"  # Float8LinearConfig.from_recipe_name("rowwise"): one scale per row (axiswise)
+
+
 class Outputs(Choice):
     """--outputs: what the training loop does with the model's output (design.md §7)."""
 

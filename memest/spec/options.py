@@ -165,6 +165,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
            "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu; "
            "pinned host memory counted in the host column).", override="Override activation offloading."),
+    Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
+           "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
+           "capability 8.9+).", override="Override float8 training."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
     Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "

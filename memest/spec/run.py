@@ -13,6 +13,7 @@ from memest.spec.choices import (
     CpRotate,
     DataDependent,
     ExpertRouting,
+    Fp8,
     LossHead,
     Mode,
     Offload,
@@ -28,6 +29,10 @@ from memest.spec.choices import (
 from memest.spec.lora import freeze_patterns, parse_lora
 from memest.spec.parallel_dims import FSDP_SHARDS, ParallelDims, validate
 
+# float8 matmuls (torch._scaled_mm, cuBLASLt FP8) need compute capability 8.9+ (Ada sm89, Hopper sm90): torch's own
+# check, torch/testing/_internal/common_cuda.py PLATFORM_SUPPORTS_FP8 (SM89OrLater); torchao/float8/README.md
+FP8_MIN_CAPABILITY = (8, 9)
+
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
     "optim": (Optimizer, "--optim"),
@@ -40,6 +45,7 @@ _CHOICE_FIELDS = {
     "shard": (Shard, "--shard"),
     "offload": (Offload, "--offload"),
     "activation_offload": (ActivationOffload, "--activation-offload"),
+    "fp8": (Fp8, "--fp8"),
     "outputs": (Outputs, "--outputs"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
@@ -99,6 +105,7 @@ class RunSpec:
     offload: Offload = Offload.NONE  # optimizer: state (and step) on the CPU; params: params+grads+optimizer on the CPU
     # tensors saved for backward moved to host memory in the forward (features/activation_offload.py)
     activation_offload: ActivationOffload = ActivationOffload.NONE
+    fp8: Fp8 = Fp8.NONE  # torchao convert_to_float8_training with this recipe (features/fp8.py)
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
@@ -178,6 +185,7 @@ class RunSpec:
         self._check_quant_layout()
         self._check_compile()
         self._check_optim_in_backward()
+        self._check_fp8()
         if self.iterations < 1:
             raise MemestError(f"iterations must be at least 1, got {self.iterations}")
 
@@ -262,6 +270,22 @@ class RunSpec:
             )
         if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
+
+    def _check_fp8(self) -> None:
+        if self.fp8 == Fp8.NONE:
+            return
+        if not self.training:
+            raise MemestError(f"--fp8 {self.fp8} is torchao's float8 training; drop it with --mode {self.mode}")
+        if self.target == Target.CUDA and tuple(self.compute_capability) < FP8_MIN_CAPABILITY:
+            major, minor = self.compute_capability
+            raise MemestError(
+                f"--fp8 {self.fp8} on a GPU of compute capability {major}.{minor}: float8 matmuls (torch._scaled_mm) "
+                "need 8.9 or later (Ada, Hopper, Blackwell; torchao's float8 README: 'Hardware requirements: NVIDIA "
+                "H100, B200 or later'); drop --fp8"
+            )
+        if self.compile or self.world_size > 1 or self.lora or self.quant != Quant.NONE:
+            raise MemestError(f"--fp8 {self.fp8} with --compile, --world-size, --lora or --quant is not traced yet "
+                              "(docs/fp8.md); drop one of them")
 
     def _check_optim_in_backward(self) -> None:
         if not self.optim_in_backward:

@@ -2,7 +2,8 @@
 the CPU allocator that their fake (meta) kernels do not show: oneDNN's LSTM workspace and scratch
 (onednn_rnn.py), the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py),
 mse_loss's input-sized result storage (aten_losses.py), and layer norm's contiguous copies, reduction
-buffer and contiguous input gradient (aten_norms.py).
+buffer and contiguous input gradient (aten_norms.py), and the float32 copies of the emulated float8 matmul
+(aten_scaled_mm.py).
 Rules come from ATen's, ideep's and oneDNN's sources and are checked against torch.profiler on real
 runs, kernel by kernel (validate/op_truth.py, scripts/probe_onednn.py, benchmarks/onednn-scratch.md)."""
 
@@ -13,7 +14,7 @@ import os
 import torch
 
 from memest.spec.choices import Mode
-from memest.targets.cpu import aten_losses, aten_norms, onednn_rnn
+from memest.targets.cpu import aten_losses, aten_norms, aten_scaled_mm, onednn_rnn
 from memest.targets.cpu.onednn_conv import ConvScratch
 from memest.units import format_bytes
 from memest.worker import modelled_threads
@@ -27,6 +28,7 @@ CPU_SCRATCH = {
     aten.mse_loss.default: aten_losses.mse_loss_scratch,
     aten.native_layer_norm.default: aten_norms.forward_scratch,
     aten.native_layer_norm_backward.default: aten_norms.backward_scratch,
+    aten._scaled_mm.default: aten_scaled_mm.scaled_mm_scratch,
 }
 
 # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes that the fake one does not
