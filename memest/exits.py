@@ -74,10 +74,10 @@ def output_format(fmt: OutputFormat, json: bool, markdown: bool) -> OutputFormat
 
 # libraries whose import- and run-time chatter (bitsandbytes' "Failed to load CPU gemm_4bit_forward ...", peft's and
 # transformers' deprecation notes) is not about the user's step: kept off stderr unless --debug (issue 22, item 30)
-QUIET_LOGGERS = ("transformers", "peft", "bitsandbytes", "accelerate", "huggingface_hub", "torch")
+QUIET_LOGGERS = ("transformers", "peft", "bitsandbytes", "accelerate", "huggingface_hub", "torch", "torchao", "trl")
 # their records below ERROR are kept (memest.imports); transformers and torch attach their own stderr handlers,
 # so theirs are dropped by level instead
-KEPT_LOGGERS = ("peft", "bitsandbytes", "accelerate", "huggingface_hub")
+KEPT_LOGGERS = ("peft", "bitsandbytes", "accelerate", "huggingface_hub", "torchao", "trl")
 _LIBRARY_PATHS = ("site-packages", "dist-packages")
 
 
