@@ -522,10 +522,11 @@ def _in_config(exc: MemestError, path, overrides: dict) -> MemestError:
     return type(exc)(text)
 
 
-def check_timeout(timeout: float | None) -> float | None:
-    """--timeout: seconds > 0 (None: no limit)."""
+def check_timeout(timeout: float | None, default: float | None = DEFAULT_TIMEOUT_S) -> float | None:
+    """--timeout: seconds > 0 (None: no limit); ``default``: the command's own default, as its error says it."""
     if timeout is not None and not (timeout > 0 and timeout != float("inf")):
-        raise MemestError(f"--timeout must be a number of seconds above 0 (default {DEFAULT_TIMEOUT_S:g}), got {timeout:g}")
+        said = "no limit" if default is None else f"{default:g}"
+        raise MemestError(f"--timeout must be a number of seconds above 0 (default: {said}), got {timeout:g}")
     return timeout
 
 
