@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -511,21 +510,16 @@ def run_check(
 def _in_config(exc: MemestError, path, overrides: dict) -> MemestError:
     """The error as the config's: its file first, and a flag the user did not pass named as its YAML key
     ("--tp 3: ..." -> "tp: 3: ..."; a check override keeps its flag)."""
-    text = str(exc)
-    for opt in options.OPTIONS:
-        key = opt.yaml or opt.name
-        if not opt.flags or opt.argument or overrides.get(opt.name) is not None or not (opt.spec_field or opt.yaml):
-            continue
-        for flag in opt.flags[0].split("/"):
-            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", f"{key}:", text)
+    text = options.as_yaml_keys(str(exc), keep=[name for name, value in overrides.items() if value is not None])
     text = text if text.startswith(str(path)) else f"{path}: {text}"
     return type(exc)(text)
 
 
-def check_timeout(timeout: float | None) -> float | None:
-    """--timeout: seconds > 0 (None: no limit)."""
+def check_timeout(timeout: float | None, default: float | None = DEFAULT_TIMEOUT_S) -> float | None:
+    """--timeout: seconds > 0 (None: no limit); ``default``: the command's own default, as its error says it."""
     if timeout is not None and not (timeout > 0 and timeout != float("inf")):
-        raise MemestError(f"--timeout must be a number of seconds above 0 (default {DEFAULT_TIMEOUT_S:g}), got {timeout:g}")
+        said = "no limit" if default is None else f"{default:g}"
+        raise MemestError(f"--timeout must be a number of seconds above 0 (default: {said}), got {timeout:g}")
     return timeout
 
 

@@ -43,7 +43,7 @@ from memest.version import versions_line
 app = typer.Typer(
     name="memest", cls=OneLineErrors,
     help="How much GPU memory will this PyTorch training step need? Traced on fake tensors, no GPU touched.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
 )
 
 
@@ -90,6 +90,12 @@ def _progress(on: bool = True):
     return stderr_progress if on else None
 
 
+def _worker(model: str, o: dict, name: str) -> InWorker:
+    """The command's work in a worker process, stopped after --timeout (the command's own default)."""
+    default = next(opt.default for opt in options.for_command(name) if opt.name == "timeout")
+    return InWorker(model, o["timeout"], default)
+
+
 def _format(o: dict):
     return lambda: output_format(o["format"], o["json"], o.get("markdown", False))
 
@@ -115,7 +121,7 @@ def estimate(**o) -> None:
             typer.echo("memest: warning: TIGHT: counted as fitting; --strict counts tight as not fitting", err=True)
         return estimate_view(result, o["depth"], o["expand"]), code
 
-    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
+    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "estimate"))
 
 
 @command("check")
@@ -154,7 +160,7 @@ def whatif(**o) -> None:
                          progress=_progress(), calibration=o["calibration"])
         return whatif_view(run), EXIT_OK
 
-    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
+    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "whatif"))
 
 
 @command("max-batch")
@@ -169,7 +175,7 @@ def max_batch(**o) -> None:
                             calibration=o["calibration"])
         return max_batch_view(run), EXIT_OK
 
-    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
+    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "max-batch"))
 
 
 @command("advise")
@@ -183,7 +189,7 @@ def advise(**o) -> None:
         return advise_view(run_advise(spec, o["gpu"], progress=_progress(), calibration=o["calibration"],
                                       gpus=o["gpus"])), EXIT_OK
 
-    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
+    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "advise"))
 
 
 @command("serve")
@@ -197,7 +203,7 @@ def serve(**o) -> None:
         code = EXIT_DOES_NOT_FIT if o["fail_if_not_starts"] and not run.plan.starts else EXIT_OK
         return serve_view(run), code
 
-    run_command(work, _format(o), o["debug"], worker=InWorker(o["model"], o["timeout"]))
+    run_command(work, _format(o), o["debug"], worker=_worker(o["model"], o, "serve"))
 
 
 @command("plan-parallel")
@@ -210,7 +216,7 @@ def plan_parallel(**o) -> None:
         return plan_parallel_view(run_plan_parallel(spec, o["gpus"], o["gpu"], progress=_progress(),
                                                     calibration=o["calibration"], top=o["top"])), EXIT_OK
 
-    run_command(work, _format(o), o["debug"], worker=InWorker(spec["model"], o["timeout"]))
+    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "plan-parallel"))
 
 
 @command("gpus")
@@ -236,7 +242,9 @@ def calibrate(**o) -> None:
 
 
 def main() -> None:
-    app()
+    # one name however it is started (`memest`, `python -m memest`): the usage lines and shell completion's
+    # _MEMEST_COMPLETE variable (typer's --install-completion / --show-completion) read it
+    app(prog_name="memest")
 
 
 if __name__ == "__main__":

@@ -141,10 +141,12 @@ def library_noise_hidden(debug: bool):
 @dataclass(frozen=True)
 class InWorker:
     """Run a command's work in a worker process (memest/worker.py): ``label`` names what runs (the model file)
-    when the process ends, crashes or runs past ``timeout`` seconds (None: no limit)."""
+    when the process ends, crashes or runs past ``timeout`` seconds (None: no limit); ``default``: the command's
+    own --timeout default, which an error about --timeout states."""
 
     label: str
     timeout: float | None
+    default: float | None = None
 
 
 def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debug: bool, hide_gpus: bool = True,
@@ -164,7 +166,7 @@ def run_command(work: Callable[[], tuple], fmt: Callable[[], OutputFormat], debu
             if worker is None:
                 view, code = work()
             else:
-                timeout = check_timeout(worker.timeout)
+                timeout = check_timeout(worker.timeout, worker.default)
                 text, code = in_worker(lambda at: _rendered(work, out_format, debug), timeout, label=worker.label)
     except KeyboardInterrupt:
         typer.echo("memest: interrupted", err=True)

@@ -258,7 +258,7 @@ def test_check_validates_every_config_before_tracing_any(tmp_path):
     bad_optim = write(tmp_path, "bad.yaml", f"model: {model_ref('mlp')}\noptim: lion\ngpu: 11GB\n")
     no_model = write(tmp_path, "gone.yaml", "model: missing_model.py\ngpu: 11GB\n")
     no_budget = write(tmp_path, "nobudget.yaml", f"model: {model_ref('mlp')}\n")
-    for bad, needle in ((bad_optim, "--optim"), (no_model, "not found"), (no_budget, "budget")):
+    for bad, needle in ((bad_optim, "optim: 'lion'"), (no_model, "not found"), (no_budget, "budget")):
         result = run("check", good, bad)
         line = one_line_error(result)
         assert bad.name in line and needle in line, line

@@ -112,7 +112,7 @@ def test_pp_virtual_without_a_pipeline_is_refused():
 
 def test_pp_virtual_without_a_pipeline_is_refused_in_yaml(tmp_path):
     line = one_line_error(run("check", config(tmp_path, "gpu: 11GB\npp_virtual: 3\n")))
-    assert "--pp-virtual" in line and "run.yaml" in line
+    assert "pp_virtual:" in line and "--pp-virtual" not in line and "run.yaml" in line  # the YAML key (issue 22, 28)
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
@@ -178,7 +178,7 @@ def test_bad_lora_values_are_refused_in_yaml(tmp_path, body):
     path = tmp_path / "run.yaml"
     path.write_text(f"model: {model_ref('hf:llama-tiny')}\nbatch: 1\nseq: 16\ngpu: 11GB\n{body}")
     line = one_line_error(run("check", path))
-    assert "run.yaml" in line and "--lora: bad value" in line
+    assert "run.yaml" in line and "lora: bad value" in line and "--lora" not in line  # the YAML key (issue 22, 28)
 
 
 def _tiny_lora(text):

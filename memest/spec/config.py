@@ -135,6 +135,15 @@ def load_config(path: str | Path) -> RunConfig:
 
 
 def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
+    """A run config from its YAML mapping, every value checked; an error names the YAML key the user wrote
+    (``pp_split:``, ``lora:``), never the CLI flag of the same option (issue 22)."""
+    try:
+        return _from_dict(data, path)
+    except MemestError as exc:
+        raise type(exc)(options.as_yaml_keys(str(exc))) from None
+
+
+def _from_dict(data: dict, path: str | Path = "") -> RunConfig:
     where = f"{path}: " if path else ""
     for key in data:
         if key not in ALL_KEYS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import shlex
 import typing
 from dataclasses import dataclass
@@ -287,6 +288,20 @@ def step_spec(params: dict, command: str) -> dict:
 def spec_options() -> dict[str, Option]:
     """field -> its option (estimate's), for every RunSpec field a user sets."""
     return {o.name: o for o in for_command("estimate") if o.spec_field}
+
+
+def as_yaml_keys(text: str, keep: typing.Iterable[str] = ()) -> str:
+    """A message about options said of a YAML config: each flag named as its YAML key ("--tp 3: ..." ->
+    "tp: 3: ...", "--lora: bad value" -> "lora: bad value"); the options named in ``keep`` (given as flags
+    beside the config, e.g. check's overrides) keep their flag."""
+    keep = set(keep)
+    for opt in OPTIONS:
+        if not opt.flags or opt.argument or opt.name in keep or not (opt.spec_field or opt.yaml):
+            continue
+        key = opt.yaml or opt.name
+        for flag in opt.flags[0].split("/"):
+            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-]):?", f"{key}:", text)
+    return text
 
 
 def yaml_kind(key: str) -> type:
