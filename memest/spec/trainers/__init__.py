@@ -5,8 +5,9 @@ A reader module exposes ``FORMAT`` (its name), ``detect(path, data) -> bool`` (i
 ``read(path, data) -> TrainerConfig``. ``data`` is the parsed file (JSON/YAML/TOML), or None for a file the
 reader parses itself. READERS lists the modules; base.py holds the shared types."""
 
+from memest.spec.trainers import axolotl, deepspeed, llamafactory
 from memest.spec.trainers.base import TrainerConfig
 
-READERS: list = []  # the format modules, in detection order (each issue-25 reader adds itself here)
+READERS: list = [axolotl, llamafactory, deepspeed]  # the format modules, in detection order (each issue-25 reader adds itself here)
 
 __all__ = ["READERS", "TrainerConfig"]
