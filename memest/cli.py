@@ -155,6 +155,10 @@ def check(**o) -> None:
 
         result = run_check(o["configs"], overrides, o["gpu"], o["margin"], progress=_progress(), strict=o["strict"],
                            calibration=o["calibration"], timeout=o["timeout"])
+        for row in result.rows:
+            if row.trainer is not None and row.trainer.unknown:
+                typer.echo(f"memest: warning: {row.path}: from {row.trainer.path}: {len(row.trainer.unknown)} key(s) "
+                           f"not understood (not modelled): {', '.join(row.trainer.unknown)}", err=True)
         if result.tight and not o["strict"]:
             typer.echo(f"memest: warning: TIGHT ({', '.join(r.name for r in result.tight)}): counted as fitting; "
                        "--strict counts tight as not fitting", err=True)

@@ -173,3 +173,18 @@ def test_the_deepspeed_mapping_agrees_with_deepspeeds_own_parser(monkeypatch):
     assert theirs.gradient_accumulation_steps == ours["grad_accum"]
     assert theirs.world_size == ours["world_size"]
     assert theirs.optimizer_name == ours["optim"]
+
+
+def test_check_reports_the_from_mapping_and_warns_of_unknown_keys(tmp_path):
+    from memest.cli import app
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"from: {TRAINERS / 'axolotl-qlora.yml'}\nseq: 16\ngpu: 24GB\n")
+    result = CliRunner().invoke(app, ["check", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["configs"][0]
+    assert row["from"]["format"] == "axolotl" and row["seq"] == 16  # the config's own seq over the file's 64
+    assert row["from"]["unknown"] == ["flash_attention", "loss_watchdog_threshold", "loss_watchdog_patience"]
+    assert "3 key(s) not understood" in result.stderr
+    table = CliRunner().invoke(app, ["check", str(config)])
+    assert "micro_batch_size = 2 -> batch: 2" in table.stdout

@@ -131,6 +131,7 @@ def check_view(result) -> View:
            "configs": [r.to_dict() for r in rows]}
     blocks: list = [Table("memest check", headers, cells, left=("config", "model", "budget", "verdict"))]
     blocks += tight_lines(result)
+    blocks += [line for r in rows if r.trainer is not None for line in lines(r.trainer)]
     return View(doc, blocks)
 
 
