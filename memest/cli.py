@@ -34,10 +34,12 @@ from memest.report.views import (
     plan_parallel_view,
     serve_view,
     whatif_view,
+    with_trainer,
 )
 from memest.serve.engine import ServeSpec
 from memest.spec import options
 from memest.spec.choices import Choice, OutputFormat, Verdict
+from memest.spec.config import spec_from_trainer
 from memest.version import versions_line
 
 app = typer.Typer(
@@ -100,12 +102,37 @@ def _format(o: dict):
     return lambda: output_format(o["format"], o["json"], o.get("markdown", False))
 
 
+def _given(o: dict) -> set[str]:
+    """The options the user gave on the command line (not their defaults): they override a --from file."""
+    try:  # typer >= 0.20 vendors click as typer._click
+        from typer._click.core import ParameterSource
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click.core import ParameterSource
+        from click.globals import get_current_context
+
+    ctx = get_current_context()
+    return {name for name in o if ctx.get_parameter_source(name) in
+            (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+
+
 @command("estimate")
 def estimate(**o) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
     spec = options.step_spec(o, "estimate")
+    given = _given(o)
+    trainer = None
 
     def work():
+        nonlocal spec, trainer
+        if o["from_file"] is not None:
+            trainer, spec = spec_from_trainer(o["from_file"], spec, given)
+            if trainer.unknown:
+                typer.echo(f"memest: warning: {o['from_file']}: {len(trainer.unknown)} key(s) not understood (not "
+                           f"modelled): {', '.join(trainer.unknown)}", err=True)
+        elif spec["model"] is None:
+            raise MemestError("estimate needs a MODEL (model.py, hf:NAME, hf:path/config.json) or --from FILE "
+                              "(a trainer config: axolotl, LLaMA-Factory, DeepSpeed JSON, ...)")
 
         if o["depth"] < 0:  # an empty table otherwise (issue 22, 35)
             raise MemestError(f"--depth {o['depth']}: the module-tree depth is 0 (the model) or more, e.g. --depth 3")
@@ -119,9 +146,9 @@ def estimate(**o) -> None:
         code = EXIT_DOES_NOT_FIT if fail and result.passes(o["strict"]) is False else EXIT_OK
         if fail and not o["strict"] and result.verdict == Verdict.TIGHT:  # as check says it (README, usage.md)
             typer.echo("memest: warning: TIGHT: counted as fitting; --strict counts tight as not fitting", err=True)
-        return estimate_view(result, o["depth"], o["expand"]), code
+        return with_trainer(estimate_view(result, o["depth"], o["expand"]), trainer), code
 
-    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "estimate"))
+    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"] or o["from_file"] or "", o, "estimate"))
 
 
 @command("check")
@@ -134,6 +161,10 @@ def check(**o) -> None:
 
         result = run_check(o["configs"], overrides, o["gpu"], o["margin"], progress=_progress(), strict=o["strict"],
                            calibration=o["calibration"], timeout=o["timeout"])
+        for row in result.rows:
+            if row.trainer is not None and row.trainer.unknown:
+                typer.echo(f"memest: warning: {row.path}: from {row.trainer.path}: {len(row.trainer.unknown)} key(s) "
+                           f"not understood (not modelled): {', '.join(row.trainer.unknown)}", err=True)
         if result.tight and not o["strict"]:
             typer.echo(f"memest: warning: TIGHT ({', '.join(r.name for r in result.tight)}): counted as fitting; "
                        "--strict counts tight as not fitting", err=True)

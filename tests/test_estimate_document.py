@@ -26,6 +26,8 @@ CASES = {
     "llama-pp2-cpu": ["hf:tests/configs/llama-tiny.json", *TINY, "--world-size", "2", "--pp", "2", "--target", "cpu"],
     "llama-cp2-cuda": ["hf:tests/configs/llama-tiny.json", *TINY, "--world-size", "2", "--cp", "2", "--shard", "zero3",
                        "--precision", "bf16-mixed", "--target", "cuda"],
+    "llama-from-deepspeed-cuda": ["hf:tests/configs/llama-tiny.json", "--seq", "32", "--from",
+                                  "tests/configs/trainers/ds_z3_offload.json", "--target", "cuda"],
     "mixtral-ep2-cuda": ["hf:tests/configs/mixtral-tiny.json", *TINY, "--world-size", "2", "--ep", "2", "--shard",
                          "zero3", "--target", "cuda"],
 }

@@ -12,6 +12,7 @@ from memest.serve.plan import ServeSpec, plan_serve
 from memest.spec import RunSpec
 from memest.spec.choices import ServeVerdict, Target, Verdict
 from memest.spec.config import RunConfig
+from memest.spec.trainers.load import as_dict
 
 
 @dataclass
@@ -34,8 +35,14 @@ class CheckRow:
     required_bytes_high: int = 0  # needed high x (1 + margin): what "fits" needs
     calibration: str = ""  # the calibration applied, if any
 
+    trainer: object | None = None  # the TrainerConfig of the config's `from:` (spec/trainers), if any
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["trainer"]
+        if self.trainer is not None:  # only with `from:`: the mapping used, its notes and every key not understood
+            out["from"] = as_dict(self.trainer)
+        return out
 
 
 def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | None,
@@ -77,6 +84,7 @@ def check_config(config: RunConfig, spec: RunSpec, source, gpu, margin: float | 
         needed_bytes_high=high,
         required_bytes_high=required_high,
         calibration=(gpu.calibration_note or "") if spec.target == Target.CUDA else "",
+        trainer=config.trainer,
     )
 
 

@@ -10,6 +10,7 @@ from memest.device.fit import tight_reason
 from memest.report.emit import Table, View
 from memest.spec import RunSpec
 from memest.spec.choices import KvDtype, Outputs, ServeVerdict, Target, Verdict
+from memest.spec.trainers.load import as_dict, lines
 from memest.units import format_bytes, format_in, plural, table_unit
 
 
@@ -70,6 +71,26 @@ def estimate_view(result, depth: int = 3, expand: bool = False) -> View:
     return View(estimate_doc(result), rich=rich, markdown=markdown)
 
 
+def with_trainer(view: View, trainer) -> View:
+    """``view`` with the mapping a ``--from`` trainer config used (spec/trainers): the JSON document's ``from``,
+    and the same lines after the table and the Markdown."""
+    if trainer is None:
+        return view
+    text = lines(trainer)
+    rich, markdown = view.rich, view.markdown
+
+    def rich_with(console) -> None:
+        rich(console)
+        for line in text:
+            console.print(line, markup=False, highlight=False)
+
+    def markdown_with() -> str:
+        return "\n\n".join([markdown(), "```\n" + "\n".join(text) + "\n```"])
+
+    return View({**view.doc, "from": as_dict(trainer)}, view.blocks, rich=rich_with if rich else None,
+                markdown=markdown_with if markdown else None)
+
+
 def _expand_kw(fn, expand: bool) -> dict:
     """Pass expand= to renderers that take it."""
     import inspect
@@ -110,6 +131,7 @@ def check_view(result) -> View:
            "configs": [r.to_dict() for r in rows]}
     blocks: list = [Table("memest check", headers, cells, left=("config", "model", "budget", "verdict"))]
     blocks += tight_lines(result)
+    blocks += [line for r in rows if r.trainer is not None for line in lines(r.trainer)]
     return View(doc, blocks)
 
 

@@ -16,6 +16,8 @@
     gpu: 11GB                 # budget: size (GB = 10^9 B, GiB = 2^30 B), card name, or device index
     margin: 10%               # required headroom: needed x (1 + margin) must fit
     calibration: profiles/rtx2080ti.json  # a `memest calibrate --out` profile (relative to this file)
+    from: axolotl.yml         # a trainer config (axolotl, LLaMA-Factory, DeepSpeed JSON, ...; relative to this
+                              # file): its keys first, this file's keys override (spec/trainers)
 
 Keys are RunSpec's fields plus ``gpu``, ``margin``, ``name`` and ``calibration``; unknown keys are rejected with a
 did-you-mean; CLI flags override the file's values.
@@ -45,12 +47,15 @@ import yaml
 
 from memest.errors import MemestError
 from memest.spec import options
-from memest.spec.choices import CudaGraphs, Engine, KvDtype
+from memest.spec.choices import Choice, CudaGraphs, Engine, KvDtype
 from memest.spec.lora import freeze_patterns
 from memest.spec.run import RunSpec
+from memest.spec.trainers.base import TrainerConfig
+from memest.spec.trainers.load import read_trainer_config
+from memest.spec.yaml_keys import UniqueKeyLoader
 
 SPEC_KEYS = sorted(options.spec_options())  # every RunSpec field a user sets (spec/options.py)
-EXTRA_KEYS = ("gpu", "margin", "name", "calibration", "serve", "colocate")
+EXTRA_KEYS = ("gpu", "margin", "name", "calibration", "serve", "colocate", "from")
 SERVE_KEYS = options.serve_keys()
 COLOCATE_KEYS = {"utilization": float, "max_model_len": int, "max_num_seqs": int, "tp": int, "non_torch_memory": float}
 ALL_KEYS = SPEC_KEYS + list(EXTRA_KEYS)
@@ -66,6 +71,7 @@ class RunConfig:
     calibration: str | None = None  # a calibration profile file (memest calibrate --out)
     serve: dict | None = None  # a serving config (memest serve's options + min_concurrency)
     colocate: dict | None = None  # a rollout engine beside the training step
+    trainer: object | None = None  # the TrainerConfig a `from:` trainer config gave (spec/trainers)
 
     def spec(self, **overrides) -> RunSpec:
         return RunSpec(**{**self.values, **{k: v for k, v in overrides.items() if v is not None}})
@@ -93,23 +99,6 @@ def parse_margin(value: Any, what: str = "margin") -> float:
             "(a bare number is a fraction below 1: 0.1 = 10%)"
         )
     return margin
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last silently, so
-    ``batch: 4`` then ``batch: 8`` would gate a run the user did not mean (issue 22, a fresh battery)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, (str, int, float, bool)):
-                continue
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (YAML would keep the last silently)", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -145,6 +134,11 @@ def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
 
 def _from_dict(data: dict, path: str | Path = "") -> RunConfig:
     where = f"{path}: " if path else ""
+    trainer = None
+    if data.get("from") is not None:  # a trainer config (axolotl, DeepSpeed, ...): its keys, this file's win
+        source = Path(str(data["from"]))
+        trainer = read_trainer_config(source if source.is_absolute() or not path else Path(path).parent / source)
+        data = {**trainer.keys, **{k: v for k, v in data.items() if k != "from"}}
     for key in data:
         if key not in ALL_KEYS:
             close = difflib.get_close_matches(str(key), ALL_KEYS, n=1)
@@ -185,7 +179,7 @@ def _from_dict(data: dict, path: str | Path = "") -> RunConfig:
         if not values["model"].startswith("hf:"):
             raise MemestError(f"{where}serve: needs an hf: model (a decoder LM config), not {values['model']!r}")
     return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin, calibration=calibration,
-                     serve=serve, colocate=colocate)
+                     serve=serve, colocate=colocate, trainer=trainer)
 
 
 def _block(data: dict, key: str, schema: dict, where: str) -> dict | None:
@@ -261,3 +255,22 @@ def _typed(key: str, value: Any, where: str) -> Any:
             raise MemestError(f"{where}{key}: expected true or false, got {value!r}")
         return value
     return str(value)
+
+
+def spec_from_trainer(path: str | Path, flags: dict, given: set[str]) -> tuple[TrainerConfig, dict]:
+    """``--from FILE`` beside a command's flags: the file's keys checked as a memest config (spec/config.py's
+    config_from_dict), the flags the user gave (``given``) over them, the other flags' defaults under them.
+    Returns the TrainerConfig and the RunSpec fields."""
+    trainer = read_trainer_config(path)
+    data = dict(trainer.keys)
+    for name in given:
+        if name in flags and flags[name] is not None:
+            data[name] = str(flags[name]) if isinstance(flags[name], Choice) else flags[name]
+    if data.get("model") is None:
+        raise MemestError(f"--from {path}: the file names no model memest can read; pass one (memest estimate "
+                          "hf:path/config.json --from FILE)")
+    config = config_from_dict(data, path)
+    values = dict(config.values)
+    if "model" in given and flags.get("model"):
+        values["model"] = flags["model"]  # the command line's own path, not resolved beside the file
+    return trainer, {name: values.get(name, value) for name, value in flags.items()}

@@ -5,10 +5,9 @@ A reader module exposes ``FORMAT`` (its name), ``detect(path, data) -> bool`` (i
 ``read(path, data) -> TrainerConfig``. ``data`` is the parsed file (JSON/YAML/TOML), or None for a file the
 reader parses itself. READERS lists the modules; base.py holds the shared types."""
 
-from memest.spec.trainers import accelerate_config, torchtitan, training_args
+from memest.spec.trainers import accelerate_config, axolotl, deepspeed, llamafactory, torchtitan, training_args
 from memest.spec.trainers.base import TrainerConfig
 
-READERS: list = []  # the format modules, in detection order (each issue-25 reader adds itself here)
-READERS += [torchtitan, training_args, accelerate_config]
+READERS: list = [axolotl, llamafactory, deepspeed, torchtitan, training_args, accelerate_config]  # detection order
 
 __all__ = ["READERS", "TrainerConfig"]

@@ -1,0 +1,181 @@
+"""axolotl YAML configs (https://docs.axolotl.ai/docs/config-reference.html; axolotl-ai-cloud/axolotl's
+examples/ folder). What axolotl does with a key, where it matters to memory:
+
+- ``bf16: true`` / ``fp16: true`` load the model in that dtype (src/axolotl/utils/config/__init__.py,
+  normalize_config: ``if cfg.bf16 or cfg.bfloat16: cfg.torch_dtype = torch.bfloat16``; loaders/model.py passes it
+  as from_pretrained's dtype), then TrainingArguments' autocast runs over 16-bit weights: memest's ``bf16``.
+- ``sample_packing: true`` packs examples into rows of ``sequence_len`` tokens: the traced length is sequence_len.
+- ``gradient_checkpointing: true``: transformers' per-decoder-layer checkpointing (memest ``blocks``).
+- ``adapter: qlora`` / ``load_in_4bit``: bitsandbytes nf4 base, peft's prepare_model_for_kbit_training applied
+  when loading in 4/8 bit with an adapter (src/axolotl/loaders/model.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memest.errors import MemestError
+from memest.spec.trainers import common
+from memest.spec.trainers.base import TrainerConfig
+
+FORMAT = "axolotl"
+_MARKERS = ("base_model", "micro_batch_size", "sequence_len")
+# keys with no effect on one step's memory (data, logging, schedule, saving)
+_NO_EFFECT = {
+    "base_model_config", "model_type", "tokenizer_type", "tokenizer_config", "trust_remote_code", "datasets",
+    "dataset_prepared_path", "val_set_size", "output_dir", "num_epochs", "max_steps", "learning_rate",
+    "lr_scheduler", "warmup_steps", "warmup_ratio", "weight_decay", "logging_steps", "saves_per_epoch",
+    "evals_per_epoch", "save_steps", "eval_steps", "wandb_project", "wandb_entity", "wandb_watch", "wandb_name",
+    "wandb_log_model", "special_tokens", "seed", "strict", "pad_to_sequence_len", "train_on_inputs",
+    "group_by_length", "chat_template", "hub_model_id", "resume_from_checkpoint", "early_stopping_patience",
+    "local_rank", "logging_dir", "debug", "eval_sample_packing", "lora_model_dir",
+    "lora_fan_in_fan_out", "save_total_limit", "save_strategy", "eval_strategy",
+}
+
+
+def detect(path: Path, data) -> bool:
+    return isinstance(data, dict) and Path(path).suffix in (".yml", ".yaml") and "base_model" in data and \
+        any(k in data for k in _MARKERS[1:])
+
+
+_SIMPLE = {"micro_batch_size": "batch", "sequence_len": "seq", "gradient_accumulation_steps": "grad_accum"}
+_LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+
+def read(path: Path, data: dict) -> TrainerConfig:
+    out = TrainerConfig(format=FORMAT, path=str(path))
+    lora: dict = {}
+    for key, value in data.items():
+        said = f"{key} = {value}"
+        if value is None:  # `key:` with no value: the trainer's default
+            out.mapping.append((f"{key} (empty)", "the trainer's default"))
+        elif key in _SIMPLE:
+            out.keys[_SIMPLE[key]] = value
+            packed = " (packed rows)" if key == "sequence_len" and data.get("sample_packing") else ""
+            out.mapping.append((said, f"{_SIMPLE[key]}: {value}{packed}"))
+        elif key in _LORA:
+            lora[_LORA[key]] = value
+            out.mapping.append((said, f"lora {_LORA[key]}: {value}"))
+        elif key in _HANDLERS:
+            _HANDLERS[key](out, key, value, path, lora)
+        elif key in _NO_EFFECT:
+            out.mapping.append((key, "no effect on memory (not modelled)"))
+        else:
+            out.unknown.append(key)
+    _finish(out, data, lora)
+    return out
+
+
+def _half(out, key, value, path, lora) -> None:
+    if value == "auto":
+        raise MemestError(f"{path}: {key}: auto picks by the GPU axolotl runs on; write true or false "
+                          "(or pass --precision)")
+    if value:
+        out.keys["precision"] = key
+        out.mapping.append((f"{key} = {value}", f"precision: {key} (axolotl loads the weights in {key}; autocast "
+                                                "over them)"))
+    else:
+        out.mapping.append((f"{key} = {value}", f"not {key}"))
+
+
+def _checkpointing(out, key, value, path, lora) -> None:
+    if value:
+        out.keys["checkpointing"] = "blocks"
+        out.mapping.append((f"{key} = {value}", "checkpointing: blocks (each decoder layer)"))
+        out.notes.append("gradient checkpointing: axolotl passes gradient_checkpointing_kwargs to transformers "
+                         "(reentrant or not); memest recomputes each decoder layer in backward either way")
+    else:
+        out.mapping.append((f"{key} = {value}", "checkpointing: none"))
+
+
+def _adapter(out, key, value, path, lora) -> None:
+    if value not in ("lora", "qlora"):
+        raise MemestError(f"{path}: adapter = {value!r}: memest reads lora and qlora")
+    out.mapping.append((f"{key} = {value}", "peft LoRA" + (" on a 4-bit base" if value == "qlora" else "")))
+
+
+def _targets(out, key, value, path, lora) -> None:
+    if key == "lora_target_linear":
+        if value:
+            lora["targets"] = "all-linear"
+        out.mapping.append((f"{key} = {value}", "lora targets: all-linear" if value else "targets from "
+                                                                                        "lora_target_modules"))
+    else:
+        lora.setdefault("targets", common.lora_targets(value))
+        out.mapping.append((f"{key} = {value}", f"lora targets: {value}"))
+
+
+def _load_in(out, key, value, path, lora) -> None:
+    if value:
+        out.keys["quant"] = "nf4" if key == "load_in_4bit" else "int8"
+    out.mapping.append((f"{key} = {value}", f"quant: {out.keys['quant']}" if value else "not quantized"))
+
+
+_HANDLERS = {
+    "base_model": lambda out, key, value, path, lora: common.model(out, key, value, path),
+    "optimizer": lambda out, key, value, path, lora: common.optimizer(out, key, value),
+    "deepspeed": lambda out, key, value, path, lora: common.deepspeed(out, key, value, path),
+    "fsdp": lambda out, key, value, path, lora: _fsdp(out, value),
+    "fsdp_config": lambda out, key, value, path, lora: _fsdp_config(out, value),
+    "bf16": _half, "fp16": _half, "gradient_checkpointing": _checkpointing, "adapter": _adapter,
+    "lora_target_modules": _targets, "lora_target_linear": _targets, "load_in_4bit": _load_in,
+    "load_in_8bit": _load_in,
+    "sample_packing": lambda out, key, value, path, lora: out.mapping.append(
+        (f"{key} = {value}", "rows packed to sequence_len tokens" if value else
+         "one example per row: sequence_len is the longest (padded) length")),
+    "tf32": lambda out, key, value, path, lora: out.mapping.append(
+        (f"{key} = {value}", "matmul precision only: no effect on memory")),
+    "gradient_checkpointing_kwargs": lambda out, key, value, path, lora: out.mapping.append(
+        (f"{key} = {value}", "reentrant or not: the same saved tensors per layer in memest's model")),
+}
+
+
+def _finish(out: TrainerConfig, data: dict, lora: dict) -> None:
+    keys = out.keys
+    if "optim" not in keys:
+        out.notes.append("optimizer not set: axolotl's default applies, memest's --optim default here (pass --optim)")
+    adapter = data.get("adapter")
+    if adapter:
+        keys["lora"] = lora
+        if adapter == "qlora" and "quant" not in keys:
+            keys["quant"] = "nf4"
+            out.mapping.append(("adapter = qlora", "quant: nf4"))
+        if keys.get("quant"):
+            keys["prepare_kbit"] = True
+            out.notes.append("axolotl applies peft's prepare_model_for_kbit_training to a 4/8-bit base with an "
+                             "adapter (src/axolotl/loaders/model.py): prepare_kbit: true")
+    elif lora:
+        out.notes.append("lora_* keys without adapter: lora|qlora: axolotl trains without LoRA; so does memest")
+    out.notes.append("world size: the launcher's (accelerate/torchrun), not in the file; pass --world-size")
+
+
+def _fsdp(out: TrainerConfig, value) -> None:
+    options = value.split() if isinstance(value, str) else list(value or [])
+    for option in options:
+        shard = {"full_shard": "zero3", "shard_grad_op": "zero2", "hybrid_shard": "zero3"}.get(option)
+        if shard:
+            out.keys["shard"] = shard
+            out.mapping.append((f"fsdp: {option}", f"shard: {shard}"))
+        elif option == "offload":
+            out.keys["offload"] = "params"
+            out.mapping.append(("fsdp: offload", "offload: params"))
+        elif option == "auto_wrap":
+            out.mapping.append(("fsdp: auto_wrap", "one FSDP unit per decoder layer (memest's FSDP model)"))
+        else:
+            out.unknown.append(f"fsdp: {option}")
+
+
+def _fsdp_config(out: TrainerConfig, block) -> None:
+    for key, value in (block or {}).items():
+        if key == "fsdp_offload_params":
+            if value:
+                out.keys["offload"] = "params"
+            out.mapping.append((f"fsdp_config.{key} = {value}", "offload: params" if value else "no offload"))
+        elif key == "fsdp_sharding_strategy" and str(value).upper() in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            shard = {"FULL_SHARD": "zero3", "SHARD_GRAD_OP": "zero2", "NO_SHARD": "none"}[str(value).upper()]
+            out.keys["shard"] = shard
+            out.mapping.append((f"fsdp_config.{key} = {value}", f"shard: {shard}"))
+        elif key in ("fsdp_transformer_layer_cls_to_wrap", "fsdp_auto_wrap_policy"):
+            out.mapping.append((f"fsdp_config.{key} = {value}", "one FSDP unit per decoder layer"))
+        else:
+            out.unknown.append(f"fsdp_config.{key}")

@@ -1,0 +1,83 @@
+"""What the YAML trainer readers share: the model key, the optimizer names, LoRA targets, a DeepSpeed include."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memest.errors import MemestError
+from memest.spec.trainers.base import TrainerConfig
+
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "models"  # sources/hf.py's BUNDLED (spec/ sits below sources/)
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED.glob("*.json"))
+
+# transformers' OptimizerNames (transformers/training_args.py) -> (memest --optim, --fused); axolotl and
+# LLaMA-Factory pass these to TrainingArguments.optim
+OPTIMIZERS = {
+    "adamw_torch": ("adamw", False), "adamw_hf": ("adamw", False), "adamw_torch_fused": ("adamw", True),
+    "adamw_apex_fused": ("adamw", True), "adamw_bnb_8bit": ("adam8bit", False), "adamw_8bit": ("adam8bit", False),
+    "adam8bit": ("adam8bit", False), "paged_adamw_8bit": ("paged-adamw-8bit", False),
+    "paged_adamw_32bit": ("paged-adamw-32bit", False), "adafactor": ("adafactor", False), "sgd": ("sgd", False),
+}
+
+
+def model(out: TrainerConfig, key: str, value, config_path: Path) -> None:
+    """``value``: a hub id, a local folder or config.json: memest has no network, so a local config or a
+    bundled name, else refused with the fix."""
+    name = str(value)
+    local = Path(name) if Path(name).is_absolute() else Path(config_path).parent / name
+    for candidate in (local, local / "config.json"):
+        if candidate.is_file():
+            shown = _shown(candidate)
+            out.keys["model"] = f"hf:{shown}"
+            out.mapping.append((f"{key} = {name}", f"model: hf:{shown}"))
+            return
+    short = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    if short in bundled_names() or name in bundled_names():
+        bundled = name if name in bundled_names() else short
+        out.keys["model"] = f"hf:{bundled}"
+        out.mapping.append((f"{key} = {name}", f"model: hf:{bundled} (memest's bundled config)"))
+        return
+    raise MemestError(f"{config_path}: {key} = {name!r}: memest reads no network; download its config.json and "
+                      f"point {key} at that folder or file, or pass the model on the command line "
+                      "(memest estimate hf:path/config.json --from FILE)")
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it lies under it (reports name nothing of this machine),
+    else absolute."""
+    import os
+
+    relative = os.path.relpath(path.resolve())
+    return relative if not relative.startswith("..") else str(path.resolve())
+
+
+def optimizer(out: TrainerConfig, key: str, value) -> None:
+    found = OPTIMIZERS.get(str(value))
+    if found is None:
+        raise MemestError(f"{out.path}: {key} = {value!r} has no memest model; memest reads "
+                          f"{', '.join(OPTIMIZERS)} (or pass --optim beside --from)")
+    optim, fused = found
+    out.keys["optim"] = optim
+    out.mapping.append((f"{key} = {value}", f"optim: {optim}" + (", fused: true" if fused else "")))
+    if fused:
+        out.keys["fused"] = True
+
+
+def deepspeed(out: TrainerConfig, key: str, value, config_path: Path) -> None:
+    path = Path(str(value))
+    path = path if path.is_absolute() else Path(config_path).parent / path
+    if not path.is_file():
+        raise MemestError(f"{config_path}: {key} = {value!r}: no such file beside the config ({path})")
+    out.includes.append(path)
+    out.mapping.append((f"{key} = {value}", f"read {path.name} (DeepSpeed: shard, offload, precision)"))
+
+
+def lora_targets(value) -> list[str] | str:
+    if value in ("all-linear", "all"):
+        return "all-linear"
+    if isinstance(value, str):
+        return [t.strip() for t in value.split(",") if t.strip()]
+    return [str(t) for t in value]

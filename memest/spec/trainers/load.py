@@ -1,0 +1,78 @@
+"""``--from FILE``: parse a trainer config (JSON/YAML/TOML by suffix), find its reader (READERS' detect, in
+order), read it and the files it includes, and merge into one TrainerConfig whose ``keys`` are memest config keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tomllib
+import yaml
+
+from memest.errors import MemestError
+from memest.spec.trainers import READERS
+from memest.spec.trainers.base import TrainerConfig
+from memest.spec.yaml_keys import UniqueKeyLoader
+
+
+def parse(path: Path):
+    """The parsed file: a mapping from JSON, YAML or TOML (by suffix); None for other suffixes (a reader
+    that parses its own files, e.g. a Python file, detects it by its path)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise MemestError(f"--from {str(path)!r}: not found or unreadable ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise MemestError(f"--from {path}: not UTF-8 text") from None
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            return json.loads(text)
+        if suffix in (".yml", ".yaml"):
+            return yaml.load(text, Loader=UniqueKeyLoader)
+        if suffix == ".toml":
+            return tomllib.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise MemestError(f"--from {path}: malformed {suffix[1:].upper()}: {exc}") from None
+    return None
+
+
+def read_trainer_config(path: str | Path, _seen: tuple = ()) -> TrainerConfig:
+    """The file's TrainerConfig, its includes merged in (the including file's keys win); exit-2 error naming
+    the known formats when no reader claims it."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise MemestError(f"--from {path}: includes itself (through {', '.join(str(p) for p in _seen)})")
+    data = parse(path)
+    reader = next((r for r in READERS if r.detect(path, data)), None)
+    if reader is None:
+        known = ", ".join(r.FORMAT for r in READERS)
+        raise MemestError(f"--from {path}: not a trainer config memest reads (known formats: {known}); "
+                          "pass memest flags instead, or a memest YAML config to `memest check`")
+    out = reader.read(path, data)
+    for include in out.includes:
+        inner = read_trainer_config(include, (*_seen, path.resolve()))
+        out.keys = {**inner.keys, **out.keys}
+        out.mapping += [(f"{Path(include).name}: {src}", meaning) for src, meaning in inner.mapping]
+        out.unknown += [f"{Path(include).name}: {key}" for key in inner.unknown]
+        out.notes += inner.notes
+    return out
+
+
+def as_dict(config: TrainerConfig) -> dict:
+    """The JSON form (the estimate document's ``from``)."""
+    return {"format": config.format, "path": config.path, "keys": config.keys,
+            "mapping": [{"source": s, "memest": m} for s, m in config.mapping],
+            "unknown": config.unknown, "notes": config.notes, "includes": [str(p) for p in config.includes]}
+
+
+def lines(config: TrainerConfig) -> list[str]:
+    """The mapping as text lines (the table and Markdown reports)."""
+    out = [f"from {config.path} ({config.format}):"]
+    out += [f"  {source} -> {meaning}" for source, meaning in config.mapping]
+    out += [f"  note: {note}" for note in config.notes]
+    out.append(f"  not understood ({len(config.unknown)}): {', '.join(config.unknown)}" if config.unknown
+               else "  not understood: none")
+    return out
+
