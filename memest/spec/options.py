@@ -165,6 +165,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
            "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu; "
            "pinned host memory counted in the host column).", override="Override activation offloading."),
+    Option("preference", ("--preference",), "Preference training: none | dpo (trl's DPOTrainer: chosen and rejected "
+           "in one 2x batch, per-token log-probs by trl's fused LM head, a frozen reference forward, sigmoid loss; "
+           "--batch counts pairs; needs trl)."),
+    Option("reference", ("--reference",), "--preference: auto | copy | adapter | precomputed (a second frozen copy "
+           "of the policy; the base with the LoRA adapter disabled; precompute_ref_log_probs; auto: adapter with "
+           "--lora, else copy)."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
     Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "
