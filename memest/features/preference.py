@@ -154,6 +154,15 @@ def wrap(policy: torch.nn.Module, spec) -> DPOStep:
     return DPOStep(policy, reference, adapter=kind == Reference.ADAPTER, precomputed=kind == Reference.PRECOMPUTED)
 
 
+def reference_note(step: DPOStep) -> str:
+    """The reference copy's parameter count and bytes (its own storages: a tied head counted once)."""
+    if step.reference is None:
+        return ""
+    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in step.reference.parameters()}
+    count = sum(p.numel() for p in step.reference.parameters())
+    return f"; the reference copy holds {count:,} frozen parameters, {sum(storages.values()):,} B (no gradients, no state)"
+
+
 def describe(spec) -> str:
     """One line for the report: the step and the reference traced."""
     ref = {
@@ -177,7 +186,7 @@ class PreferenceFeature(StepFeature):
 
     def build(self, built, spec) -> None:
         built.model = wrap(built.model, spec)
-        built.notes.append(describe(spec))
+        built.notes.append(describe(spec) + reference_note(built.model))
 
     def inputs(self, inputs, spec):
         return preference_batch(inputs, spec)
