@@ -18,6 +18,7 @@ from memest.features import preference
 from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.trace.events import Category
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref
@@ -118,3 +119,29 @@ def test_the_batch_is_trl_s_collated_pairs():
 def test_bad_preference_options_are_one_line_errors(fields, match):
     with pytest.raises(MemestError, match=match):
         RunSpec(model="hf:gpt2", **fields)
+
+
+def test_advise_offers_the_recipe_remedies_with_their_cost():
+    """advise re-traces precomputed reference log-probs and LoRA with the adapter-disabled base as reference; the
+    first saves exactly the reference copy's parameters and buffers, less the batch's two float32 log-prob vectors."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    ref = model_ref("hf:llama-tiny")
+    args = [ref, "--preference", "dpo", "--batch", "2", "--seq", "32", "--target", "cpu"]
+    result = CliRunner().invoke(app, ["advise", *args, "--gpu", "20MB", "--json"])
+    assert result.exit_code in (0, 1), result.output
+    remedies = {r["name"]: r for r in json.loads(result.stdout)["remedies"]}
+    pre = remedies["precomputed reference log-probs (trl precompute_ref_log_probs=True)"]
+    adapter = remedies["LoRA r=16 with its adapter-disabled base as the reference (trl + peft)"]
+    assert "--reference precomputed" in pre["command"] and "precompute_ref_logps" in pre["time_cost"]
+    assert "--reference adapter" in adapter["command"] and adapter["lowers_need"]
+    base = json.loads(result.stdout)["base_needed_bytes"]
+    copy = trace_step(load_source(ref), RunSpec(model=ref, batch=2, seq=32, target="cpu", preference="dpo"))
+    held = (Category.PARAMETERS, Category.BUFFERS)
+    reference_bytes = sum(r.nbytes for r in copy.storages if r.module.startswith("reference") and r.category in held)
+    logps_inputs = 2 * 2 * 4  # ref_chosen_logps + ref_rejected_logps, batch 2, float32
+    assert reference_bytes > 0 and base - pre["needed_bytes"] == reference_bytes - logps_inputs, (base, pre)
