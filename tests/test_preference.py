@@ -42,6 +42,10 @@ CASES = [
     ("hf:llama-tiny", {"reference": "precomputed"}, 0),
     ("hf:llama-tiny", {"lora": QV, "reference": "precomputed"}, 4),
     ("hf:llama-tiny", {"reference": "copy", "precision": "bf16"}, 0),
+    # QLoRA (trl#5200's recipe): memest's 4-bit stand-in on both sides, as tests/test_finetune.py; 2 x 7 adapted
+    ("hf:llama-tiny", {"lora": "r=8,targets=all-linear", "quant": "nf4", "precision": "bf16"}, 14),
+    ("hf:llama-tiny", {"reference": "copy", "checkpointing": "blocks"}, 0),
+    ("hf:llama-tiny", {"lora": QV, "grad_accum": 2}, 4),
     ("hf:gpt2-tiny", {"reference": "copy"}, 6),  # transformers' GPT-2: Conv1D, tied head; 2 layers x 3 GELU floats
     ("hf:gpt2-tiny", {"lora": "r=8,targets=c_attn"}, 6 + 2),
     ("hf:gpt2-tiny", {"reference": "precomputed"}, 6),
