@@ -7,6 +7,7 @@ The trace core never imports a feature. One feature object serves one trace (it 
 Hooks, in the order the step calls them:
   session(spec)           context around build and step (the fake process group of --world-size)
   build(built, spec)      model transforms after building and the dtype cast (LoRA, checkpointing)
+  inputs(inputs, spec)    the step's inputs as built from the source, replaced (a preference batch of pairs)
   prepare(step)           after the build: wrap the model (data parallel), install a compiled forward;
                           may return a context that stays entered while the model exists
   optimizer(step)         the optimizer the step runs; the first feature that returns one wins
@@ -45,6 +46,10 @@ class StepFeature:
 
     def build(self, built, spec) -> None:
         """Transform ``built.model`` (and add ``built.notes``)."""
+
+    def inputs(self, inputs, spec) -> Any:
+        """The step's inputs, from those the source built (after the dtype cast)."""
+        return inputs
 
     def prepare(self, step) -> contextlib.AbstractContextManager | None:
         return None

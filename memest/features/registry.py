@@ -14,10 +14,11 @@ from memest.features.fp8 import Fp8Feature
 from memest.features.loss_head import LossHeadFeature
 from memest.features.optim import OptimizerFeature, step_optimizer
 from memest.features.optim_in_backward import OptimInBackwardFeature
+from memest.features.preference import PreferenceFeature
 from memest.features.upper_bound import UpperBoundFeature
 from memest.parallel.feature import ParallelFeature
 from memest.spec import RunSpec
-from memest.spec.choices import ActivationOffload, DataDependent, Fp8, LossHead, Offload, Quant, Target
+from memest.spec.choices import ActivationOffload, DataDependent, Fp8, LossHead, Offload, Preference, Quant, Target
 from memest.targets.cpu.feature import CpuTarget
 from memest.targets.cuda.feature import CudaTarget
 from memest.trace import step as core
@@ -38,6 +39,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
         features.append(CheckpointingFeature())
     if spec.activation_offload != ActivationOffload.NONE:  # saved tensors to host memory (save_on_cpu's hooks)
         features.append(ActivationOffloadFeature(spec.activation_offload, ActivationOffloadFeature.moves_for(spec)))
+    if spec.preference != Preference.NONE:  # the policy + reference step of trl's trainer, after LoRA and checkpointing
+        features.append(PreferenceFeature(spec))
     if LossHead.of(spec.loss_head)[0] is not LossHead.STANDARD:
         features.append(LossHeadFeature())
     features.append(CudaTarget() if spec.target == Target.CUDA else CpuTarget())

@@ -20,10 +20,11 @@ from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.features.compiled import unwrap
 from memest.features.loss_head import causal_lm_head
+from memest.features.preference import reference_of
 from memest.plan.parallel import plan_parallel
 from memest.plan.runner import Runner
 from memest.spec import RunSpec
-from memest.spec.choices import Optimizer, Outputs, Precision, Target
+from memest.spec.choices import Optimizer, Outputs, Precision, Preference, Reference, Target
 from memest.spec.options import command_line
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes, plural
@@ -137,12 +138,24 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.training and causal_lm and not base.lora and _peft_available():
         out.append(("LoRA r=16 on every linear layer (peft)", {"lora": LORA}, 0.8))
         out.append(("QLoRA: NF4 base + LoRA r=16 (bitsandbytes + peft)", {"lora": LORA, "quant": "nf4"}, 0.9))
+    if base.preference != Preference.NONE and reference_of(base) != Reference.PRECOMPUTED:
+        out.append(("precomputed reference log-probs (trl precompute_ref_log_probs=True)",
+                    {"reference": Reference.PRECOMPUTED}, 0.05))
+    if base.preference != Preference.NONE and reference_of(base) == Reference.COPY and _peft_available():
+        out.append(("LoRA r=16 with its adapter-disabled base as the reference (trl + peft)",
+                    {"lora": LORA, "reference": Reference.ADAPTER}, 0.7))
     if base.seq and base.seq >= 256:
         out.append((f"shorter sequence ({base.seq // 2})", {"seq": base.seq // 2}, 1.0))
     return out
 
 
 def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
+    if changes.get("reference") == Reference.PRECOMPUTED:
+        return ("before training, one reference forward over the whole dataset (trl DPOTrainer._precompute_ref_logps); "
+                "each step then runs no reference forward and, without peft, no reference model is kept")
+    if changes.get("reference") == Reference.ADAPTER:
+        return ("the reference forward runs the policy's base with the adapter disabled (trl use_adapter); "
+                + LORA_CAVEAT)
     if "outputs" in changes:
         return "0% FLOPs; a loop change: del the output (logits) before loss.backward()"
     if changes.get("loss_head") == "chunked":

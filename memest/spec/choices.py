@@ -162,6 +162,22 @@ class Fp8(Choice):
     ROWWISE = "rowwise"  # Float8LinearConfig.from_recipe_name("rowwise"): one scale per row (axiswise)
 
 
+class Preference(Choice):
+    """--preference: a preference-training step as trl's trainer runs it (features/preference.py)."""
+
+    NONE = "none"
+    DPO = "dpo"  # trl DPOTrainer: chosen + rejected in one 2x batch, a frozen reference, sigmoid loss
+
+
+class Reference(Choice):
+    """--reference: where a preference step's reference log-probabilities come from (trl DPOTrainer)."""
+
+    AUTO = "auto"  # adapter with --lora, else copy (trl: ref_model=None with a peft model, else a second copy)
+    COPY = "copy"  # a second frozen copy of the policy (trl: ref_model)
+    ADAPTER = "adapter"  # the policy's base with the LoRA adapter disabled (trl: use_adapter(model, None))
+    PRECOMPUTED = "precomputed"  # precompute_ref_log_probs=True: two floats per pair in the batch, no reference forward
+
+
 class Outputs(Choice):
     """--outputs: what the training loop does with the model's output (design.md §7)."""
 

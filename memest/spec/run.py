@@ -21,7 +21,9 @@ from memest.spec.choices import (
     Outputs,
     PipelineSchedule,
     Precision,
+    Preference,
     Quant,
+    Reference,
     Shard,
     Target,
     ZeroGrad,
@@ -47,6 +49,8 @@ _CHOICE_FIELDS = {
     "activation_offload": (ActivationOffload, "--activation-offload"),
     "fp8": (Fp8, "--fp8"),
     "outputs": (Outputs, "--outputs"),
+    "preference": (Preference, "--preference"),
+    "reference": (Reference, "--reference"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
     "data_dependent": (DataDependent, "--data-dependent"),
@@ -109,6 +113,8 @@ class RunSpec:
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
+    preference: Preference = Preference.NONE  # dpo: trl DPOTrainer's step (features/preference.py)
+    reference: Reference = Reference.AUTO  # --preference: copy | adapter | precomputed reference log-probs
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
@@ -149,6 +155,7 @@ class RunSpec:
             raise MemestError(f"--loss-head {self.loss_head} replaces a training loss; drop it with --mode {self.mode}")
         self._check_training_only()
         self._check_finetune()
+        self._check_preference()
         if self.batch < 1:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:
@@ -228,6 +235,29 @@ class RunSpec:
             # is contiguous (traced: AssertionError in the backward); not measured for real here
             raise MemestError(f"--activation-offload {self.activation_offload} with --compile is not traced yet "
                               "(docs/limitations.md); drop one of them")
+
+    def _check_preference(self) -> None:
+        """--preference dpo: what memest traces of trl's DPOTrainer (features/preference.py); the rest is refused."""
+        if self.preference == Preference.NONE:
+            if self.reference != Reference.AUTO:
+                raise MemestError(f"--reference {self.reference} is the reference of a preference step; add --preference dpo")
+            return
+        if not self.training:
+            raise MemestError(f"--preference {self.preference} is a training step; drop --mode {self.mode}")
+        other = [flag for flag, on in (
+            ("--loss-head", LossHead.of(self.loss_head)[0] is not LossHead.STANDARD), ("--compile", bool(self.compile)),
+            ("--world-size > 1", self.world_size > 1), ("--offload", self.offload != Offload.NONE),
+            ("--activation-offload", self.activation_offload != ActivationOffload.NONE),
+        ) if on]
+        if other:
+            raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
+                              "(docs/limitations.md); drop it")
+        if self.reference == Reference.ADAPTER and not self.lora:
+            raise MemestError("--reference adapter disables a LoRA adapter for the reference forward; add --lora, or "
+                              "use --reference copy")
+        if self.reference == Reference.COPY and self.lora:
+            raise MemestError("--reference copy with --lora: trl's DPOTrainer uses the base with the adapter disabled "
+                              "when it is given a peft model and no ref_model; use --reference adapter (or auto)")
 
     def _check_finetune(self) -> None:
 

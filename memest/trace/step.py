@@ -153,6 +153,8 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
             "evaluation step does (a causal LM's batch x seq x vocab log-softmax counts); a serving forward "
             "without labels holds less (--mode generate, memest serve)"
         )
+    for feature in features:
+        inputs = feature.inputs(inputs, spec)
     built.inputs = inputs
     return built
 
