@@ -26,7 +26,15 @@ from memest.imports import imports_without_gc, quiet_library_import
 from memest.sources.base import ModelSource
 from memest.sources.hf_auto import class_for, refuse_remote_code, unknown_model_type
 from memest.sources.hf_experts import cuda_experts_dispatch
-from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, make_inputs, value_ranges
+from memest.sources.hf_inputs import (
+    CTC,
+    DEFAULT_SEQ,
+    VISION_LANGUAGE,
+    check_seq,
+    image_inputs,
+    make_inputs,
+    value_ranges,
+)
 from memest.sources.hf_masks import real_mask_branches
 from memest.sources.hf_values import known_values
 from memest.spec.choices import Target
@@ -106,6 +114,9 @@ def load_hf_source(name: str) -> ModelSource:
                 ranges[tensor] = (low, high)
         return inputs
 
+    def images_inputs(batch_size: int, seq_len: int | None, images: int, hw: tuple[int, int] | None):
+        return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw)
+
     @contextlib.contextmanager
     def trace_context(spec):
         """While the step is traced: transformers' mask branches as on real tensors (hf_masks.py), its
@@ -135,6 +146,7 @@ def load_hf_source(name: str) -> ModelSource:
             "model file with your own example_inputs() (memest estimate model.py)"
         ),
         values_hint=_values_hint(arch, config),
+        image_inputs=images_inputs if head.name == VISION_LANGUAGE else None,
         meta_build=True,
         warnings=list(built.warnings),
         no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",
