@@ -101,6 +101,7 @@ def load_hf_source(name: str) -> ModelSource:
     config.use_cache = False
     notes = list(built.warnings) + list(head.notes) + _layerdrop_off(config) + _rms_norm_note(config)
     ranges = _weak_ranges() if head.reads_values else None
+    reals = _weak_ranges() if head.reads_values else None  # fake input -> its real values (Qwen2-VL's ids, grid)
 
     def build_model():
         return cls(config)
@@ -108,14 +109,14 @@ def load_hf_source(name: str) -> ModelSource:
     def example_inputs(batch_size: int, seq_len: int | None = None):
         seq = seq_len or head.default_seq or DEFAULT_SEQ
         check_seq(head, seq, f"hf:{display}")
-        inputs = make_inputs(config, head, batch_size, seq)
+        inputs = make_inputs(config, head, batch_size, seq, reals)
         if ranges is not None:
             for tensor, low, high in value_ranges(config, head, inputs):
                 ranges[tensor] = (low, high)
         return inputs
 
     def images_inputs(batch_size: int, seq_len: int | None, images: int, hw: tuple[int, int] | None):
-        return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw)
+        return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw, reals)
 
     @contextlib.contextmanager
     def trace_context(spec):
@@ -127,7 +128,7 @@ def load_hf_source(name: str) -> ModelSource:
             if spec.target == Target.CUDA:
                 stack.enter_context(cuda_experts_dispatch(spec.compute_capability))
             if ranges is not None:
-                stack.enter_context(known_values(ranges, ctc=head.name == CTC))
+                stack.enter_context(known_values(ranges, ctc=head.name == CTC, real=reals))
             yield
 
     return ModelSource(

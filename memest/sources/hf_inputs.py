@@ -47,7 +47,7 @@ SUPPORTED = (
     "vision-language with image tokens (LLaVA, Qwen2-VL, Qwen2.5-VL)"
 )
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
-QWEN_VL_TRACED = False  # its forward reads image_grid_thw's and input_ids' values: not traced on fake tensors yet
+
 QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
 
@@ -91,7 +91,7 @@ def head_of(arch: str, config, params: set[str]) -> Head:
             return _vision_text(config)
         if model_type == "llava":
             return _llava(config)
-        if model_type in QWEN_VL and QWEN_VL_TRACED:
+        if model_type in QWEN_VL:
             return _qwen_vl(config)
         raise _unsupported(arch, "input_ids and pixel_values", params)
     if "pixel_values" in params or arch.endswith("ForImageClassification") or model_type == "vit":
@@ -258,7 +258,7 @@ def _llava(config) -> Head:
 
 
 def check_seq(head: Head, seq: int, name: str) -> None:
-    if head.name == VISION_LANGUAGE and seq <= head.image_tokens:
+    if head.name == VISION_LANGUAGE and head.seq_means == "image + text tokens" and seq <= head.image_tokens:
         raise ModelLoadError(
             f"{name} puts {head.image_tokens} image tokens in every sequence; --seq counts image + text tokens, so use "
             f"--seq {head.image_tokens + 1} or more"
@@ -266,7 +266,7 @@ def check_seq(head: Head, seq: int, name: str) -> None:
 
 
 # -- the tensors -----------------------------------------------------------------------------------
-def make_inputs(config, head: Head, batch: int, seq: int | None) -> dict[str, Any]:
+def make_inputs(config, head: Head, batch: int, seq: int | None, reals=None) -> dict[str, Any]:
     import torch
 
     if head.name in (IMAGE_CLASSIFICATION, VISION):
@@ -292,7 +292,7 @@ def make_inputs(config, head: Head, batch: int, seq: int | None) -> dict[str, An
             "return_loss": True,
         }
     if head.name == VISION_LANGUAGE and config.model_type in QWEN_VL:
-        return _qwen_vl_inputs(config, batch, seq, 1, QWEN_VL_DEFAULT_IMAGE)
+        return _qwen_vl_inputs(config, batch, seq, 1, QWEN_VL_DEFAULT_IMAGE, reals)
     if head.name == VISION_LANGUAGE:
         return _llava_inputs(config, head, batch, seq)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
@@ -340,13 +340,14 @@ def _llava_inputs(config, head: Head, batch: int, seq: int, images: int = 1) -> 
 
 
 # -- --images: N images per example, turned into tokens as the model's processor does ---------------
-def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tuple[int, int] | None) -> dict[str, Any]:
+def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tuple[int, int] | None,
+                 reals=None) -> dict[str, Any]:
     """Inputs of ``batch`` examples of ``images`` images (``hw`` pixels each before the processor resizes them)
     and ``text`` text tokens: the image tokens are added, so the sequence is text + image tokens."""
     if head.name != VISION_LANGUAGE:
         raise ModelLoadError(f"--images: a {head.name} model takes no image tokens; memest builds them for {SUPPORTED}")
     if config.model_type in QWEN_VL:
-        return _qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE)
+        return _qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE, reals)
     tokens = image_tokens(config, head, hw)
     return _llava_inputs(config, head, batch, text + images * tokens, images)
 
@@ -394,11 +395,28 @@ def _qwen_vl(config) -> Head:
     return head
 
 
-def _qwen_vl_inputs(config, batch: int, text: int, images: int, hw: tuple[int, int]) -> dict[str, Any]:
+def _qwen_vl_inputs(config, batch: int, text: int, images: int, hw: tuple[int, int], reals=None) -> dict[str, Any]:
     """As Qwen2VLProcessor hands them to the model: each image (one frame, repeated to temporal_patch_size as
     the image processor does) as grid_h x grid_w rows of C x T x P x P values in ``pixel_values``, its
     ``image_grid_thw`` row [1, grid_h, grid_w], and in input_ids <|vision_start|>, one <|image_pad|> per
     merged patch (grid_h x grid_w / merge^2), <|vision_end|> (processing_qwen2_vl.py)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the real values (under the trace: known to hf_values.KnownValues)
+        real = _qwen_vl_ids(config, batch, text, images, hw)
+    pixels = torch.randn(real.pop("pixels"))
+    inputs = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in real.items()}
+    if reals is not None:
+        for name, t in real.items():
+            if name != "labels":
+                reals[inputs[name]] = t
+    if not isinstance(pixels, torch._subclasses.fake_tensor.FakeTensor):  # a real run: the real values
+        inputs = real
+    return {**inputs, "pixel_values": pixels}
+
+
+def _qwen_vl_ids(config, batch: int, text: int, images: int, hw: tuple[int, int]) -> dict[str, Any]:
     import torch
 
     vision = config.vision_config
@@ -421,7 +439,7 @@ def _qwen_vl_inputs(config, batch: int, text: int, images: int, hw: tuple[int, i
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     return {
         "input_ids": ids,
-        "pixel_values": torch.randn(batch * images * grid_h * grid_w, patch),
+        "pixels": (batch * images * grid_h * grid_w, patch),
         "image_grid_thw": torch.tensor([[1, grid_h, grid_w]] * (batch * images)),
         "mm_token_type_ids": kind,
         "labels": labels,
