@@ -14,7 +14,7 @@ loaded, naming what the model's forward asks for.
 | ctc | ...ForCTC on raw audio (Wav2Vec2, HuBERT, WavLM, ...) | input_values, labels (frames // 2 per example) | audio samples |
 | vision-text | CLIP-style models with ``return_loss`` | input_ids, pixel_values, return_loss=True | text tokens |
 | vision-language | LLaVA | input_ids with one image token per image feature, pixel_values, labels | image + text tokens |
-| vision-language | Qwen2-VL, Qwen2.5-VL | input_ids with <|vision_start|>, image pads, <|vision_end|> per image, pixel_values (patches, C*T*P*P), image_grid_thw, mm_token_type_ids, labels | text tokens (image tokens added) |
+| vision-language | Qwen2-VL | input_ids with <|vision_start|>, image pads, <|vision_end|> per image, pixel_values (patches, C*T*P*P), image_grid_thw, mm_token_type_ids, labels | text tokens (image tokens added) |
 
 ``--images N --image-size HxW`` (``image_inputs``): N images per example of HxW pixels before the processor
 resizes them; the image tokens are added to --seq text tokens.
@@ -44,9 +44,9 @@ SPEECH_SEQ2SEQ, CTC, VISION_TEXT, VISION_LANGUAGE = "speech-seq2seq", "ctc", "vi
 SUPPORTED = (
     "text (causal LM, masked LM, seq2seq, sequence classification), image classification, speech seq2seq "
     "(Whisper: input_features), CTC on raw audio (input_values), vision-text with return_loss (CLIP) and "
-    "vision-language with image tokens (LLaVA, Qwen2-VL, Qwen2.5-VL)"
+    "vision-language with image tokens (LLaVA, Qwen2-VL)"
 )
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL = ("qwen2_vl",)  # Qwen2.5-VL: its window attention runs unique_consecutive on values not followed yet
 
 QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
@@ -362,7 +362,7 @@ def image_tokens(config, head: Head, hw: tuple[int, int] | None) -> int:
     return head.image_tokens
 
 
-# -- Qwen2-VL / Qwen2.5-VL -------------------------------------------------------------------------
+# -- Qwen2-VL -------------------------------------------------------------------------------------
 # Qwen2VLImageProcessor's defaults (transformers image_processing_pil_qwen2_vl.py, size shortest_edge /
 # longest_edge; the released Qwen2-VL preprocessor_config.json files set min_pixels 3136, max_pixels 12845056)
 QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
