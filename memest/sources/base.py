@@ -36,6 +36,9 @@ class ModelSource:
     # build_model() makes its tensors on torch's default device (transformers from a config): under the meta
     # device it gives the model's structure (names, heads, layers) at no memory, for checks before any trace
     meta_build: bool = False
+    # vision-language hf: models: (batch_size, text tokens, images per example, (height, width) or None) -> inputs
+    # with the images turned into tokens as the model's processor does (--images, --image-size); None: not a VLM
+    image_inputs: Callable[[int, int | None, int, tuple[int, int] | None], Any] | None = None
     values_hint: str = (
         "make the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
         "boolean-mask indexing or nonzero"

@@ -26,7 +26,15 @@ from memest.imports import imports_without_gc, quiet_library_import
 from memest.sources.base import ModelSource
 from memest.sources.hf_auto import class_for, refuse_remote_code, unknown_model_type
 from memest.sources.hf_experts import cuda_experts_dispatch
-from memest.sources.hf_inputs import CTC, DEFAULT_SEQ, check_seq, make_inputs, value_ranges
+from memest.sources.hf_inputs import (
+    CTC,
+    DEFAULT_SEQ,
+    VISION_LANGUAGE,
+    check_seq,
+    image_inputs,
+    make_inputs,
+    value_ranges,
+)
 from memest.sources.hf_masks import real_mask_branches
 from memest.sources.hf_values import known_values
 from memest.spec.choices import Target
@@ -93,6 +101,7 @@ def load_hf_source(name: str) -> ModelSource:
     config.use_cache = False
     notes = list(built.warnings) + list(head.notes) + _layerdrop_off(config) + _rms_norm_note(config)
     ranges = _weak_ranges() if head.reads_values else None
+    reals = _weak_ranges() if head.reads_values else None  # fake input -> its real values (Qwen2-VL's ids, grid)
 
     def build_model():
         return cls(config)
@@ -100,11 +109,14 @@ def load_hf_source(name: str) -> ModelSource:
     def example_inputs(batch_size: int, seq_len: int | None = None):
         seq = seq_len or head.default_seq or DEFAULT_SEQ
         check_seq(head, seq, f"hf:{display}")
-        inputs = make_inputs(config, head, batch_size, seq)
+        inputs = make_inputs(config, head, batch_size, seq, reals)
         if ranges is not None:
             for tensor, low, high in value_ranges(config, head, inputs):
                 ranges[tensor] = (low, high)
         return inputs
+
+    def images_inputs(batch_size: int, seq_len: int | None, images: int, hw: tuple[int, int] | None):
+        return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw, reals)
 
     @contextlib.contextmanager
     def trace_context(spec):
@@ -116,7 +128,7 @@ def load_hf_source(name: str) -> ModelSource:
             if spec.target == Target.CUDA:
                 stack.enter_context(cuda_experts_dispatch(spec.compute_capability))
             if ranges is not None:
-                stack.enter_context(known_values(ranges, ctc=head.name == CTC))
+                stack.enter_context(known_values(ranges, ctc=head.name == CTC, real=reals))
             yield
 
     return ModelSource(
@@ -135,6 +147,7 @@ def load_hf_source(name: str) -> ModelSource:
             "model file with your own example_inputs() (memest estimate model.py)"
         ),
         values_hint=_values_hint(arch, config),
+        image_inputs=images_inputs if head.name == VISION_LANGUAGE else None,
         meta_build=True,
         warnings=list(built.warnings),
         no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",

@@ -14,6 +14,10 @@ loaded, naming what the model's forward asks for.
 | ctc | ...ForCTC on raw audio (Wav2Vec2, HuBERT, WavLM, ...) | input_values, labels (frames // 2 per example) | audio samples |
 | vision-text | CLIP-style models with ``return_loss`` | input_ids, pixel_values, return_loss=True | text tokens |
 | vision-language | LLaVA | input_ids with one image token per image feature, pixel_values, labels | image + text tokens |
+| vision-language | Qwen2-VL | input_ids with <|vision_start|>, image pads, <|vision_end|> per image, pixel_values (patches, C*T*P*P), image_grid_thw, mm_token_type_ids, labels | text tokens (image tokens added) |
+
+``--images N --image-size HxW`` (``image_inputs``): N images per example of HxW pixels before the processor
+resizes them; the image tokens are added to --seq text tokens.
 
 Every example is full length (no padding), as in ``hf_masks.py``: the step a packed or bucketed
 loader runs at this length.
@@ -40,8 +44,11 @@ SPEECH_SEQ2SEQ, CTC, VISION_TEXT, VISION_LANGUAGE = "speech-seq2seq", "ctc", "vi
 SUPPORTED = (
     "text (causal LM, masked LM, seq2seq, sequence classification), image classification, speech seq2seq "
     "(Whisper: input_features), CTC on raw audio (input_values), vision-text with return_loss (CLIP) and "
-    "vision-language with image tokens (LLaVA)"
+    "vision-language with image tokens (LLaVA, Qwen2-VL)"
 )
+QWEN_VL = ("qwen2_vl",)  # Qwen2.5-VL: its window attention runs unique_consecutive on values not followed yet
+
+QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
 
 @dataclass
@@ -84,6 +91,8 @@ def head_of(arch: str, config, params: set[str]) -> Head:
             return _vision_text(config)
         if model_type == "llava":
             return _llava(config)
+        if model_type in QWEN_VL:
+            return _qwen_vl(config)
         raise _unsupported(arch, "input_ids and pixel_values", params)
     if "pixel_values" in params or arch.endswith("ForImageClassification") or model_type == "vit":
         return Head(IMAGE_CLASSIFICATION if arch.endswith("ForImageClassification") else VISION, None)
@@ -249,7 +258,7 @@ def _llava(config) -> Head:
 
 
 def check_seq(head: Head, seq: int, name: str) -> None:
-    if head.name == VISION_LANGUAGE and seq <= head.image_tokens:
+    if head.name == VISION_LANGUAGE and head.seq_means == "image + text tokens" and seq <= head.image_tokens:
         raise ModelLoadError(
             f"{name} puts {head.image_tokens} image tokens in every sequence; --seq counts image + text tokens, so use "
             f"--seq {head.image_tokens + 1} or more"
@@ -257,7 +266,7 @@ def check_seq(head: Head, seq: int, name: str) -> None:
 
 
 # -- the tensors -----------------------------------------------------------------------------------
-def make_inputs(config, head: Head, batch: int, seq: int | None) -> dict[str, Any]:
+def make_inputs(config, head: Head, batch: int, seq: int | None, reals=None) -> dict[str, Any]:
     import torch
 
     if head.name in (IMAGE_CLASSIFICATION, VISION):
@@ -282,6 +291,8 @@ def make_inputs(config, head: Head, batch: int, seq: int | None) -> dict[str, An
             "pixel_values": _pixels(config.vision_config, batch),
             "return_loss": True,
         }
+    if head.name == VISION_LANGUAGE and config.model_type in QWEN_VL:
+        return _qwen_vl_inputs(config, batch, seq, 1, QWEN_VL_DEFAULT_IMAGE, reals)
     if head.name == VISION_LANGUAGE:
         return _llava_inputs(config, head, batch, seq)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
@@ -315,13 +326,121 @@ def _ctc_labels(config, batch: int, length: int):
     return (torch.randint(0, config.vocab_size - 1, (batch, length)) + blank + 1) % config.vocab_size
 
 
-def _llava_inputs(config, head: Head, batch: int, seq: int) -> dict[str, Any]:
+def _llava_inputs(config, head: Head, batch: int, seq: int, images: int = 1) -> dict[str, Any]:
     import torch
 
-    text, image_id, n = config.text_config, config.image_token_id, head.image_tokens  # alias of image_token_index
+    text, image_id = config.text_config, config.image_token_id  # alias of image_token_index
+    n = head.image_tokens * images
     ids = torch.randint(0, text.vocab_size - 1, (batch, seq))
     ids = ids + (ids >= image_id).long()  # text tokens are never the image token
     ids[:, :n] = image_id
     labels = ids.clone()
     labels[:, :n] = IGNORE_INDEX
-    return {"input_ids": ids, "pixel_values": _pixels(config.vision_config, batch), "labels": labels}
+    return {"input_ids": ids, "pixel_values": _pixels(config.vision_config, batch * images), "labels": labels}
+
+
+# -- --images: N images per example, turned into tokens as the model's processor does ---------------
+def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tuple[int, int] | None,
+                 reals=None) -> dict[str, Any]:
+    """Inputs of ``batch`` examples of ``images`` images (``hw`` pixels each before the processor resizes them)
+    and ``text`` text tokens: the image tokens are added, so the sequence is text + image tokens."""
+    if head.name != VISION_LANGUAGE:
+        raise ModelLoadError(f"--images: a {head.name} model takes no image tokens; memest builds them for {SUPPORTED}")
+    if config.model_type in QWEN_VL:
+        return _qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE, reals)
+    tokens = image_tokens(config, head, hw)
+    return _llava_inputs(config, head, batch, text + images * tokens, images)
+
+
+def image_tokens(config, head: Head, hw: tuple[int, int] | None) -> int:
+    """Image tokens of one image of ``hw`` pixels. LLaVA(-1.5): its processor (CLIPImageProcessor) resizes the
+    shortest edge to the tower's image_size and center-crops a square of it, so every image gives the same
+    tokens whatever its size (processing_llava.py, image_processing_clip.py)."""
+    if config.model_type in QWEN_VL:
+        grid_h, grid_w = qwen_vl_grid(config, hw or QWEN_VL_DEFAULT_IMAGE)
+        return grid_h * grid_w // config.vision_config.spatial_merge_size**2
+    return head.image_tokens
+
+
+# -- Qwen2-VL -------------------------------------------------------------------------------------
+# Qwen2VLImageProcessor's defaults (transformers image_processing_pil_qwen2_vl.py, size shortest_edge /
+# longest_edge; the released Qwen2-VL preprocessor_config.json files set min_pixels 3136, max_pixels 12845056)
+QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+
+
+def qwen_vl_grid(config, hw: tuple[int, int]) -> tuple[int, int]:
+    """Patches (rows, columns) of one image of ``hw`` pixels: resized by transformers' own ``smart_resize``
+    (both sides multiples of patch_size x spatial_merge_size, pixels within min/max_pixels), then cut in
+    patch_size squares (Qwen2VLImageProcessor._preprocess)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    vision = config.vision_config
+    factor = vision.patch_size * vision.spatial_merge_size
+    height, width = smart_resize(hw[0], hw[1], factor=factor, min_pixels=QWEN_VL_MIN_PIXELS,
+                                 max_pixels=QWEN_VL_MAX_PIXELS)
+    return height // vision.patch_size, width // vision.patch_size
+
+
+def _qwen_vl(config) -> Head:
+    limit = getattr(config.text_config, "max_position_embeddings", None)
+    tokens = image_tokens(config, Head(VISION_LANGUAGE, None), None)
+    head = Head(VISION_LANGUAGE, DEFAULT_SEQ, limit, "text_config.max_position_embeddings",
+                seq_means="text tokens (image tokens added)", image_tokens=tokens, reads_values=True)
+    head.notes.append(
+        f"inputs: one {QWEN_VL_DEFAULT_IMAGE[0]}x{QWEN_VL_DEFAULT_IMAGE[1]} image per example (--images N --image-size "
+        f"HxW for others) as Qwen2VLImageProcessor makes it ({tokens} image tokens), input_ids of --seq text tokens "
+        "plus <|vision_start|>, the image tokens and <|vision_end|> per image, image_grid_thw, mm_token_type_ids; "
+        "labels skip the image tokens"
+    )
+    return head
+
+
+def _qwen_vl_inputs(config, batch: int, text: int, images: int, hw: tuple[int, int], reals=None) -> dict[str, Any]:
+    """As Qwen2VLProcessor hands them to the model: each image (one frame, repeated to temporal_patch_size as
+    the image processor does) as grid_h x grid_w rows of C x T x P x P values in ``pixel_values``, its
+    ``image_grid_thw`` row [1, grid_h, grid_w], and in input_ids <|vision_start|>, one <|image_pad|> per
+    merged patch (grid_h x grid_w / merge^2), <|vision_end|> (processing_qwen2_vl.py)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the real values (under the trace: known to hf_values.KnownValues)
+        real = _qwen_vl_ids(config, batch, text, images, hw)
+    pixels = torch.randn(real.pop("pixels"))
+    inputs = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in real.items()}
+    if reals is not None:
+        for name, t in real.items():
+            if name != "labels":
+                reals[inputs[name]] = t
+    if not isinstance(pixels, torch._subclasses.fake_tensor.FakeTensor):  # a real run: the real values
+        inputs = real
+    return {**inputs, "pixel_values": pixels}
+
+
+def _qwen_vl_ids(config, batch: int, text: int, images: int, hw: tuple[int, int]) -> dict[str, Any]:
+    import torch
+
+    vision = config.vision_config
+    grid_h, grid_w = qwen_vl_grid(config, hw)
+    per_image = grid_h * grid_w // vision.spatial_merge_size**2
+    special = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
+    vocab = config.text_config.vocab_size
+    ordinary = torch.tensor([t for t in range(vocab) if t not in special])
+    seq = text + images * (per_image + 2)
+    ids = ordinary[torch.randint(0, len(ordinary), (batch, seq))]
+    kind = torch.zeros(batch, seq, dtype=torch.long)
+    for i in range(images):
+        start = i * (per_image + 2)
+        ids[:, start] = config.vision_start_token_id
+        ids[:, start + 1:start + 1 + per_image] = config.image_token_id
+        ids[:, start + 1 + per_image] = config.vision_end_token_id
+        kind[:, start + 1:start + 1 + per_image] = 1
+    labels = ids.clone()
+    labels[:, :images * (per_image + 2)] = IGNORE_INDEX
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return {
+        "input_ids": ids,
+        "pixels": (batch * images * grid_h * grid_w, patch),
+        "image_grid_thw": torch.tensor([[1, grid_h, grid_w]] * (batch * images)),
+        "mm_token_type_ids": kind,
+        "labels": labels,
+    }

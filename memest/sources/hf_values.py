@@ -39,6 +39,9 @@ _LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 # ops whose output holds the same values (same count of True) as their input
 _SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
                 aten.alias.default, aten.detach.default, aten._to_copy.default, aten.clone.default}
+# ops with no tensor input whose values follow from their arguments (torch.arange over a read size)
+_VALUE_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default}
+REAL_LIMIT = 1 << 20  # elements: real values are followed only on small (index-sized) tensors
 _COMPARE = {
     aten.ge.Scalar: lambda lo, hi, x: (lo >= x, hi >= x),
     aten.gt.Scalar: lambda lo, hi, x: (lo > x, hi > x),
@@ -51,9 +54,10 @@ class KnownValues(TorchDispatchMode):
     """While entered, reads decided by the known value ranges of ``ranges`` (tensor -> (lo, hi),
     inclusive) are answered; see the module docstring."""
 
-    def __init__(self, ranges: WeakTensorKeyDictionary) -> None:
+    def __init__(self, ranges: WeakTensorKeyDictionary, real: WeakTensorKeyDictionary | None = None) -> None:
         super().__init__()
         self.ranges = ranges
+        self.real = real if real is not None else WeakTensorKeyDictionary()  # fake input -> its real values
         self.known = WeakTensorKeyDictionary()  # 0-d boolean tensor -> its value
         self.true_count = WeakTensorKeyDictionary()  # boolean mask -> how many of its values are True
 
@@ -61,6 +65,15 @@ class KnownValues(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in READS and args[0] in self.known:
             return self.known[args[0]]
+        if self.real and func not in READS:
+            followed = self._follow_real(func, args, kwargs)
+            if followed is not None:
+                return followed
+        elif func in READS and args[0] in self.real:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return self.real[args[0]].item()
         if func is aten.index.Tensor:
             counted = self._index_by_mask(*args, **kwargs)
             if counted is not None:
@@ -85,12 +98,72 @@ class KnownValues(TorchDispatchMode):
                 self.known[out] = always
         return out
 
+    def _follow_real(self, func, args, kwargs):
+        """An op on small inputs whose real values memest built (a VLM's image_grid_thw, input_ids): the fake
+        op as usual (its memory traced), and the same op on the real values beside it, so that the model's
+        reads of them (tolist, item, nonzero's count) find what the real run finds. An op whose output size
+        depends on values (nonzero, repeat_interleave) gets a fake output of the real one's size."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        if func in _LIFTS and args[0].numel() <= REAL_LIMIT:  # torch.tensor(host data): its values are here
+            out = func(*args, **kwargs)
+            with unset_fake_temporarily():
+                self.real[out] = args[0].clone()
+            return out
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not tensors and func not in _VALUE_FACTORIES:
+            return None
+        if not all(t in self.real for t in tensors):
+            return None
+        if any(self.real[t].numel() > REAL_LIMIT for t in tensors):
+            return None
+        with unset_fake_temporarily():
+            real_args, real_kwargs = tree_map(lambda a: self.real[a] if isinstance(a, torch.Tensor) else a, (args, kwargs))
+            real_out = func(*real_args, **real_kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if not isinstance(real_out, torch.Tensor):
+                raise
+            out = torch.empty(real_out.shape, dtype=real_out.dtype)
+        outs, reals = tree_flatten(out)[0], tree_flatten(real_out)[0]
+        for fake, real in zip(outs, reals, strict=False):
+            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and real.numel() <= REAL_LIMIT:
+                self.real[fake] = real
+        return out
+
     def _index_by_mask(self, tensor, indices):
         """``tensor[mask]`` for a mask of known count: (count, *the dimensions the mask does not cover)."""
         if len(indices) != 1 or indices[0] is None or indices[0] not in self.true_count:
             return None
         mask = indices[0]
         return tensor.new_empty((self.true_count[mask], *tensor.shape[mask.dim():]))
+
+
+class TensorOfKnown(torch.overrides.TorchFunctionMode):
+    """``torch.tensor(list of 0-d tensors)`` reads each element's data directly (not through dispatch): an
+    element whose real value KnownValues follows is handed over as that value (Qwen2-VL's get_rope_index
+    builds ``torch.tensor(mrope_position_deltas)`` so)."""
+
+    def __init__(self, known: KnownValues) -> None:
+        super().__init__()
+        self.known = known
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and args and isinstance(args[0], (list, tuple)):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.utils._pytree import tree_map
+
+            def value(x):
+                if isinstance(x, torch.Tensor) and x in self.known.real:
+                    with unset_fake_temporarily():
+                        return self.known.real[x].item()
+                return x
+
+            args = (tree_map(value, list(args[0])), *args[1:])
+        return func(*args, **kwargs)
 
 
 def known_length_ctc(original):
@@ -123,12 +196,14 @@ def known_length_ctc(original):
 
 
 @contextlib.contextmanager
-def known_values(ranges: WeakTensorKeyDictionary, ctc: bool) -> Iterator[None]:
+def known_values(ranges: WeakTensorKeyDictionary, ctc: bool, real: WeakTensorKeyDictionary | None = None) -> Iterator[None]:
     """The mode, and for a CTC head transformers' CTC loss with known lengths."""
     with contextlib.ExitStack() as stack:
         if ctc:
             stack.enter_context(_ctc_loss_patched())
-        stack.enter_context(KnownValues(ranges))
+        mode = stack.enter_context(KnownValues(ranges, real))
+        if real is not None:
+            stack.enter_context(TensorOfKnown(mode))
         yield
 
 

@@ -162,6 +162,11 @@ OPTIONS: tuple[Option, ...] = (
            "the bound) | upper-bound (nonzero, x[mask], masked_select, unique traced at their bound: the estimate is "
            "an upper bound).",
            override="Override: refuse | upper-bound (size-bounded data-dependent ops at their bound)."),
+    Option("images", ("--images",), "Vision-language hf: models: images per example, each turned into image tokens "
+           "as the model's processor does (Qwen2-VL: smart_resize; LLaVA: one tower-sized tile), added to --seq text tokens; "
+           "0 = the model's default inputs."),
+    Option("image_size", ("--image-size",), "--images: HEIGHTxWIDTH of each image before the processor resizes it "
+           "(default: the vision tower's image size)."),
     Option("zero_grad", ("--zero-grad",), "After the step: none (set to None) | zeros."),
     Option("mode", ("--mode",), "train | inference | generate (decoders, KV cache)."),
     Option("new_tokens", ("--new-tokens",), "--mode generate: tokens after a --seq prompt."),

@@ -76,6 +76,14 @@ def quant_layout_unmodelled(spec) -> list[str]:
     return out
 
 
+def image_hw(text: str) -> tuple[int, int]:
+    """(height, width) of --image-size HxW (e.g. 448x640), or MemestError."""
+    parts = str(text).lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise MemestError(f"--image-size takes HEIGHTxWIDTH in pixels, e.g. 448x448; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training configuration of one model.
@@ -144,6 +152,10 @@ class RunSpec:
     compile: bool | None = None
     # ops whose output size depends on values: refuse (the error), or upper-bound (features/upper_bound.py)
     data_dependent: DataDependent = DataDependent.REFUSE
+    # vision-language hf: models (sources/hf_inputs.py): images per example (0 = the model's default inputs) and
+    # their size before the processor resizes them ("HxW"; "" = the vision tower's own image size)
+    images: int = 0
+    image_size: str = ""
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -160,6 +172,7 @@ class RunSpec:
             raise MemestError(f"--batch must be at least 1, got {self.batch}")
         if self.seq is not None and self.seq < 1:
             raise MemestError(f"--seq must be at least 1, got {self.seq}")
+        self._check_images()
         if self.target == Target.CPU and (self.fused or self.attention != Attention.AUTO or self.cudnn_benchmark):
             raise MemestError(
                 "--fused, --attention and --cudnn-benchmark describe CUDA kernels; use them with --target cuda"
@@ -291,6 +304,14 @@ class RunSpec:
                 f"{'; so is --shard zero3 or zero2 in --precision bf16 or fp32, the FSDP-QLoRA recipe' if self.quant != Quant.INT8 else ''}), "
                 "or drop --quant to estimate a 16-bit base sharded"
             )
+
+    def _check_images(self) -> None:
+        if self.images < 0:
+            raise MemestError(f"--images must be 0 or more images per example, got {self.images}")
+        if self.image_size:
+            image_hw(self.image_size)
+            if not self.images:
+                raise MemestError("--image-size is the size of the --images inputs: give --images N with it")
 
     def _check_compile(self) -> None:
         if self.compile and self.world_size > 1:

@@ -23,6 +23,7 @@ from typing import Any
 
 from memest.imports import imports_without_gc
 from memest.spec.choices import Mode, Shard, ZeroGrad
+from memest.spec.run import image_hw
 from memest.units import format_count
 
 with imports_without_gc():
@@ -132,7 +133,7 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
         feature.build(built, spec)
     built.model.train(spec.training)
     try:
-        inputs = source.example_inputs(spec.batch, seq)
+        inputs = _inputs(source, spec, seq)
     except MemestError:
         raise
     except Exception as exc:
@@ -707,3 +708,16 @@ def _op_name(exc: Exception) -> str:
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def _inputs(source, spec, seq):
+    """The step's inputs: the source's example_inputs, or with --images its vision-language inputs."""
+    if not spec.images:
+        return source.example_inputs(spec.batch, seq)
+    if source.image_inputs is None:
+        raise TraceError(
+            f"--images: {source.origin or source.name} is not a vision-language model memest builds image inputs for "
+            "(hf: LLaVA and Qwen2-VL configs); its inputs are its own (drop --images)"
+        )
+    hw = image_hw(spec.image_size) if spec.image_size else None
+    return source.image_inputs(spec.batch, seq, spec.images, hw)
