@@ -396,3 +396,48 @@ def test_accelerate_estimate_matches_flags(tmp_path):
     by_hand = _figures(memest.estimate(f"hf:{TINY}", batch=2, seq=64, world_size=2, shard="zero3",
                               precision="bf16-mixed"))
     assert from_file == by_hand
+
+
+# --- the same through the CLI: `memest estimate --from FILE` (issue 25: a test per format) ------------------------
+
+
+def _cli(args: list[str]) -> dict:
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    result = CliRunner().invoke(app, ["estimate", *args, "--gpu", "h100", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _same(from_args: list[str], flag_args: list[str], fmt: str) -> dict:
+    got, want = _cli(from_args), _cli(flag_args)
+    for key in ("peak_allocated_bytes", "needed_bytes", "needed_bytes_low", "needed_bytes_high", "param_count"):
+        assert got[key] == want[key], key
+    assert got["spec"] == want["spec"]
+    assert got["from"]["format"] == fmt and "from" not in want
+    return got
+
+
+def test_cli_from_torchtitan_toml_matches_flags(tmp_path):
+    path, _ = _toml(tmp_path, TINY_TOML)
+    model = f"hf:{tmp_path / 'assets' / 'tiny' / 'config.json'}"
+    doc = _same(["--from", str(path)], [model, "--batch", "2", "--seq", "64", "--world-size", "2", "--shard", "zero3",
+                                        "--precision", "bf16-mixed", "--grad-accum", "2", "--checkpointing", "blocks",
+                                        "--optim", "adamw", "--fused"], torchtitan.FORMAT)
+    assert doc["from"]["unknown"]  # [float8_experimental] is listed, not dropped
+
+
+def test_cli_from_training_args_json_matches_flags(tmp_path):
+    path, _ = _training_args(tmp_path)
+    _same([f"hf:{TINY}", "--from", str(path)], [f"hf:{TINY}", "--batch", "2", "--seq", "64", "--grad-accum", "4",
+                                                "--precision", "bf16-mixed", "--checkpointing", "blocks", "--optim",
+                                                "adamw", "--fused", "--outputs", "freed"], training_args.FORMAT)
+
+
+def test_cli_from_accelerate_config_matches_flags(tmp_path):
+    path, _ = _accelerate(tmp_path)
+    _same([f"hf:{TINY}", "--from", str(path), "--batch", "2", "--seq", "64"],
+          [f"hf:{TINY}", "--batch", "2", "--seq", "64", "--world-size", "2", "--shard", "zero3", "--precision",
+           "bf16-mixed"], accelerate_config.FORMAT)
