@@ -23,7 +23,7 @@ TINY_HF = f"hf:{CONFIGS / 'gpt2-tiny.json'}"
 
 # the pre-worker path: the same CLI with `run_command` given no worker, so each command's View is built and
 # emitted in memest's own process, exactly as before the worker
-IN_PROCESS = "import sys, memest.cli as c; c.InWorker = lambda label, timeout: None; sys.argv[0] = 'memest'; c.main()"
+IN_PROCESS = "import sys, memest.cli as c; c.InWorker = lambda *args: None; sys.argv[0] = 'memest'; c.main()"
 
 # the only figures that differ between two runs of the same command: how long the trace took
 _TIMINGS = [(re.compile(r"(traced in[*:\s]+)[0-9.]+ s"), r"\1<t> s"),
