@@ -75,12 +75,16 @@ def real_cuda_autocast(dtype):
     torch.set_autocast_enabled("cuda", True)
     torch.set_autocast_dtype("cuda", dtype)
     # The Python bindings of Tensor.contiguous and indexing take a CUDA device guard, which a CPU-only
-    # build cannot make; the ops underneath (clone, select) run fine on fake CUDA tensors.
-    torch.Tensor.contiguous, torch.Tensor.__getitem__ = _contiguous, _getitem
+    # build cannot make; the ops underneath (clone, select) run fine on fake CUDA tensors. Patched on FakeTensor
+    # (every tensor the oracle makes), not on torch.Tensor: assigning __getitem__ to a class and deleting it
+    # leaves CPython's sequence slot changed on that class and its subclasses, and on torch.Tensor that made
+    # torch.tensor([0-d tensors]) raise "len() of a 0-d tensor" for the rest of the session (Qwen2-VL's
+    # get_rope_index in tests/test_hf_images.py, in the fresh-clone CI).
+    FakeTensor.contiguous, FakeTensor.__getitem__ = _contiguous, _getitem
     try:
         yield
     finally:
-        del torch.Tensor.contiguous, torch.Tensor.__getitem__
+        del FakeTensor.contiguous, FakeTensor.__getitem__
         torch.set_autocast_enabled("cuda", prev[0])
         torch.set_autocast_dtype("cuda", prev[1])
         torch.clear_autocast_cache()
