@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.trainers import common
 from memest.spec.trainers.base import TrainerConfig
 
 FORMAT = "accelerate"
@@ -91,12 +92,7 @@ def _leftovers(cfg, data: dict, used: set) -> None:
         used.add(key)
         if data.get(key):
             cfg.unknown.append(f"{key} = {data[key]!r}")
-    for key in data:
-        if key not in used and key not in NEUTRAL:
-            cfg.unknown.append(f"{key} = {data[key]!r}")
-    ignored = sorted(k for k in data if k not in used and k in NEUTRAL)
-    if ignored:
-        cfg.notes.append(f"ignored: no memory effect: {', '.join(ignored)}")
+    common.leftovers(cfg, data, used, NEUTRAL)
 
 
 def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:

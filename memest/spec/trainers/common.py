@@ -81,3 +81,13 @@ def lora_targets(value) -> list[str] | str:
     if isinstance(value, str):
         return [t.strip() for t in value.split(",") if t.strip()]
     return [str(t) for t in value]
+
+
+def leftovers(cfg: TrainerConfig, data: dict, used: set, neutral) -> None:
+    """The keys a reader did not map: memory-neutral ones noted as ignored, every other one reported unknown."""
+    for key in data:
+        if key not in used and key not in neutral:
+            cfg.unknown.append(f"{key} = {data[key]!r}")
+    ignored = sorted(k for k in data if k not in used and k in neutral)
+    if ignored:
+        cfg.notes.append(f"ignored: no memory effect: {', '.join(ignored)}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.trainers import common
 from memest.spec.trainers.base import TrainerConfig
 
 FORMAT = "training-args"
@@ -116,12 +117,7 @@ def read(path, data) -> TrainerConfig:
         if data.get(key) not in (None, False, 0, 0.0, [], {}):
             cfg.unknown.append(f"{key} = {data[key]!r}")
         used.add(key)
-    for key in data:
-        if key not in used and key not in NEUTRAL:
-            cfg.unknown.append(f"{key} = {data[key]!r}")
-    ignored = sorted(k for k in data if k not in used and k in NEUTRAL)
-    if ignored:
-        cfg.notes.append(f"ignored: no memory effect: {', '.join(ignored)}")
+    common.leftovers(cfg, data, used, NEUTRAL)
     if "model" not in cfg.keys:
         cfg.notes.append("TrainingArguments do not name the model: give it beside the file")
     return cfg
