@@ -14,6 +14,7 @@ from typing import Any
 
 from memest.errors import ModelLoadError
 from memest.sources.base import ModelSource
+from memest.sources.model_file import default_seq
 
 
 def _name(fn: Callable) -> str:
@@ -28,16 +29,6 @@ def _positional_count(fn: Callable) -> int | None:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return None
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-
-
-def _default_seq(fn: Callable) -> int | None:
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if len(params) >= 2 and isinstance(params[1].default, int):
-        return params[1].default
-    return None
 
 
 def callable_source(
@@ -78,6 +69,6 @@ def callable_source(
         build_model=model,
         example_inputs=example_inputs,
         compute_loss=loss,
-        default_seq=_default_seq(inputs) if takes_seq else None,
+        default_seq=default_seq(inputs) if takes_seq else None,
         origin=f"{label} (Python API)",
     )

@@ -49,19 +49,19 @@ def load_model_file(ref: str) -> ModelSource:
             "a tuple of positional inputs or a dict of keyword inputs"
         )
     loss = getattr(module, "compute_loss", None)
-    default_seq = _default_seq(inputs)
+    seq_default = default_seq(inputs)
     return ModelSource(
         name=path.stem if factory == "build_model" else f"{path.stem}:{factory}",
         build_model=build,
         example_inputs=inputs,
         compute_loss=loss if callable(loss) else None,
-        default_seq=default_seq,
+        default_seq=seq_default,
         origin=str(path),
         lookup=lambda name: getattr(module, name, None),
     )
 
 
-def _default_seq(fn) -> int | None:
+def default_seq(fn) -> int | None:
     """The default of ``seq_len`` in example_inputs, if it has one."""
     try:
         params = list(inspect.signature(fn).parameters.values())
