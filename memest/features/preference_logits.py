@@ -22,8 +22,9 @@ cpo_loss, get_batch_loss_metrics); trl/experimental/utils.py (DPODataCollatorWit
   NLL term plus SimPO's normalisation: not offered), ``simpo_gamma`` 0.5.
 
 No reference model: the trainers take none (``ref_model`` is not an argument). Not traced: the metrics
-``get_batch_loss_metrics`` logs (``.item()`` reads of B-element tensors and of the logits' mean, which need values:
-no tensor larger than ``(B,)`` is made), and on ``--target cuda`` trl's Triton ``selective_log_softmax`` kernel (the
+``get_batch_loss_metrics`` logs (``.item()`` reads of B-element tensors and of the logits' mean, which need values;
+in float32 no tensor larger than ``(B,)`` is made, but CPU's ``mean`` of bf16 logits upcasts a float32 copy of them:
+docs/limitations.md), and on ``--target cuda`` trl's Triton ``selective_log_softmax`` kernel (the
 trace runs the torch fallback trl runs without Triton).
 """
 
