@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from memest.errors import MemestError
-from memest.features.base import StepFeature
-from memest.spec.choices import Preference, Reference
+from memest.features.preference_logits import MarkedStep, PreferenceOutput
+from memest.spec.choices import Reference
 
 TRL_SOURCE = "trl 1.16.0, trl/trainer/dpo_trainer.py (DPOTrainer._compute_loss) and trl/trainer/utils.py (add_fused_lm_head)"
 BETA = 0.1  # trl DPOConfig.beta default
@@ -61,15 +61,7 @@ def add_fused_lm_head(model, outputs=("log_probs",)) -> None:
     trl_add(model, outputs=outputs)
 
 
-class PreferenceOutput(dict):
-    """What the step's forward returns: the loss (HF Trainer's training_step calls backward on it)."""
-
-    @property
-    def loss(self) -> torch.Tensor:
-        return self["loss"]
-
-
-class DPOStep(torch.nn.Module):
+class DPOStep(MarkedStep):
     """The policy and its frozen reference as one module whose forward is DPOTrainer._compute_loss."""
 
     def __init__(self, policy: torch.nn.Module, reference: torch.nn.Module | None, adapter: bool, precomputed: bool):
@@ -93,6 +85,7 @@ class DPOStep(torch.nn.Module):
         completion_mask = inputs["completion_mask"]
         shift_completion_mask = completion_mask[..., 1:]
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        self.mark("the policy forward on chosen + rejected (fused log-prob head)")
         outputs = self.policy(**model_kwargs, labels=labels, fused_lm_head=True)
         seq_len = shift_completion_mask.size(1)
         per_token_logps = outputs.log_probs[:, -seq_len:]
@@ -101,6 +94,7 @@ class DPOStep(torch.nn.Module):
         if self.precomputed:
             ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:
+            self.mark("the reference forward (no_grad)")
             with torch.no_grad():
                 if self.adapter:
                     with self.policy.disable_adapter():  # trl's use_adapter(model, adapter_name=None)
@@ -110,6 +104,7 @@ class DPOStep(torch.nn.Module):
             ref_per_token_logps = ref_outputs.log_probs[:, -seq_len:]
             ref_logps = ref_per_token_logps.sum(dim=1)
             ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2, dim=0)
+        self.mark("the loss")
         chosen_logratios = chosen_logps - ref_chosen_logps
         rejected_logratios = rejected_logps - ref_rejected_logps
         delta_score = chosen_logratios - rejected_logratios
@@ -173,26 +168,6 @@ def describe(spec) -> str:
     return (f"--preference {spec.preference}: trl DPOTrainer's step ({TRL_SOURCE}): {spec.batch} chosen + "
             f"{spec.batch} rejected sequences in one batch, per-token log-probs by trl's fused LM head, reference: "
             f"{ref}, sigmoid loss (beta {BETA})")
-
-
-class PreferenceFeature(StepFeature):
-    """--preference dpo: the model becomes the policy + reference step; inputs become the batch of pairs."""
-
-    name = "preference"
-
-    def __init__(self, spec):
-        if spec.preference != Preference.DPO:
-            raise MemestError(f"--preference {spec.preference} is not traced yet")
-
-    def build(self, built, spec) -> None:
-        built.model = wrap(built.model, spec)
-        built.notes.append(describe(spec) + reference_note(built.model))
-
-    def inputs(self, inputs, spec):
-        return preference_batch(inputs, spec)
-
-    def contexts(self, step) -> list[contextlib.AbstractContextManager]:
-        return [no_padding()]
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from memest.features.fp8 import Fp8Feature
 from memest.features.loss_head import LossHeadFeature
 from memest.features.optim import OptimizerFeature, step_optimizer
 from memest.features.optim_in_backward import OptimInBackwardFeature
-from memest.features.preference import PreferenceFeature
+from memest.features.preference_feature import PreferenceFeature
 from memest.features.upper_bound import UpperBoundFeature
 from memest.parallel.feature import ParallelFeature
 from memest.spec import RunSpec

@@ -127,7 +127,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
         # torchtitan's op-level SAC: keeps the matmuls' outputs, so it recomputes less and saves less than blocks
         out.append(("selective activation checkpointing (torchtitan's op policy)", {"checkpointing": "selective"}, 0.15))
     k = 2
-    while base.batch // k >= 1 and base.batch % k == 0 and k <= 64:
+    smallest = 2 if base.preference == Preference.KTO else 1  # trl's KTOTrainer refuses a micro-batch of 1
+    while base.batch // k >= smallest and base.batch % k == 0 and k <= 64:
         out.append((f"micro-batch {base.batch // k} x {k} accumulation",
                     {"batch": base.batch // k, "grad_accum": base.grad_accum * k}, 0.02 * math.log2(k)))
         k *= 2
@@ -138,10 +139,10 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.training and causal_lm and not base.lora and _peft_available():
         out.append(("LoRA r=16 on every linear layer (peft)", {"lora": LORA}, 0.8))
         out.append(("QLoRA: NF4 base + LoRA r=16 (bitsandbytes + peft)", {"lora": LORA, "quant": "nf4"}, 0.9))
-    if base.preference != Preference.NONE and reference_of(base) != Reference.PRECOMPUTED:
+    if base.preference.has_reference and reference_of(base) != Reference.PRECOMPUTED:  # dpo, kto
         out.append(("precomputed reference log-probs (trl precompute_ref_log_probs=True)",
                     {"reference": Reference.PRECOMPUTED}, 0.05))
-    if base.preference != Preference.NONE and reference_of(base) == Reference.COPY and _peft_available():
+    if base.preference.has_reference and reference_of(base) == Reference.COPY and _peft_available():
         out.append(("LoRA r=16 with its adapter-disabled base as the reference (trl + peft)",
                     {"lora": LORA, "reference": Reference.ADAPTER}, 0.7))
     if base.seq and base.seq >= 256:
@@ -151,7 +152,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
 
 def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
     if changes.get("reference") == Reference.PRECOMPUTED:
-        return ("before training, one reference forward over the whole dataset (trl DPOTrainer._precompute_ref_logps); "
+        trainer = "KTOTrainer" if base.preference == Preference.KTO else "DPOTrainer"
+        return (f"before training, one reference forward over the whole dataset (trl {trainer}._precompute_ref_logps); "
                 "each step then runs no reference forward and, without peft, no reference model is kept")
     if changes.get("reference") == Reference.ADAPTER:
         return ("the reference forward runs the policy's base with the adapter disabled (trl use_adapter); "

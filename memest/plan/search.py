@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from memest.plan.runner import Runner
+from memest.spec.choices import Preference
 
 
 @dataclass
@@ -44,7 +45,8 @@ def _largest_fitting(runner: Runner, key: str, capacity: int, start: int, limit:
     def needed(value: int) -> int:
         return runner.run(**{key: value}).needed_bytes
 
-    start = max(1, min(start, limit))
+    floor = 2 if key == "batch" and runner.base.preference == Preference.KTO else 1  # trl's KTOTrainer: batch > 1
+    start = max(floor, min(start, limit))
     if fits(start):
         lo, hi = start, None
         while lo < limit:
@@ -57,17 +59,17 @@ def _largest_fitting(runner: Runner, key: str, capacity: int, start: int, limit:
         if hi is None:
             return SearchResult(key, lo, capacity, needed(lo), None, limit, True, probes)
     else:
-        if start == 1:
-            return SearchResult(key, 0, capacity, 0, needed(1), limit, False, probes)
+        if start == floor:
+            return SearchResult(key, 0, capacity, 0, needed(floor), limit, False, probes)
         lo, hi = 0, start
-        while lo == 0 and hi > 1:  # go down by halving until something fits
-            mid = hi // 2
+        while lo == 0 and hi > floor:  # go down by halving until something fits
+            mid = max(hi // 2, floor)
             if fits(mid):
                 lo = mid
             else:
                 hi = mid
         if lo == 0:
-            return SearchResult(key, 0, capacity, 0, needed(1), limit, False, probes)
+            return SearchResult(key, 0, capacity, 0, needed(floor), limit, False, probes)
     while hi - lo > 1:  # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
         if fits(mid):

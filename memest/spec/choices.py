@@ -167,6 +167,15 @@ class Preference(Choice):
 
     NONE = "none"
     DPO = "dpo"  # trl DPOTrainer: chosen + rejected in one 2x batch, a frozen reference, sigmoid loss
+    ORPO = "orpo"  # trl.experimental ORPOTrainer: full logits, chosen NLL + odds-ratio term, no reference
+    KTO = "kto"  # trl KTOTrainer: unpaired examples + a KL batch (no_grad), a frozen reference
+    SIMPO = "simpo"  # trl.experimental CPOTrainer, loss_type="simpo", cpo_alpha=0: length-normalised, no reference
+    CPO = "cpo"  # trl.experimental CPOTrainer, loss_type="sigmoid", cpo_alpha=1: chosen NLL + sigmoid, no reference
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether trl's trainer runs a frozen reference (DPO, KTO); ORPO, SimPO and CPO have none."""
+        return self in (Preference.DPO, Preference.KTO)
 
 
 class Reference(Choice):

@@ -180,10 +180,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
            "capability 8.9+).", override="Override float8 training."),
-    Option("preference", ("--preference",), "Preference training: none | dpo (trl's DPOTrainer: chosen and rejected "
-           "in one 2x batch, per-token log-probs by trl's fused LM head, a frozen reference forward, sigmoid loss; "
-           "--batch counts pairs; needs trl)."),
-    Option("reference", ("--reference",), "--preference: auto | copy | adapter | precomputed (a second frozen copy "
+    Option("preference", ("--preference",), "Preference training: none | dpo | orpo | kto | simpo | cpo (trl's "
+           "trainers' steps. dpo: chosen and rejected in one 2x batch, per-token log-probs by trl's fused LM head, a "
+           "frozen reference forward, sigmoid loss; kto: --batch unpaired examples plus a KL batch (no_grad), fused "
+           "head, reference; orpo, simpo, cpo: chosen and rejected in one 2x batch, the whole logits, no reference; "
+           "--batch counts pairs, for kto examples; dpo and kto need trl)."),
+    Option("reference", ("--reference",), "--preference dpo or kto: auto | copy | adapter | precomputed (a second frozen copy "
            "of the policy; the base with the LoRA adapter disabled; precompute_ref_log_probs; auto: adapter with "
            "--lora, else copy)."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),

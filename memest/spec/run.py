@@ -121,7 +121,7 @@ class RunSpec:
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
-    preference: Preference = Preference.NONE  # dpo: trl DPOTrainer's step (features/preference.py)
+    preference: Preference = Preference.NONE  # dpo, orpo, kto, simpo, cpo: trl's trainer step (features/preference*.py)
     reference: Reference = Reference.AUTO  # --preference: copy | adapter | precomputed reference log-probs
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
@@ -250,7 +250,7 @@ class RunSpec:
                               "(docs/limitations.md); drop one of them")
 
     def _check_preference(self) -> None:
-        """--preference dpo: what memest traces of trl's DPOTrainer (features/preference.py); the rest is refused."""
+        """--preference: what memest traces of trl's preference trainers (features/preference*.py); the rest is refused."""
         if self.preference == Preference.NONE:
             if self.reference != Reference.AUTO:
                 raise MemestError(f"--reference {self.reference} is the reference of a preference step; add --preference dpo")
@@ -265,12 +265,18 @@ class RunSpec:
         if other:
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
                               "(docs/limitations.md); drop it")
+        if not self.preference.has_reference and self.reference != Reference.AUTO:
+            raise MemestError(f"--preference {self.preference} has no reference model (trl's trainer trains the policy "
+                              f"alone, no reference forward): drop --reference {self.reference}")
+        if self.preference == Preference.KTO and self.batch < 2:
+            raise MemestError("--preference kto needs --batch 2 or more: trl's KTOTrainer refuses "
+                              "per_device_train_batch_size 1 (its KL term pairs each prompt with another's completion)")
         if self.reference == Reference.ADAPTER and not self.lora:
             raise MemestError("--reference adapter disables a LoRA adapter for the reference forward; add --lora, or "
                               "use --reference copy")
         if self.reference == Reference.COPY and self.lora:
-            raise MemestError("--reference copy with --lora: trl's DPOTrainer uses the base with the adapter disabled "
-                              "when it is given a peft model and no ref_model; use --reference adapter (or auto)")
+            raise MemestError("--reference copy with --lora: trl's DPOTrainer and KTOTrainer use the base with the adapter "
+                              "disabled when given a peft model and no ref_model; use --reference adapter (or auto)")
 
     def _check_finetune(self) -> None:
 

@@ -1,0 +1,78 @@
+"""--preference: the StepFeature that turns the model into trl's step module and the inputs into its batch.
+
+dpo: features/preference.py; kto: features/preference_kto.py; orpo, cpo, simpo: features/preference_logits.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memest.errors import MemestError
+from memest.features import preference_kto, preference_logits
+from memest.features.base import StepFeature
+from memest.features.preference import describe, no_padding, preference_batch, reference_note, wrap
+from memest.features.preference_logits import MarkedStep
+from memest.spec.choices import Preference
+from memest.trace.events import Phase
+
+
+class PreferenceFeature(StepFeature):
+    """--preference: the model becomes trl's step module (policy, and the reference where the method has one); the
+    inputs become the trainer's collated batch. dpo in preference.py, kto in preference_kto.py, orpo/cpo/simpo in
+    preference_logits.py."""
+
+    name = "preference"
+
+    def __init__(self, spec):
+        if spec.preference == Preference.NONE:
+            raise MemestError("--preference none traces no preference step")
+
+    def build(self, built, spec) -> None:
+        method = spec.preference
+        if method == Preference.DPO:
+            built.model = wrap(built.model, spec)
+            built.notes.append(describe(spec) + reference_note(built.model))
+        elif method == Preference.KTO:
+            built.model = preference_kto.wrap(built.model, spec)
+            built.notes.append(preference_kto.describe(spec) + reference_note(built.model))
+        else:
+            built.model = preference_logits.LogitsPreferenceStep(built.model, method)
+            built.notes.append(preference_logits.describe(spec))
+
+    def inputs(self, inputs, spec):
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise MemestError(f"--preference {spec.preference} needs a causal LM's input_ids (hf: models): the "
+                              "source's inputs have none")
+        if spec.preference == Preference.DPO:
+            return preference_batch(inputs, spec)
+        if spec.preference == Preference.KTO:
+            return preference_kto.kto_batch(ids, spec)
+        return preference_logits.logits_batch(ids)
+
+    def contexts(self, step) -> list[contextlib.AbstractContextManager]:
+        for module in step.model.modules():
+            if isinstance(module, MarkedStep):
+                module.clock = lambda trace=step.trace: len(trace.events)
+                self.marks = module.marks
+        return [no_padding()]
+
+    def finish(self, step) -> list[str]:
+        return [peak_part(step.trace, getattr(self, "marks", []))]
+
+
+def peak_part(trace, marks: list[tuple[int, str]]) -> str:
+    """Which part of trl's step the traced peak falls in: the phase, and within the step's forward (which runs the
+    whole of trl's compute_loss) the part that began last before the peak."""
+    index = trace.peak()[1]
+    iteration, phase = trace.phase_at(index)
+    where = f"step {iteration}, {phase.value}"
+    if phase in (Phase.FORWARD, Phase.LOSS):
+        parts = [part for at, part in marks if at <= index]
+        if parts:
+            where += f": {parts[-1]}"
+    elif phase == Phase.BACKWARD:
+        where += ": the policy's backward (the reference and the no_grad forwards save nothing)"
+    return f"--preference: the peak falls in {where}"
