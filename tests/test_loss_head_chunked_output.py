@@ -86,3 +86,18 @@ def test_fused_head_peak_is_below_the_plain_heads_by_the_logits():
     fused = trace_step(load_source(ref), spec).peak()[0]
     logits_fp32 = 2 * 64 * 32000 * 4
     assert plain - fused >= logits_fp32 and real_plain - fused >= logits_fp32, (plain, real_plain, fused)
+
+
+def test_advise_offers_the_chunked_output_head_traced_with_its_cost():
+    """advise's candidate list holds the older torchtune head for a causal LM; re-traced, it lowers the need
+    (whole logits still made, the fp32 copy one chunk at a time) at no extra FLOPs."""
+    from memest.plan.advise import _time_cost, candidates
+    from memest.plan.runner import Runner
+
+    runner = Runner(RunSpec(model=model_ref("hf:gpt2-tiny"), batch=4, seq=64, target="cpu", optim="adamw",
+                            precision="bf16-mixed"))
+    offered = {name: changes for name, changes, _ in candidates(runner)}
+    name = next(n for n, c in offered.items() if c == {"loss_head": "chunked-output"})
+    remedy = runner.run(loss_head="chunked-output")
+    assert remedy.needed_bytes < runner.run().needed_bytes
+    assert "0% FLOPs" in _time_cost(name, offered[name], remedy, runner.base)
