@@ -31,7 +31,7 @@ fused        Liger-Kernel's fused linear cross entropy (src/liger_kernel/ops/fus
              Liger needs Triton and a GPU: this is Liger's algorithm re-expressed in torch ops from its
              source, traced and run on CPU, not Liger itself measured (the report says so).
 
-Both return an output whose ``loss`` is set and ``logits`` is None, as Liger's patched forwards do in
+Each returns an output whose ``loss`` is set and ``logits`` is None, as Liger's patched forwards do in
 training (``skip_logits``): a loop that keeps the output (--outputs kept) keeps no logits.
 
 They apply to transformers causal LMs (``*ForCausalLM``, ``*LMHeadModel``) whose output embedding is an
