@@ -51,6 +51,36 @@ def test_chunked_output_head_matches_torchtunes_class_run_for_real(case):
     assert abs(traced - real) <= BYTES_TOL, f"{case}: traced {traced} B, real {real} B"
 
 
+@pytest.mark.parametrize("checkpointing", ["blocks", "selective"])
+def test_chunked_output_head_with_checkpointing_matches_torchtunes_class(checkpointing):
+    """With the other features of the step (per-layer and torchtitan's op-level checkpointing): to the byte."""
+    ref = model_ref(BIG_VOCAB)
+    spec = RunSpec(model=ref, batch=2, seq=64, target="cpu", optim="adamw", precision="bf16",
+                   loss_head="chunked-output", checkpointing=checkpointing)
+    source = load_source(ref)
+    traced = trace_step(source, spec).peak()[0]
+    ours, loss_head.CEWithChunkedOutputLoss = loss_head.CEWithChunkedOutputLoss, CEWithChunkedOutputLoss
+    try:
+        real = measure_cpu_peak(source, spec)["peak_bytes"]
+    finally:
+        loss_head.CEWithChunkedOutputLoss = ours
+    assert abs(traced - real) <= BYTES_TOL, f"{checkpointing}: traced {traced} B, real {real} B"
+
+
+def test_chunked_output_head_under_fsdp2_matches_real_gloo_ranks():
+    """ZeRO-3 (FSDP2) on 2 gloo ranks (memest/validate/distributed_truth.py; the ranks run memest's copy of the
+    class, equal to torchtune's to the byte above): each rank within the plain GPT-2 step's residual."""
+    from memest.validate.distributed_truth import measure_distributed_peaks
+
+    ref = model_ref("hf:gpt2-tiny")
+    spec = RunSpec(model=ref, batch=4, seq=64, optim="adamw", target="cpu", world_size=2, shard="zero3",
+                   loss_head="chunked-output")
+    (ranks,) = measure_distributed_peaks([spec])
+    traced = trace_step(load_source(ref), spec).peak()[0]
+    for rank in ranks:
+        assert abs(traced - rank["peak_bytes"]) <= BYTES_TOL, f"traced {traced} B, real {rank['peak_bytes']} B"
+
+
 def test_both_torchtune_heads_save_against_the_plain_head_and_rank_as_the_real_steps_do():
     """The older class makes every chunk's logits and shrinks only the fp32 copy; the newer
     LinearCrossEntropyLoss (chunked) never makes the whole logits but copies each chunk's rows and, in
