@@ -10,6 +10,15 @@ chunked[:N]  torchtune's ``LinearCrossEntropyLoss`` (torchtune/modules/loss/cros
              Autograd as usual: each chunk's fp32 log-softmax is saved for backward, so what shrinks is
              the rest of the head (the whole logits, their fp32 copy, the output holding them).
              Same FLOPs as the plain head, in N smaller matmuls.
+chunked-output[:N]
+             torchtune's older ``CEWithChunkedOutputLoss`` (torchtune/modules/loss/ce_chunked_output_loss.py
+             with ``TransformerDecoder.chunked_output`` in torchtune/modules/transformer.py, pytorch/torchtune
+             at bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1; axolotl's ``chunked_cross_entropy`` copies it,
+             src/axolotl/monkeypatch/loss/chunked.py): the model returns N chunks of logits (every chunk made,
+             in the compute dtype), then each chunk is upcast to fp32 and cross-entropied one at a time. What
+             shrinks is only the fp32 copy of the logits (one chunk at a time instead of all); the logits
+             themselves and every chunk's fp32 log-softmax (saved for backward) are as large as the plain
+             head's. Same FLOPs as the plain head.
 fused        Liger-Kernel's fused linear cross entropy (src/liger_kernel/ops/fused_linear_cross_entropy.py,
              ``fused_linear_cross_entropy_forward`` and ``LigerFusedLinearCrossEntropyFunction``; wired into
              transformers models by src/liger_kernel/transformers/model/loss_utils.py,
@@ -19,8 +28,10 @@ fused        Liger-Kernel's fused linear cross entropy (src/liger_kernel/ops/fus
              input and weight are accumulated — all during forward. Nothing of the logits is saved;
              backward only scales the two gradients in place. Same FLOPs as the plain head (no
              recompute with Liger's mean/sum reduction: the head's backward matmuls run in forward).
+             Liger needs Triton and a GPU: this is Liger's algorithm re-expressed in torch ops from its
+             source, traced and run on CPU, not Liger itself measured (the report says so).
 
-Both return an output whose ``loss`` is set and ``logits`` is None, as Liger's patched forwards do in
+Each returns an output whose ``loss`` is set and ``logits`` is None, as Liger's patched forwards do in
 training (``skip_logits``): a loop that keeps the output (--outputs kept) keeps no logits.
 
 They apply to transformers causal LMs (``*ForCausalLM``, ``*LMHeadModel``) whose output embedding is an
@@ -46,7 +57,8 @@ from memest.spec.choices import LossHead, Target
 from memest.trace.dtype import HALF
 
 IGNORE_INDEX = -100  # transformers' and torch's label ignore_index
-TORCHTUNE_CHUNKS = 8  # torchtune LinearCrossEntropyLoss(num_output_chunks=8)
+TORCHTUNE_CHUNKS = 8  # torchtune LinearCrossEntropyLoss(num_output_chunks=8), CEWithChunkedOutputLoss's default too
+LIGER_CHUNK_MEM_CONST = 1  # Liger's _CHUNK_MEM_CONST (its default; its test_triton_flce_chunk_memory_budget asserts 1)
 # transformers config fields whose forward changes the logits between the head and the loss
 _LOGIT_SOFTCAP = ("final_logit_softcapping",)
 _LOGIT_SCALES = ("logit_scale", "logits_scaling")
@@ -60,10 +72,17 @@ def describe(spec) -> str:
             f"loss head: chunked, {chunks or TORCHTUNE_CHUNKS} chunks (torchtune LinearCrossEntropyLoss): LM head + "
             "cross-entropy per chunk, each chunk's fp32 log-softmax saved; 0% more FLOPs (smaller matmuls)"
         )
+    if kind is LossHead.CHUNKED_OUTPUT:
+        return (
+            f"loss head: chunked-output, {chunks or TORCHTUNE_CHUNKS} chunks (torchtune CEWithChunkedOutputLoss, "
+            "pytorch/torchtune bd2a0fc): every chunk's logits made, each upcast to fp32 and cross-entropied one at a "
+            "time (only the fp32 copy shrinks; each chunk's fp32 log-softmax saved); 0% more FLOPs"
+        )
     if kind is LossHead.FUSED:
         return (
             "loss head: fused linear cross-entropy (Liger-Kernel): head gradients computed in forward chunk by chunk, "
-            "no logits saved; 0% more FLOPs (no recompute with mean reduction); needs liger-kernel (Triton, CUDA)"
+            "no logits saved; 0% more FLOPs (no recompute with mean reduction); needs liger-kernel (Triton, CUDA); "
+            "an estimate from Liger's source (its algorithm in torch ops), not Liger itself measured"
         )
     return ""
 
@@ -80,6 +99,8 @@ def loss_head_scope(model: torch.nn.Module, spec):
     head = causal_lm_head(lm, spec.loss_head)
     if kind is LossHead.CHUNKED:
         loss = functools.partial(_chunked_loss, head, chunks or TORCHTUNE_CHUNKS)
+    elif kind is LossHead.CHUNKED_OUTPUT:
+        loss = functools.partial(_chunked_output_loss, head, chunks or TORCHTUNE_CHUNKS)
     else:
         kernels = _Kernels(spec.target == Target.CUDA, spec.compute_capability[0], _autocast_dtype(spec))
         loss = functools.partial(_fused_loss, head, kernels)
@@ -189,6 +210,39 @@ def _chunk_cross_entropy(head: torch.nn.Linear, hidden_chunk: torch.Tensor, targ
     return F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+# ------------------------------------------------------------------- chunked output (torchtune, older)
+
+
+def _chunked_output_loss(head: torch.nn.Linear, chunks: int, hidden: torch.Tensor, labels: torch.Tensor):
+    """torchtune TransformerDecoder.chunked_output (``[self.output(chunk) for chunk in
+    h.tensor_split(num_output_chunks, dim=1)]``) then CEWithChunkedOutputLoss on the shifted targets."""
+    logits = [F.linear(chunk, head.weight, head.bias) for chunk in hidden.tensor_split(chunks, dim=1)]
+    return CEWithChunkedOutputLoss(chunks)(logits, _shifted(labels))
+
+
+class CEWithChunkedOutputLoss(torch.nn.Module):
+    """torchtune's CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py at bd2a0fc):
+    the same ops in the same order, called as a module as torchtune calls it (Module.__call__ holds the
+    targets until the loss returns). tests/test_loss_head_chunked_output.py swaps in torchtune's own class
+    for the real step and compares."""
+
+    def __init__(self, num_output_chunks: int = TORCHTUNE_CHUNKS, ignore_index: int = IGNORE_INDEX) -> None:
+        super().__init__()
+        self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
+
+    def compute_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index, reduction="sum")
+
+    def forward(self, logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        total_elements = (labels != self.ignore_index).sum()
+        labels = [target_chunk.reshape(-1) for target_chunk in labels.tensor_split(self.num_output_chunks, dim=1)]
+        logits = [logit_chunk.reshape(-1, logit_chunk.size(-1)) for logit_chunk in logits]
+        total_loss = 0.0
+        for logits_chunk, labels_chunk in zip(logits, labels, strict=True):
+            total_loss += self.compute_cross_entropy(logits_chunk, labels_chunk)
+        return total_loss / total_elements
+
+
 # --------------------------------------------------------------------------------- fused (Liger)
 
 
@@ -242,8 +296,7 @@ def _fused_forward(x, weight, bias, target, kernels: _Kernels):
     the autograd Function), under the caller's autocast, as Liger's amp_custom_fwd leaves it."""
     rows, hidden_size = x.shape
     vocab = weight.shape[0]
-    inc_factor = math.ceil(vocab / hidden_size)
-    chunk_size = min(_next_power_of_2(math.ceil(rows / inc_factor)), rows)
+    chunk_size = liger_chunk_size(rows, hidden_size, vocab)
     num_chunks = math.ceil(rows / chunk_size)
 
     grad_input = torch.zeros_like(x)
@@ -292,6 +345,14 @@ def _fused_forward(x, weight, bias, target, kernels: _Kernels):
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return loss, grad_input, grad_weight, grad_bias
+
+
+def liger_chunk_size(rows: int, hidden: int, vocab: int, chunk_mem_const: int = LIGER_CHUNK_MEM_CONST) -> int:
+    """Liger's token-chunk rule (fused_linear_cross_entropy_forward): ``inc_factor = cdiv(V, C * H)``,
+    ``chunk_size = min(next_power_of_2(cdiv(BT, inc_factor)), BT)``: one chunk's logits about the size of
+    the hidden states."""
+    inc_factor = -(-vocab // (chunk_mem_const * hidden))  # triton.cdiv
+    return min(_next_power_of_2(-(-rows // inc_factor)), rows)
 
 
 def _can_use_mm_out(x, weight, kernels: _Kernels) -> bool:

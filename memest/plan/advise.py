@@ -113,6 +113,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     # a compiled step with a replaced head is refused (features/compiled.py: the head's forward would run eager)
     if base.training and base.loss_head == "standard" and causal_lm and not compiled:
         out.append(("chunked LM head + cross-entropy (torchtune)", {"loss_head": "chunked"}, 0.03))
+        out.append(("chunked logits, fp32 upcast per chunk (torchtune CEWithChunkedOutputLoss, axolotl "
+                    "chunked_cross_entropy)", {"loss_head": "chunked-output"}, 0.035))
         out.append(("fused linear cross-entropy (Liger-Kernel)", {"loss_head": "fused"}, 0.04))
     if base.precision == Precision.FP32 and base.target == Target.CUDA:
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, -0.1))
@@ -162,6 +164,9 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
         return "0% FLOPs; a loop change: del the output (logits) before loss.backward()"
     if changes.get("loss_head") == "chunked":
         return "0% FLOPs (the head's matmuls in 8 chunks); torchtune LinearCrossEntropyLoss"
+    if changes.get("loss_head") == "chunked-output":
+        return ("0% FLOPs (the head's matmul and cross-entropy in 8 chunks); torchtune CEWithChunkedOutputLoss, "
+                "axolotl chunked_cross_entropy: true")
     if changes.get("loss_head") == "fused":
         return ("0% FLOPs (head gradients computed in forward, no recompute); needs liger-kernel "
                 "(Triton, CUDA): apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True)")

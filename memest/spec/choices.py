@@ -202,22 +202,27 @@ class DataDependent(Choice):
 
 
 class LossHead(Choice):
-    """--loss-head: standard | chunked[:N] | fused (the kind of a value; features/loss_head.py)."""
+    """--loss-head: standard | chunked[:N] | chunked-output[:N] | fused (the kind of a value; features/loss_head.py)."""
 
     STANDARD = "standard"  # the model's own LM head and loss: whole logits
     CHUNKED = "chunked"  # torchtune's LinearCrossEntropyLoss: head + cross-entropy per chunk, autograd as usual
+    # torchtune's CEWithChunkedOutputLoss: every chunk's logits made (the model's chunked_output), each upcast to
+    # fp32 and cross-entropied one at a time
+    CHUNKED_OUTPUT = "chunked-output"
     FUSED = "fused"  # Liger-Kernel's fused linear cross entropy: gradients computed in forward, chunk by chunk
 
     @classmethod
     def of(cls, text: str) -> tuple[LossHead, int | None]:
         """The kind and the chunk count (chunked:N; None: the kind's default)."""
         text = str(text).strip().lower()
-        if text in ("standard", "chunked", "fused"):
+        if text in ("standard", "chunked", "chunked-output", "fused"):
             return cls(text), None
-        if re.fullmatch(r"chunked:[1-9][0-9]*", text):
-            return cls.CHUNKED, int(text.partition(":")[2])
+        if re.fullmatch(r"chunked(-output)?:[1-9][0-9]*", text):
+            kind, _, chunks = text.partition(":")
+            return cls(kind), int(chunks)
         raise MemestError(
-            f"--loss-head {text!r}: choose standard, chunked, chunked:N (N chunks, a whole number >= 1) or fused"
+            f"--loss-head {text!r}: choose standard, chunked, chunked:N (N chunks, a whole number >= 1), "
+            "chunked-output[:N] or fused"
         )
 
 

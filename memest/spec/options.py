@@ -144,8 +144,9 @@ OPTIONS: tuple[Option, ...] = (
            override="Override cuDNN's benchmark mode."),
     Option("outputs", ("--outputs",), "Your loop: kept (out = model(x) held through backward, the plain loop) | freed "
            "(dropped before backward: HF Trainer, Lightning).", override="Override the loop: kept | freed."),
-    Option("loss_head", ("--loss-head",), "hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused "
-           "(Liger-Kernel).", override="Override the loss head."),
+    Option("loss_head", ("--loss-head",), "hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | "
+           "chunked-output[:N] (torchtune's CEWithChunkedOutputLoss) | fused (Liger-Kernel).",
+           override="Override the loss head."),
     Option("lora", ("--lora",), "peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; "
            "needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "

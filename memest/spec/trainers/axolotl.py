@@ -8,6 +8,12 @@ examples/ folder). What axolotl does with a key, where it matters to memory:
 - ``gradient_checkpointing: true``: transformers' per-decoder-layer checkpointing (memest ``blocks``).
 - ``adapter: qlora`` / ``load_in_4bit``: bitsandbytes nf4 base, peft's prepare_model_for_kbit_training applied
   when loading in 4/8 bit with an adapter (src/axolotl/loaders/model.py).
+- loss heads (axolotl-ai-cloud/axolotl at 067b021c8b87a9e5e380b9173c704cf7340e30f5; only one may be on,
+  src/axolotl/utils/schemas/validation.py check_cross_entropy_conflicts): ``liger_fused_linear_cross_entropy``
+  (LigerPlugin, src/axolotl/integrations/liger/args.py) is memest's ``fused``; ``chunked_cross_entropy`` with
+  ``chunked_cross_entropy_num_chunks`` (default 8; src/axolotl/monkeypatch/loss/chunked.py, a copy of torchtune's
+  CEWithChunkedOutputLoss over the whole logits' chunks) is ``chunked-output:N``; ``cut_cross_entropy``
+  (Apple's Cut Cross-Entropy) and ``liger_cross_entropy`` are not modelled and listed as not understood.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ def read(path: Path, data: dict) -> TrainerConfig:
             _HANDLERS[key](out, key, value, path, lora)
         elif key in _NO_EFFECT:
             out.mapping.append((key, "no effect on memory (not modelled)"))
+        elif key in _UNMODELLED_HEADS and value:
+            out.unknown.append(f"{key} = {value} ({_UNMODELLED_HEADS[key]})")
+        elif key in _UNMODELLED_HEADS:
+            out.mapping.append((said, "loss head: the model's own"))
         else:
             out.unknown.append(key)
     _finish(out, data, lora)
@@ -127,11 +137,42 @@ _HANDLERS = {
         (f"{key} = {value}", "matmul precision only: no effect on memory")),
     "gradient_checkpointing_kwargs": lambda out, key, value, path, lora: out.mapping.append(
         (f"{key} = {value}", "reentrant or not: the same saved tensors per layer in memest's model")),
+    "liger_fused_linear_cross_entropy": lambda out, key, value, path, lora: _loss_head(out, key, value, "fused"),
+    "chunked_cross_entropy": lambda out, key, value, path, lora: _loss_head(out, key, value, "chunked-output"),
+    "chunked_cross_entropy_num_chunks": lambda out, key, value, path, lora: out.mapping.append(
+        (f"{key} = {value}", f"loss head chunks: {value}")),
+    "plugins": lambda out, key, value, path, lora: out.mapping.append(
+        (f"{key} = {value}", "loads integrations; their own keys (liger_*, cut_cross_entropy) decide memory")),
 }
+# axolotl's cross-entropy options memest does not model (each changes the loss head's memory)
+_UNMODELLED_HEADS = {
+    "cut_cross_entropy": "Apple's Cut Cross-Entropy (not modelled)",
+    "liger_cross_entropy": "Liger's non-fused cross entropy (not modelled)",
+}
+
+
+def _loss_head(out: TrainerConfig, key: str, value, head: str) -> None:
+    if not value:
+        out.mapping.append((f"{key} = {value}", "loss head: the model's own"))
+        return
+    if "loss_head" in out.keys:
+        raise MemestError(f"{out.path}: {key} with another cross-entropy option: axolotl allows only one "
+                          "(check_cross_entropy_conflicts)")
+    out.keys["loss_head"] = head
+    meaning = {"fused": "loss_head: fused (Liger's fused linear cross entropy, LigerPlugin)",
+               "chunked-output": "loss_head: chunked-output (torchtune's CEWithChunkedOutputLoss as axolotl copies "
+                                 "it: the whole logits, each chunk upcast to fp32 in turn)"}[head]
+    out.mapping.append((f"{key} = {value}", meaning))
 
 
 def _finish(out: TrainerConfig, data: dict, lora: dict) -> None:
     keys = out.keys
+    if keys.get("loss_head") == "chunked-output":
+        chunks = data.get("chunked_cross_entropy_num_chunks") or 8  # patch_chunked_ce_loss_fn's default
+        keys["loss_head"] = f"chunked-output:{chunks}"
+        out.notes.append("chunked_cross_entropy: axolotl compiles each chunk's upcast + cross-entropy with inductor "
+                         "and splits with Tensor.chunk; memest traces them eager (each chunk's fp32 copy made) and "
+                         "splits as torchtune does (tensor_split): the same chunks when the length divides evenly")
     if "optim" not in keys:
         out.notes.append("optimizer not set: axolotl's default applies, memest's --optim default here (pass --optim)")
     adapter = data.get("adapter")

@@ -7,6 +7,10 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
   adapters (memest ``bf16``: the adapters traced in bf16, low by up to 8 bytes per adapter parameter).
 - ``quantization_bit: 4|8``: bitsandbytes nf4 / int8 base (src/llamafactory/model/model_utils/quantization.py).
 - ``lora_target: all``: every linear layer but the head (peft's all-linear).
+- ``enable_liger_kernel: true``: Liger's kernels on trainable models (src/llamafactory/model/model_utils/
+  liger_kernel.py, hiyouga/LLaMA-Factory at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30): for ``stage`` pt and sft
+  Liger's defaults, so its fused linear cross entropy (memest ``loss_head: fused``); other stages need logits
+  (loader.py ``require_logits``) and get Liger's non-fused cross entropy: the loss head stays the model's own.
 """
 
 from __future__ import annotations
@@ -94,9 +98,23 @@ _HANDLERS = {
     "finetuning_type": lambda out, key, value, path, data: out.mapping.append((f"{key} = {value}", _KINDS[value])),
     "quantization_bit": _quant, "bf16": _half, "fp16": _half,
     "gradient_checkpointing": _checkpointing, "disable_gradient_checkpointing": _checkpointing,
+    "enable_liger_kernel": lambda out, key, value, path, data: _liger(out, key, value, data),
     "pure_bf16": lambda out, key, value, path, data: out.mapping.append(
         (f"{key} = {value}", "trainable parameters kept in bf16" if value else "trainable parameters in fp32")),
 }
+
+
+def _liger(out: TrainerConfig, key: str, value, data: dict) -> None:
+    stage = data.get("stage", "sft")  # LLaMA-Factory's default stage (hparams/finetuning_args.py)
+    if not value:
+        out.mapping.append((f"{key} = {value}", "loss head: the model's own"))
+    elif stage in ("pt", "sft"):
+        out.keys["loss_head"] = "fused"
+        out.mapping.append((f"{key} = {value}", f"loss_head: fused (stage {stage}: Liger's fused linear cross "
+                                                "entropy, for the model types Liger patches)"))
+    else:
+        out.mapping.append((f"{key} = {value}", f"loss head: the model's own (stage {stage} needs logits: Liger's "
+                                                "fused head off, its non-fused cross entropy not modelled)"))
 
 
 def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
