@@ -46,7 +46,7 @@ SUPPORTED = (
     "(Whisper: input_features), CTC on raw audio (input_values), vision-text with return_loss (CLIP) and "
     "vision-language with image tokens (LLaVA, Qwen2-VL)"
 )
-QWEN_VL = ("qwen2_vl",)  # Qwen2.5-VL: its window attention runs unique_consecutive on values not followed yet
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 
 QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
