@@ -153,3 +153,20 @@ def test_llava_next_images_estimate_matches_real_cpu_peak(kw, gap):
     frozen saves none of them: to the byte."""
     estimated, real = _gap(LLAVA_NEXT, **kw)
     assert estimated - real == gap, f"estimated {estimated} B, measured {real} B ({estimated - real:+d} B)"
+
+
+def test_llava_next_tower_is_partly_trained_as_the_real_step():
+    """Unfrozen, LLaVA's tower is still partly trained: with vision_feature_layer -2 its last encoder layer and
+    post_layernorm are unused, and the real backward leaves their .grad None; the report's gradient bytes are
+    the rest, counted from the real model's own gradients after a real step."""
+    from memest.estimator import estimate
+
+    spec = RunSpec(model=model_ref(LLAVA_NEXT), batch=1, seq=8, target="cpu", images=1, image_size="50x90")
+    im = estimate(spec).report.images
+    source = load_source(spec.model)
+    model = source.build_model()
+    model(**source.image_inputs(1, 8, 1, (50, 90))).loss.backward()
+    tower = [model.model.vision_tower, model.model.multi_modal_projector]
+    grads = sum(p.grad.nbytes for m in tower for p in m.parameters() if p.grad is not None)
+    assert im["tower_state"] == "partly trained" and 0 < grads < im["tower_param_bytes"]
+    assert im["tower_gradient_bytes"] == grads
