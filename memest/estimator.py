@@ -19,6 +19,7 @@ from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import ExpertRouting, Offload, Target, Verdict
+from memest.spec.run import image_hw
 from memest.trace.events import Trace
 from memest.units import format_bytes
 
@@ -148,8 +149,16 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
         context_parallel_ranks=g.context_parallel_ranks,
         notes_before=g.notes,
         notes_after=(*source.notes, *_rank_notes(g.rank), *notes),
+        image_facts=_image_facts(spec, source),
     )
     return Estimate(analyse(trace, spec, source.name, parts), trace)
+
+
+def _image_facts(spec: RunSpec, source) -> dict | None:
+    """--images: what the model's processor makes of them (the report's images row)."""
+    if not spec.images or source.image_facts is None:
+        return None
+    return source.image_facts(spec.images, image_hw(spec.image_size) if spec.image_size else None)
 
 
 def _trace_rank(spec: RunSpec, calibration: dict | None, source) -> _Rank:

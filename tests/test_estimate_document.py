@@ -30,6 +30,8 @@ CASES = {
                                   "tests/configs/trainers/ds_z3_offload.json", "--target", "cuda"],
     "mixtral-ep2-cuda": ["hf:tests/configs/mixtral-tiny.json", *TINY, "--world-size", "2", "--ep", "2", "--shard",
                          "zero3", "--target", "cuda"],
+    "qwen2.5-vl-images-cuda": ["hf:tests/configs/qwen2.5-vl-tiny.json", "--batch", "1", "--seq", "16", "--images", "2",
+                               "--image-size", "140x250", "--precision", "bf16-mixed", "--target", "cuda"],
 }
 
 

@@ -9,6 +9,7 @@ from memest.device.usage import DeviceUsage
 from memest.features.checkpointing import within
 from memest.features.loss_head import describe
 from memest.features.optim import FOLKLORE_N
+from memest.report.images import images_summary
 from memest.spec import RunSpec
 from memest.spec.choices import ActivationOffload, Outputs, Quant
 from memest.trace.events import Category, Phase, Trace
@@ -89,6 +90,9 @@ class Report:
     # --activation-offload: the saved tensors' host copies (mode, pinned, host_peak_bytes), apart from --offload's
     # host memory (``sharding``); None without it
     activation_host: dict | None = None
+    # --images on a vision-language model: the processor's tokens per image, the batch's image tokens, the vision
+    # tower's parameters and its share of the peak and of the activations (report/images.py); None without it
+    images: dict | None = None
 
     def to_dict(self) -> dict:
         doc = asdict(self)
@@ -110,6 +114,7 @@ class ReportParts:
     context_parallel_ranks: list | None = None
     notes_before: tuple[str, ...] = ()  # about the ranks traced (they lead)
     notes_after: tuple[str, ...] = ()  # about the source, the run and the device modelled
+    image_facts: dict | None = None  # --images: what the processor makes of them (sources' image_facts)
 
 
 def _ancestors(name: str, known: dict) -> list[str]:
@@ -211,6 +216,7 @@ def analyse(trace: Trace, spec: RunSpec, model_name: str, parts: ReportParts = R
         outputs_held_bytes=trace.held_output_bytes(peak_i) if trace.events else 0,
         bounded_ops=dict(trace.bounded_ops),
         activation_host=_activation_host(trace, spec),
+        images=images_summary(trace, parts.image_facts, spec.batch, last, at_peak, peak),
     )
 
 

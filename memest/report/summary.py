@@ -64,7 +64,25 @@ def _run_rows(report: Report) -> list[SummaryRow]:
         kind = "pinned" if host["pinned"] else "pageable"
         rows.append(SummaryRow("activation offload", f"{format_bytes(host['host_peak_bytes'])} {kind} host memory",
                                f"at its peak ({host['mode']}: saved tensors copied to the host, not in the device peak)"))
-    return rows + _parallel_rows(report)
+    return rows + _images_rows(report) + _parallel_rows(report)
+
+
+def _images_rows(report: Report) -> list[SummaryRow]:
+    """--images: the tokens the processor makes of them, and the vision tower's part of the peak."""
+    im = report.images
+    if not im:
+        return []
+    cut = (f"{im['per_example']} x {im['size']} per example -> {im['resized']}, {im['tokens_per_image']} tokens each; "
+           f"{im['image_tokens']} image tokens in the batch")
+    tower = ", ".join(im["tower"])
+    state = im["tower_state"] + (f" ({format_bytes(im['tower_gradient_bytes'])} of gradients)"
+                                 if im["tower_state"] == "partly trained" else "")
+    cost = (f"{format_count(im['tower_params'])} params ({format_bytes(im['tower_param_bytes'])}), {state}; "
+            f"at the peak {format_bytes(im['tower_bytes_at_peak'])} ({100 * im['tower_share_of_peak']:.1f}%), "
+            f"activations {format_bytes(im['tower_activation_bytes_at_peak'])} "
+            f"({100 * im['tower_share_of_activations']:.1f}% of those at the peak)")
+    text, code = _coded("vision tower ", tower, f": {cost}")
+    return [SummaryRow("images", cut, f"({im['processor']})"), SummaryRow("", text, code=code)]
 
 
 def _checkpointing_row(report: Report) -> SummaryRow:

@@ -39,6 +39,9 @@ class ModelSource:
     # vision-language hf: models: (batch_size, text tokens, images per example, (height, width) or None) -> inputs
     # with the images turned into tokens as the model's processor does (--images, --image-size); None: not a VLM
     image_inputs: Callable[[int, int | None, int, tuple[int, int] | None], Any] | None = None
+    # (images per example, (height, width) or None) -> what the processor makes of them (size after resizing,
+    # tokens per image, the processor and its source) and the vision tower's module names, for the report
+    image_facts: Callable[[int, tuple[int, int] | None], dict] | None = None
     values_hint: str = (
         "make the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
         "boolean-mask indexing or nonzero"

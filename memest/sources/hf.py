@@ -31,6 +31,7 @@ from memest.sources.hf_inputs import (
     DEFAULT_SEQ,
     VISION_LANGUAGE,
     check_seq,
+    image_facts,
     image_inputs,
     make_inputs,
     value_ranges,
@@ -118,6 +119,9 @@ def load_hf_source(name: str) -> ModelSource:
     def images_inputs(batch_size: int, seq_len: int | None, images: int, hw: tuple[int, int] | None):
         return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw, reals)
 
+    def images_facts(images: int, hw: tuple[int, int] | None) -> dict:
+        return image_facts(config, head, images, hw)
+
     @contextlib.contextmanager
     def trace_context(spec):
         """While the step is traced: transformers' mask branches as on real tensors (hf_masks.py), its
@@ -148,6 +152,7 @@ def load_hf_source(name: str) -> ModelSource:
         ),
         values_hint=_values_hint(arch, config),
         image_inputs=images_inputs if head.name == VISION_LANGUAGE else None,
+        image_facts=images_facts if head.name == VISION_LANGUAGE else None,
         meta_build=True,
         warnings=list(built.warnings),
         no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",

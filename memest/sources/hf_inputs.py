@@ -14,7 +14,8 @@ loaded, naming what the model's forward asks for.
 | ctc | ...ForCTC on raw audio (Wav2Vec2, HuBERT, WavLM, ...) | input_values, labels (frames // 2 per example) | audio samples |
 | vision-text | CLIP-style models with ``return_loss`` | input_ids, pixel_values, return_loss=True | text tokens |
 | vision-language | LLaVA | input_ids with one image token per image feature, pixel_values, labels | image + text tokens |
-| vision-language | Qwen2-VL | input_ids with <|vision_start|>, image pads, <|vision_end|> per image, pixel_values (patches, C*T*P*P), image_grid_thw, mm_token_type_ids, labels | text tokens (image tokens added) |
+| vision-language | LLaVA-NeXT | input_ids with the image tokens (hf_llava_next.py) then text, pixel_values (images, anyres tiles, C, H, W), image_sizes, labels | text tokens (image tokens added) |
+| vision-language | Qwen2-VL, Qwen2.5-VL | input_ids with <|vision_start|>, image pads, <|vision_end|> per image, pixel_values (patches, C*T*P*P), image_grid_thw, mm_token_type_ids, labels | text tokens (image tokens added) |
 
 ``--images N --image-size HxW`` (``image_inputs``): N images per example of HxW pixels before the processor
 resizes them; the image tokens are added to --seq text tokens.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memest.errors import ModelLoadError
+from memest.sources.hf_llava_next import LLAVA_NEXT, llava_next_inputs, llava_next_tiles, llava_next_tokens
 
 DEFAULT_SEQ = 512  # tokens when --seq is not given (capped by the model's maximum positions)
 DEFAULT_AUDIO_SAMPLES = 160_000  # CTC without --seq: 10 s at 16 kHz, the rate wav2vec2-style models are trained on
@@ -44,9 +46,9 @@ SPEECH_SEQ2SEQ, CTC, VISION_TEXT, VISION_LANGUAGE = "speech-seq2seq", "ctc", "vi
 SUPPORTED = (
     "text (causal LM, masked LM, seq2seq, sequence classification), image classification, speech seq2seq "
     "(Whisper: input_features), CTC on raw audio (input_values), vision-text with return_loss (CLIP) and "
-    "vision-language with image tokens (LLaVA, Qwen2-VL)"
+    "vision-language with image tokens (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL)"
 )
-QWEN_VL = ("qwen2_vl",)  # Qwen2.5-VL: its window attention runs unique_consecutive on values not followed yet
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 
 QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
@@ -91,6 +93,8 @@ def head_of(arch: str, config, params: set[str]) -> Head:
             return _vision_text(config)
         if model_type == "llava":
             return _llava(config)
+        if model_type in LLAVA_NEXT:
+            return _llava_next(config)
         if model_type in QWEN_VL:
             return _qwen_vl(config)
         raise _unsupported(arch, "input_ids and pixel_values", params)
@@ -257,6 +261,21 @@ def _llava(config) -> Head:
     return head
 
 
+def _llava_next(config) -> Head:
+    _llava(config)  # the same towers
+    side = config.vision_config.image_size
+    tokens = llava_next_tokens(config, llava_image_tokens(config), (side, side))
+    limit = getattr(config.text_config, "max_position_embeddings", None)
+    head = Head(VISION_LANGUAGE, DEFAULT_SEQ, limit, "text_config.max_position_embeddings",
+                seq_means="text tokens (image tokens added)", image_tokens=tokens, reads_values=True)
+    head.notes.append(
+        f"inputs: one {side}x{side} image per example (--images N --image-size HxW for others) as LlavaNextProcessor "
+        f"cuts it (anyres tiles, {tokens} image tokens), pixel_values (images, tiles, C, H, W), image_sizes, "
+        "input_ids of --seq text tokens after the image tokens; labels skip the image tokens"
+    )
+    return head
+
+
 def check_seq(head: Head, seq: int, name: str) -> None:
     if head.name == VISION_LANGUAGE and head.seq_means == "image + text tokens" and seq <= head.image_tokens:
         raise ModelLoadError(
@@ -293,6 +312,9 @@ def make_inputs(config, head: Head, batch: int, seq: int | None, reals=None) -> 
         }
     if head.name == VISION_LANGUAGE and config.model_type in QWEN_VL:
         return _qwen_vl_inputs(config, batch, seq, 1, QWEN_VL_DEFAULT_IMAGE, reals)
+    if head.name == VISION_LANGUAGE and config.model_type in LLAVA_NEXT:
+        side = config.vision_config.image_size
+        return llava_next_inputs(config, llava_image_tokens(config), batch, seq, 1, (side, side), reals)
     if head.name == VISION_LANGUAGE:
         return _llava_inputs(config, head, batch, seq)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
@@ -348,6 +370,9 @@ def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tup
         raise ModelLoadError(f"--images: a {head.name} model takes no image tokens; memest builds them for {SUPPORTED}")
     if config.model_type in QWEN_VL:
         return _qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE, reals)
+    if config.model_type in LLAVA_NEXT:
+        side = config.vision_config.image_size
+        return llava_next_inputs(config, llava_image_tokens(config), batch, text, images, hw or (side, side), reals)
     tokens = image_tokens(config, head, hw)
     return _llava_inputs(config, head, batch, text + images * tokens, images)
 
@@ -359,7 +384,44 @@ def image_tokens(config, head: Head, hw: tuple[int, int] | None) -> int:
     if config.model_type in QWEN_VL:
         grid_h, grid_w = qwen_vl_grid(config, hw or QWEN_VL_DEFAULT_IMAGE)
         return grid_h * grid_w // config.vision_config.spatial_merge_size**2
+    if config.model_type in LLAVA_NEXT and hw is not None:
+        return llava_next_tokens(config, llava_image_tokens(config), hw)
     return head.image_tokens
+
+
+# the vision tower's modules as transformers 5 names them (LLaVA: the CLIP/SigLIP tower and its projector)
+TOWERS = {"llava": ("model.vision_tower", "model.multi_modal_projector"),
+          "llava_next": ("model.vision_tower", "model.multi_modal_projector"),  # (image_newline: on the model itself)
+          "qwen2_vl": ("model.visual",), "qwen2_5_vl": ("model.visual",)}
+LLAVA_PROCESSOR = ("CLIPImageProcessor: shortest edge to the tower's image_size, center crop, one token per patch "
+                   "(transformers image_processing_clip.py, processing_llava.py)")
+
+
+def image_facts(config, head: Head, images: int, hw: tuple[int, int] | None) -> dict[str, Any]:
+    """What --images N --image-size HxW become, per image, as the processor cuts them (for the report)."""
+    vision = config.vision_config
+    if config.model_type in QWEN_VL:
+        size = hw or QWEN_VL_DEFAULT_IMAGE
+        grid_h, grid_w = qwen_vl_grid(config, size)
+        resized = (grid_h * vision.patch_size, grid_w * vision.patch_size)
+        processor = (f"Qwen2VLImageProcessor: smart_resize to multiples of {vision.patch_size * vision.spatial_merge_size} "
+                     f"px within min_pixels {QWEN_VL_MIN_PIXELS} / max_pixels {QWEN_VL_MAX_PIXELS}, one token per "
+                     "merged patch (transformers image_processing_pil_qwen2_vl.py)")
+    elif config.model_type in LLAVA_NEXT:
+        from transformers.image_processing_utils import select_best_resolution
+
+        side = vision.image_size
+        size = hw or (side, side)
+        resized = select_best_resolution(list(size), config.image_grid_pinpoints)
+        processor = (f"LlavaNextProcessor: anyres, {llava_next_tiles(config, size)} tiles of {side} px (the best of "
+                     "image_grid_pinpoints, then the whole image); unpadded tile features + a newline per row + the "
+                     "base tile's (transformers processing_llava_next.py, image_processing_llava_next.py)")
+    else:
+        side = getattr(vision, "image_size", 224)
+        size, resized, processor = hw or (side, side), (side, side), LLAVA_PROCESSOR
+    return {"per_example": images, "size": f"{size[0]}x{size[1]}", "resized": f"{resized[0]}x{resized[1]}",
+            "tokens_per_image": image_tokens(config, head, hw), "processor": processor,
+            "tower": list(TOWERS.get(config.model_type, ()))}
 
 
 # -- Qwen2-VL -------------------------------------------------------------------------------------

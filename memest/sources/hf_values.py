@@ -123,10 +123,10 @@ class KnownValues(TorchDispatchMode):
             real_out = func(*real_args, **real_kwargs)
         try:
             out = func(*args, **kwargs)
-        except Exception:
-            if not isinstance(real_out, torch.Tensor):
+        except Exception:  # a value-dependent size (nonzero, unique_consecutive): fakes of the real outputs' sizes
+            if not all(isinstance(r, torch.Tensor) for r in tree_flatten(real_out)[0]):
                 raise
-            out = torch.empty(real_out.shape, dtype=real_out.dtype)
+            out = tree_map(lambda r: torch.empty(r.shape, dtype=r.dtype), real_out)
         outs, reals = tree_flatten(out)[0], tree_flatten(real_out)[0]
         for fake, real in zip(outs, reals, strict=False):
             if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and real.numel() <= REAL_LIMIT:

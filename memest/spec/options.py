@@ -164,7 +164,7 @@ OPTIONS: tuple[Option, ...] = (
            "an upper bound).",
            override="Override: refuse | upper-bound (size-bounded data-dependent ops at their bound)."),
     Option("images", ("--images",), "Vision-language hf: models: images per example, each turned into image tokens "
-           "as the model's processor does (Qwen2-VL: smart_resize; LLaVA: one tower-sized tile), added to --seq text tokens; "
+           "as the model's processor does (Qwen2-VL, Qwen2.5-VL: smart_resize; LLaVA: one tower-sized tile; LLaVA-NeXT: anyres tiles), added to --seq text tokens; "
            "0 = the model's default inputs."),
     Option("image_size", ("--image-size",), "--images: HEIGHTxWIDTH of each image before the processor resizes it "
            "(default: the vision tower's image size)."),

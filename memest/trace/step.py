@@ -717,7 +717,7 @@ def _inputs(source, spec, seq):
     if source.image_inputs is None:
         raise TraceError(
             f"--images: {source.origin or source.name} is not a vision-language model memest builds image inputs for "
-            "(hf: LLaVA and Qwen2-VL configs); its inputs are its own (drop --images)"
+            "(hf: LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL configs); its inputs are its own (drop --images)"
         )
     hw = image_hw(spec.image_size) if spec.image_size else None
     return source.image_inputs(spec.batch, seq, spec.images, hw)

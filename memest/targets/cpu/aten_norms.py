@@ -10,8 +10,9 @@
 - once the outputs exist: ``dY.contiguous()`` when ``dY`` is not, and, when dgamma or dbeta is asked
   for, a reduction buffer of 2 x threads x N elements (``buffer.resize_``), both freed on return.
 ``layer_norm_cpu`` (forward) makes the same copy of a non-contiguous input, and its mean and rstd in
-``param_scalar_type(input, mixed_type)``: the input's dtype unless the weight's differs (mixed), where
-the meta kernel makes them float32 for a bf16/fp16 input (CUDA's choice, the accumulate type).
+``param_scalar_type(input, mixed_type)``: the input's dtype unless the weight's differs (mixed: float32);
+torch 2.13's fake kernel makes them in the input's dtype in both cases (a bf16 input with fp32 weights under
+CPU autocast read 2 bytes per statistic where the real kernel holds 4).
 Checked call by call against torch.profiler in tests/test_cpu_scratch.py (fp32, bf16, fp64; 1 and 2
 threads; contiguous and transposed inputs and gradients).
 """
@@ -57,13 +58,15 @@ def backward_outputs(args, kwargs, out, make):
 
 
 def forward_outputs(args, kwargs, out, make):
-    """mean and rstd in the input's dtype for a reduced-precision input with parameters of the same
-    dtype (or none), as layer_norm_cpu makes them."""
+    """mean and rstd as layer_norm_cpu makes them for a reduced-precision input: in the input's dtype when
+    the parameters share it (or there are none), in float32 when they do not (``param_scalar_type``,
+    aten/src/ATen/native/mixed_type.h: a bf16 input with fp32 weights, as under CPU autocast)."""
     x = args[0]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     bias = args[3] if len(args) > 3 else kwargs.get("bias")
     mixed = any(isinstance(p, torch.Tensor) and p.dtype != x.dtype for p in (weight, bias))
-    if mixed or x.dtype not in (torch.bfloat16, torch.float16) or out[1].dtype == x.dtype:
+    want = torch.float32 if mixed else x.dtype
+    if x.dtype not in (torch.bfloat16, torch.float16) or out[1].dtype == want:
         return out
-    stats = [make(torch.ops.aten.empty.memory_format, list(t.shape), dtype=x.dtype, device=t.device) for t in out[1:]]
+    stats = [make(torch.ops.aten.empty.memory_format, list(t.shape), dtype=want, device=t.device) for t in out[1:]]
     return (out[0], *stats)
