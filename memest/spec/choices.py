@@ -167,6 +167,7 @@ class Preference(Choice):
 
     NONE = "none"
     DPO = "dpo"  # trl DPOTrainer: chosen + rejected in one 2x batch, a frozen reference, sigmoid loss
+    GRPO = "grpo"  # trl GRPOTrainer without vLLM: generation, reference log-probs, training step (features/grpo.py)
 
 
 class Reference(Choice):

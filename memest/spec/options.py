@@ -180,12 +180,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
            "capability 8.9+).", override="Override float8 training."),
-    Option("preference", ("--preference",), "Preference training: none | dpo (trl's DPOTrainer: chosen and rejected "
-           "in one 2x batch, per-token log-probs by trl's fused LM head, a frozen reference forward, sigmoid loss; "
-           "--batch counts pairs; needs trl)."),
+    Option("preference", ("--preference",), "Preference training: none | dpo | grpo (dpo: trl's DPOTrainer: chosen "
+           "and rejected in one 2x batch, per-token log-probs by trl's fused LM head, a frozen reference forward, "
+           "sigmoid loss; --batch counts pairs; grpo: trl's GRPOTrainer without vLLM: generation, reference "
+           "log-probs, training step; --batch counts completions; needs trl)."),
     Option("reference", ("--reference",), "--preference: auto | copy | adapter | precomputed (a second frozen copy "
            "of the policy; the base with the LoRA adapter disabled; precompute_ref_log_probs; auto: adapter with "
-           "--lora, else copy)."),
+           "--lora, else copy; --preference grpo: auto = trl's beta 0.0, no reference; copy or adapter: beta != 0)."),
+    Option("generations", ("--generations",), "--preference grpo: completions sampled per prompt (trl "
+           "num_generations; --batch counts completions and must be a multiple; 0 = trl's default 8)."),
+    Option("completion_len", ("--completion-len",), "--preference grpo: tokens generated after the --seq prompt "
+           "tokens (trl max_completion_length; 0 = trl's default 512)."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
     Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "

@@ -83,6 +83,10 @@ def image_hw(text: str) -> tuple[int, int]:
         raise MemestError(f"--image-size takes HEIGHTxWIDTH in pixels, e.g. 448x448; got {text!r}")
     return int(parts[0]), int(parts[1])
 
+# trl 1.16.0, trl/trainer/grpo_config.py: GRPOConfig.num_generations's default (features/grpo.py reads trl's own
+# GRPOConfig; tests/test_grpo.py checks this copy, which the spec layer keeps so it need not import trl)
+TRL_NUM_GENERATIONS = 8
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -123,6 +127,10 @@ class RunSpec:
     outputs: Outputs = Outputs.KEPT
     preference: Preference = Preference.NONE  # dpo: trl DPOTrainer's step (features/preference.py)
     reference: Reference = Reference.AUTO  # --preference: copy | adapter | precomputed reference log-probs
+    # --preference grpo (features/grpo.py): completions sampled per prompt (trl num_generations; 0 = trl's default)
+    # and the tokens generated after the --seq prompt tokens (max_completion_length; 0 = trl's default)
+    generations: int = 0
+    completion_len: int = 0
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
@@ -251,6 +259,8 @@ class RunSpec:
 
     def _check_preference(self) -> None:
         """--preference dpo: what memest traces of trl's DPOTrainer (features/preference.py); the rest is refused."""
+        if self.preference != Preference.GRPO and (self.generations or self.completion_len):
+            raise MemestError("--generations and --completion-len describe GRPO's rollouts; add --preference grpo")
         if self.preference == Preference.NONE:
             if self.reference != Reference.AUTO:
                 raise MemestError(f"--reference {self.reference} is the reference of a preference step; add --preference dpo")
@@ -265,12 +275,35 @@ class RunSpec:
         if other:
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
                               "(docs/limitations.md); drop it")
+        if self.preference == Preference.GRPO:
+            self._check_grpo()
         if self.reference == Reference.ADAPTER and not self.lora:
             raise MemestError("--reference adapter disables a LoRA adapter for the reference forward; add --lora, or "
                               "use --reference copy")
         if self.reference == Reference.COPY and self.lora:
             raise MemestError("--reference copy with --lora: trl's DPOTrainer uses the base with the adapter disabled "
                               "when it is given a peft model and no ref_model; use --reference adapter (or auto)")
+
+    def _check_grpo(self) -> None:
+        """--preference grpo (features/grpo.py): trl GRPOTrainer's checks on its batch, and what is not traced yet."""
+        if self.generations < 0 or self.generations == 1 or self.completion_len < 0:
+            raise MemestError("--generations must be at least 2 (trl: GRPO needs 2 generations per prompt for the "
+                              "advantages) and --completion-len at least 1 (0 = trl's defaults)")
+        generations = self.generations or TRL_NUM_GENERATIONS
+        if self.batch % generations:
+            raise MemestError(f"--preference grpo: --batch counts completions (trl per_device_train_batch_size); "
+                              f"it must be a multiple of --generations {generations} (trl's check on the generation "
+                              f"batch), got --batch {self.batch}")
+        if self.reference == Reference.PRECOMPUTED:
+            raise MemestError("--reference precomputed is DPO's; GRPO's reference log-probs are of the sampled "
+                              "completions: use --reference auto (trl's beta 0.0: none), copy or adapter")
+        other = [flag for flag, on in (
+            ("--grad-accum > 1", self.grad_accum > 1), ("--checkpointing", self.checkpointing != "none"),
+            ("--quant", self.quant != Quant.NONE),
+        ) if on]
+        if other:
+            raise MemestError(f"--preference grpo with {', '.join(other)} is not traced yet (docs/limitations.md); "
+                              "drop it")
 
     def _check_finetune(self) -> None:
 
