@@ -97,3 +97,24 @@ def test_spec_defaults_follow_trl():
 def test_bad_grpo_options_are_one_line_errors(fields, match):
     with pytest.raises(MemestError, match=match):
         RunSpec(model="hf:gpt2", **fields)
+
+
+def test_advise_offers_grpo_remedies_with_their_cost():
+    """advise's GRPO savers (plan/advise.py): fewer generations per prompt (half the completions, the same prompts)
+    and shorter completions, each re-traced: each lowers the traced need and says what it costs the training."""
+    from memest.plan import advise
+    from memest.plan.runner import Runner
+
+    base = RunSpec(model=model_ref("hf:llama-tiny"), batch=8, seq=8, target="cpu", preference="grpo", generations=4,
+                   completion_len=4)
+    runner = Runner(base)
+    found = {name: changes for name, changes, _ in advise.candidates(runner)}
+    assert not any("precomputed" in name for name in found)
+    fewer = found["fewer generations per prompt (2), the same prompts per step (trl num_generations)"]
+    shorter = found["shorter completions (2 tokens, trl max_completion_length)"]
+    assert fewer == {"generations": 2, "batch": 4} and shorter == {"completion_len": 2}
+    needed = runner.run().needed_bytes
+    for changes, words in ((fewer, "group baseline"), (shorter, "truncated")):
+        result = runner.run(**changes)
+        assert result.needed_bytes < needed, changes
+        assert words in advise._time_cost("", changes, result, base)

@@ -40,6 +40,7 @@ from memest.features.base import StepFeature
 from memest.features.preference import no_padding
 from memest.spec.choices import Reference
 from memest.trace.values import PlaceholderScalars
+from memest.units import format_bytes
 
 TRL_SOURCE = "trl 1.16.0, trl/trainer/grpo_trainer.py (_generate_single_turn, _compute_loss) and grpo_config.py"
 PHASES = ("generation", "reference log-probs", "training step")
@@ -374,5 +375,5 @@ class GRPOFeature(StepFeature):
         if not peaks:
             return []
         top = max(peaks, key=peaks.get)
-        parts = ", ".join(f"{name} {peaks[name]:,} B" for name in peaks)
+        parts = ", ".join(f"{name} {format_bytes(peaks[name])} ({peaks[name]:,} B)" for name in peaks)
         return [f"GRPO phases' peaks (last iteration, traced): {parts}; the {top} phase peaks"]
