@@ -118,3 +118,34 @@ def test_advise_offers_grpo_remedies_with_their_cost():
         result = runner.run(**changes)
         assert result.needed_bytes < needed, changes
         assert words in advise._time_cost("", changes, result, base)
+
+
+def test_vllm_rollout_phases_match_the_real_step():
+    """--rollout vllm (trl use_vllm=True): no generate on the policy; the policy's no-grad log-probs for vLLM's
+    importance sampling, the reference's, then the training step, each phase's peak equal to the real run's."""
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=4, seq=8, target="cpu", optim="adamw", preference="grpo",
+                   generations=2, completion_len=4, rollout="vllm", reference="copy")
+    source, trace, traced = _traced(spec)
+    real = measure_cpu_phase_peaks(source, spec, "memest.grpo.")
+    assert set(traced) == {grpo.OLD_LOGPS, "reference log-probs", "training step"}
+    assert traced == real
+
+
+def test_colocated_engine_is_sized_from_the_grpo_step():
+    """--colocate-serve with --preference grpo --rollout vllm: trl's LLM(max_model_len = prompt + completion,
+    max_num_seqs = per_device_train_batch_size x tp x steps_per_generation); refused without --rollout vllm."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memest.cli import app
+
+    args = [model_ref("hf:llama-tiny"), "--preference", "grpo", "--generations", "2", "--completion-len", "4",
+            "--batch", "4", "--seq", "8", "--gpu", "24GB", "--colocate-serve", "0.3"]
+    refused = CliRunner().invoke(app, ["estimate", *args])
+    assert refused.exit_code != 0 and "--rollout vllm" in refused.output
+    result = CliRunner().invoke(app, ["estimate", *args, "--rollout", "vllm", "--json"])
+    assert result.exit_code in (0, 1), result.output
+    colocate = json.loads(result.stdout)["colocate"]
+    assert colocate["max_model_len"] == 8 + 4
+    assert any("max_num_seqs 4" in note for note in colocate["notes"])

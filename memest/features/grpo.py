@@ -30,6 +30,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import math
 import types
 from collections import defaultdict
 
@@ -38,12 +39,13 @@ import torch
 from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.features.preference import no_padding
-from memest.spec.choices import Reference
+from memest.spec.choices import Reference, Rollout
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes
 
 TRL_SOURCE = "trl 1.16.0, trl/trainer/grpo_trainer.py (_generate_single_turn, _compute_loss) and grpo_config.py"
 PHASES = ("generation", "reference log-probs", "training step")
+OLD_LOGPS = "old log-probs"  # --rollout vllm: the policy's no-grad log-probs for vLLM's importance sampling
 
 
 def _trl():
@@ -166,8 +168,10 @@ class GRPOStep(torch.nn.Module):
     """The policy (and its frozen reference) as one module whose forward is one GRPOTrainer micro-step:
     generation, reference log-probs, then trl's ``_compute_loss``."""
 
-    def __init__(self, policy, reference, adapter: bool, beta: float, completion_len: int, batch: int):
+    def __init__(self, policy, reference, adapter: bool, beta: float, completion_len: int, batch: int,
+                 vllm: bool = False):
         super().__init__()
+        self.vllm = vllm
         self.policy = policy
         self.reference = reference
         self.adapter = adapter
@@ -182,6 +186,9 @@ class GRPOStep(torch.nn.Module):
         if self.reference is not None:
             self.reference.eval()
         return self
+
+    def _importance_sampling(self, *args):
+        return _importance_sampling_fn(self, *args)
 
     def mark(self, name: str) -> None:
         """A phase starts: its event index while tracing; a profiler marker in a real run (validate/)."""
@@ -199,9 +206,10 @@ class GRPOStep(torch.nn.Module):
         # GRPOConfig.__post_init__ with one process and gradient_accumulation_steps 1
         args.steps_per_generation, args.generation_batch_size = 1, self.batch
         trainer = stand_in_trainer(self.policy, self.reference, args)
+        trainer.use_vllm = self.vllm
         fake = _is_fake(input_ids)
         scalars = _fixed_length_generation(self.completion_len) if fake else contextlib.nullcontext()
-        self.mark(PHASES[0])
+        self.mark(OLD_LOGPS if self.vllm else PHASES[0])
         with scalars:
             batch = self._rollout(input_ids, attention_mask, args, trainer, utils)
         self.mark(PHASES[2])
@@ -226,16 +234,17 @@ class GRPOStep(torch.nn.Module):
             use_cache=True,
         )
         n, prompt_len = input_ids.shape
-        with torch.no_grad():
-            prompt_completion_ids = self.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                                         generation_config=generation_config)
-        completion_ids = prompt_completion_ids[:, prompt_len:]
-        # Mask everything after the first EOS token (trl, before .tolist())
-        is_eos = torch.isin(completion_ids, torch.tensor(eos))
-        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
-        sequence_indices = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1)
-        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-        del prompt_completion_ids, completion_ids, is_eos, eos_idx, sequence_indices, completion_mask
+        if not self.vllm:
+            with torch.no_grad():
+                prompt_completion_ids = self.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                                             generation_config=generation_config)
+            completion_ids = prompt_completion_ids[:, prompt_len:]
+            # Mask everything after the first EOS token (trl, before .tolist())
+            is_eos = torch.isin(completion_ids, torch.tensor(eos))
+            eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+            sequence_indices = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1)
+            completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+            del prompt_completion_ids, completion_ids, is_eos, eos_idx, sequence_indices, completion_mask
         # the lists of token ids become tensors again, padded (trl's pad); every completion is full length
         length = self.completion_len
         prompt_ids = utils.pad([torch.zeros(prompt_len, dtype=torch.long) for _ in range(n)], padding_value=pad_id,
@@ -252,6 +261,9 @@ class GRPOStep(torch.nn.Module):
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                "completion_mask": completion_mask, "num_items_in_batch": num_items_in_batch,
                "advantages": torch.zeros(n, dtype=torch.float32)}
+        if self.vllm:
+            out.update(self._importance_sampling(prompt_completion_ids, attention_mask, completion_mask, args, trainer,
+                                                 utils))
         if self.beta != 0.0:
             self.mark(PHASES[1])
             with torch.no_grad():
@@ -266,6 +278,30 @@ class GRPOStep(torch.nn.Module):
         del prompt_completion_ids, attention_mask
         out = utils.shuffle_sequence_dict(out)
         return utils.split_tensor_dict(out, 1)[0]  # steps_per_generation = 1
+
+
+def _importance_sampling_fn(step, prompt_completion_ids, attention_mask, completion_mask, args, trainer, utils):
+    """use_vllm=True (trl _generate_and_score_completions): vLLM's sampling log-probs (float32 lists padded), the
+    policy's no-grad log-probs of the completions (old_per_token_logps), and the importance-sampling ratio of
+    trl's default mode "sequence_mask" (clip_min None, clip_max 3.0: GRPOConfig). The metrics trl logs from them
+    ((batch, completion) temporaries freed at once) are not traced."""
+    if args.vllm_importance_sampling_mode != "sequence_mask":  # GRPOConfig's default, the one transcribed
+        raise MemestError(f"trl's vllm_importance_sampling_mode {args.vllm_importance_sampling_mode!r} is not traced")
+    n, length = completion_mask.shape
+    sampling = utils.pad([torch.zeros(length, dtype=torch.float32) for _ in range(n)], padding_value=0.0,
+                         padding_side="right")
+    with torch.no_grad():
+        old, _, _ = trainer._get_per_token_logps_and_entropies(step.policy, prompt_completion_ids, attention_mask,
+                                                               length, batch_size=step.batch)
+        diff = (old - sampling) * completion_mask
+        diff = torch.nan_to_num(diff, nan=0.0)
+        diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff)
+        low = args.vllm_importance_sampling_clip_min
+        high = args.vllm_importance_sampling_clip_max
+        invalid = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
+        ratio = ratio.masked_fill(invalid, value=0.0)
+    return {"old_per_token_logps": old, "importance_sampling_ratio": ratio, "sampling_per_token_logps": sampling}
 
 
 @contextlib.contextmanager
@@ -309,7 +345,7 @@ def wrap(policy: torch.nn.Module, spec) -> GRPOStep:
                             cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, outputs=("log_probs", "entropy"))
     beta = 0.0 if kind is None else _nonzero_beta()
     return GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
-                    completion_len=completion_len_of(spec), batch=spec.batch)
+                    completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM)
 
 
 def _nonzero_beta() -> float:
@@ -323,7 +359,7 @@ def phase_peaks(trace, starts: list[tuple[str, int]]) -> dict[str, int]:
     timeline = trace.timeline()
     if not starts or not timeline:
         return {}
-    per_iteration = sum(1 for name, _ in starts if name == PHASES[0])
+    per_iteration = sum(1 for name, _ in starts if name == starts[0][0])  # each iteration starts with the same phase
     last = starts[-(len(starts) // max(per_iteration, 1)):]
     peaks = {}
     for k, (name, begin) in enumerate(last):
@@ -339,10 +375,14 @@ def describe(spec) -> str:
     ref = {None: "none (trl's default beta 0.0)", Reference.COPY: "a second frozen copy of the policy (beta != 0)",
            Reference.ADAPTER: "the policy's base with the LoRA adapter disabled (beta != 0)"}[kind]
     g = generations_of(spec)
-    return (f"--preference grpo: trl GRPOTrainer's step without vLLM ({TRL_SOURCE}): {spec.batch} completions "
+    if spec.rollout == Rollout.VLLM:
+        how = ("generated by a vLLM engine (use_vllm=True: its memory is not this trace's; --colocate-serve prices a "
+               "colocated one), then the policy's no-grad log-probs for vLLM's importance sampling (sequence_mask)")
+    else:
+        how = "generated by transformers' generate (use_vllm=False, DynamicCache)"
+    return (f"--preference grpo: trl GRPOTrainer's step ({TRL_SOURCE}): {spec.batch} completions "
             f"({spec.batch // g} prompts x {g} generations) of {spec.seq} prompt + {completion_len_of(spec)} "
-            f"completion tokens, generated by transformers' generate (DynamicCache), reference: {ref}, "
-            "loss by trl's _compute_loss")
+            f"completion tokens, {how}, reference: {ref}, loss by trl's _compute_loss")
 
 
 class GRPOFeature(StepFeature):

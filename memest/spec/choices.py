@@ -170,6 +170,13 @@ class Preference(Choice):
     GRPO = "grpo"  # trl GRPOTrainer without vLLM: generation, reference log-probs, training step (features/grpo.py)
 
 
+class Rollout(Choice):
+    """--rollout: who generates a GRPO step's completions (trl GRPOConfig use_vllm; features/grpo.py)."""
+
+    TRANSFORMERS = "transformers"  # use_vllm=False: the policy's own generate() on the training GPU
+    VLLM = "vllm"  # use_vllm=True: a vLLM engine (colocated: --colocate-serve; else vllm_mode="server", elsewhere)
+
+
 class Reference(Choice):
     """--reference: where a preference step's reference log-probabilities come from (trl DPOTrainer)."""
 

@@ -189,6 +189,9 @@ OPTIONS: tuple[Option, ...] = (
            "--lora, else copy; --preference grpo: auto = trl's beta 0.0, no reference; copy or adapter: beta != 0)."),
     Option("generations", ("--generations",), "--preference grpo: completions sampled per prompt (trl "
            "num_generations; --batch counts completions and must be a multiple; 0 = trl's default 8)."),
+    Option("rollout", ("--rollout",), "--preference grpo: who generates the completions: transformers (trl "
+           "use_vllm=False: the policy's generate() on this GPU) | vllm (use_vllm=True: a vLLM engine; on this GPU "
+           "with --colocate-serve, trl's colocate mode, else vllm_mode='server' on other GPUs)."),
     Option("completion_len", ("--completion-len",), "--preference grpo: tokens generated after the --seq prompt "
            "tokens (trl max_completion_length; 0 = trl's default 512)."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),

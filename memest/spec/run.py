@@ -24,6 +24,7 @@ from memest.spec.choices import (
     Preference,
     Quant,
     Reference,
+    Rollout,
     Shard,
     Target,
     ZeroGrad,
@@ -50,6 +51,7 @@ _CHOICE_FIELDS = {
     "fp8": (Fp8, "--fp8"),
     "outputs": (Outputs, "--outputs"),
     "preference": (Preference, "--preference"),
+    "rollout": (Rollout, "--rollout"),
     "reference": (Reference, "--reference"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
@@ -131,6 +133,7 @@ class RunSpec:
     # and the tokens generated after the --seq prompt tokens (max_completion_length; 0 = trl's default)
     generations: int = 0
     completion_len: int = 0
+    rollout: Rollout = Rollout.TRANSFORMERS  # --preference grpo: the policy's generate(), or a vLLM engine
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
@@ -259,8 +262,10 @@ class RunSpec:
 
     def _check_preference(self) -> None:
         """--preference dpo: what memest traces of trl's DPOTrainer (features/preference.py); the rest is refused."""
-        if self.preference != Preference.GRPO and (self.generations or self.completion_len):
-            raise MemestError("--generations and --completion-len describe GRPO's rollouts; add --preference grpo")
+        if self.preference != Preference.GRPO and (self.generations or self.completion_len
+                                                   or self.rollout != Rollout.TRANSFORMERS):
+            raise MemestError("--generations, --completion-len and --rollout describe GRPO's rollouts; add "
+                              "--preference grpo")
         if self.preference == Preference.NONE:
             if self.reference != Reference.AUTO:
                 raise MemestError(f"--reference {self.reference} is the reference of a preference step; add --preference dpo")
