@@ -182,8 +182,8 @@ OPTIONS: tuple[Option, ...] = (
            "capability 8.9+).", override="Override float8 training."),
     Option("preference", ("--preference",), "Preference training: none | dpo | grpo (dpo: trl's DPOTrainer: chosen "
            "and rejected in one 2x batch, per-token log-probs by trl's fused LM head, a frozen reference forward, "
-           "sigmoid loss; --batch counts pairs; grpo: trl's GRPOTrainer without vLLM: generation, reference "
-           "log-probs, training step; --batch counts completions; needs trl)."),
+           "sigmoid loss; --batch counts pairs; grpo: trl's GRPOTrainer: generation (--rollout), reference "
+           "log-probs, training step, each phase's peak; --batch counts completions; needs trl)."),
     Option("reference", ("--reference",), "--preference: auto | copy | adapter | precomputed (a second frozen copy "
            "of the policy; the base with the LoRA adapter disabled; precompute_ref_log_probs; auto: adapter with "
            "--lora, else copy; --preference grpo: auto = trl's beta 0.0, no reference; copy or adapter: beta != 0)."),
