@@ -11,6 +11,7 @@ from memest.features.checkpointing import CheckpointingFeature
 from memest.features.compiled import CompileFeature
 from memest.features.finetune import FinetuneFeature
 from memest.features.fp8 import Fp8Feature
+from memest.features.grpo import GRPOFeature
 from memest.features.loss_head import LossHeadFeature
 from memest.features.optim import OptimizerFeature, step_optimizer
 from memest.features.optim_in_backward import OptimInBackwardFeature
@@ -39,7 +40,9 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
         features.append(CheckpointingFeature())
     if spec.activation_offload != ActivationOffload.NONE:  # saved tensors to host memory (save_on_cpu's hooks)
         features.append(ActivationOffloadFeature(spec.activation_offload, ActivationOffloadFeature.moves_for(spec)))
-    if spec.preference != Preference.NONE:  # the policy + reference step of trl's trainer, after LoRA and checkpointing
+    if spec.preference == Preference.GRPO:  # trl GRPOTrainer's generation + training step (features/grpo.py)
+        features.append(GRPOFeature(spec))
+    elif spec.preference != Preference.NONE:  # the policy + reference step of trl's trainer, after LoRA and checkpointing
         features.append(PreferenceFeature(spec))
     if LossHead.of(spec.loss_head)[0] is not LossHead.STANDARD:
         features.append(LossHeadFeature())

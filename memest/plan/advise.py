@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from memest.errors import MemestError
+from memest.features import grpo
 from memest.features.checkpointing import repeated_blocks
 from memest.features.compiled import unwrap
 from memest.features.loss_head import causal_lm_head
@@ -141,6 +142,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.training and causal_lm and not base.lora and _peft_available():
         out.append(("LoRA r=16 on every linear layer (peft)", {"lora": LORA}, 0.8))
         out.append(("QLoRA: NF4 base + LoRA r=16 (bitsandbytes + peft)", {"lora": LORA, "quant": "nf4"}, 0.9))
+    if base.preference == Preference.GRPO:
+        return out + _grpo_candidates(base)
     if base.preference.has_reference and reference_of(base) != Reference.PRECOMPUTED:  # dpo, kto
         out.append(("precomputed reference log-probs (trl precompute_ref_log_probs=True)",
                     {"reference": Reference.PRECOMPUTED}, 0.05))
@@ -152,7 +155,40 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     return out
 
 
-def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
+def _grpo_candidates(base: RunSpec) -> list[tuple[str, dict, float]]:
+    """trl GRPOTrainer's own savers (features/grpo.py): fewer completions per prompt, shorter completions, no
+    reference model (trl's default beta 0.0), each re-traced."""
+    out: list[tuple[str, dict, float]] = []
+    g, length = grpo.generations_of(base), grpo.completion_len_of(base)
+    if g // 2 >= 2 and base.batch % 2 == 0 and (base.batch // 2) % (g // 2) == 0:
+        out.append((f"fewer generations per prompt ({g // 2}), the same prompts per step (trl num_generations)",
+                    {"generations": g // 2, "batch": base.batch // 2}, 0.3))
+    if length >= 2:
+        out.append((f"shorter completions ({length // 2} tokens, trl max_completion_length)",
+                    {"completion_len": length // 2}, 0.6))
+    if base.reference != Reference.AUTO:
+        out.append(("no reference model (trl's default beta 0.0)", {"reference": Reference.AUTO}, 0.4))
+    if base.seq and base.seq >= 256:
+        out.append((f"shorter prompts ({base.seq // 2})", {"seq": base.seq // 2}, 1.0))
+    return out
+
+
+def _grpo_time_cost(changes: dict, base: RunSpec) -> str | None:
+    if "generations" in changes:
+        return (f"each prompt's group baseline from {changes['generations']} samples instead of "
+                f"{grpo.generations_of(base)} (noisier advantages); half the completions per step, the same prompts")
+    if "completion_len" in changes:
+        return (f"completions stop at {changes['completion_len']} tokens: longer answers are truncated (trl "
+                "mask_truncated_completions decides whether they still count)")
+    if changes.get("reference") == Reference.AUTO:
+        return "no KL penalty to the reference policy (trl GRPOConfig beta=0.0, its default); one forward less per step"
+    return None
+
+
+def _preference_time_cost(changes: dict, base: RunSpec) -> str | None:
+    """The cost of a preference-training remedy (trl's reference handling, GRPO's own savers), or None."""
+    if base.preference == Preference.GRPO and (cost := _grpo_time_cost(changes, base)):
+        return cost
     if changes.get("reference") == Reference.PRECOMPUTED:
         trainer = "KTOTrainer" if base.preference == Preference.KTO else "DPOTrainer"
         return (f"before training, one reference forward over the whole dataset (trl {trainer}._precompute_ref_logps); "
@@ -160,6 +196,12 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
     if changes.get("reference") == Reference.ADAPTER:
         return ("the reference forward runs the policy's base with the adapter disabled (trl use_adapter); "
                 + LORA_CAVEAT)
+    return None
+
+
+def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
+    if cost := _preference_time_cost(changes, base):
+        return cost
     if "outputs" in changes:
         return "0% FLOPs; a loop change: del the output (logits) before loss.backward()"
     if changes.get("loss_head") == "chunked":

@@ -20,7 +20,7 @@ from memest.errors import MemestError
 from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServePlan, ServeSpec, plan_serve
 from memest.spec import RunSpec
-from memest.spec.choices import ServeVerdict, Verdict
+from memest.spec.choices import Preference, Rollout, ServeVerdict, Verdict
 
 # trl's GRPOConfig defaults (trl/trainer/grpo_config.py): vllm_gpu_memory_utilization 0.3,
 # max_prompt_length 512, max_completion_length 256; the colocated LLM's max_num_batched_tokens=4096
@@ -84,6 +84,9 @@ def check_colocate(spec: RunSpec, block: dict) -> None:
     (0, 1) (0 is a value, not "the default"), whole numbers of at least 1."""
     if not spec.model.startswith("hf:"):
         raise MemestError("--colocate-serve sizes a vLLM engine from an hf: config; the model must be hf:NAME")
+    if spec.preference == Preference.GRPO and spec.rollout != Rollout.VLLM:
+        raise MemestError("--colocate-serve with --preference grpo is trl's use_vllm=True: add --rollout vllm "
+                          "(without it the policy generates with transformers, no engine)")
     util = block.get("utilization")
     if util is not None and not 0 < float(util) < 1:
         raise MemestError(f"--colocate-serve / colocate.utilization must be in (0, 1), got {float(util):g}")
@@ -103,7 +106,13 @@ def colocated_engine(spec: RunSpec, ctx, needed_range, block: dict) -> Colocate:
 
     util = float(given("utilization", TRL_UTILIZATION))
     tp = int(given("tp", 1))
-    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(given("max_model_len", TRL_MAX_MODEL_LEN)),
+    max_model_len = TRL_MAX_MODEL_LEN
+    if spec.preference == Preference.GRPO:
+        from memest.features import grpo  # torch and trl: only for a GRPO step
+
+        # trl's vllm_max_model_length: "at least the maximum prompt length plus max_completion_length" (its help)
+        max_model_len = (spec.seq or 0) + grpo.completion_len_of(spec)
+    engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(given("max_model_len", max_model_len)),
                        utilization=util, tp=tp, max_num_seqs=int(given("max_num_seqs", spec.batch * tp)),
                        max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability,
                        **serve_measured(ctx, tp, block.get("non_torch_memory")))

@@ -171,11 +171,19 @@ class Preference(Choice):
     KTO = "kto"  # trl KTOTrainer: unpaired examples + a KL batch (no_grad), a frozen reference
     SIMPO = "simpo"  # trl.experimental CPOTrainer, loss_type="simpo", cpo_alpha=0: length-normalised, no reference
     CPO = "cpo"  # trl.experimental CPOTrainer, loss_type="sigmoid", cpo_alpha=1: chosen NLL + sigmoid, no reference
+    GRPO = "grpo"  # trl GRPOTrainer without vLLM: generation, reference log-probs, training step (features/grpo.py)
 
     @property
     def has_reference(self) -> bool:
         """Whether trl's trainer runs a frozen reference (DPO, KTO); ORPO, SimPO and CPO have none."""
         return self in (Preference.DPO, Preference.KTO)
+
+
+class Rollout(Choice):
+    """--rollout: who generates a GRPO step's completions (trl GRPOConfig use_vllm; features/grpo.py)."""
+
+    TRANSFORMERS = "transformers"  # use_vllm=False: the policy's own generate() on the training GPU
+    VLLM = "vllm"  # use_vllm=True: a vLLM engine (colocated: --colocate-serve; else vllm_mode="server", elsewhere)
 
 
 class Reference(Choice):

@@ -181,14 +181,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
            "capability 8.9+).", override="Override float8 training."),
-    Option("preference", ("--preference",), "Preference training: none | dpo | orpo | kto | simpo | cpo (trl's "
-           "trainers' steps. dpo: chosen and rejected in one 2x batch, per-token log-probs by trl's fused LM head, a "
-           "frozen reference forward, sigmoid loss; kto: --batch unpaired examples plus a KL batch (no_grad), fused "
-           "head, reference; orpo, simpo, cpo: chosen and rejected in one 2x batch, the whole logits, no reference; "
-           "--batch counts pairs, for kto examples; dpo and kto need trl)."),
-    Option("reference", ("--reference",), "--preference dpo or kto: auto | copy | adapter | precomputed (a second frozen copy "
+    Option("preference", ("--preference",), "Preference training: none | dpo | orpo | kto | simpo | cpo | grpo "
+           "(trl's trainers' steps. dpo: chosen and rejected in one 2x batch, per-token log-probs by trl's fused LM "
+           "head, a frozen reference forward, sigmoid loss; kto: --batch unpaired examples plus a KL batch (no_grad), "
+           "fused head, reference; orpo, simpo, cpo: chosen and rejected in one 2x batch, the whole logits, no "
+           "reference; --batch counts pairs, for kto examples; grpo: trl's GRPOTrainer: generation (--rollout), "
+           "reference log-probs, training step, each phase's peak; --batch counts completions; dpo, kto and grpo "
+           "need trl)."),
+    Option("reference", ("--reference",), "--preference dpo, kto or grpo: auto | copy | adapter | precomputed (a second frozen copy "
            "of the policy; the base with the LoRA adapter disabled; precompute_ref_log_probs; auto: adapter with "
-           "--lora, else copy)."),
+           "--lora, else copy; --preference grpo: auto = trl's beta 0.0, no reference; copy or adapter: beta != 0)."),
+    Option("generations", ("--generations",), "--preference grpo: completions sampled per prompt (trl "
+           "num_generations; --batch counts completions and must be a multiple; 0 = trl's default 8)."),
+    Option("rollout", ("--rollout",), "--preference grpo: who generates the completions: transformers (trl "
+           "use_vllm=False: the policy's generate() on this GPU) | vllm (use_vllm=True: a vLLM engine; on this GPU "
+           "with --colocate-serve, trl's colocate mode, else vllm_mode='server' on other GPUs)."),
+    Option("completion_len", ("--completion-len",), "--preference grpo: tokens generated after the --seq prompt "
+           "tokens (trl max_completion_length; 0 = trl's default 512)."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),
     Option("loss_parallel", ("--loss-parallel/--no-loss-parallel",), "--sp: torchtitan's loss parallel (logits kept "

@@ -24,6 +24,7 @@ from memest.spec.choices import (
     Preference,
     Quant,
     Reference,
+    Rollout,
     Shard,
     Target,
     ZeroGrad,
@@ -50,6 +51,7 @@ _CHOICE_FIELDS = {
     "fp8": (Fp8, "--fp8"),
     "outputs": (Outputs, "--outputs"),
     "preference": (Preference, "--preference"),
+    "rollout": (Rollout, "--rollout"),
     "reference": (Reference, "--reference"),
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
@@ -82,6 +84,10 @@ def image_hw(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise MemestError(f"--image-size takes HEIGHTxWIDTH in pixels, e.g. 448x448; got {text!r}")
     return int(parts[0]), int(parts[1])
+
+# trl 1.16.0, trl/trainer/grpo_config.py: GRPOConfig.num_generations's default (features/grpo.py reads trl's own
+# GRPOConfig; tests/test_grpo.py checks this copy, which the spec layer keeps so it need not import trl)
+TRL_NUM_GENERATIONS = 8
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,11 @@ class RunSpec:
     outputs: Outputs = Outputs.KEPT
     preference: Preference = Preference.NONE  # dpo, orpo, kto, simpo, cpo: trl's trainer step (features/preference*.py)
     reference: Reference = Reference.AUTO  # --preference: copy | adapter | precomputed reference log-probs
+    # --preference grpo (features/grpo.py): completions sampled per prompt (trl num_generations; 0 = trl's default)
+    # and the tokens generated after the --seq prompt tokens (max_completion_length; 0 = trl's default)
+    generations: int = 0
+    completion_len: int = 0
+    rollout: Rollout = Rollout.TRANSFORMERS  # --preference grpo: the policy's generate(), or a vLLM engine
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
     sp: bool = False  # sequence parallel on top of --tp (torchtitan's plan)
@@ -251,6 +262,10 @@ class RunSpec:
 
     def _check_preference(self) -> None:
         """--preference: what memest traces of trl's preference trainers (features/preference*.py); the rest is refused."""
+        if self.preference != Preference.GRPO and (self.generations or self.completion_len
+                                                   or self.rollout != Rollout.TRANSFORMERS):
+            raise MemestError("--generations, --completion-len and --rollout describe GRPO's rollouts; add "
+                              "--preference grpo")
         if self.preference == Preference.NONE:
             if self.reference != Reference.AUTO:
                 raise MemestError(f"--reference {self.reference} is the reference of a preference step; add --preference dpo")
@@ -265,7 +280,9 @@ class RunSpec:
         if other:
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
                               "(docs/limitations.md); drop it")
-        if not self.preference.has_reference and self.reference != Reference.AUTO:
+        if self.preference == Preference.GRPO:
+            self._check_grpo()
+        elif not self.preference.has_reference and self.reference != Reference.AUTO:
             raise MemestError(f"--preference {self.preference} has no reference model (trl's trainer trains the policy "
                               f"alone, no reference forward): drop --reference {self.reference}")
         if self.preference == Preference.KTO and self.batch < 2:
@@ -277,6 +294,27 @@ class RunSpec:
         if self.reference == Reference.COPY and self.lora:
             raise MemestError("--reference copy with --lora: trl's DPOTrainer and KTOTrainer use the base with the adapter "
                               "disabled when given a peft model and no ref_model; use --reference adapter (or auto)")
+
+    def _check_grpo(self) -> None:
+        """--preference grpo (features/grpo.py): trl GRPOTrainer's checks on its batch, and what is not traced yet."""
+        if self.generations < 0 or self.generations == 1 or self.completion_len < 0:
+            raise MemestError("--generations must be at least 2 (trl: GRPO needs 2 generations per prompt for the "
+                              "advantages) and --completion-len at least 1 (0 = trl's defaults)")
+        generations = self.generations or TRL_NUM_GENERATIONS
+        if self.batch % generations:
+            raise MemestError(f"--preference grpo: --batch counts completions (trl per_device_train_batch_size); "
+                              f"it must be a multiple of --generations {generations} (trl's check on the generation "
+                              f"batch), got --batch {self.batch}")
+        if self.reference == Reference.PRECOMPUTED:
+            raise MemestError("--reference precomputed is DPO's; GRPO's reference log-probs are of the sampled "
+                              "completions: use --reference auto (trl's beta 0.0: none), copy or adapter")
+        other = [flag for flag, on in (
+            ("--grad-accum > 1", self.grad_accum > 1), ("--checkpointing", self.checkpointing != "none"),
+            ("--quant", self.quant != Quant.NONE),
+        ) if on]
+        if other:
+            raise MemestError(f"--preference grpo with {', '.join(other)} is not traced yet (docs/limitations.md); "
+                              "drop it")
 
     def _check_finetune(self) -> None:
 

@@ -91,3 +91,47 @@ def _step_peak(events) -> tuple[int, object]:
         elif fields.ptr in live:
             running -= live.pop(fields.ptr)
     return peak, top
+
+
+def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, seed: int = 0) -> dict[str, int]:
+    """The real step's peak bytes within each phase of its last iteration, where the step marks a phase's start with
+    ``torch.profiler.record_function(prefix + name)`` (features/grpo.py): a phase runs to the next mark or to the
+    end of the step. Bytes as ``measure_cpu_peak`` counts them (parameters, buffers and inputs included)."""
+    assert spec.target == Target.CPU, "CPU ground truth is for --target cpu estimates"
+    torch.manual_seed(seed)
+    with traced_device():
+        built = build(source, spec)
+        params = [p for p in built.model.parameters() if p.requires_grad]
+        optimizer = step_optimizer(spec, params)
+        baseline = _distinct_storage_bytes(
+            list(built.model.parameters()) + list(built.model.buffers()) + tree_flatten(built.inputs)[0]
+        )
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loop = LoopState()
+            for _ in range(spec.iterations):
+                run_step(built.runnable, built.inputs, optimizer, source.compute_loss, spec, loop=loop)
+    marks, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.name.startswith(prefix):
+            marks.append((e.start_time_ns, e.name[len(prefix):]))
+        stack.extend(e.children)
+    marks.sort()
+    per_iteration = len(marks) // spec.iterations
+    last = marks[-per_iteration:] if per_iteration else []
+    peaks: dict[str, int] = {}
+    live: dict[int, int] = {}
+    running, k = 0, -1
+    for e in _allocation_events(prof):
+        while k + 1 < len(last) and e.start_time_ns >= last[k + 1][0]:
+            k += 1
+            peaks[last[k][1]] = running  # the level the phase starts at
+        fields = e.extra_fields
+        if fields.alloc_size > 0:
+            live[fields.ptr] = fields.alloc_size
+            running += fields.alloc_size
+        elif fields.ptr in live:
+            running -= live.pop(fields.ptr)
+        if k >= 0:
+            peaks[last[k][1]] = max(peaks[last[k][1]], running)
+    return {name: peak + baseline for name, peak in peaks.items()}

@@ -1,0 +1,419 @@
+"""--preference grpo: one step of trl's GRPOTrainer without vLLM, traced with trl's and transformers' own code.
+
+Source: trl 1.16.0 (huggingface/trl): trl/trainer/grpo_trainer.py (``_generate_single_turn``'s regular
+transformers path, ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``_compute_loss``),
+trl/trainer/grpo_config.py (the defaults, read from ``GRPOConfig``'s fields, not copied), trl/trainer/utils.py
+(``pad``, ``shuffle_sequence_dict``, ``split_tensor_dict``, ``use_adapter``, ``add_fused_lm_head``). One step, as
+trl runs it with ``use_vllm=False`` and ``steps_per_generation = gradient_accumulation_steps = 1``:
+
+1. generation: ``policy.generate`` (transformers' own, ``do_sample=True``, a ``DynamicCache``) under
+   ``torch.no_grad()`` for ``--batch`` sequences (``per_device_train_batch_size`` completions: ``--batch /
+   --generations`` prompts, each repeated ``--generations`` times by trl's RepeatSampler) of ``--seq`` prompt
+   tokens, ``--completion-len`` new tokens each (``max_completion_length``; no sequence ends early at an EOS: the
+   most the phase holds); then trl's EOS mask and the batch rebuilt as trl does (``pad`` of per-row tensors,
+   ``shuffle_sequence_dict``, ``split_tensor_dict``).
+2. reference log-probs, only when ``beta != 0`` (trl 1.16's default ``beta`` is 0.0: no reference model is
+   loaded; ``--reference copy`` / ``adapter`` price ``beta != 0``): trl's ``_get_per_token_logps_and_entropies`` on
+   the reference (a frozen copy, or the policy inside ``use_adapter(model, None)``) under ``torch.no_grad()``.
+3. training step: trl's own ``_compute_loss`` (loss_type "dapo", token-level importance sampling, the metrics it
+   logs), then backward and the optimizer step.
+
+The rewards (user reward functions) are not traced: memest's advantages are trl's float32 ``(batch,)`` vector.
+In the trace, scalar reads (the stop check of ``generate``, the metrics' ``.item()``) get placeholders
+(trace/values.py) and ``generate``'s loop runs exactly ``--completion-len`` times, as a real run does when no
+sequence samples an EOS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import itertools
+import math
+import types
+from collections import defaultdict
+
+import torch
+
+from memest.errors import MemestError
+from memest.features.base import StepFeature
+from memest.features.preference import no_padding
+from memest.spec.choices import Reference, Rollout
+from memest.trace.values import PlaceholderScalars
+from memest.units import format_bytes
+
+TRL_SOURCE = "trl 1.16.0, trl/trainer/grpo_trainer.py (_generate_single_turn, _compute_loss) and grpo_config.py"
+PHASES = ("generation", "reference log-probs", "training step")
+OLD_LOGPS = "old log-probs"  # --rollout vllm: the policy's no-grad log-probs for vLLM's importance sampling
+
+
+def _trl():
+    """trl's GRPO module and utils, or a MemestError saying how to install trl."""
+    try:
+        from trl.trainer import grpo_config, grpo_trainer, utils
+    except ImportError as exc:
+        raise MemestError(f"--preference grpo runs trl's own GRPOTrainer code; install trl (pip install "
+                          f"'memest[trl]'): {exc}") from exc
+    return grpo_trainer, grpo_config, utils
+
+
+def config_defaults() -> types.SimpleNamespace:
+    """GRPOConfig's field defaults (trl's own dataclass, read rather than copied)."""
+    _, grpo_config, _ = _trl()
+    values = {}
+    for f in dataclasses.fields(grpo_config.GRPOConfig):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    return types.SimpleNamespace(**values)
+
+
+def generations_of(spec) -> int:
+    """--generations, or GRPOConfig's num_generations default."""
+    return spec.generations or config_defaults().num_generations
+
+
+def completion_len_of(spec) -> int:
+    """--completion-len, or GRPOConfig's max_completion_length default."""
+    return spec.completion_len or config_defaults().max_completion_length
+
+
+def reference_of(spec) -> Reference | None:
+    """The reference a GRPO step computes log-probs with: none at trl's default beta 0.0 (--reference auto)."""
+    return None if spec.reference == Reference.AUTO else spec.reference
+
+
+class _Accelerator:
+    """What trl's code asks of its accelerator in one process: identity gathers, no autocast."""
+
+    num_processes = 1
+    is_main_process = True
+    sync_gradients = True
+    device = torch.device("cpu")
+
+    @staticmethod
+    def autocast():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def gather(t):
+        return t
+
+    gather_for_metrics = gather
+    unwrap_model = gather
+
+    @staticmethod
+    def reduce(t, reduction="sum"):
+        return t
+
+
+def stand_in_trainer(policy, reference, args) -> types.SimpleNamespace:
+    """The attributes of a GRPOTrainer that its ``_compute_loss`` and ``_get_per_token_logps_and_entropies`` read,
+    set as GRPOTrainer.__init__ sets them from ``args`` (one process, no vLLM, no MoE aux loss)."""
+    grpo_trainer, _, _ = _trl()
+    cls = grpo_trainer.GRPOTrainer
+    trainer = types.SimpleNamespace(
+        model=policy, ref_model=reference, args=args, accelerator=_Accelerator(), beta=args.beta,
+        loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
+        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+        top_entropy_quantile=args.top_entropy_quantile, off_policy_mask_threshold=args.off_policy_mask_threshold,
+        use_vllm=False, vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
+        aux_loss_enabled=False, router_aux_loss_coef=0.0, entropy_coef=args.entropy_coef,
+        use_adaptive_entropy=args.use_adaptive_entropy,
+        _entropy_bonus_enabled=args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+        _entropy_window_stats=None, _last_world_entropy=None,
+        current_gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
+    for name in ("_get_per_token_logps_and_entropies", "_compute_loss", "get_high_entropy_mask",
+                 "get_off_policy_mask", "get_gamma_weights"):
+        setattr(trainer, name, types.MethodType(getattr(cls, name), trainer))
+    return trainer
+
+
+class GRPOOutput(dict):
+    """What the step's forward returns: the loss (HF Trainer's training_step calls backward on it)."""
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self["loss"]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+@contextlib.contextmanager
+def _fixed_length_generation(new_tokens: int):
+    """transformers' ``generate`` loop run ``new_tokens`` times, as a real run that samples no EOS does: its stop
+    check reads a value (``unfinished_sequences.max() == 0``) that fake tensors lack (trace/values.py answers it
+    False, which alone would never stop)."""
+    from transformers.generation.utils import GenerationMixin
+
+    current = GenerationMixin._has_unfinished_sequences
+    calls = itertools.count()
+    GenerationMixin._has_unfinished_sequences = lambda self, *args, **kwargs: next(calls) < new_tokens
+    try:
+        with PlaceholderScalars():
+            yield
+    finally:
+        GenerationMixin._has_unfinished_sequences = current
+
+
+class GRPOStep(torch.nn.Module):
+    """The policy (and its frozen reference) as one module whose forward is one GRPOTrainer micro-step:
+    generation, reference log-probs, then trl's ``_compute_loss``."""
+
+    def __init__(self, policy, reference, adapter: bool, beta: float, completion_len: int, batch: int,
+                 vllm: bool = False):
+        super().__init__()
+        self.vllm = vllm
+        self.policy = policy
+        self.reference = reference
+        self.adapter = adapter
+        self.beta = beta
+        self.completion_len = completion_len
+        self.batch = batch
+        self.marks: list | None = None  # the trace's events list while tracing (GRPOFeature.contexts)
+        self.phase_starts: list[tuple[str, int]] = []
+
+    def train(self, mode: bool = True) -> GRPOStep:
+        super().train(mode)
+        if self.reference is not None:
+            self.reference.eval()
+        return self
+
+    def _importance_sampling(self, *args):
+        return _importance_sampling_fn(self, *args)
+
+    def mark(self, name: str) -> None:
+        """A phase starts: its event index while tracing; a profiler marker in a real run (validate/)."""
+        if self.marks is not None:
+            self.phase_starts.append((name, len(self.marks)))
+        else:
+            with torch.profiler.record_function(f"memest.grpo.{name}"):
+                pass
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_) -> GRPOOutput:
+        _, _, utils = _trl()
+        args = config_defaults()
+        args.beta = self.beta
+        args.max_completion_length = self.completion_len
+        # GRPOConfig.__post_init__ with one process and gradient_accumulation_steps 1
+        args.steps_per_generation, args.generation_batch_size = 1, self.batch
+        trainer = stand_in_trainer(self.policy, self.reference, args)
+        trainer.use_vllm = self.vllm
+        fake = _is_fake(input_ids)
+        scalars = _fixed_length_generation(self.completion_len) if fake else contextlib.nullcontext()
+        self.mark(OLD_LOGPS if self.vllm else PHASES[0])
+        with scalars:
+            batch = self._rollout(input_ids, attention_mask, args, trainer, utils)
+        self.mark(PHASES[2])
+        with _placeholders() if fake else contextlib.nullcontext():
+            loss = trainer._compute_loss(self.policy, batch)
+        return GRPOOutput(loss=loss)
+
+    def _rollout(self, input_ids, attention_mask, args, trainer, utils) -> dict:
+        """trl's _generate_single_turn (regular transformers path) and _generate_and_score_completions."""
+        from transformers import GenerationConfig
+
+        config = self.policy.config
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        pad_id = config.pad_token_id if config.pad_token_id is not None else eos[0]
+        generation_config = GenerationConfig(
+            max_new_tokens=self.completion_len, do_sample=True, pad_token_id=pad_id, bos_token_id=config.bos_token_id,
+            eos_token_id=eos, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation,
+            disable_compile=True,
+            # trl leaves use_cache to the model's generation config: a decoder loaded by from_pretrained has
+            # use_cache=True (transformers' default), memest's hf: source builds it False for training
+            use_cache=True,
+        )
+        n, prompt_len = input_ids.shape
+        if not self.vllm:
+            with torch.no_grad():
+                prompt_completion_ids = self.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                                             generation_config=generation_config)
+            completion_ids = prompt_completion_ids[:, prompt_len:]
+            # Mask everything after the first EOS token (trl, before .tolist())
+            is_eos = torch.isin(completion_ids, torch.tensor(eos))
+            eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+            sequence_indices = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1)
+            completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+            del prompt_completion_ids, completion_ids, is_eos, eos_idx, sequence_indices, completion_mask
+        # the lists of token ids become tensors again, padded (trl's pad); every completion is full length
+        length = self.completion_len
+        prompt_ids = utils.pad([torch.zeros(prompt_len, dtype=torch.long) for _ in range(n)], padding_value=pad_id,
+                               padding_side="left")
+        prompt_mask = utils.pad([torch.ones(prompt_len, dtype=torch.long) for _ in range(n)], padding_value=0,
+                                padding_side="left")
+        completion_ids = utils.pad([torch.zeros(length, dtype=torch.long) for _ in range(n)], padding_value=pad_id,
+                                   padding_side="right")
+        completion_mask = utils.pad([torch.ones(length, dtype=torch.long) for _ in range(n)], padding_value=0,
+                                    padding_side="right")
+        prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        num_items_in_batch = completion_mask.sum()
+        out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+               "completion_mask": completion_mask, "num_items_in_batch": num_items_in_batch,
+               "advantages": torch.zeros(n, dtype=torch.float32)}
+        if self.vllm:
+            out.update(self._importance_sampling(prompt_completion_ids, attention_mask, completion_mask, args, trainer,
+                                                 utils))
+        if self.beta != 0.0:
+            self.mark(PHASES[1])
+            with torch.no_grad():
+                if self.adapter:
+                    with utils.use_adapter(self.policy, adapter_name=None):
+                        ref, _, _ = trainer._get_per_token_logps_and_entropies(
+                            self.policy, prompt_completion_ids, attention_mask, length, batch_size=self.batch)
+                else:
+                    ref, _, _ = trainer._get_per_token_logps_and_entropies(
+                        self.reference, prompt_completion_ids, attention_mask, length, batch_size=self.batch)
+            out["ref_per_token_logps"] = ref
+        del prompt_completion_ids, attention_mask
+        out = utils.shuffle_sequence_dict(out)
+        return utils.split_tensor_dict(out, 1)[0]  # steps_per_generation = 1
+
+
+def _importance_sampling_fn(step, prompt_completion_ids, attention_mask, completion_mask, args, trainer, utils):
+    """use_vllm=True (trl _generate_and_score_completions): vLLM's sampling log-probs (float32 lists padded), the
+    policy's no-grad log-probs of the completions (old_per_token_logps), and the importance-sampling ratio of
+    trl's default mode "sequence_mask" (clip_min None, clip_max 3.0: GRPOConfig). The metrics trl logs from them
+    ((batch, completion) temporaries freed at once) are not traced."""
+    if args.vllm_importance_sampling_mode != "sequence_mask":  # GRPOConfig's default, the one transcribed
+        raise MemestError(f"trl's vllm_importance_sampling_mode {args.vllm_importance_sampling_mode!r} is not traced")
+    n, length = completion_mask.shape
+    sampling = utils.pad([torch.zeros(length, dtype=torch.float32) for _ in range(n)], padding_value=0.0,
+                         padding_side="right")
+    with torch.no_grad():
+        old, _, _ = trainer._get_per_token_logps_and_entropies(step.policy, prompt_completion_ids, attention_mask,
+                                                               length, batch_size=step.batch)
+        diff = (old - sampling) * completion_mask
+        diff = torch.nan_to_num(diff, nan=0.0)
+        diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff)
+        low = args.vllm_importance_sampling_clip_min
+        high = args.vllm_importance_sampling_clip_max
+        invalid = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
+        ratio = ratio.masked_fill(invalid, value=0.0)
+    return {"old_per_token_logps": old, "importance_sampling_ratio": ratio, "sampling_per_token_logps": sampling}
+
+
+@contextlib.contextmanager
+def _placeholders():
+    """trl's _compute_loss under fake tensors: its metrics' ``.item()`` reads get placeholders, and its ``nanmin`` /
+    ``nanmax`` (``tensor[~torch.isnan(tensor)]``, a data-dependent size) keep every element, as a real run with no
+    NaN does: the same isnan, ~, nonzero index ``(n, 1)`` int64 and ``(n,)`` copy, then the reduction."""
+    grpo_trainer, _, _ = _trl()
+
+    def kept(tensor):
+        torch.isnan(tensor).all()
+        mask = ~torch.isnan(tensor)
+        index = torch.empty((tensor.numel(), 1), dtype=torch.long)  # nonzero(mask)
+        values = torch.empty_like(tensor)  # tensor[index]
+        del mask, index
+        return values
+
+    current = grpo_trainer.nanmin, grpo_trainer.nanmax
+    grpo_trainer.nanmin = lambda tensor: torch.min(kept(tensor))
+    grpo_trainer.nanmax = lambda tensor: torch.max(kept(tensor))
+    try:
+        with PlaceholderScalars():
+            yield
+    finally:
+        grpo_trainer.nanmin, grpo_trainer.nanmax = current
+
+
+def wrap(policy: torch.nn.Module, spec) -> GRPOStep:
+    """GRPOTrainer.__init__'s models: trl's fused head on the policy (its peft base) and on a reference copy."""
+    _, _, utils = _trl()
+    args = config_defaults()
+    kind = reference_of(spec)
+    peft = hasattr(policy, "get_base_model")
+    reference = None
+    if kind == Reference.COPY:
+        reference = copy.deepcopy(policy)  # trl: create_model_from_path(the policy's id): the same weights again
+        reference.requires_grad_(False)
+        reference.eval()
+        utils.add_fused_lm_head(reference, temperature=args.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+    utils.add_fused_lm_head(policy.get_base_model() if peft else policy, temperature=args.temperature,
+                            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, outputs=("log_probs", "entropy"))
+    beta = 0.0 if kind is None else _nonzero_beta()
+    return GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
+                    completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM)
+
+
+def _nonzero_beta() -> float:
+    """A beta != 0 for --reference copy / adapter: the value DeepSeek-R1 used, which GRPOConfig's help names
+    (0.001); memory does not depend on it."""
+    return 0.001
+
+
+def phase_peaks(trace, starts: list[tuple[str, int]]) -> dict[str, int]:
+    """Each phase's peak live bytes in the last traced iteration (the steady state: optimizer state held)."""
+    timeline = trace.timeline()
+    if not starts or not timeline:
+        return {}
+    per_iteration = sum(1 for name, _ in starts if name == starts[0][0])  # each iteration starts with the same phase
+    last = starts[-(len(starts) // max(per_iteration, 1)):]
+    peaks = {}
+    for k, (name, begin) in enumerate(last):
+        end = last[k + 1][1] if k + 1 < len(last) else len(timeline)
+        window = timeline[max(begin - 1, 0):end] if begin < len(timeline) else timeline[-1:]
+        peaks[name] = max(window)
+    return peaks
+
+
+def describe(spec) -> str:
+    """One line for the report: the step traced."""
+    kind = reference_of(spec)
+    ref = {None: "none (trl's default beta 0.0)", Reference.COPY: "a second frozen copy of the policy (beta != 0)",
+           Reference.ADAPTER: "the policy's base with the LoRA adapter disabled (beta != 0)"}[kind]
+    g = generations_of(spec)
+    if spec.rollout == Rollout.VLLM:
+        how = ("generated by a vLLM engine (use_vllm=True: its memory is not this trace's; --colocate-serve prices a "
+               "colocated one), then the policy's no-grad log-probs for vLLM's importance sampling (sequence_mask)")
+    else:
+        how = "generated by transformers' generate (use_vllm=False, DynamicCache)"
+    return (f"--preference grpo: trl GRPOTrainer's step ({TRL_SOURCE}): {spec.batch} completions "
+            f"({spec.batch // g} prompts x {g} generations) of {spec.seq} prompt + {completion_len_of(spec)} "
+            f"completion tokens, {how}, reference: {ref}, loss by trl's _compute_loss")
+
+
+class GRPOFeature(StepFeature):
+    """--preference grpo: the model becomes the GRPO step; the inputs are the prompts (x generations)."""
+
+    name = "grpo"
+
+    def __init__(self, spec):
+        self.step_module: GRPOStep | None = None
+
+    def build(self, built, spec) -> None:
+        built.model = self.step_module = wrap(built.model, spec)
+        built.notes.append(describe(spec))
+
+    def inputs(self, inputs, spec):
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise MemestError("--preference grpo needs a causal LM's input_ids (hf: models): the source has none")
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
+
+    def contexts(self, step) -> list[contextlib.AbstractContextManager]:
+        if self.step_module is not None:
+            self.step_module.marks = step.trace.events
+        return [no_padding()]
+
+    def finish(self, step) -> list[str]:
+        if self.step_module is None:
+            return []
+        peaks = phase_peaks(step.trace, self.step_module.phase_starts)
+        if not peaks:
+            return []
+        top = max(peaks, key=peaks.get)
+        parts = ", ".join(f"{name} {format_bytes(peaks[name])} ({peaks[name]:,} B)" for name in peaks)
+        return [f"GRPO phases' peaks (last iteration, traced): {parts}; the {top} phase peaks"]
