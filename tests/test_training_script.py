@@ -208,3 +208,14 @@ def test_a_hub_model_name_needs_model_beside_the_script(tmp_path):
         spec_from_trainer(path, {"model": None}, set())
     _, spec = spec_from_trainer(path, {"model": f"hf:{TINY}", "seq": None}, {"model"})
     assert spec["seq"] == 32
+
+
+def test_a_dpo_config_takes_trls_defaults_and_says_the_step_is_not_dpo(tmp_path):
+    path = _script(tmp_path, '''
+        from trl import DPOConfig
+        args = DPOConfig(output_dir="o", per_device_train_batch_size=1, beta=0.1)
+        model_name = "{model}"
+    ''')
+    cfg = read_trainer_config(path)
+    assert cfg.keys["seq"] == 1024 and cfg.keys["checkpointing"] == "blocks"  # DPOConfig's max_length, trl's default
+    assert cfg.unknown == ["beta = 0.1"] and any("--preference dpo" in n for n in cfg.notes)

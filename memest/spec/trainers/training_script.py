@@ -140,6 +140,9 @@ def read(path, data=None) -> TrainerConfig:
     if skipped:
         cfg.notes.append("an argument memest could not read took its default: give its memest flag beside --from")
     cfg.notes = [n for n in cfg.notes if not n.startswith("TrainingArguments do not name the model")]
+    if kind not in ARGS_CLASSES and kind != "SFTConfig":  # DPOConfig, GRPOConfig, ...: the trainer's own step
+        cfg.notes.append(f"{kind}: memest reads its TrainingArguments keys; the step it estimates is a supervised "
+                         "one unless you say otherwise (DPO: --preference dpo)")
     _model(cfg, tree, names, path)
     return cfg
 
