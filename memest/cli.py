@@ -116,6 +116,26 @@ def _given(o: dict) -> set[str]:
             (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
 
 
+def _read_from(o: dict, spec: dict, given: set[str], command: str, drop: tuple[str, ...] = ()):
+    """``--from FILE`` (every command that traces one step's run): the file's run, the flags the user gave over
+    it, its unknown keys warned on stderr; without it, MODEL is required. Returns (TrainerConfig or None, spec)."""
+    if o["from_file"] is None:
+        if spec["model"] is None:
+            raise MemestError(f"{command} needs a MODEL (model.py, hf:NAME, hf:path/config.json) or --from FILE "
+                              "(a trainer config: axolotl, LLaMA-Factory, DeepSpeed JSON, ...)")
+        return None, spec
+    trainer, spec = spec_from_trainer(o["from_file"], spec, given, drop, command)
+    if trainer.unknown:
+        typer.echo(f"memest: warning: {o['from_file']}: {len(trainer.unknown)} key(s) not understood (not "
+                   f"modelled): {', '.join(trainer.unknown)}", err=True)
+    return trainer, spec
+
+
+def _model_name(spec: dict, o: dict) -> str:
+    """What a worker's error names: the model, else the --from file."""
+    return spec["model"] or o["from_file"] or ""
+
+
 @command("estimate")
 def estimate(**o) -> None:
     """Trace two training steps on fake tensors; print memory per layer, the peak and whether it fits."""
@@ -125,15 +145,7 @@ def estimate(**o) -> None:
 
     def work():
         nonlocal spec, trainer
-        if o["from_file"] is not None:
-            trainer, spec = spec_from_trainer(o["from_file"], spec, given)
-            if trainer.unknown:
-                typer.echo(f"memest: warning: {o['from_file']}: {len(trainer.unknown)} key(s) not understood (not "
-                           f"modelled): {', '.join(trainer.unknown)}", err=True)
-        elif spec["model"] is None:
-            raise MemestError("estimate needs a MODEL (model.py, hf:NAME, hf:path/config.json) or --from FILE "
-                              "(a trainer config: axolotl, LLaMA-Factory, DeepSpeed JSON, ...)")
-
+        trainer, spec = _read_from(o, spec, given, "estimate")
         if o["depth"] < 0:  # an empty table otherwise (issue 22, 35)
             raise MemestError(f"--depth {o['depth']}: the module-tree depth is 0 (the model) or more, e.g. --depth 3")
         fail = o["fail_if_not_fits"]
@@ -148,7 +160,7 @@ def estimate(**o) -> None:
             typer.echo("memest: warning: TIGHT: counted as fitting; --strict counts tight as not fitting", err=True)
         return with_trainer(estimate_view(result, o["depth"], o["expand"]), trainer), code
 
-    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"] or o["from_file"] or "", o, "estimate"))
+    run_command(work, _format(o), o["debug"], worker=_worker(_model_name(spec, o), o, "estimate"))
 
 
 @command("check")
@@ -184,14 +196,16 @@ def whatif(**o) -> None:
     """Peaks and needed memory over a grid of sequence lengths and batch sizes, the fitted scaling, and
     the largest seq and batch that fit."""
     spec = options.step_spec(o, "whatif")
+    given = _given(o) - {"batch", "seq"}  # the grids: a --from file's batch and seq are the fixed sizes
 
     def work():
-
-        run = run_whatif(spec, _sizes(o["batch"], "--batch"), _sizes(o["seq"], "--seq"), o["gpu"],
+        trainer, base = _read_from(o, {**spec, "batch": None, "seq": None}, given, "whatif")
+        base = {k: v for k, v in base.items() if k not in ("batch", "seq") or v is not None}
+        run = run_whatif(base, _sizes(o["batch"], "--batch"), _sizes(o["seq"], "--seq"), o["gpu"],
                          progress=_progress(), calibration=o["calibration"])
-        return whatif_view(run), EXIT_OK
+        return with_trainer(whatif_view(run), trainer), EXIT_OK
 
-    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "whatif"))
+    run_command(work, _format(o), o["debug"], worker=_worker(_model_name(spec, o), o, "whatif"))
 
 
 @command("max-batch")
@@ -199,14 +213,15 @@ def max_batch(**o) -> None:
     """The largest batch (or, with --seq-search, sequence length) that fits, found by search over traces;
     exact at the boundary."""
     spec = options.step_spec(o, "max-batch")
+    given = _given(o)
 
     def work():
-
-        run = run_max_batch(spec, o["gpu"], o["seq_search"], o["limit"], progress=_progress(),
+        trainer, run_spec = _read_from(o, spec, given, "max-batch")
+        run = run_max_batch(run_spec, o["gpu"], o["seq_search"], o["limit"], progress=_progress(),
                             calibration=o["calibration"])
-        return max_batch_view(run), EXIT_OK
+        return with_trainer(max_batch_view(run), trainer), EXIT_OK
 
-    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "max-batch"))
+    run_command(work, _format(o), o["debug"], worker=_worker(_model_name(spec, o), o, "max-batch"))
 
 
 @command("advise")
@@ -214,13 +229,14 @@ def advise(**o) -> None:
     """Memory savers re-traced against a budget, ranked by time cost, and the cheapest combination that
     fits, with its command line."""
     spec = options.step_spec(o, "advise")
+    given = _given(o)
 
     def work():
+        trainer, run_spec = _read_from(o, spec, given, "advise")
+        return with_trainer(advise_view(run_advise(run_spec, o["gpu"], progress=_progress(),
+                                                   calibration=o["calibration"], gpus=o["gpus"])), trainer), EXIT_OK
 
-        return advise_view(run_advise(spec, o["gpu"], progress=_progress(), calibration=o["calibration"],
-                                      gpus=o["gpus"])), EXIT_OK
-
-    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "advise"))
+    run_command(work, _format(o), o["debug"], worker=_worker(_model_name(spec, o), o, "advise"))
 
 
 @command("serve")
@@ -241,13 +257,16 @@ def serve(**o) -> None:
 def plan_parallel(**o) -> None:
     """dp x tp (x pp) layouts of --gpus GPUs: each rank's need, those that fit ranked by communication per step."""
     spec = options.step_spec(o, "plan-parallel")
+    given = _given(o)
+    searched = tuple(opt.name for opt in options.for_command("plan-parallel") if opt.searched)
 
     def work():
+        trainer, run_spec = _read_from(o, spec, given, "plan-parallel", drop=searched)
+        view = plan_parallel_view(run_plan_parallel(run_spec, o["gpus"], o["gpu"], progress=_progress(),
+                                                    calibration=o["calibration"], top=o["top"]))
+        return with_trainer(view, trainer), EXIT_OK
 
-        return plan_parallel_view(run_plan_parallel(spec, o["gpus"], o["gpu"], progress=_progress(),
-                                                    calibration=o["calibration"], top=o["top"])), EXIT_OK
-
-    run_command(work, _format(o), o["debug"], worker=_worker(spec["model"], o, "plan-parallel"))
+    run_command(work, _format(o), o["debug"], worker=_worker(_model_name(spec, o), o, "plan-parallel"))
 
 
 @command("gpus")

@@ -1,6 +1,7 @@
 """``MemestCallback`` for transformers' ``Trainer``: at train start, the run estimated from the trainer's own model
 config (the model rebuilt under fake tensors from ``model.config``, as ``memest estimate hf:config.json`` does, not
-from the loaded weights) and its ``TrainingArguments``; a warning, or an error before the first step, when
+from the loaded weights; a peft-wrapped model's base config, its LoRA and its bitsandbytes quantization:
+hf_model.py) and its ``TrainingArguments`` (with DeepSpeed, FSDP and the world size); a warning, or an error before the first step, when
 it does not fit; after step 2 on a GPU, predicted vs measured (one log line and ``callback.result.measured``).
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[MemestCallback(seq=2048, on_fail="stop")])"""
@@ -17,6 +18,7 @@ from transformers import TrainerCallback
 from memest.api import estimate
 from memest.errors import MemestError
 from memest.integrations.check import Preflight, gpu_budget, judge, react
+from memest.integrations.hf_model import base_model, layout_settings, model_settings
 from memest.spec.choices import OnFail
 
 # TrainingArguments.optim (transformers' OptimizerNames) -> memest's --optim and fused flag
@@ -47,7 +49,7 @@ class MemestCallback(TrainerCallback):
         seq = self.seq or settings.pop("seq", None) or first_batch_seq(train_dataloader)
         if seq is not None:
             settings["seq"] = seq
-        self.result = estimate_config(model.config, self.gpu, self.margin, settings)
+        self.result = estimate_config(base_model(model).config, self.gpu, self.margin, settings)
         if self.on_fail == OnFail.STOP and self.result.fits is False:
             control.should_training_stop = True
         react(self.result, OnFail.RAISE if self.on_fail == OnFail.STOP else self.on_fail)
@@ -72,7 +74,7 @@ def trainer_settings(args, model) -> dict:
         settings["fused"] = True
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         settings["checkpointing"] = "blocks"  # transformers' own switch on an hf: model (features/checkpointing.py)
-    return settings
+    return {**settings, **model_settings(model), **layout_settings(args)}
 
 
 def estimate_config(config, gpu, margin: float, settings: dict) -> Preflight:
@@ -82,7 +84,9 @@ def estimate_config(config, gpu, margin: float, settings: dict) -> Preflight:
         settings.setdefault("compute_capability", cc)
     with tempfile.TemporaryDirectory(prefix="memest-") as tmp:
         path = Path(tmp) / "config.json"
-        path.write_text(json.dumps(config.to_dict() if hasattr(config, "to_dict") else dict(config)))
+        data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        data.pop("quantization_config", None)  # the base is built unquantized; settings' quant stands in for it
+        path.write_text(json.dumps(data))
         est = estimate(f"hf:{path}", gpu=gpu if isinstance(gpu, str) else None, **settings)
     return judge(est, budget, margin, settings, label)
 

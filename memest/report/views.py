@@ -87,7 +87,8 @@ def with_trainer(view: View, trainer) -> View:
     def markdown_with() -> str:
         return "\n\n".join([markdown(), "```\n" + "\n".join(text) + "\n```"])
 
-    return View({**view.doc, "from": as_dict(trainer)}, view.blocks, rich=rich_with if rich else None,
+    blocks = view.blocks if rich else [*view.blocks, "\n".join(text)]  # the planners' views are blocks only
+    return View({**view.doc, "from": as_dict(trainer)}, blocks, rich=rich_with if rich else None,
                 markdown=markdown_with if markdown else None)
 
 

@@ -257,17 +257,23 @@ def _typed(key: str, value: Any, where: str) -> Any:
     return str(value)
 
 
-def spec_from_trainer(path: str | Path, flags: dict, given: set[str]) -> tuple[TrainerConfig, dict]:
+def spec_from_trainer(path: str | Path, flags: dict, given: set[str], drop: tuple[str, ...] = (),
+                      command: str = "estimate") -> tuple[TrainerConfig, dict]:
     """``--from FILE`` beside a command's flags: the file's keys checked as a memest config (spec/config.py's
     config_from_dict), the flags the user gave (``given``) over them, the other flags' defaults under them.
-    Returns the TrainerConfig and the RunSpec fields."""
+    ``drop``: keys the command sets itself (plan-parallel's searched layout): the file's values are not used, and
+    a note says so. Returns the TrainerConfig and the RunSpec fields."""
     trainer = read_trainer_config(path)
     data = dict(trainer.keys)
+    dropped = [f"{key}: {data.pop(key)}" for key in drop if key in data]
+    if dropped:
+        trainer.notes.append(f"{command} searches the layout itself: the file's {', '.join(dropped)} not used")
     for name in given:
         if name in flags and flags[name] is not None:
             data[name] = str(flags[name]) if isinstance(flags[name], Choice) else flags[name]
     if data.get("model") is None:
-        raise MemestError(f"--from {path}: the file names no model memest can read; pass one (memest estimate "
+        why = f" ({trainer.no_model})" if trainer.no_model else ""
+        raise MemestError(f"--from {path}: the file names no model memest can read{why}; pass one (memest {command} "
                           "hf:path/config.json --from FILE)")
     config = config_from_dict(data, path)
     values = dict(config.values)

@@ -105,12 +105,11 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     # --- the model
     Option("model", ("model",), "model.py[:factory], hf:NAME (bundled config) or hf:path/config.json",
-           commands=("estimate",), default=None, optional=True, argument=True),
-    Option("model", ("model",), "model.py[:factory], hf:NAME (bundled config) or hf:path/config.json",
-           commands=STEP[1:-1], default=REQUIRED, argument=True),
+           commands=STEP[:-1], default=None, optional=True, argument=True),
     Option("from_file", ("--from",), "A trainer config to read the run from: axolotl or LLaMA-Factory YAML, "
-           "DeepSpeed JSON, torchtitan TOML, a TrainingArguments JSON dump or an accelerate config YAML "
-           "(docs/trainer-configs.md); flags given beside it override it.", str, ("estimate",), None,
+           "DeepSpeed JSON, torchtitan TOML, a TrainingArguments JSON dump, a Python script building "
+           "TrainingArguments or a trl config (read, never run) or an accelerate config YAML "
+           "(docs/trainer-configs.md); flags given beside it override it.", str, STEP[:-1], None,
            optional=True),
     Option("configs", ("configs",), "YAML run configs (see configs/ and README).", list[str], ("check",),
            REQUIRED, argument=True),

@@ -44,39 +44,24 @@ def detect(path: Path, data) -> bool:
         any(k in data for k in _MARKERS[1:])
 
 
-_SIMPLE = {"micro_batch_size": "batch", "sequence_len": "seq", "gradient_accumulation_steps": "grad_accum"}
+_SIMPLE = {"micro_batch_size": "batch", "gradient_accumulation_steps": "grad_accum"}
 _LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
 
 
 def read(path: Path, data: dict) -> TrainerConfig:
     out = TrainerConfig(format=FORMAT, path=str(path))
-    lora: dict = {}
-    for key, value in data.items():
-        said = f"{key} = {value}"
-        if value is None:  # `key:` with no value: the trainer's default
-            out.mapping.append((f"{key} (empty)", "the trainer's default"))
-        elif key in _SIMPLE:
-            out.keys[_SIMPLE[key]] = value
-            packed = " (packed rows)" if key == "sequence_len" and data.get("sample_packing") else ""
-            out.mapping.append((said, f"{_SIMPLE[key]}: {value}{packed}"))
-        elif key in _LORA:
-            lora[_LORA[key]] = value
-            out.mapping.append((said, f"lora {_LORA[key]}: {value}"))
-        elif key in _HANDLERS:
-            _HANDLERS[key](out, key, value, path, lora)
-        elif key in _NO_EFFECT:
-            out.mapping.append((key, "no effect on memory (not modelled)"))
-        elif key in _UNMODELLED_HEADS and value:
-            out.unknown.append(f"{key} = {value} ({_UNMODELLED_HEADS[key]})")
-        elif key in _UNMODELLED_HEADS:
-            out.mapping.append((said, "loss head: the model's own"))
-        else:
-            out.unknown.append(key)
+    lora = common.read_keys(out, data, path, _TABLE)
     _finish(out, data, lora)
     return out
 
 
-def _half(out, key, value, path, lora) -> None:
+def _seq(out, key, value, path, data, lora) -> None:
+    out.keys["seq"] = value
+    packed = " (packed rows)" if data.get("sample_packing") else ""
+    out.mapping.append((f"{key} = {value}", f"seq: {value}{packed}"))
+
+
+def _half(out, key, value, path, data, lora) -> None:
     if value == "auto":
         raise MemestError(f"{path}: {key}: auto picks by the GPU axolotl runs on; write true or false "
                           "(or pass --precision)")
@@ -88,7 +73,7 @@ def _half(out, key, value, path, lora) -> None:
         out.mapping.append((f"{key} = {value}", f"not {key}"))
 
 
-def _checkpointing(out, key, value, path, lora) -> None:
+def _checkpointing(out, key, value, path, data, lora) -> None:
     if value:
         out.keys["checkpointing"] = "blocks"
         out.mapping.append((f"{key} = {value}", "checkpointing: blocks (each decoder layer)"))
@@ -98,13 +83,13 @@ def _checkpointing(out, key, value, path, lora) -> None:
         out.mapping.append((f"{key} = {value}", "checkpointing: none"))
 
 
-def _adapter(out, key, value, path, lora) -> None:
+def _adapter(out, key, value, path, data, lora) -> None:
     if value not in ("lora", "qlora"):
         raise MemestError(f"{path}: adapter = {value!r}: memest reads lora and qlora")
     out.mapping.append((f"{key} = {value}", "peft LoRA" + (" on a 4-bit base" if value == "qlora" else "")))
 
 
-def _targets(out, key, value, path, lora) -> None:
+def _targets(out, key, value, path, data, lora) -> None:
     if key == "lora_target_linear":
         if value:
             lora["targets"] = "all-linear"
@@ -115,33 +100,34 @@ def _targets(out, key, value, path, lora) -> None:
         out.mapping.append((f"{key} = {value}", f"lora targets: {value}"))
 
 
-def _load_in(out, key, value, path, lora) -> None:
+def _load_in(out, key, value, path, data, lora) -> None:
     if value:
         out.keys["quant"] = "nf4" if key == "load_in_4bit" else "int8"
     out.mapping.append((f"{key} = {value}", f"quant: {out.keys['quant']}" if value else "not quantized"))
 
 
 _HANDLERS = {
-    "base_model": lambda out, key, value, path, lora: common.model(out, key, value, path),
-    "optimizer": lambda out, key, value, path, lora: common.optimizer(out, key, value),
-    "deepspeed": lambda out, key, value, path, lora: common.deepspeed(out, key, value, path),
-    "fsdp": lambda out, key, value, path, lora: _fsdp(out, value),
-    "fsdp_config": lambda out, key, value, path, lora: _fsdp_config(out, value),
+    "sequence_len": _seq,
+    "base_model": lambda out, key, value, path, data, lora: common.model(out, key, value, path),
+    "optimizer": lambda out, key, value, path, data, lora: common.optimizer(out, key, value),
+    "deepspeed": lambda out, key, value, path, data, lora: common.deepspeed(out, key, value, path),
+    "fsdp": lambda out, key, value, path, data, lora: _fsdp(out, value),
+    "fsdp_config": lambda out, key, value, path, data, lora: _fsdp_config(out, value),
     "bf16": _half, "fp16": _half, "gradient_checkpointing": _checkpointing, "adapter": _adapter,
     "lora_target_modules": _targets, "lora_target_linear": _targets, "load_in_4bit": _load_in,
     "load_in_8bit": _load_in,
-    "sample_packing": lambda out, key, value, path, lora: out.mapping.append(
+    "sample_packing": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "rows packed to sequence_len tokens" if value else
          "one example per row: sequence_len is the longest (padded) length")),
-    "tf32": lambda out, key, value, path, lora: out.mapping.append(
+    "tf32": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "matmul precision only: no effect on memory")),
-    "gradient_checkpointing_kwargs": lambda out, key, value, path, lora: out.mapping.append(
+    "gradient_checkpointing_kwargs": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "reentrant or not: the same saved tensors per layer in memest's model")),
-    "liger_fused_linear_cross_entropy": lambda out, key, value, path, lora: _loss_head(out, key, value, "fused"),
-    "chunked_cross_entropy": lambda out, key, value, path, lora: _loss_head(out, key, value, "chunked-output"),
-    "chunked_cross_entropy_num_chunks": lambda out, key, value, path, lora: out.mapping.append(
+    "liger_fused_linear_cross_entropy": lambda out, key, value, path, data, lora: _loss_head(out, key, value, "fused"),
+    "chunked_cross_entropy": lambda out, key, value, path, data, lora: _loss_head(out, key, value, "chunked-output"),
+    "chunked_cross_entropy_num_chunks": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", f"loss head chunks: {value}")),
-    "plugins": lambda out, key, value, path, lora: out.mapping.append(
+    "plugins": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "loads integrations; their own keys (liger_*, cut_cross_entropy) decide memory")),
 }
 # axolotl's cross-entropy options memest does not model (each changes the loss head's memory)
@@ -149,6 +135,17 @@ _UNMODELLED_HEADS = {
     "cut_cross_entropy": "Apple's Cut Cross-Entropy (not modelled)",
     "liger_cross_entropy": "Liger's non-fused cross entropy (not modelled)",
 }
+
+
+
+def _unmodelled_head(out: TrainerConfig, key: str, value, path, data, lora) -> None:
+    if value:
+        out.unknown.append(f"{key} = {value} ({_UNMODELLED_HEADS[key]})")
+    else:
+        out.mapping.append((f"{key} = {value}", "loss head: the model's own"))
+
+
+_HANDLERS.update(dict.fromkeys(_UNMODELLED_HEADS, _unmodelled_head))
 
 
 def _loss_head(out: TrainerConfig, key: str, value, head: str) -> None:
@@ -163,6 +160,9 @@ def _loss_head(out: TrainerConfig, key: str, value, head: str) -> None:
                "chunked-output": "loss_head: chunked-output (torchtune's CEWithChunkedOutputLoss as axolotl copies "
                                  "it: the whole logits, each chunk upcast to fp32 in turn)"}[head]
     out.mapping.append((f"{key} = {value}", meaning))
+
+
+_TABLE = common.KeyTable(_SIMPLE, _LORA, _HANDLERS, _NO_EFFECT)
 
 
 def _finish(out: TrainerConfig, data: dict, lora: dict) -> None:

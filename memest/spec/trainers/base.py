@@ -16,3 +16,4 @@ class TrainerConfig:
     unknown: list[str] = field(default_factory=list)  # source keys memest did not understand: reported, never dropped
     notes: list[str] = field(default_factory=list)  # what the trainer really does that memest assumed or models
     includes: list[Path] = field(default_factory=list)  # files this one points to (e.g. a DeepSpeed JSON), read too
+    no_model: str = ""  # why the file names no model memest can read (a script's several or unreadable ones)

@@ -1,7 +1,10 @@
-"""What the YAML trainer readers share: the model key, the optimizer names, LoRA targets, a DeepSpeed include."""
+"""What the YAML trainer readers share: the key loop (``read_keys`` over a format's ``KeyTable``), the model key,
+the optimizer names, LoRA targets, a DeepSpeed include."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from memest.errors import MemestError
@@ -91,3 +94,41 @@ def leftovers(cfg: TrainerConfig, data: dict, used: set, neutral) -> None:
     ignored = sorted(k for k in data if k not in used and k in neutral)
     if ignored:
         cfg.notes.append(f"ignored: no memory effect: {', '.join(ignored)}")
+
+
+# a key's handler: (out, key, value, config path, the whole file, the LoRA fields read so far) -> None
+Handler = Callable[[TrainerConfig, str, object, Path, dict, dict], None]
+
+
+@dataclass
+class KeyTable:
+    """One YAML format's keys (axolotl.py, llamafactory.py): ``simple`` source key -> memest key, taken as is;
+    ``lora`` source key -> memest's lora field; ``handlers`` key -> Handler; ``no_effect``: keys listed as such."""
+
+    simple: dict[str, str]
+    lora: dict[str, str]
+    handlers: dict[str, Handler] = field(default_factory=dict)
+    no_effect: set[str] = field(default_factory=set)
+
+
+def read_keys(out: TrainerConfig, data: dict, path: Path, table: KeyTable) -> dict:
+    """Every key of ``data`` through ``table``, in the file's order: an empty key is the trainer's default, a key
+    no row names is unknown. Returns the LoRA fields read (memest's lora mapping)."""
+    lora: dict = {}
+    for key, value in data.items():
+        said = f"{key} = {value}"
+        if value is None:  # `key:` with no value: the trainer's default
+            out.mapping.append((f"{key} (empty)", "the trainer's default"))
+        elif key in table.simple:
+            out.keys[table.simple[key]] = value
+            out.mapping.append((said, f"{table.simple[key]}: {value}"))
+        elif key in table.lora:
+            lora[table.lora[key]] = value
+            out.mapping.append((said, f"lora {table.lora[key]}: {value}"))
+        elif key in table.handlers:
+            table.handlers[key](out, key, value, path, data, lora)
+        elif key in table.no_effect:
+            out.mapping.append((key, "no effect on memory (not modelled)"))
+        else:
+            out.unknown.append(key)
+    return lora

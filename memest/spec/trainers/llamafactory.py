@@ -43,41 +43,22 @@ _KINDS = {"lora": "peft LoRA", "full": "every parameter trained", "freeze": "the
 
 def read(path: Path, data: dict) -> TrainerConfig:
     out = TrainerConfig(format=FORMAT, path=str(path))
-    lora: dict = {}
     kind = data.get("finetuning_type", "lora")  # LLaMA-Factory's default (hparams/finetuning_args.py)
     if kind not in _KINDS:
         raise MemestError(f"{path}: finetuning_type = {kind!r}: memest reads lora, full and freeze")
-    for key, value in data.items():
-        said = f"{key} = {value}"
-        if value is None:  # `key:` with no value: the trainer's default
-            out.mapping.append((f"{key} (empty)", "the trainer's default"))
-        elif key in _SIMPLE:
-            out.keys[_SIMPLE[key]] = value
-            out.mapping.append((said, f"{_SIMPLE[key]}: {value}"))
-        elif key in _LORA:
-            lora[_LORA[key]] = value
-            out.mapping.append((said, f"lora {_LORA[key]}: {value}"))
-        elif key in _HANDLERS:
-            _HANDLERS[key](out, key, value, path, data)
-        elif key == "lora_target":
-            lora["targets"] = common.lora_targets(value)
-            out.mapping.append((said, f"lora targets: {lora['targets']}"))
-        elif key in _NO_EFFECT:
-            out.mapping.append((key, "no effect on memory (not modelled)"))
-        else:
-            out.unknown.append(key)
+    lora = common.read_keys(out, data, path, _TABLE)
     _finish(out, data, kind, lora)
     return out
 
 
-def _quant(out, key, value, path, data) -> None:
+def _quant(out, key, value, path, data, lora) -> None:
     if value not in (4, 8):
         raise MemestError(f"{path}: quantization_bit = {value!r}: memest models 4 (nf4) and 8 (int8)")
     out.keys["quant"] = "nf4" if value == 4 else "int8"
     out.mapping.append((f"{key} = {value}", f"quant: {out.keys['quant']}"))
 
 
-def _half(out, key, value, path, data) -> None:
+def _half(out, key, value, path, data, lora) -> None:
     if value:
         mixed = data.get("finetuning_type", "lora") == "full" and not data.get("pure_bf16")
         out.keys["precision"] = f"{key}-mixed" if mixed else key
@@ -86,20 +67,26 @@ def _half(out, key, value, path, data) -> None:
         out.mapping.append((f"{key} = {value}", f"not {key}"))
 
 
-def _checkpointing(out, key, value, path, data) -> None:
+def _checkpointing(out, key, value, path, data, lora) -> None:
     on = bool(value) if key == "gradient_checkpointing" else not value
     out.mapping.append((f"{key} = {value}", "checkpointing: blocks" if on else "checkpointing: none"))
 
 
+def _target(out, key, value, path, data, lora) -> None:
+    lora["targets"] = common.lora_targets(value)
+    out.mapping.append((f"{key} = {value}", f"lora targets: {lora['targets']}"))
+
+
 _HANDLERS = {
-    "model_name_or_path": lambda out, key, value, path, data: common.model(out, key, value, path),
-    "optim": lambda out, key, value, path, data: common.optimizer(out, key, value),
-    "deepspeed": lambda out, key, value, path, data: common.deepspeed(out, key, value, path),
-    "finetuning_type": lambda out, key, value, path, data: out.mapping.append((f"{key} = {value}", _KINDS[value])),
+    "lora_target": _target,
+    "model_name_or_path": lambda out, key, value, path, data, lora: common.model(out, key, value, path),
+    "optim": lambda out, key, value, path, data, lora: common.optimizer(out, key, value),
+    "deepspeed": lambda out, key, value, path, data, lora: common.deepspeed(out, key, value, path),
+    "finetuning_type": lambda out, key, value, path, data, lora: out.mapping.append((f"{key} = {value}", _KINDS[value])),
     "quantization_bit": _quant, "bf16": _half, "fp16": _half,
     "gradient_checkpointing": _checkpointing, "disable_gradient_checkpointing": _checkpointing,
-    "enable_liger_kernel": lambda out, key, value, path, data: _liger(out, key, value, data),
-    "pure_bf16": lambda out, key, value, path, data: out.mapping.append(
+    "enable_liger_kernel": lambda out, key, value, path, data, lora: _liger(out, key, value, data),
+    "pure_bf16": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "trainable parameters kept in bf16" if value else "trainable parameters in fp32")),
 }
 
@@ -115,6 +102,9 @@ def _liger(out: TrainerConfig, key: str, value, data: dict) -> None:
     else:
         out.mapping.append((f"{key} = {value}", f"loss head: the model's own (stage {stage} needs logits: Liger's "
                                                 "fused head off, its non-fused cross entropy not modelled)"))
+
+
+_TABLE = common.KeyTable(_SIMPLE, _LORA, _HANDLERS, _NO_EFFECT)
 
 
 def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:

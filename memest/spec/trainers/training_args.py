@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
-from memest.spec.trainers import common
+from memest.spec.trainers import common, deepspeed
 from memest.spec.trainers.base import TrainerConfig
 
 FORMAT = "training-args"
@@ -193,9 +193,14 @@ def _deepspeed(cfg, get, where: str) -> None:
     if isinstance(ds, str):
         cfg.includes.append(Path(ds) if Path(ds).is_absolute() else Path(cfg.path).parent / ds)
         cfg.mapping.append((f"deepspeed = {ds!r}", "read as a DeepSpeed JSON"))
+    elif isinstance(ds, dict):  # given inline (TrainingArguments(deepspeed={...})): the DeepSpeed reader's keys,
+        inner = deepspeed.read(Path(cfg.path), ds)
+        cfg.keys = {**inner.keys, **cfg.keys}
+        cfg.mapping += [(f"deepspeed.{src}", meaning) for src, meaning in inner.mapping]
+        cfg.unknown += [f"deepspeed.{key}" for key in inner.unknown]
+        cfg.notes += inner.notes  # under the arguments' own keys, as an included file's are
     else:
-        cfg.unknown.append("deepspeed = (an inline dict)")
-        cfg.notes.append("deepspeed given inline: save it as a JSON file and point deepspeed at it")
+        cfg.unknown.append(f"deepspeed = {ds!r}")
 
 
 FSDP_OPTIONS = {"full_shard": "zero3", "shard_grad_op": "zero2"}
@@ -204,14 +209,26 @@ FSDP_NEUTRAL = {"min_num_params", "transformer_layer_cls_to_wrap", "sync_module_
                 "xla_fsdp_grad_ckpt", "xla_fsdp_settings"}
 
 
+# transformers 5.24 (training_args.py _process_fsdp_args, _apply_legacy_fsdp_to_config): `fsdp=True`, the layout in
+# fsdp_config: reshard_after_forward (FSDP2: True full shard, False shard_grad_op; FSDP1: the strategy's name), cpu_offload
+RESHARD = {"true": "zero3", "full_shard": "zero3", "false": "zero2", "shard_grad_op": "zero2"}
+
+
 def _fsdp(cfg, get, put) -> None:
     fsdp = get("fsdp", "") or ""
-    words = fsdp.split() if isinstance(fsdp, str) else list(fsdp)
+    words = fsdp.split() if isinstance(fsdp, str) else [] if fsdp is True else [getattr(w, "value", w) for w in fsdp]
     conf = {k.removeprefix("fsdp_"): v for k, v in (get("fsdp_config") or {}).items()}
     shard = next((FSDP_OPTIONS[w] for w in words if w in FSDP_OPTIONS), None)
     for word in words:
         if word not in (*FSDP_OPTIONS, "offload", "auto_wrap"):
             cfg.unknown.append(f"fsdp = {fsdp!r} ({word})")
+    if fsdp is True:
+        reshard = str(conf.get("reshard_after_forward", True)).lower()
+        shard = RESHARD.get(reshard)
+        if shard is None:
+            cfg.unknown.append(f"fsdp_config.reshard_after_forward = {conf['reshard_after_forward']!r}")
+        if str(conf.get("version", 2)) == "2" and shard:  # FSDP2 is transformers 5's default
+            conf["version"] = 2
     if shard:
         if conf.get("reshard_after_forward") is False:
             shard = "zero2"
@@ -219,11 +236,11 @@ def _fsdp(cfg, get, put) -> None:
         if str(conf.get("version", 1)) != "2":
             cfg.notes.append("FSDP1 (fsdp_config version 1): memest traces FSDP2's per-parameter sharding; FSDP1's "
                              "flat parameters shard the same bytes")
-    if "offload" in words or conf.get("offload_params"):
+    if "offload" in words or conf.get("offload_params") or conf.get("cpu_offload"):
         put("offload", "fsdp", "params", "offload: params (FSDP CPU offload)")
     if str(conf.get("activation_checkpointing", "false")).lower() == "true":
         put("checkpointing", "fsdp_config", "blocks", "checkpointing: blocks (fsdp_config activation_checkpointing)")
     for key, value in conf.items():
-        if key not in ("version", "reshard_after_forward", "offload_params", "activation_checkpointing") \
+        if key not in ("version", "reshard_after_forward", "offload_params", "cpu_offload", "activation_checkpointing") \
                 and key not in FSDP_NEUTRAL:
             cfg.unknown.append(f"fsdp_config.{key} = {value!r}")
