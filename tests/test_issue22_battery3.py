@@ -46,3 +46,119 @@ def test_api_errors_name_the_keyword_not_the_flag(keywords, named):
 def test_the_cli_still_names_the_flag():
     line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--lora", "bad value"]))
     assert "--lora 'bad value'" in line
+
+
+def _from_error(tmp_path, name: str, text: str) -> str:
+    """The one error line of `estimate --from FILE` (the reader refuses before any model is built)."""
+    path = tmp_path / name
+    path.write_text(text)
+    return error_line(runner.invoke(app, ["estimate", "--from", str(path)]), alone=True)
+
+
+AXOLOTL = f"base_model: {ROOT / 'tests' / 'configs' / 'llama-tiny.json'}\nsequence_len: 32\nmicro_batch_size: 2\n"
+FACTORY = (f"model_name_or_path: {ROOT / 'tests' / 'configs' / 'llama-tiny.json'}\nfinetuning_type: full\n"
+           "cutoff_len: 32\nper_device_train_batch_size: 2\n")
+
+
+def test_axolotl_lora_target_modules_of_the_wrong_type_is_an_error_not_an_internal_one(tmp_path):
+    # was: "internal error: TypeError: 'int' object is not iterable"
+    line = _from_error(tmp_path, "ax.yml", AXOLOTL + "adapter: lora\nlora_r: 8\nlora_target_modules: 5\n")
+    assert "lora_target_modules: expected module names" in line and "got 5" in line
+
+
+@pytest.mark.parametrize("key", ["gradient_checkpointing", "bf16", "load_in_4bit", "lora_target_linear"])
+def test_axolotl_switches_are_true_or_false_not_truthy(tmp_path, key):
+    # was: gradient_checkpointing: sometimes turned checkpointing on silently (exit 0)
+    line = _from_error(tmp_path, "ax.yml", AXOLOTL + f"{key}: sometimes\n")
+    assert f"{key} = 'sometimes': expected true or false" in line
+
+
+def test_llamafactory_switches_are_true_or_false(tmp_path):
+    line = _from_error(tmp_path, "lf.yaml", FACTORY + "disable_gradient_checkpointing: 'no'\n")
+    assert "disable_gradient_checkpointing = 'no': expected true or false" in line
+
+
+@pytest.mark.parametrize("name,base", [("ax.yml", AXOLOTL), ("lf.yaml", FACTORY)])
+def test_bf16_and_fp16_both_true_is_refused_not_the_last_kept(tmp_path, name, base):
+    # was: exit 0 with whichever of the two keys came last
+    assert "bf16 and fp16 are both true" in _from_error(tmp_path, name, base + "bf16: true\nfp16: true\n")
+
+
+@pytest.mark.parametrize("stage", ["ppo", "rm", "dpo", "kto"])
+def test_llamafactory_stages_other_than_sft_are_refused(tmp_path, stage):
+    # was: stage was "no effect on memory": a PPO or DPO run estimated as plain SFT, exit 0
+    line = _from_error(tmp_path, "lf.yaml", FACTORY + f"stage: {stage}\n")
+    assert f"stage = '{stage}'" in line and "sft and pt" in line
+
+
+def test_llamafactory_sft_stage_still_reads():
+    from memest.spec.trainers.load import read_trainer_config
+
+    cfg = read_trainer_config(ROOT / "tests" / "configs" / "trainers" / "llamafactory-lora.yaml")
+    assert ("stage = sft", "one model trained on next-token loss") in cfg.mapping
+
+
+def test_a_json_key_given_twice_is_refused(tmp_path):
+    # was: json kept the last value silently (the YAML loader already refused it)
+    line = _from_error(tmp_path, "ds.json", '{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 64,'
+                                            ' "zero_optimization": {"stage": 0}}')
+    assert "'train_micro_batch_size_per_gpu' is given twice" in line
+
+
+@pytest.mark.parametrize("text", ["!!python/object/apply:os.system ['echo x']\n", "a: [1, 2\n", AXOLOTL + "x: {\n"])
+def test_a_malformed_yaml_trainer_config_is_one_line(tmp_path, text):
+    # was: four lines on stderr (PyYAML's snippet and caret) after "memest: error:"
+    line = _from_error(tmp_path, "bad.yml", text)
+    assert "malformed YML" in line and "(line " in line
+
+
+@pytest.mark.parametrize("value,said", [("5", "got 5"), ("[a.yml]", "got ['a.yml']")])
+def test_check_from_key_of_the_wrong_type_names_the_key(tmp_path, value, said):
+    # was: "--from '5': not found or unreadable" (a flag the user did not pass, the value stringified)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"from: {value}\ngpu: 24GB\n")
+    line = error_line(runner.invoke(app, ["check", str(config)]), alone=True)
+    assert f"{config}: from: expected the path of a trainer config, {said}" in line and "--from" not in line
+
+
+def test_check_from_key_missing_file_names_the_key_and_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("from: nothere.yml\ngpu: 24GB\n")
+    line = error_line(runner.invoke(app, ["check", str(config)]), alone=True)
+    assert str(config) in line and "from: " in line and "not found" in line and "--from" not in line
+
+
+@pytest.mark.parametrize("kwargs,said", [
+    ({"margin": "x"}, "margin='x'"), ({"gpu": [1]}, "gpu: a budget is a size"), ({"bach": 3}, "did you mean 'batch'"),
+    ({"checkpointing": 3}, "checkpointing"),
+])
+def test_the_transformers_callback_checks_its_arguments_when_made(kwargs, said):
+    # was: accepted; the error (or a TypeError for margin='x') came only at trainer.train()'s first callback
+    from memest.integrations.transformers import MemestCallback
+
+    with pytest.raises(MemestError, match=said):
+        MemestCallback(**kwargs)
+
+
+def test_the_lightning_callback_checks_its_arguments_when_made():
+    pytest.importorskip("lightning")
+    from memest.integrations.lightning import MemestCallback
+
+    with pytest.raises(MemestError, match="margin='x'"):
+        MemestCallback(margin="x")
+
+
+def test_preflight_margin_of_the_wrong_type_is_a_memest_error():
+    # was: TypeError "'<=' not supported between instances of 'int' and 'str'"
+    import torch
+
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(MemestError, match="margin='x'"):
+        memest.preflight(model, None, torch.zeros(2, 3), gpu="1GB", margin="x")
+
+
+def test_inference_with_checkpointing_names_only_what_was_given():
+    # was: "--grad-accum and --checkpointing are training techniques" with no --grad-accum given
+    line = error_line(runner.invoke(app, ["estimate", MLP, "--checkpointing", "blocks", "--mode", "inference"]),
+                      alone=True)
+    assert "--checkpointing blocks" in line and "--grad-accum" not in line and "--mode inference" in line
