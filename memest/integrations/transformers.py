@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from memest.api import estimate
 from memest.errors import MemestError
-from memest.integrations.check import Preflight, gpu_budget, judge, react
+from memest.integrations.check import Preflight, check_arguments, gpu_budget, judge, react
 from memest.spec.choices import OnFail
 
 # TrainingArguments.optim (transformers' OptimizerNames) -> memest's --optim and fused flag
@@ -40,6 +40,7 @@ class MemestCallback(TrainerCallback):
                  on_fail: str = "warn", **options: Any):
         self.seq, self.gpu, self.margin, self.options = seq, gpu, margin, options
         self.on_fail = OnFail.parse(on_fail, "on_fail")
+        check_arguments("MemestCallback: ", gpu, margin, {"seq": seq, **options})
         self.result: Preflight | None = None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
