@@ -162,3 +162,13 @@ def test_inference_with_checkpointing_names_only_what_was_given():
     line = error_line(runner.invoke(app, ["estimate", MLP, "--checkpointing", "blocks", "--mode", "inference"]),
                       alone=True)
     assert "--checkpointing blocks" in line and "--grad-accum" not in line and "--mode inference" in line
+
+
+@pytest.mark.parametrize("value", ["four", 0, -2, True])
+def test_accelerate_num_processes_is_a_whole_number_at_least_one(tmp_path, value):
+    # was: 'four' an internal error (TypeError), 0 read as 1 and -2 ignored, both blamed on shard:/world_size:
+    path = tmp_path / "acc.yaml"
+    path.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: {value}\n"
+                    "mixed_precision: bf16\n")
+    line = error_line(runner.invoke(app, ["estimate", TINY, "--from", str(path)]), alone=True)
+    assert f"num_processes = {value!r}: a whole number of processes, at least 1" in line

@@ -12,6 +12,7 @@ from typing import Any
 from memest.errors import DoesNotFitError, MemestError
 from memest.result import budget_bytes
 from memest.spec.choices import OnFail, Verdict
+from memest.spec.options import typed_spec
 from memest.units import format_bytes
 from memest.version import __version__
 
@@ -113,8 +114,6 @@ def check_margin(margin) -> float:
 def check_arguments(where: str, gpu, margin, options: dict) -> None:
     """A callback's or preflight's own arguments checked when it is made, not at the trainer's first step: the
     budget, the margin and the memest.estimate keywords (names and types)."""
-    from memest.spec.options import typed_spec
-
     check_margin(margin)
     if gpu is not None:
         try:
