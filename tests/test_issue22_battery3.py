@@ -172,3 +172,9 @@ def test_accelerate_num_processes_is_a_whole_number_at_least_one(tmp_path, value
                     "mixed_precision: bf16\n")
     line = error_line(runner.invoke(app, ["estimate", TINY, "--from", str(path)]), alone=True)
     assert f"num_processes = {value!r}: a whole number of processes, at least 1" in line
+
+
+def test_an_inline_deepspeed_mapping_is_named_as_such(tmp_path):
+    # was: "deepspeed = {...}: no such file beside the config ({...})"
+    line = _from_error(tmp_path, "ax.yml", AXOLOTL + "deepspeed: {zero_optimization: {stage: 3}}\n")
+    assert "deepspeed: expected the path of a DeepSpeed JSON" in line and "no such file" not in line

@@ -67,6 +67,9 @@ def optimizer(out: TrainerConfig, key: str, value) -> None:
 
 
 def deepspeed(out: TrainerConfig, key: str, value, config_path: Path) -> None:
+    if not isinstance(value, str):  # an inline mapping was printed as a missing file's name
+        raise MemestError(f"{config_path}: {key}: expected the path of a DeepSpeed JSON, got {value!r}; write the "
+                          "mapping to a .json file beside the config and name it")
     path = Path(str(value))
     path = path if path.is_absolute() else Path(config_path).parent / path
     if not path.is_file():
