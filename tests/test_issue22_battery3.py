@@ -178,3 +178,9 @@ def test_an_inline_deepspeed_mapping_is_named_as_such(tmp_path):
     # was: "deepspeed = {...}: no such file beside the config ({...})"
     line = _from_error(tmp_path, "ax.yml", AXOLOTL + "deepspeed: {zero_optimization: {stage: 3}}\n")
     assert "deepspeed: expected the path of a DeepSpeed JSON" in line and "no such file" not in line
+
+
+def test_an_axolotl_config_without_base_model_says_so(tmp_path):
+    # was: "not a trainer config memest reads (known formats: ...)", naming nothing missing
+    line = _from_error(tmp_path, "ax.yml", "sequence_len: 32\nmicro_batch_size: 2\n")
+    assert "axolotl config without base_model" in line

@@ -69,6 +69,9 @@ def read_trainer_config(path: str | Path, _seen: tuple = ()) -> TrainerConfig:
     data = parse(path)
     reader = next((r for r in READERS if r.detect(path, data)), None)
     if reader is None:
+        if isinstance(data, dict) and "base_model" not in data and {"micro_batch_size", "sequence_len"} & set(data):
+            raise MemestError(f"--from {path}: an axolotl config without base_model: add it (a local config.json "
+                              "or a bundled name), memest reads the model from it")
         known = ", ".join(r.FORMAT for r in READERS)
         raise MemestError(f"--from {path}: not a trainer config memest reads (known formats: {known}); "
                           "pass memest flags instead, or a memest YAML config to `memest check`")
