@@ -26,7 +26,7 @@ from memest.errors import MemestError
 from memest.report.views import serve_view
 from memest.spec import RunSpec
 from memest.spec.choices import Target
-from memest.spec.options import serve_args, serve_names, typed_serve, typed_spec
+from memest.spec.options import as_keywords, serve_args, serve_names, typed_serve, typed_spec
 
 
 def estimate(
@@ -84,9 +84,12 @@ def estimate(
             raise MemestError(f"the calibration profile was measured on {profile['gpu_name']}, not a {gpu}; pass a "
                               "profile measured on that card")
         cc = named or (profile["compute_capability"] if profile else None) or DEFAULT_COMPUTE_CAPABILITY
-    spec = RunSpec(model=ref, compute_capability=cc, **step)
-    with user_code(source.origin or ref, quiet_stdout=False):
-        result = run(spec, calibration=profile if spec.target == Target.CUDA else None, source=source)
+    try:  # the errors name this call's keywords, not the CLI's flags (issue 22)
+        spec = RunSpec(model=ref, compute_capability=cc, **step)
+        with user_code(source.origin or ref, quiet_stdout=False):
+            result = run(spec, calibration=profile if spec.target == Target.CUDA else None, source=source)
+    except MemestError as exc:
+        raise type(exc)(where + as_keywords(str(exc))) from None
     result.default_budget = gpu
     return result
 

@@ -136,6 +136,12 @@ def wrap(policy: torch.nn.Module, spec) -> DPOStep:
     """DPOTrainer.__init__'s models: trl's fused head on the policy (its peft base) and on a reference copy."""
     kind = reference_of(spec)
     peft = hasattr(policy, "get_base_model")
+    base = policy.get_base_model() if peft else policy
+    head = getattr(base, "get_output_embeddings", None)
+    if not hasattr(base, "config") or not callable(head) or head() is None:
+        # trl's add_fused_lm_head reads model.config and the LM head: a plain nn.Module has neither
+        raise MemestError(f"--preference dpo traces a causal LM with an LM head (hf: models); {spec.model} builds a "
+                          f"{type(base).__name__}: drop --preference")
     reference = None
     if kind == Reference.COPY:
         import copy

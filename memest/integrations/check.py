@@ -12,6 +12,7 @@ from typing import Any
 from memest.errors import DoesNotFitError, MemestError
 from memest.result import budget_bytes
 from memest.spec.choices import OnFail, Verdict
+from memest.spec.options import typed_spec
 from memest.units import format_bytes
 from memest.version import __version__
 
@@ -103,10 +104,29 @@ def measured_line(record: dict) -> str:
             f"{json.dumps(record, sort_keys=True)}")
 
 
+def check_margin(margin) -> float:
+    """``margin``: a number from 0 up to (not including) 1, else a one-line MemestError (never a TypeError)."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise MemestError(f"margin={margin!r}: a fraction of the budget kept free, from 0 up to (not including) 1")
+    return margin
+
+
+def check_arguments(where: str, gpu, margin, options: dict) -> None:
+    """A callback's or preflight's own arguments checked when it is made, not at the trainer's first step: the
+    budget, the margin and the memest.estimate keywords (names and types)."""
+    check_margin(margin)
+    if gpu is not None:
+        try:
+            budget_bytes(gpu)
+        except MemestError as exc:
+            raise MemestError(f"{where}gpu: {exc}") from None
+    typed_spec({k: v for k, v in options.items() if k not in ("calibration", "loss")}, where,
+               extra=("calibration", "loss"))  # memest.estimate's own keywords, checked there
+
+
 def judge(estimate, budget: int | str | None, margin: float, settings: dict, label: str | None = None) -> Preflight:
     """The verdict of ``estimate`` against ``budget`` less ``margin`` (a fraction of it kept free)."""
-    if not 0 <= margin < 1:
-        raise MemestError(f"margin={margin!r}: a fraction of the budget kept free, from 0 up to (not including) 1")
+    check_margin(margin)
     if budget is None:
         return Preflight(estimate, None, None, None, settings)
     total = budget_bytes(budget)

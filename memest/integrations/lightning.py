@@ -21,7 +21,7 @@ except ImportError:  # the older package name
         raise ImportError("memest.integrations.lightning needs Lightning: pip install 'memest[lightning]'") from exc
 
 from memest.errors import MemestError
-from memest.integrations.check import Preflight, react
+from memest.integrations.check import Preflight, check_arguments, react
 from memest.integrations.preflight import estimate_step
 from memest.spec.choices import OnFail
 
@@ -40,6 +40,7 @@ class MemestCallback(Callback):
                  on_fail: str = "warn", **options: Any):
         self.sample_batch, self.gpu, self.margin, self.options = sample_batch, gpu, margin, options
         self.on_fail = OnFail.parse(on_fail, "on_fail")
+        check_arguments("MemestCallback: ", gpu, margin, options)
         self.result: Preflight | None = None
 
     def on_train_start(self, trainer, pl_module):

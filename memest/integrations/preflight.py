@@ -14,7 +14,7 @@ from typing import Any
 
 from memest.api import estimate
 from memest.errors import MemestError
-from memest.integrations.check import Preflight, gpu_budget, judge, react
+from memest.integrations.check import Preflight, check_margin, gpu_budget, judge, react
 from memest.spec.choices import OnFail
 
 # torch.optim / bitsandbytes.optim class name -> memest's --optim choice (features/optim.py's table)
@@ -45,6 +45,7 @@ def estimate_step(model, optimizer, sample_batch, *, loss_fn=None, gpu=None, mar
                   wrap: Callable | None = None, shared: tuple = (), **options: Any) -> Preflight:
     """preflight's estimate and verdict, without the reaction. ``wrap(built_copy) -> module``: what the trace
     runs instead of the copy itself (Lightning's training_step)."""
+    check_margin(margin)  # before the trace, not after it
     factory = fake_factory(model, wrap, shared)
     inputs, batch = batch_factory(sample_batch)
     settings = {"batch": batch, **optim_settings(optimizer, model), **options}

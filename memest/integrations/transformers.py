@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from memest.api import estimate
 from memest.errors import MemestError
-from memest.integrations.check import Preflight, gpu_budget, judge, react
+from memest.integrations.check import Preflight, check_arguments, gpu_budget, judge, react
 from memest.integrations.hf_model import base_model, layout_settings, model_settings
 from memest.spec.choices import OnFail
 
@@ -42,6 +42,7 @@ class MemestCallback(TrainerCallback):
                  on_fail: str = "warn", **options: Any):
         self.seq, self.gpu, self.margin, self.options = seq, gpu, margin, options
         self.on_fail = OnFail.parse(on_fail, "on_fail")
+        check_arguments("MemestCallback: ", gpu, margin, {"seq": seq, **options})
         self.result: Preflight | None = None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):

@@ -136,8 +136,7 @@ def _from_dict(data: dict, path: str | Path = "") -> RunConfig:
     where = f"{path}: " if path else ""
     trainer = None
     if data.get("from") is not None:  # a trainer config (axolotl, DeepSpeed, ...): its keys, this file's win
-        source = Path(str(data["from"]))
-        trainer = read_trainer_config(source if source.is_absolute() or not path else Path(path).parent / source)
+        trainer = _from_key(data["from"], path, where)
         data = {**trainer.keys, **{k: v for k, v in data.items() if k != "from"}}
     for key in data:
         if key not in ALL_KEYS:
@@ -180,6 +179,17 @@ def _from_dict(data: dict, path: str | Path = "") -> RunConfig:
             raise MemestError(f"{where}serve: needs an hf: model (a decoder LM config), not {values['model']!r}")
     return RunConfig(name=name, path=str(path), values=values, gpu=gpu, margin=margin, calibration=calibration,
                      serve=serve, colocate=colocate, trainer=trainer)
+
+
+def _from_key(value: Any, path: str | Path, where: str) -> TrainerConfig:
+    """``from: FILE`` read beside the config; its errors name the key, not the --from flag."""
+    if not isinstance(value, str):
+        raise MemestError(f"{where}from: expected the path of a trainer config, got {value!r}")
+    source = Path(value)
+    try:
+        return read_trainer_config(source if source.is_absolute() or not path else Path(path).parent / source)
+    except MemestError as exc:  # the reader speaks of --from; here the user wrote `from:`
+        raise MemestError(where + str(exc).replace("--from ", "from: ", 1)) from None
 
 
 def _block(data: dict, key: str, schema: dict, where: str) -> dict | None:

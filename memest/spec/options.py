@@ -332,6 +332,18 @@ def as_yaml_keys(text: str, keep: typing.Iterable[str] = ()) -> str:
     return text
 
 
+def as_keywords(text: str) -> str:
+    """A message about one option's value said of a Python API call: the flag it opens with named as its keyword
+    ("--pp-split a,b: ..." -> "pp_split a,b: ...", "--lora 'x': ..." -> "lora 'x': ..."). A message about a
+    combination ("--compile with --world-size ...") keeps its flags."""
+    match = re.match(r"(--[\w-]+)(?=(?: '[^']*'| [^ ]+?)?:)", text)
+    if match:
+        for opt in OPTIONS:
+            if opt.flags and not opt.argument and opt.spec_field and match.group(1) in opt.flags[0].split("/"):
+                return opt.name + text[match.end():]
+    return text
+
+
 def yaml_kind(key: str) -> type:
     """The type a run config's step key takes (int, bool or str)."""
     kind = spec_options()[key].kind

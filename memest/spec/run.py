@@ -198,8 +198,11 @@ class RunSpec:
         if self.mode != Mode.GENERATE and self.new_tokens:
             raise MemestError("--new-tokens applies to --mode generate only")
         if self.mode != Mode.TRAIN and (self.grad_accum > 1 or self.checkpointing != "none"):
-            raise MemestError(
-                f"--grad-accum and --checkpointing are training techniques; drop them with --mode {self.mode}"
+            given = [f"--grad-accum {self.grad_accum}"] * (self.grad_accum > 1) + \
+                [f"--checkpointing {self.checkpointing}"] * (self.checkpointing != "none")
+            raise MemestError(  # only what the user gave is named (issue 22 item 29's rule)
+                f"{' and '.join(given)}: training technique{'s' * (len(given) > 1)}; drop "
+                f"{'them' if len(given) > 1 else 'it'} with --mode {self.mode}"
             )
         if self.world_size < 1:
             raise MemestError(f"--world-size must be at least 1, got {self.world_size}")

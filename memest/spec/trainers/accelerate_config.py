@@ -57,7 +57,10 @@ def read(path, data) -> TrainerConfig:
         cfg.mapping.append((source, meaning or f"{key}: {value}"))
 
     kind = str(data.get("distributed_type", "NO")).upper()
-    world = data.get("num_processes") or 1
+    world = data.get("num_processes")
+    world = 1 if world is None else world
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:  # "four" was a TypeError, 0 read as 1
+        raise MemestError(f"{where}num_processes = {world!r}: a whole number of processes, at least 1")
     if kind not in ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED", "MULTI_CPU"):
         raise MemestError(f"{where}distributed_type {kind!r} is not modelled; memest reads NO, MULTI_GPU, "
                           "MULTI_CPU, FSDP and DEEPSPEED")

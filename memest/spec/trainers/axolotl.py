@@ -50,6 +50,7 @@ _LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
 
 def read(path: Path, data: dict) -> TrainerConfig:
     out = TrainerConfig(format=FORMAT, path=str(path))
+    common.one_half(data, path)
     lora = common.read_keys(out, data, path, _TABLE)
     _finish(out, data, lora)
     return out
@@ -65,7 +66,7 @@ def _half(out, key, value, path, data, lora) -> None:
     if value == "auto":
         raise MemestError(f"{path}: {key}: auto picks by the GPU axolotl runs on; write true or false "
                           "(or pass --precision)")
-    if value:
+    if common.switch(value, path, key):
         out.keys["precision"] = key
         out.mapping.append((f"{key} = {value}", f"precision: {key} (axolotl loads the weights in {key}; autocast "
                                                 "over them)"))
@@ -74,7 +75,7 @@ def _half(out, key, value, path, data, lora) -> None:
 
 
 def _checkpointing(out, key, value, path, data, lora) -> None:
-    if value:
+    if common.switch(value, path, key):
         out.keys["checkpointing"] = "blocks"
         out.mapping.append((f"{key} = {value}", "checkpointing: blocks (each decoder layer)"))
         out.notes.append("gradient checkpointing: axolotl passes gradient_checkpointing_kwargs to transformers "
@@ -91,17 +92,17 @@ def _adapter(out, key, value, path, data, lora) -> None:
 
 def _targets(out, key, value, path, data, lora) -> None:
     if key == "lora_target_linear":
-        if value:
+        if common.switch(value, path, key):
             lora["targets"] = "all-linear"
         out.mapping.append((f"{key} = {value}", "lora targets: all-linear" if value else "targets from "
                                                                                         "lora_target_modules"))
     else:
-        lora.setdefault("targets", common.lora_targets(value))
+        lora.setdefault("targets", common.lora_targets(value, f"{path}: {key}: "))
         out.mapping.append((f"{key} = {value}", f"lora targets: {value}"))
 
 
 def _load_in(out, key, value, path, data, lora) -> None:
-    if value:
+    if common.switch(value, path, key):
         out.keys["quant"] = "nf4" if key == "load_in_4bit" else "int8"
     out.mapping.append((f"{key} = {value}", f"quant: {out.keys['quant']}" if value else "not quantized"))
 

@@ -70,6 +70,9 @@ def optimizer(out: TrainerConfig, key: str, value) -> None:
 
 
 def deepspeed(out: TrainerConfig, key: str, value, config_path: Path) -> None:
+    if not isinstance(value, str):  # an inline mapping was printed as a missing file's name
+        raise MemestError(f"{config_path}: {key}: expected the path of a DeepSpeed JSON, got {value!r}; write the "
+                          "mapping to a .json file beside the config and name it")
     path = Path(str(value))
     path = path if path.is_absolute() else Path(config_path).parent / path
     if not path.is_file():
@@ -78,12 +81,32 @@ def deepspeed(out: TrainerConfig, key: str, value, config_path: Path) -> None:
     out.mapping.append((f"{key} = {value}", f"read {path.name} (DeepSpeed: shard, offload, precision)"))
 
 
-def lora_targets(value) -> list[str] | str:
+def lora_targets(value, where: str = "") -> list[str] | str:
+    """Module names (a list or a comma-separated string) or all-linear; ``where`` ("FILE: key: ") names the key
+    in the one-line error for anything else."""
     if value in ("all-linear", "all"):
         return "all-linear"
     if isinstance(value, str):
         return [t.strip() for t in value.split(",") if t.strip()]
-    return [str(t) for t in value]
+    if isinstance(value, list) and all(isinstance(t, str) for t in value):
+        return list(value)
+    raise MemestError(f"{where}expected module names (a list or a comma-separated string) or "
+                      f"all-linear, got {value!r}")
+
+
+def switch(value, path, key) -> bool:
+    """A trainer config's true/false key, never a string or number read as truthy (``gradient_checkpointing:
+    sometimes`` would otherwise turn checkpointing on silently)."""
+    if not isinstance(value, bool):
+        raise MemestError(f"{path}: {key} = {value!r}: expected true or false")
+    return value
+
+
+def one_half(data: dict, path) -> None:
+    """bf16 and fp16 both true: the trainer refuses it (transformers' TrainingArguments: 'At most one of fp16 and
+    bf16 can be True'); memest would otherwise keep whichever key comes last."""
+    if data.get("bf16") is True and data.get("fp16") is True:
+        raise MemestError(f"{path}: bf16 and fp16 are both true; set one of them")
 
 
 def leftovers(cfg: TrainerConfig, data: dict, used: set, neutral) -> None:

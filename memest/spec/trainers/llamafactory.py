@@ -23,7 +23,7 @@ from memest.spec.trainers.base import TrainerConfig
 
 FORMAT = "llamafactory"
 _NO_EFFECT = {
-    "stage", "do_train", "dataset", "dataset_dir", "template", "overwrite_cache", "preprocessing_num_workers",
+    "do_train", "dataset", "dataset_dir", "template", "overwrite_cache", "preprocessing_num_workers",
     "dataloader_num_workers", "output_dir", "logging_steps", "save_steps", "plot_loss", "overwrite_output_dir",
     "save_only_model", "report_to", "learning_rate", "num_train_epochs", "lr_scheduler_type", "warmup_ratio",
     "warmup_steps", "ddp_timeout", "resume_from_checkpoint", "val_size", "per_device_eval_batch_size",
@@ -46,9 +46,19 @@ def read(path: Path, data: dict) -> TrainerConfig:
     kind = data.get("finetuning_type", "lora")  # LLaMA-Factory's default (hparams/finetuning_args.py)
     if kind not in _KINDS:
         raise MemestError(f"{path}: finetuning_type = {kind!r}: memest reads lora, full and freeze")
+    common.one_half(data, path)
     lora = common.read_keys(out, data, path, _TABLE)
     _finish(out, data, kind, lora)
     return out
+
+
+def _stage(out, key, value, path, data, lora) -> None:
+    # sft and pt train the one model on next-token loss, the step memest traces; rm, ppo, dpo and kto run other
+    # steps (a value head, a reward and a reference model, pairs of sequences: src/llamafactory/train/)
+    if value not in ("sft", "pt"):
+        raise MemestError(f"{path}: stage = {value!r}: memest reads LLaMA-Factory's sft and pt stages (one model, "
+                          "next-token loss); for DPO pass the model and --preference dpo instead of --from")
+    out.mapping.append((f"{key} = {value}", "one model trained on next-token loss"))
 
 
 def _quant(out, key, value, path, data, lora) -> None:
@@ -59,7 +69,7 @@ def _quant(out, key, value, path, data, lora) -> None:
 
 
 def _half(out, key, value, path, data, lora) -> None:
-    if value:
+    if common.switch(value, path, key):
         mixed = data.get("finetuning_type", "lora") == "full" and not data.get("pure_bf16")
         out.keys["precision"] = f"{key}-mixed" if mixed else key
         out.mapping.append((f"{key} = {value}", f"precision: {out.keys['precision']}"))
@@ -68,12 +78,12 @@ def _half(out, key, value, path, data, lora) -> None:
 
 
 def _checkpointing(out, key, value, path, data, lora) -> None:
-    on = bool(value) if key == "gradient_checkpointing" else not value
+    on = common.switch(value, path, key) if key == "gradient_checkpointing" else not common.switch(value, path, key)
     out.mapping.append((f"{key} = {value}", "checkpointing: blocks" if on else "checkpointing: none"))
 
 
 def _target(out, key, value, path, data, lora) -> None:
-    lora["targets"] = common.lora_targets(value)
+    lora["targets"] = common.lora_targets(value, f"{path}: {key}: ")
     out.mapping.append((f"{key} = {value}", f"lora targets: {lora['targets']}"))
 
 
@@ -83,7 +93,7 @@ _HANDLERS = {
     "optim": lambda out, key, value, path, data, lora: common.optimizer(out, key, value),
     "deepspeed": lambda out, key, value, path, data, lora: common.deepspeed(out, key, value, path),
     "finetuning_type": lambda out, key, value, path, data, lora: out.mapping.append((f"{key} = {value}", _KINDS[value])),
-    "quantization_bit": _quant, "bf16": _half, "fp16": _half,
+    "stage": _stage, "quantization_bit": _quant, "bf16": _half, "fp16": _half,
     "gradient_checkpointing": _checkpointing, "disable_gradient_checkpointing": _checkpointing,
     "enable_liger_kernel": lambda out, key, value, path, data, lora: _liger(out, key, value, data),
     "pure_bf16": lambda out, key, value, path, data, lora: out.mapping.append(

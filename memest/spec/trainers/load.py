@@ -28,14 +28,36 @@ def parse(path: Path):
     suffix = path.suffix.lower()
     try:
         if suffix == ".json":
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=_unique_keys(path))
         if suffix in (".yml", ".yaml"):
             return yaml.load(text, Loader=UniqueKeyLoader)
         if suffix == ".toml":
             return tomllib.loads(text)
     except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise MemestError(f"--from {path}: malformed {suffix[1:].upper()}: {exc}") from None
+        raise MemestError(f"--from {path}: malformed {suffix[1:].upper()}: {_one_line(exc)}") from None
     return None
+
+
+def _unique_keys(path: Path):
+    """json's object_pairs_hook: a key given twice is refused, as the YAML loader refuses it (json keeps the last
+    value silently)."""
+    def pairs(items: list) -> dict:
+        seen: dict = {}
+        for key, value in items:
+            if key in seen:
+                raise MemestError(f"--from {path}: key {key!r} is given twice (JSON would keep the last silently)")
+            seen[key] = value
+        return seen
+    return pairs
+
+
+def _one_line(exc: Exception) -> str:
+    """A parser's error in one line: YAML's problem and where (its multi-line snippet dropped)."""
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        return f"{exc.context + ': ' if exc.context else ''}{exc.problem}{where}"
+    return " ".join(str(exc).split())
 
 
 def read_trainer_config(path: str | Path, _seen: tuple = ()) -> TrainerConfig:
@@ -47,6 +69,9 @@ def read_trainer_config(path: str | Path, _seen: tuple = ()) -> TrainerConfig:
     data = parse(path)
     reader = next((r for r in READERS if r.detect(path, data)), None)
     if reader is None:
+        if isinstance(data, dict) and "base_model" not in data and {"micro_batch_size", "sequence_len"} & set(data):
+            raise MemestError(f"--from {path}: an axolotl config without base_model: add it (a local config.json "
+                              "or a bundled name), memest reads the model from it")
         known = ", ".join(r.FORMAT for r in READERS)
         raise MemestError(f"--from {path}: not a trainer config memest reads (known formats: {known}); "
                           "pass memest flags instead, or a memest YAML config to `memest check`")
