@@ -46,6 +46,7 @@ def test_llamafactory_liger_is_fused_for_sft_and_pt_only(tmp_path):
     sft = _llamafactory(tmp_path, "enable_liger_kernel: true\n")  # stage defaults to sft
     assert sft.keys["loss_head"] == "fused" and "enable_liger_kernel" not in sft.unknown
     assert _llamafactory(tmp_path, "stage: pt\nenable_liger_kernel: true\n").keys["loss_head"] == "fused"
-    dpo = _llamafactory(tmp_path, "stage: dpo\nenable_liger_kernel: true\n")
-    assert "loss_head" not in dpo.keys
-    assert any("needs logits" in meaning for _, meaning in dpo.mapping)
+    # other stages need logits (LLaMA-Factory turns Liger's fused head off there) and run other steps: the reader
+    # refuses them (issue 22 battery 29: a DPO stage read as plain SFT was a silent wrong answer)
+    with pytest.raises(MemestError, match="stage = 'dpo'"):
+        _llamafactory(tmp_path, "stage: dpo\nenable_liger_kernel: true\n")

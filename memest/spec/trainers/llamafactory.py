@@ -10,7 +10,7 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
 - ``enable_liger_kernel: true``: Liger's kernels on trainable models (src/llamafactory/model/model_utils/
   liger_kernel.py, hiyouga/LLaMA-Factory at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30): for ``stage`` pt and sft
   Liger's defaults, so its fused linear cross entropy (memest ``loss_head: fused``); other stages need logits
-  (loader.py ``require_logits``) and get Liger's non-fused cross entropy: the loss head stays the model's own.
+  (loader.py ``require_logits``) and get Liger's non-fused cross entropy, but memest refuses those stages (``stage``).
 """
 
 from __future__ import annotations
@@ -102,16 +102,13 @@ _HANDLERS = {
 
 
 def _liger(out: TrainerConfig, key: str, value, data: dict) -> None:
-    stage = data.get("stage", "sft")  # LLaMA-Factory's default stage (hparams/finetuning_args.py)
-    if not value:
-        out.mapping.append((f"{key} = {value}", "loss head: the model's own"))
-    elif stage in ("pt", "sft"):
+    # stages other than pt/sft (which need logits: Liger's fused head off) are refused by _stage
+    if common.switch(value, out.path, key):
         out.keys["loss_head"] = "fused"
-        out.mapping.append((f"{key} = {value}", f"loss_head: fused (stage {stage}: Liger's fused linear cross "
-                                                "entropy, for the model types Liger patches)"))
+        out.mapping.append((f"{key} = {value}", f"loss_head: fused (stage {data.get('stage', 'sft')}: Liger's fused "
+                                                "linear cross entropy, for the model types Liger patches)"))
     else:
-        out.mapping.append((f"{key} = {value}", f"loss head: the model's own (stage {stage} needs logits: Liger's "
-                                                "fused head off, its non-fused cross entropy not modelled)"))
+        out.mapping.append((f"{key} = {value}", "loss head: the model's own"))
 
 
 _TABLE = common.KeyTable(_SIMPLE, _LORA, _HANDLERS, _NO_EFFECT)
