@@ -147,6 +147,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("loss_head", ("--loss-head",), "hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | fused "
            "(Liger-Kernel).", override="Override the loss head."),
     Option("lora", ("--lora",), "peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; "
+           "dtype=base: adapters in the base layers' dtype, peft's autocast_adapter_dtype=False; default fp32; "
            "needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
            "(model.embed_tokens,model.layers.[0-9].*)."),

@@ -105,6 +105,15 @@ def _targets(out, key, value, path, lora) -> None:
         out.mapping.append((f"{key} = {value}", f"lora targets: {value}"))
 
 
+def _autocast(out, key, value, path, lora) -> None:
+    """axolotl passes it to peft's get_peft_model(..., autocast_adapter_dtype=) (axolotl 067b021,
+    src/axolotl/loaders/adapter.py; src/axolotl/utils/schemas/peft.py: None leaves peft's default)."""
+    if not isinstance(value, bool):
+        raise MemestError(f"{path}: {key} = {value!r}: expected true or false")
+    lora["dtype"] = "fp32" if value else "base"
+    out.mapping.append((f"{key} = {value}", f"lora dtype: {lora['dtype']} (peft's autocast_adapter_dtype={value})"))
+
+
 def _load_in(out, key, value, path, lora) -> None:
     if value:
         out.keys["quant"] = "nf4" if key == "load_in_4bit" else "int8"
@@ -119,7 +128,7 @@ _HANDLERS = {
     "fsdp_config": lambda out, key, value, path, lora: _fsdp_config(out, value),
     "bf16": _half, "fp16": _half, "gradient_checkpointing": _checkpointing, "adapter": _adapter,
     "lora_target_modules": _targets, "lora_target_linear": _targets, "load_in_4bit": _load_in,
-    "load_in_8bit": _load_in,
+    "load_in_8bit": _load_in, "peft_autocast_adapter_dtype": _autocast,
     "sample_packing": lambda out, key, value, path, lora: out.mapping.append(
         (f"{key} = {value}", "rows packed to sequence_len tokens" if value else
          "one example per row: sequence_len is the longest (padded) length")),
