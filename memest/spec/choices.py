@@ -261,11 +261,14 @@ class OutputFormat(Choice):
 
 
 class CheckpointPolicy(Choice):
-    """--checkpointing: none | blocks | every:N | selective | selective:NAME | module.name,other.name (the policy
-    of a value; features/checkpointing.py, features/selective.py)."""
+    """--checkpointing: none | blocks | blocks-reentrant | every:N | selective | selective:NAME | module.name,other.name
+    (the policy of a value; features/checkpointing.py, features/selective.py)."""
 
     NONE = "none"
     BLOCKS = "blocks"
+    # every repeated block under torch.utils.checkpoint(use_reentrant=True): FSDP's checkpoint_wrapper with
+    # CheckpointImpl.REENTRANT, transformers' gradient_checkpointing_kwargs={"use_reentrant": True}
+    BLOCKS_REENTRANT = "blocks-reentrant"
     EVERY = "every"
     SELECTIVE = "selective"  # op-level SAC of every repeated block, torchtitan's op policy
     SELECTIVE_USER = "selective-user"  # selective:NAME, the model file's policy NAME
@@ -274,7 +277,7 @@ class CheckpointPolicy(Choice):
     @classmethod
     def of(cls, text: str) -> CheckpointPolicy:
         text = text.strip()
-        if text in ("none", "blocks", "selective"):
+        if text in ("none", "blocks", "blocks-reentrant", "selective"):
             return cls(text)
         if text.startswith("every:"):
             if not re.fullmatch(r"every:[1-9][0-9]*", text):

@@ -136,7 +136,8 @@ OPTIONS: tuple[Option, ...] = (
            "--grad-accum > 1.", override="Override the optimizer step in backward."),
     Option("grad_accum", ("--grad-accum",), "Micro-steps per optimizer step (--batch is the micro-batch).",
            override="Override accumulation steps."),
-    Option("checkpointing", ("--checkpointing",), "none | blocks | every:N | selective (torchtitan's op-level SAC) | "
+    Option("checkpointing", ("--checkpointing",), "none | blocks | blocks-reentrant (torch.utils.checkpoint "
+           "use_reentrant=True) | every:N | selective (torchtitan's op-level SAC) | "
            "selective:NAME (the model file's policy NAME) | module.name,other.name",
            override="Override checkpointing."),
     Option("cudnn_benchmark", ("--cudnn-benchmark",), "--target cuda: the run sets torch.backends.cudnn.benchmark = "

@@ -82,8 +82,6 @@ def _checkpointing(out, key, value, path, lora) -> None:
     if value:
         out.keys["checkpointing"] = "blocks"
         out.mapping.append((f"{key} = {value}", "checkpointing: blocks (each decoder layer)"))
-        out.notes.append("gradient checkpointing: axolotl passes gradient_checkpointing_kwargs to transformers "
-                         "(reentrant or not); memest recomputes each decoder layer in backward either way")
     else:
         out.mapping.append((f"{key} = {value}", "checkpointing: none"))
 
@@ -135,12 +133,27 @@ _HANDLERS = {
     "tf32": lambda out, key, value, path, lora: out.mapping.append(
         (f"{key} = {value}", "matmul precision only: no effect on memory")),
     "gradient_checkpointing_kwargs": lambda out, key, value, path, lora: out.mapping.append(
-        (f"{key} = {value}", "reentrant or not: the same saved tensors per layer in memest's model")),
+        (f"{key} = {value}", "use_reentrant: blocks-reentrant when true")),
 }
+
+
+def _reentrant(out: TrainerConfig, data: dict) -> None:
+    """gradient_checkpointing_kwargs' use_reentrant: true -> blocks-reentrant. Not given, axolotl (067b021,
+    src/axolotl/utils/config/__init__.py) sets {"use_reentrant": True} unless unfrozen_parameters or rl is set; memest
+    keeps its blocks (non-reentrant) there and says so (tests/test_from_config.py pins that mapping)."""
+    kwargs = data.get("gradient_checkpointing_kwargs")
+    if isinstance(kwargs, dict):
+        if kwargs.get("use_reentrant", False):
+            out.keys["checkpointing"] = "blocks-reentrant"
+    elif data.get("unfrozen_parameters") is None and data.get("rl") is None:
+        out.notes.append("gradient_checkpointing_kwargs not set: axolotl then sets use_reentrant=True; memest traces "
+                         "non-reentrant checkpointing here (pass --checkpointing blocks-reentrant for axolotl's default)")
 
 
 def _finish(out: TrainerConfig, data: dict, lora: dict) -> None:
     keys = out.keys
+    if keys.get("checkpointing") == "blocks":
+        _reentrant(out, data)
     if "optim" not in keys:
         out.notes.append("optimizer not set: axolotl's default applies, memest's --optim default here (pass --optim)")
     adapter = data.get("adapter")
