@@ -520,6 +520,41 @@ def _environment(versions: dict) -> dict:
             "python": sys.version.split()[0], **versions}
 
 
+def before_rows(scored: list[dict], before: dict) -> list[dict]:
+    """Each scored row beside the same (group, label) row of an earlier run: its settings, figure and error."""
+    earlier = {(r["group"], r["label"]): r for r in before["rows"]}
+    out = []
+    for r in scored:
+        b = earlier.get((r["group"], r["label"]))
+        out.append({"group": r["group"], "label": r["label"], "figure": r["figure"], "measured_bytes": r["measured_bytes"],
+                    "before_bytes": None if b is None else b["memest_bytes"],
+                    "before_error_pct": None if b is None else b["error_pct"],
+                    "before_inside": None if b is None else b["inside"],
+                    "before_spec": None if b is None else b["spec"],
+                    "after_bytes": r["memest_bytes"], "after_error_pct": r["error_pct"], "after_inside": r["inside"]})
+    return out
+
+
+def render_before(data: dict, skipped: list[str]) -> str:
+    lines = []
+    if "before" in data:
+        env = data["before"]["environment"]
+        lines += ["", f"## Before and after (before: the run of {env['date']}, memest {env['commit']})", "",
+                  "| group | run | figure | measured GiB | before GiB | before error | before inside | after GiB | "
+                  "after error | after inside |", "|---|---|---|---:|---:|---:|---|---:|---:|---|"]
+        for r in data["before"]["rows"]:
+            def yes(v):
+                return "-" if v is None else ("yes" if v else "no")
+            b = "-" if r["before_bytes"] is None else _g(r["before_bytes"])
+            be = "-" if r["before_error_pct"] is None else f"{r['before_error_pct']:+.1f}%"
+            lines.append(f"| {r['group']} | {r['label']} | {r['figure']} | {_g(r['measured_bytes'])} | {b} | {be} | "
+                         f"{yes(r['before_inside'])} | {_g(r['after_bytes'])} | {r['after_error_pct']:+.1f}% | "
+                         f"{yes(r['after_inside'])} |")
+    if skipped:
+        lines += ["", "## Not retraced in this run", "", *[f"- {s}" for s in skipped]]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="score only rows whose group or label contains this text")
@@ -527,6 +562,9 @@ def main(argv=None) -> int:
                    help="output path without suffix (.json and .md are written)")
     p.add_argument("--no-cache", action="store_true", help="retrace every row")
     p.add_argument("--cache", default=str(CACHE), help="the per-row cache file (JSON)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="score only the rows already traced at this code (the others are listed as not retraced)")
+    p.add_argument("--before", default="", help="an earlier run's .json: each row's earlier figure beside this one's")
     args = p.parse_args(argv)
     os.chdir(ROOT)  # model paths in the rows are relative to the repository root (a stable cache key)
 
@@ -536,9 +574,12 @@ def main(argv=None) -> int:
     code, versions = _source_hash(), _versions()
     cache_path = Path(args.cache)
     cache = {} if args.no_cache or not cache_path.exists() else json.loads(cache_path.read_text())
-    scored, failed = [], []
+    scored, failed, skipped = [], [], []
     for row in rows:
         key = cache_key(row, code, versions)
+        if key not in cache and args.cached_only:
+            skipped.append(f"{row.group} / {row.label}")
+            continue
         if key not in cache:
             print(f"tracing {row.group} / {row.label} ...", file=sys.stderr, flush=True)
             try:
@@ -555,10 +596,12 @@ def main(argv=None) -> int:
     env = _environment(versions)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    before = json.loads(Path(args.before).read_text()) if args.before else None
     data = {"environment": env, "summary": {f: summary(scored, f) for f in ("reserved", "allocated", "device")},
-            "rows": scored, "failed": failed, "not_scorable": NOT_SCORABLE}
+            "rows": scored, "failed": failed, "not_scorable": NOT_SCORABLE, "not_retraced": skipped,
+            **({"before": {"environment": before["environment"], "rows": before_rows(scored, before)}} if before else {})}
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(scored, env, failed))
+    out.with_suffix(".md").write_text(render(scored, env, failed) + render_before(data, skipped))
     for f in ("reserved", "allocated", "device"):
         s = data["summary"][f]
         if s:
