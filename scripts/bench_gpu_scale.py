@@ -578,6 +578,15 @@ def main(argv=None) -> int:
     for row in rows:
         key = cache_key(row, code, versions)
         if key not in cache and args.cached_only:
+            from memest.errors import MemestError
+            from memest.spec import RunSpec
+
+            try:  # a row memest refuses fails here, without a trace
+                RunSpec(**row.spec, compute_capability=row.card[2])
+            except MemestError as exc:
+                failed.append({"group": row.group, "label": row.label, "spec": row.spec,
+                               "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"})
+                continue
             skipped.append(f"{row.group} / {row.label}")
             continue
         if key not in cache:
