@@ -77,14 +77,18 @@ H100_80 = ("H100 80GB HBM3", 81559 * MiB, (9, 0))
 # LoRA r=64 alpha=16 dropout=0.1 on q,k,v,gate,up,down ('all'), FSDP1 full_shard with FSDP's activation
 # checkpointing of every decoder layer (reentrant, --reentrant_checkpointing True), bnb Linear4bit nf4 with
 # compress_statistics (Linear4bit's default), quant_storage bf16; the loop keeps `output` alive through backward.
-FQ_LORA = "r=64,alpha=16,dropout=0.1,targets=k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj"
+# peft ~0.9 left the adapters in the base weights' dtype (bf16): the fp32 upcast, get_peft_model's
+# autocast_adapter_dtype=True, came with peft 0.12.0 (huggingface/peft#1706, 2024-05-16): --lora ...,dtype=base
+PEFT_UPCAST = "https://github.com/huggingface/peft/pull/1706"
+FQ_LORA = "r=64,alpha=16,dropout=0.1,dtype=base,targets=k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj"
 FQ_SETUP = ("fsdp_qlora train.py (Feb-Mar 2024; torch ~2.2, transformers ~4.38, peft ~0.9, bitsandbytes 0.43 era), "
             "dummy dataset, 2 GPUs, --precision bf16, AdamW, LoRA r64/alpha16/dropout0.1 on q,k,v,gate,up,down, "
             "gradient checkpointing of every decoder layer (reentrant), no CPU offload unless stated; peak reserved "
             "logged for the first epoch (train.py: torch.cuda.max_memory_reserved)")
 FQ_NOTES = [
-    "LoRA weights: the run's peft (~0.9, March 2024) kept adapters in the base weights' bf16; memest traces the "
-    "installed peft, whose autocast_adapter_dtype makes them fp32 (2x the adapter weights, gradients and AdamW state)",
+    "LoRA weights: the run's peft (~0.9, March 2024) kept adapters in the base weights' bf16 (peft's fp32 upcast, "
+    f"autocast_adapter_dtype, came in 0.12.0: {PEFT_UPCAST}); traced as the run held them: --lora ...,dtype=base "
+    "(get_peft_model(..., autocast_adapter_dtype=False))",
     "checkpointing: the run used reentrant checkpointing; memest's --checkpointing blocks is non-reentrant",
     "FSDP1 flat parameters (use_orig_params False for LoRA) traced as FSDP2 per-parameter sharding (--shard zero3)",
 ]
@@ -161,7 +165,7 @@ MISTRAL_NOTE = ("config: benchmarks/configs/mistral-7b-v0.2.json (the bundled Mi
 
 PEFT_QLORA_70B = dict(model="hf:llama-2-70b", batch=2, seq=2048, grad_accum=2, optim="adamw", precision="bf16",
                       attention="flash", checkpointing="blocks", outputs="freed", quant="nf4", double_quant=True,
-                      lora="r=8,alpha=16,dropout=0.1,targets=all-linear", world_size=2, shard="zero3")
+                      lora="r=8,alpha=16,dropout=0.1,dtype=base,targets=all-linear", world_size=2, shard="zero3")
 PEFT_SETUP = ("peft examples/sft/train.py (trl SFTTrainer, transformers Trainer) on Llama-2-70b-hf, --max_seq_len 2048 "
               "--packing True, per-device batch 2, gradient accumulation 2, --gradient_checkpointing True "
               "--use_reentrant True, --use_flash_attn True (flash_attention_2), LoRA r8/alpha16/dropout0.1 all-linear, "
@@ -171,6 +175,9 @@ PEFT_NOTES = [
     "Trainer drops the model output before backward (--outputs freed); packing makes every row 2048 tokens",
     "trl skips prepare_model_for_kbit_training for sharded QLoRA (float quant storage): weights stay bf16",
     f"model dtype = quant storage dtype: {PEFT_SFT}",
+    "adapters in the base's bf16 (--lora ...,dtype=base): the page's figures were added 2024-02-26 and 2024-03-13 "
+    "(huggingface/peft#1489, #1550), before peft 0.12.0's fp32 upcast (autocast_adapter_dtype, "
+    f"{PEFT_UPCAST})",
 ]
 
 
@@ -203,9 +210,9 @@ def peft_rows() -> list[Row]:
             "LoRA r8/alpha16/dropout0.1 all-linear; 'the memory consumed per GPU is 64 GB (80%)'",
             dict(model="hf:llama-2-70b", batch=8, seq=2048, grad_accum=4, optim="adamw", precision="bf16",
                  attention="flash", checkpointing="blocks", outputs="freed",
-                 lora="r=8,alpha=16,dropout=0.1,targets=all-linear", world_size=8, shard="zero3"),
+                 lora="r=8,alpha=16,dropout=0.1,dtype=base,targets=all-linear", world_size=8, shard="zero3"),
             H100_80, "device", round(64 * GiB),
-            PEFT_NOTES[:2] + ["DeepSpeed ZeRO-3 traced as --shard zero3 (FSDP2's per-layer gather): DeepSpeed's "
+            PEFT_NOTES[:2] + PEFT_NOTES[4:] + ["DeepSpeed ZeRO-3 traced as --shard zero3 (FSDP2's per-layer gather): DeepSpeed's "
                               "prefetch bucket / max_live_parameters are not modelled",
                               "traced as --precision bf16: with bf16 enabled DeepSpeed casts the whole module to "
                               "bf16 (deepspeed/runtime/engine.py, _configure_distributed_model: self.module.bfloat16(); "
@@ -457,8 +464,6 @@ def misses(scored: list[dict]) -> list[str]:
         if m["verdict"] == "does-not-fit":
             why.append(f"memest calls a run that ran \"does not fit\" (a goal miss): its smallest budget for the step, "
                        f"{m['needed'][1] / GiB:.2f} GiB, is above the {card / GiB:.2f} GiB card.")
-        if r["group"].startswith("fsdp_qlora"):
-            why.append(adapter_dtype_note(r))
         why.append(CAUSES.get(r["label"], ""))
         out.append(f"- {r['group']} / {r['label']}: {r['error_pct']:+.1f}% ({r['figure']}), measured "
                    f"{'inside' if r['inside'] else 'outside' if r['inside'] is False else 'no range for'} memest's "
@@ -466,33 +471,6 @@ def misses(scored: list[dict]) -> list[str]:
                    + (" (peak: iteration {iteration}, {phase}, {module}, {op})".format(**m["at_peak"])
                       if m.get("at_peak") else "") + ". " + " ".join(w for w in why if w))
     return out or ["- none"]
-
-
-# fsdp_qlora's adapters on Llama-2 7B: r64 on q,k,v (64 x (4096 + 4096) each) and gate, up, down (64 x (4096 + 11008)
-# each), 32 layers = 143,130,624 parameters, half per rank; fp32 instead of bf16 costs 2 B more for the weight and for
-# each of AdamW's two states at memest's peak (gradients are freed there): 6 B per parameter.
-ADAPTER_PARAMS = 32 * (3 * 64 * (4096 + 4096) + 3 * 64 * (4096 + 11008))
-ADAPTER_EXTRA_BYTES = ADAPTER_PARAMS // 2 * 6
-# Per token, the inputs of the LoRA-wrapped linears of one layer (q, k, v, gate, up: hidden; down: intermediate).
-LORA_IN_WIDTH = {"hf:llama-2-7b": 5 * 4096 + 11008, "hf:llama-2-70b": 5 * 8192 + 28672,
-                 "hf:benchmarks/configs/mistral-7b-v0.2.json": 5 * 4096 + 14336}
-
-
-def adapter_dtype_note(r: dict) -> str:
-    """What fp32 adapters (memest, today's peft) hold more than the run's bf16 ones, from the row's shapes: the
-    weights and AdamW states (unless offloaded), and in the layer recomputed at the peak, each LoRA module's
-    dropout output saved for lora_A's backward in fp32 instead of bf16 (2 B more per input element). Arithmetic
-    on the traced shapes, not a trace."""
-    spec = r["spec"]
-    tokens = spec["batch"] * spec["seq"]
-    act = LORA_IN_WIDTH[spec["model"]] * tokens * 2
-    states = 0 if spec.get("offload") == "params" or spec["model"] != "hf:llama-2-7b" else \
-        ADAPTER_EXTRA_BYTES * (2 if spec.get("shard") == "none" else 1)
-    fixed = r["memest_bytes"] - act - states
-    return (f"Adapter dtype (fp32 in memest, bf16 in the run): {states / GiB:.2f} GiB of adapter weights and AdamW "
-            f"state and up to {act / GiB:.2f} GiB of fp32 LoRA dropout outputs in the recomputed layer "
-            f"({tokens:,} tokens); memest minus both: {100 * (fixed - r['measured_bytes']) / r['measured_bytes']:+.1f}% "
-            "(arithmetic on the traced shapes, not a trace).")
 
 
 CAUSES: dict[str, str] = {
@@ -542,6 +520,41 @@ def _environment(versions: dict) -> dict:
             "python": sys.version.split()[0], **versions}
 
 
+def before_rows(scored: list[dict], before: dict) -> list[dict]:
+    """Each scored row beside the same (group, label) row of an earlier run: its settings, figure and error."""
+    earlier = {(r["group"], r["label"]): r for r in before["rows"]}
+    out = []
+    for r in scored:
+        b = earlier.get((r["group"], r["label"]))
+        out.append({"group": r["group"], "label": r["label"], "figure": r["figure"], "measured_bytes": r["measured_bytes"],
+                    "before_bytes": None if b is None else b["memest_bytes"],
+                    "before_error_pct": None if b is None else b["error_pct"],
+                    "before_inside": None if b is None else b["inside"],
+                    "before_spec": None if b is None else b["spec"],
+                    "after_bytes": r["memest_bytes"], "after_error_pct": r["error_pct"], "after_inside": r["inside"]})
+    return out
+
+
+def render_before(data: dict, skipped: list[str]) -> str:
+    lines = []
+    if "before" in data:
+        env = data["before"]["environment"]
+        lines += ["", f"## Before and after (before: the run of {env['date']}, memest {env['commit']})", "",
+                  "| group | run | figure | measured GiB | before GiB | before error | before inside | after GiB | "
+                  "after error | after inside |", "|---|---|---|---:|---:|---:|---|---:|---:|---|"]
+        for r in data["before"]["rows"]:
+            def yes(v):
+                return "-" if v is None else ("yes" if v else "no")
+            b = "-" if r["before_bytes"] is None else _g(r["before_bytes"])
+            be = "-" if r["before_error_pct"] is None else f"{r['before_error_pct']:+.1f}%"
+            lines.append(f"| {r['group']} | {r['label']} | {r['figure']} | {_g(r['measured_bytes'])} | {b} | {be} | "
+                         f"{yes(r['before_inside'])} | {_g(r['after_bytes'])} | {r['after_error_pct']:+.1f}% | "
+                         f"{yes(r['after_inside'])} |")
+    if skipped:
+        lines += ["", "## Not retraced in this run", "", *[f"- {s}" for s in skipped]]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="score only rows whose group or label contains this text")
@@ -549,6 +562,9 @@ def main(argv=None) -> int:
                    help="output path without suffix (.json and .md are written)")
     p.add_argument("--no-cache", action="store_true", help="retrace every row")
     p.add_argument("--cache", default=str(CACHE), help="the per-row cache file (JSON)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="score only the rows already traced at this code (the others are listed as not retraced)")
+    p.add_argument("--before", default="", help="an earlier run's .json: each row's earlier figure beside this one's")
     args = p.parse_args(argv)
     os.chdir(ROOT)  # model paths in the rows are relative to the repository root (a stable cache key)
 
@@ -558,9 +574,21 @@ def main(argv=None) -> int:
     code, versions = _source_hash(), _versions()
     cache_path = Path(args.cache)
     cache = {} if args.no_cache or not cache_path.exists() else json.loads(cache_path.read_text())
-    scored, failed = [], []
+    scored, failed, skipped = [], [], []
     for row in rows:
         key = cache_key(row, code, versions)
+        if key not in cache and args.cached_only:
+            from memest.errors import MemestError
+            from memest.spec import RunSpec
+
+            try:  # a row memest refuses fails here, without a trace
+                RunSpec(**row.spec, compute_capability=row.card[2])
+            except MemestError as exc:
+                failed.append({"group": row.group, "label": row.label, "spec": row.spec,
+                               "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"})
+                continue
+            skipped.append(f"{row.group} / {row.label}")
+            continue
         if key not in cache:
             print(f"tracing {row.group} / {row.label} ...", file=sys.stderr, flush=True)
             try:
@@ -577,10 +605,12 @@ def main(argv=None) -> int:
     env = _environment(versions)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    before = json.loads(Path(args.before).read_text()) if args.before else None
     data = {"environment": env, "summary": {f: summary(scored, f) for f in ("reserved", "allocated", "device")},
-            "rows": scored, "failed": failed, "not_scorable": NOT_SCORABLE}
+            "rows": scored, "failed": failed, "not_scorable": NOT_SCORABLE, "not_retraced": skipped,
+            **({"before": {"environment": before["environment"], "rows": before_rows(scored, before)}} if before else {})}
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(scored, env, failed))
+    out.with_suffix(".md").write_text(render(scored, env, failed) + render_before(data, skipped))
     for f in ("reserved", "allocated", "device"):
         s = data["summary"][f]
         if s:

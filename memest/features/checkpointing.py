@@ -1,9 +1,14 @@
-"""--checkpointing: wrap modules with torch.utils.checkpoint (non-reentrant), so the trace records
+"""--checkpointing: wrap modules with torch.utils.checkpoint (non-reentrant unless said), so the trace records
 the real recomputation in backward.
 
   none            nothing
   blocks          every repeated block (see repeated_blocks: transformer layers, a ViT's blocks, the
                   residual blocks of each ResNet stage); transformers models use their own switch
+  blocks-reentrant  the same blocks under torch.utils.checkpoint(use_reentrant=True) (torch 2.13,
+                  torch/utils/checkpoint.py CheckpointFunction: the block's forward under no_grad, its inputs
+                  saved; in backward the whole block re-run with grad and torch.autograd.backward over its
+                  outputs), as FSDP's checkpoint_wrapper(CheckpointImpl.REENTRANT) and transformers'
+                  gradient_checkpointing_kwargs={"use_reentrant": True} apply it
   every:N         every N-th repeated block (0, N, 2N, ...)
   selective[:F]   every repeated block under op-level selective checkpointing: torchtitan's op policy, or the
                   model file's policy F (features/selective.py)
@@ -94,7 +99,7 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
     policy = CheckpointPolicy.of(value)
     if policy is CheckpointPolicy.NONE:
         return []
-    options: dict = {"use_reentrant": False}
+    options: dict = {"use_reentrant": policy is CheckpointPolicy.BLOCKS_REENTRANT}
     if policy is CheckpointPolicy.NAMES:
         chosen = [name.strip() for name in value.split(",") if name.strip()]
     else:

@@ -1,6 +1,8 @@
 """Fine-tuning applied to the built model: ``--freeze PATTERN``, ``--quant nf4|fp4|int8`` (features/quant.py, features/quant_int8.py) and
-``--lora`` through peft's own ``LoraConfig`` / ``get_peft_model`` (so adapter shapes, their fp32 dtype
-(peft's ``autocast_adapter_dtype``), the input casts and dropout are peft's). Applied in the order a QLoRA
+``--lora`` through peft's own ``LoraConfig`` / ``get_peft_model`` (so adapter shapes, their dtype (fp32 by peft's
+``autocast_adapter_dtype=True``, or the base layer's with ``--lora ...,dtype=base``: ``autocast_adapter_dtype=False``,
+peft 0.21.2 peft/mapping_func.py get_peft_model, peft/tuners/tuners_utils.py cast_adapter_dtype), the input casts
+and dropout are peft's). Applied in the order a QLoRA
 script applies them: the model in its dtype, its linear layers quantized, then LoRA; the real CPU ground
 truth runs the same function on real tensors.
 
@@ -70,7 +72,7 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
         elif quant != Quant.NONE:
 
             config._register_custom_module({Linear4bitModel: quant_layers.lora_layer_class()})
-        wrapped = get_peft_model(model, config)
+        wrapped = get_peft_model(model, config, autocast_adapter_dtype=settings.autocast_adapter_dtype)
     except ValueError as exc:  # peft's own message: no target modules found, unknown model type, ...
         raise MemestError(f"{where}: peft's get_peft_model: {str(exc).strip().splitlines()[0]}") from exc
     _check_rank(wrapped, config.r, where)
@@ -164,9 +166,13 @@ def apply_finetune(model, spec, dtype, where: str):
     settings = lora_settings(spec.lora)
     if settings is not None:
         model = apply_lora(model, settings, where, quant=str(spec.quant))
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        adapters = [p for p in model.parameters() if p.requires_grad]
+        trainable = sum(p.numel() for p in adapters)
+        dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in adapters})) or "none"
+        kept = ("in fp32 by peft's autocast_adapter_dtype=True" if settings.autocast_adapter_dtype else
+                "in the base layers' dtype (autocast_adapter_dtype=False, dtype=base)")
         notes.append(f"--lora {settings.text()}: peft's LoraConfig / get_peft_model applied ({trainable:,} trainable "
-                     "adapter parameters, kept in fp32 by peft)")
+                     f"adapter parameters, {dtypes}: kept {kept})")
     return model, notes
 
 

@@ -76,6 +76,20 @@ class Quant(Choice):
     INT8 = "int8"  # LLM.int8: bitsandbytes' Linear8bitLt (features/quant_int8.py)
 
 
+class AdapterDtype(Choice):
+    """--lora dtype=: the LoRA adapters' dtype as peft's get_peft_model(..., autocast_adapter_dtype=) sets it (peft
+    0.21.2, peft/tuners/tuners_utils.py: cast_adapter_dtype; the adapters are first moved to the base layer's device
+    and dtype, _move_adapter_to_device_of_base_layer, a bitsandbytes Linear4bit's compute_dtype)."""
+
+    FP32 = "fp32"  # autocast_adapter_dtype=True (peft's default since 0.12): fp16/bf16 adapters upcast to fp32
+    BASE = "base"  # autocast_adapter_dtype=False: the base layer's dtype (peft < 0.12's only behaviour)
+
+    @property
+    def autocast(self) -> bool:
+        """peft's autocast_adapter_dtype for this choice."""
+        return self is AdapterDtype.FP32
+
+
 class Target(Choice):
     CUDA = "cuda"  # what a CUDA run allocates (traced on CPU fake tensors, CUDA kernels modelled)
     CPU = "cpu"  # CPU training
@@ -269,11 +283,14 @@ class OutputFormat(Choice):
 
 
 class CheckpointPolicy(Choice):
-    """--checkpointing: none | blocks | every:N | selective | selective:NAME | module.name,other.name (the policy
-    of a value; features/checkpointing.py, features/selective.py)."""
+    """--checkpointing: none | blocks | blocks-reentrant | every:N | selective | selective:NAME | module.name,other.name
+    (the policy of a value; features/checkpointing.py, features/selective.py)."""
 
     NONE = "none"
     BLOCKS = "blocks"
+    # every repeated block under torch.utils.checkpoint(use_reentrant=True): FSDP's checkpoint_wrapper with
+    # CheckpointImpl.REENTRANT, transformers' gradient_checkpointing_kwargs={"use_reentrant": True}
+    BLOCKS_REENTRANT = "blocks-reentrant"
     EVERY = "every"
     SELECTIVE = "selective"  # op-level SAC of every repeated block, torchtitan's op policy
     SELECTIVE_USER = "selective-user"  # selective:NAME, the model file's policy NAME
@@ -282,7 +299,7 @@ class CheckpointPolicy(Choice):
     @classmethod
     def of(cls, text: str) -> CheckpointPolicy:
         text = text.strip()
-        if text in ("none", "blocks", "selective"):
+        if text in ("none", "blocks", "blocks-reentrant", "selective"):
             return cls(text)
         if text.startswith("every:"):
             if not re.fullmatch(r"every:[1-9][0-9]*", text):

@@ -3,8 +3,11 @@ application to a model is features/finetune.py).
 
 ``--lora`` is ``r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj`` (``targets=all-linear``:
 peft's every linear layer but the output head); keys left out take peft's defaults (r=8, alpha=8,
-dropout=0, peft's target modules for the model type). The YAML ``lora:`` mapping and the API's ``lora=``
-(a dict, the same string, or True for peft's defaults) canonicalise to this string."""
+dropout=0, peft's target modules for the model type, fp32 adapters). ``dtype=base`` keeps the adapters in the base
+layer's dtype: peft's ``get_peft_model(..., autocast_adapter_dtype=False)`` (``autocast_adapter_dtype=false`` is the
+same key under peft's name; ``dtype=fp32`` is peft's default, autocast_adapter_dtype=True, peft >= 0.12.0). The YAML
+``lora:`` mapping and the API's ``lora=`` (a dict, the same string, or True for peft's defaults) canonicalise to this
+string."""
 
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import math
 from dataclasses import dataclass
 
 from memest.errors import MemestError
+from memest.spec.choices import AdapterDtype
 
 _KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
 _ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "targets", "rank": "r"}
+_AUTOCAST = "autocast_adapter_dtype"  # peft's get_peft_model keyword: dtype=fp32 (true) | base (false)
+_NAMES = (*_KEYS, "dtype")
 
 
 @dataclass(frozen=True)
@@ -23,12 +29,20 @@ class LoraSettings:
     alpha: float | None = None
     dropout: float | None = None
     targets: tuple[str, ...] | None = None  # ("all-linear",) for peft's all-linear
+    dtype: AdapterDtype | None = None  # None: peft's default (fp32)
 
     def text(self) -> str:
         parts = [f"{k}={_num(getattr(self, k))}" for k in ("r", "alpha", "dropout") if getattr(self, k) is not None]
+        if self.dtype is not None:
+            parts.append(f"dtype={self.dtype}")
         if self.targets:
             parts.append("targets=" + ",".join(self.targets))
         return ",".join(parts) or "on"
+
+    @property
+    def autocast_adapter_dtype(self) -> bool:
+        """peft's get_peft_model keyword (True, its default, unless dtype=base)."""
+        return (self.dtype or AdapterDtype.FP32).autocast
 
     def peft_kwargs(self) -> dict:
         out: dict = {}
@@ -64,7 +78,7 @@ def parse_lora(value) -> str:
                 raise MemestError(f"--lora {value!r}: write key=value pairs (r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj)")
         items = [(k, v if len(v) > 1 else v[0]) for k, v in items]
     else:
-        raise MemestError(f"lora: expected a mapping (r:, alpha:, dropout:, targets:) or a string, got {value!r}")
+        raise MemestError(f"lora: expected a mapping (r:, alpha:, dropout:, targets:, dtype:) or a string, got {value!r}")
     return settings_from(items).text()
 
 
@@ -85,16 +99,31 @@ def _number(v) -> float:
     return out
 
 
+def _adapter_dtype(key: str, v) -> AdapterDtype:
+    """dtype=fp32|base, or peft's autocast_adapter_dtype=true|false."""
+    if key == _AUTOCAST:
+        text = str(v).strip().lower()
+        if text not in ("true", "false"):
+            raise ValueError
+        return AdapterDtype.FP32 if text == "true" else AdapterDtype.BASE
+    if str(v).strip().lower() not in AdapterDtype.values():
+        raise ValueError
+    return AdapterDtype.parse(v, "--lora dtype")
+
+
 def settings_from(items) -> LoraSettings:
     fields: dict = {}
     for key, v in items:
-        name = _ALIASES.get(str(key).lower(), str(key).lower())
-        if name not in _KEYS:
-            raise MemestError(f"--lora: unknown key {key!r}; use r, alpha, dropout, targets")
+        lowered = str(key).lower()
+        name = "dtype" if lowered == _AUTOCAST else _ALIASES.get(lowered, lowered)
+        if name not in _NAMES:
+            raise MemestError(f"--lora: unknown key {key!r}; use r, alpha, dropout, targets, dtype")
         if name in fields:
-            raise MemestError(f"--lora: {name} is given twice; give each of r, alpha, dropout, targets once")
+            raise MemestError(f"--lora: {name} is given twice; give each of r, alpha, dropout, targets, dtype once")
         try:
-            if name == "r":
+            if name == "dtype":
+                fields["dtype"] = _adapter_dtype(lowered, v)
+            elif name == "r":
                 fields["r"] = _whole(v)
                 if fields["r"] < 1:
                     raise ValueError
@@ -112,7 +141,9 @@ def settings_from(items) -> LoraSettings:
                 fields["targets"] = targets
         except (TypeError, ValueError):
             raise MemestError(f"--lora: bad value for {name}: {v!r} (r: a whole number >= 1, alpha: a number > 0, "
-                              "dropout: 0 <= p < 1, targets: module names or all-linear)") from None
+                              "dropout: 0 <= p < 1, targets: module names or all-linear, dtype: fp32 (peft's default) or base "
+                              "(the base layer's dtype: peft's autocast_adapter_dtype=False), "
+                              "autocast_adapter_dtype: true or false)") from None
     return LoraSettings(**fields)
 
 

@@ -135,7 +135,8 @@ OPTIONS: tuple[Option, ...] = (
            "--grad-accum > 1.", override="Override the optimizer step in backward."),
     Option("grad_accum", ("--grad-accum",), "Micro-steps per optimizer step (--batch is the micro-batch).",
            override="Override accumulation steps."),
-    Option("checkpointing", ("--checkpointing",), "none | blocks | every:N | selective (torchtitan's op-level SAC) | "
+    Option("checkpointing", ("--checkpointing",), "none | blocks | blocks-reentrant (torch.utils.checkpoint "
+           "use_reentrant=True) | every:N | selective (torchtitan's op-level SAC) | "
            "selective:NAME (the model file's policy NAME) | module.name,other.name",
            override="Override checkpointing."),
     Option("cudnn_benchmark", ("--cudnn-benchmark",), "--target cuda: the run sets torch.backends.cudnn.benchmark = "
@@ -147,6 +148,7 @@ OPTIONS: tuple[Option, ...] = (
            "chunked-output[:N] (torchtune's CEWithChunkedOutputLoss) | fused (Liger-Kernel).",
            override="Override the loss head."),
     Option("lora", ("--lora",), "peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; "
+           "dtype=base: adapters in the base layers' dtype, peft's autocast_adapter_dtype=False; default fp32; "
            "needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
            "(model.embed_tokens,model.layers.[0-9].*)."),

@@ -78,8 +78,6 @@ def _checkpointing(out, key, value, path, data, lora) -> None:
     if common.switch(value, path, key):
         out.keys["checkpointing"] = "blocks"
         out.mapping.append((f"{key} = {value}", "checkpointing: blocks (each decoder layer)"))
-        out.notes.append("gradient checkpointing: axolotl passes gradient_checkpointing_kwargs to transformers "
-                         "(reentrant or not); memest recomputes each decoder layer in backward either way")
     else:
         out.mapping.append((f"{key} = {value}", "checkpointing: none"))
 
@@ -101,6 +99,15 @@ def _targets(out, key, value, path, data, lora) -> None:
         out.mapping.append((f"{key} = {value}", f"lora targets: {value}"))
 
 
+def _autocast(out, key, value, path, data, lora) -> None:
+    """axolotl passes it to peft's get_peft_model(..., autocast_adapter_dtype=) (axolotl 067b021,
+    src/axolotl/loaders/adapter.py; src/axolotl/utils/schemas/peft.py: None leaves peft's default)."""
+    if not isinstance(value, bool):
+        raise MemestError(f"{path}: {key} = {value!r}: expected true or false")
+    lora["dtype"] = "fp32" if value else "base"
+    out.mapping.append((f"{key} = {value}", f"lora dtype: {lora['dtype']} (peft's autocast_adapter_dtype={value})"))
+
+
 def _load_in(out, key, value, path, data, lora) -> None:
     if common.switch(value, path, key):
         out.keys["quant"] = "nf4" if key == "load_in_4bit" else "int8"
@@ -116,14 +123,14 @@ _HANDLERS = {
     "fsdp_config": lambda out, key, value, path, data, lora: _fsdp_config(out, value),
     "bf16": _half, "fp16": _half, "gradient_checkpointing": _checkpointing, "adapter": _adapter,
     "lora_target_modules": _targets, "lora_target_linear": _targets, "load_in_4bit": _load_in,
-    "load_in_8bit": _load_in,
+    "load_in_8bit": _load_in, "peft_autocast_adapter_dtype": _autocast,
     "sample_packing": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "rows packed to sequence_len tokens" if value else
          "one example per row: sequence_len is the longest (padded) length")),
     "tf32": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "matmul precision only: no effect on memory")),
     "gradient_checkpointing_kwargs": lambda out, key, value, path, data, lora: out.mapping.append(
-        (f"{key} = {value}", "reentrant or not: the same saved tensors per layer in memest's model")),
+        (f"{key} = {value}", "use_reentrant: blocks-reentrant when true")),
     "liger_fused_linear_cross_entropy": lambda out, key, value, path, data, lora: _loss_head(out, key, value, "fused"),
     "chunked_cross_entropy": lambda out, key, value, path, data, lora: _loss_head(out, key, value, "chunked-output"),
     "chunked_cross_entropy_num_chunks": lambda out, key, value, path, data, lora: out.mapping.append(
@@ -166,8 +173,23 @@ def _loss_head(out: TrainerConfig, key: str, value, head: str) -> None:
 _TABLE = common.KeyTable(_SIMPLE, _LORA, _HANDLERS, _NO_EFFECT)
 
 
+def _reentrant(out: TrainerConfig, data: dict) -> None:
+    """gradient_checkpointing_kwargs' use_reentrant: true -> blocks-reentrant. Not given, axolotl (067b021,
+    src/axolotl/utils/config/__init__.py) sets {"use_reentrant": True} unless unfrozen_parameters or rl is set; memest
+    keeps its blocks (non-reentrant) there and says so (tests/test_from_config.py pins that mapping)."""
+    kwargs = data.get("gradient_checkpointing_kwargs")
+    if isinstance(kwargs, dict):
+        if kwargs.get("use_reentrant", False):
+            out.keys["checkpointing"] = "blocks-reentrant"
+    elif data.get("unfrozen_parameters") is None and data.get("rl") is None:
+        out.notes.append("gradient_checkpointing_kwargs not set: axolotl then sets use_reentrant=True; memest traces "
+                         "non-reentrant checkpointing here (pass --checkpointing blocks-reentrant for axolotl's default)")
+
+
 def _finish(out: TrainerConfig, data: dict, lora: dict) -> None:
     keys = out.keys
+    if keys.get("checkpointing") == "blocks":
+        _reentrant(out, data)
     if keys.get("loss_head") == "chunked-output":
         chunks = data.get("chunked_cross_entropy_num_chunks") or 8  # patch_chunked_ce_loss_fn's default
         keys["loss_head"] = f"chunked-output:{chunks}"

@@ -4,7 +4,8 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
 - ``bf16: true``: the model is loaded in bf16 (its compute_dtype), and trainable parameters are cast to fp32
   unless ``pure_bf16`` or a quantized base (src/llamafactory/model/adapter.py, cast_trainable_params_to_fp32):
   full fine-tuning is fp32 weights under bf16 autocast (memest ``bf16-mixed``); LoRA keeps a bf16 base with fp32
-  adapters (memest ``bf16``: the adapters traced in bf16, low by up to 8 bytes per adapter parameter).
+  adapters (memest ``bf16``: peft's get_peft_model upcasts the adapters to fp32 by default, autocast_adapter_dtype,
+  so memest's trace holds them in fp32 too).
 - ``quantization_bit: 4|8``: bitsandbytes nf4 / int8 base (src/llamafactory/model/model_utils/quantization.py).
 - ``lora_target: all``: every linear layer but the head (peft's all-linear).
 - ``enable_liger_kernel: true``: Liger's kernels on trainable models (src/llamafactory/model/model_utils/
@@ -138,6 +139,5 @@ def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
         out.unknown.append("finetuning_type = freeze (which layers: set --freeze by name)")
     if keys.get("precision") == "bf16" and kind == "lora" and not data.get("pure_bf16"):
         out.notes.append("LLaMA-Factory casts the LoRA adapters to fp32 (cast_trainable_params_to_fp32); memest "
-                         "traces them in bf16: low by up to 8 bytes per adapter parameter (weight, grad and "
-                         "two Adam states at 2 B instead of 4 B)")
+                         "traces them in fp32 too (peft's get_peft_model default, autocast_adapter_dtype=True)")
     out.notes.append("world size: the launcher's (llamafactory-cli/torchrun), not in the file; pass --world-size")

@@ -162,10 +162,11 @@ def _checkpointing(cfg, get, put) -> None:
     if not on:
         return
     source = "activation_checkpointing" if new else "gradient_checkpointing"
-    put("checkpointing", source, "blocks", "checkpointing: blocks (the model's own checkpointing of every layer)")
     if kwargs.get("use_reentrant", False):
-        cfg.notes.append("use_reentrant=True: memest traces non-reentrant checkpointing (transformers 5's default); "
-                         "reentrant checkpointing is not traced, the estimate is the non-reentrant one")
+        put("checkpointing", source, "blocks-reentrant", "checkpointing: blocks-reentrant (the model's own "
+            "checkpointing of every layer, use_reentrant=True)")
+    else:
+        put("checkpointing", source, "blocks", "checkpointing: blocks (the model's own checkpointing of every layer)")
 
 
 def _optimizer(cfg, get, put, where: str) -> None:
