@@ -61,8 +61,9 @@ def add_fused_lm_head(model, outputs=("log_probs",)) -> None:
     trl_add(model, outputs=outputs)
 
 
-class DPOStep(MarkedStep):
-    """The policy and its frozen reference as one module whose forward is DPOTrainer._compute_loss."""
+class ReferenceStep(MarkedStep):
+    """A policy and its frozen reference (a copy, the policy's own base with the adapter off, or none when the
+    reference log-probs are precomputed) as one module; trl's DPO and KTO steps are its forwards."""
 
     def __init__(self, policy: torch.nn.Module, reference: torch.nn.Module | None, adapter: bool, precomputed: bool):
         super().__init__()
@@ -71,12 +72,28 @@ class DPOStep(MarkedStep):
         self.adapter = adapter
         self.precomputed = precomputed
 
-    def train(self, mode: bool = True) -> DPOStep:
+    def train(self, mode: bool = True) -> ReferenceStep:
         """The policy in ``mode``; the reference stays in eval mode (trl prepares it with evaluation_mode=True)."""
         super().train(mode)
         if self.reference is not None:
             self.reference.eval()
         return self
+
+
+def frozen_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """trl's ``ref_model``: create_model_from_path(the policy's id, dtype=the policy's dtype), the same weights
+    again, frozen and in eval mode, with trl's fused log-prob head."""
+    import copy
+
+    reference = copy.deepcopy(policy)
+    reference.requires_grad_(False)
+    reference.eval()
+    add_fused_lm_head(reference)
+    return reference
+
+
+class DPOStep(ReferenceStep):
+    """The policy and its frozen reference as one module whose forward is DPOTrainer._compute_loss."""
 
     def forward(self, **inputs) -> PreferenceOutput:
         # DPOTrainer._compute_loss (trl 1.16.0), sigmoid loss, reverse KL, ld_alpha None, no MoE aux loss
@@ -142,15 +159,7 @@ def wrap(policy: torch.nn.Module, spec) -> DPOStep:
         # trl's add_fused_lm_head reads model.config and the LM head: a plain nn.Module has neither
         raise MemestError(f"--preference dpo traces a causal LM with an LM head (hf: models); {spec.model} builds a "
                           f"{type(base).__name__}: drop --preference")
-    reference = None
-    if kind == Reference.COPY:
-        import copy
-
-        # trl: create_model_from_path(the policy's id, dtype=the policy's dtype): the same weights again, frozen
-        reference = copy.deepcopy(policy)
-        reference.requires_grad_(False)
-        reference.eval()
-        add_fused_lm_head(reference)
+    reference = frozen_copy(policy) if kind == Reference.COPY else None
     add_fused_lm_head(policy.get_base_model() if peft else policy, outputs=POLICY_OUTPUTS)
     return DPOStep(policy, reference, adapter=kind == Reference.ADAPTER, precomputed=kind == Reference.PRECOMPUTED)
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memest.errors import MemestError
-from memest.features.preference import add_fused_lm_head, reference_of
-from memest.features.preference_logits import MarkedStep, PreferenceOutput
+from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, reference_of
+from memest.features.preference_logits import PreferenceOutput
 from memest.spec.choices import Reference
 
 TRL_SOURCE = "trl 1.16.0, trl/trainer/kto_trainer.py (KTOTrainer._compute_kl_logps, _compute_loss)"
@@ -56,21 +56,8 @@ def kl_logps(model, batch) -> torch.Tensor:
     return per_token_logps[:, -(labels.size(1) - 1):].sum(-1)
 
 
-class KTOStep(MarkedStep):
+class KTOStep(ReferenceStep):
     """The policy and its frozen reference as one module whose forward is KTOTrainer._compute_loss (less metrics)."""
-
-    def __init__(self, policy: nn.Module, reference: nn.Module | None, adapter: bool, precomputed: bool):
-        super().__init__()
-        self.policy = policy
-        self.reference = reference
-        self.adapter = adapter
-        self.precomputed = precomputed
-
-    def train(self, mode: bool = True) -> KTOStep:
-        super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()
-        return self
 
     def forward(self, **batch) -> PreferenceOutput:
         n = batch["label"].size(0)
@@ -133,14 +120,7 @@ def kto_batch(ids: torch.Tensor, spec) -> dict:
 def wrap(policy: nn.Module, spec) -> KTOStep:
     """KTOTrainer.__init__'s models: trl's fused head on the policy (its peft base) and on a reference copy."""
     kind = reference_of(spec)
-    reference = None
-    if kind == Reference.COPY:
-        import copy
-
-        reference = copy.deepcopy(policy)
-        reference.requires_grad_(False)
-        reference.eval()
-        add_fused_lm_head(reference)
+    reference = frozen_copy(policy) if kind == Reference.COPY else None
     add_fused_lm_head(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, outputs=POLICY_OUTPUTS)
     return KTOStep(policy, reference, adapter=kind == Reference.ADAPTER, precomputed=kind == Reference.PRECOMPUTED)
 
