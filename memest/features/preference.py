@@ -173,13 +173,18 @@ def reference_note(step: DPOStep) -> str:
     return f"; the reference copy holds {count:,} frozen parameters, {sum(storages.values()):,} B (no gradients, no state)"
 
 
-def describe(spec) -> str:
-    """One line for the report: the step and the reference traced."""
-    ref = {
+def reference_phrase(spec) -> str:
+    """What the reference of ``spec`` is, in the report's words (DPO and KTO alike)."""
+    return {
         Reference.COPY: "a second frozen copy of the policy (ref_model)",
         Reference.ADAPTER: "the policy's base with the LoRA adapter disabled",
         Reference.PRECOMPUTED: "precomputed log-probs (precompute_ref_log_probs=True, no reference forward)",
     }[reference_of(spec)]
+
+
+def describe(spec) -> str:
+    """One line for the report: the step and the reference traced."""
+    ref = reference_phrase(spec)
     return (f"--preference {spec.preference}: trl DPOTrainer's step ({TRL_SOURCE}): {spec.batch} chosen + "
             f"{spec.batch} rejected sequences in one batch, per-token log-probs by trl's fused LM head, reference: "
             f"{ref}, sigmoid loss (beta {BETA})")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memest.errors import MemestError
-from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, reference_of
+from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, reference_of, reference_phrase
 from memest.features.preference_logits import PreferenceOutput
 from memest.spec.choices import Reference
 
@@ -126,11 +126,8 @@ def wrap(policy: nn.Module, spec) -> KTOStep:
 
 
 def describe(spec) -> str:
-    ref = {
-        Reference.COPY: "a second frozen copy of the policy (ref_model)",
-        Reference.ADAPTER: "the policy's base with the LoRA adapter disabled",
-        Reference.PRECOMPUTED: "precomputed log-probs (precompute_ref_log_probs=True, no reference forward)",
-    }[reference_of(spec)]
+    """One line for the report: the step and the reference traced."""
+    ref = reference_phrase(spec)
     return (f"--preference kto: trl KTOTrainer's step ({TRL_SOURCE}): {spec.batch} unpaired examples + {spec.batch} "
             f"mismatched KL sequences; the KL batch through the policy under no_grad, the examples with grad, "
             f"per-token log-probs by trl's fused LM head, reference: {ref} (its KL and example forwards under "
