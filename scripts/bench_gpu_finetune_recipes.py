@@ -78,21 +78,25 @@ NOT_SCORABLE = [  # published figures for issue 24's recipes that cannot be scor
          figure="not stated ('GB', no tool named)",
          missing="the DPOConfig (batch, max_length / max_prompt_length, fp16/bf16, gradient checkpointing) is not in "
                  "the stored copy of the thread, which ends at prepare_model_for_kbit_training; the prompt's token "
-                 "count needs Qwen2.5's tokenizer (not available offline) and trl 0.12's truncation settings"),
+                 "count needs Qwen2.5's tokenizer (not available offline) and trl 0.12's truncation settings",
+         spec=dict(preference="dpo", quant="nf4", double_quant=True,
+                   lora="r=64,alpha=32,dropout=0.1,targets=k_proj,gate_proj,v_proj,up_proj,q_proj,o_proj,down_proj",
+                   prepare_kbit=True, batch=1, seq=1000)),
     dict(recipe="dpo", source="https://github.com/huggingface/trl/issues/3168",
          runs="Qwen2.5-0.5B-Instruct, trl's DPO quick start (DPOConfig defaults, model loaded in fp32, reference a "
               "second copy) on an A100 80GB: out of memory at step 0; the bf16 runs' GPU use only as screenshots",
          figure="an outcome (OOM), and screenshots whose numbers are not in the text",
          missing="the trl version (so DPOConfig's defaults: batch, max_length, precision) is not stated by the "
                  "reporter (the DPOConfig printed in the thread is another user's run); UltraFeedback pairs are "
-                 "padded to the longest in each batch, so the failing batch's length is unknown"),
+                 "padded to the longest in each batch, so the failing batch's length is unknown",
+         spec=dict(preference="dpo", reference="copy", precision="fp32")),
     dict(recipe="grpo", source="https://github.com/huggingface/trl/issues/3456",
          runs="GRPO, per-device batch 4, max_prompt_length 2048, max_completion_length 1024: Qwen3-0.6B "
               "49273 MiB / 81920 MiB, Qwen3-1.7B 78147 MiB / 81920 MiB (A100 80GB)",
          figure="device (nvidia-smi's format)",
          missing="num_generations, vLLM or not, model dtype, gradient checkpointing and the trl version are not "
                  "stated; prompts (up to 2500 tokens, truncated) and completions (stop at EOS) are data-dependent; "
-                 "Qwen3 dense configs are not bundled"),
+                 "Qwen3-0.6B's and 1.7B's configs are not bundled"),
     dict(recipe="grpo", source="https://github.com/huggingface/trl/issues/3678",
          runs="a comment's measurement on one H100: trl-internal-testing/tiny-Qwen2ForCausalLM-2.5, B=2, "
               "logits_to_keep=256, bf16: peak allocated 902 MB across _get_per_token_logps_and_entropies, 44 MB "
@@ -111,21 +115,27 @@ NOT_SCORABLE = [  # published figures for issue 24's recipes that cannot be scor
          missing="prompt lengths come from AI-MO/NuminaMath-TIR (500 prompts drawn over the run; the data set and "
                  "Qwen2's tokenizer are not available offline) and completions stop at EOS, so the longest step's "
                  "shapes are unknown; the peak is the process's over loading and 500 steps; Qwen2-7B's config is "
-                 "not bundled; trl's Liger GRPO loss with a 4-bit base on a T4 is not a combination memest's GRPO "
-                 "tests cover"),
+                 "not bundled; memest does not trace GRPO with --quant, --checkpointing or --loss-head yet",
+         spec=dict(preference="grpo", quant="nf4", double_quant=True, precision="fp32",
+                   lora="r=32,alpha=32,dropout=0.0,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", batch=8, generations=8, completion_len=256, optim="paged-adamw-8bit",
+                   loss_head="fused")),
     dict(recipe="dpo", source=SWIFT_DPO_LORA,
          runs="ms-swift example: Qwen2.5-7B-Instruct DPO, LoRA r8/alpha32 all-linear, batch 1 (accumulation 16), "
               "max_length 2048, bf16, rpo_alpha 0.1: '# 24GiB'",
          figure="not stated (a comment; ms-swift logs memory(GiB) but the script does not say which)",
          missing="pairs from hjh0119/shareAI-Llama3-DPO-zh-en-emoji padded per batch (length data-dependent); the card "
                  "and gradient checkpointing are not stated; rpo_alpha adds an NLL term on the chosen logits that "
-                 "memest's DPO step (trl's sigmoid loss) does not trace"),
+                 "memest's DPO step (trl's sigmoid loss) does not trace",
+         spec=dict(preference="dpo", precision="bf16", lora="r=8,alpha=32,targets=all-linear", batch=1, seq=2048)),
     dict(recipe="dpo", source=SWIFT_DPO_FULL,
          runs="ms-swift example: Qwen2.5-7B-Instruct full DPO on 4 GPUs, DeepSpeed ZeRO-3, batch 4, max_length "
               "8192, flash-attn, rpo_alpha 0.1: '4 * 57GiB' without padding_free, '4 * 47GiB' with it",
          figure="not stated (a comment)",
          missing="DeepSpeed ZeRO-3 is not modelled (memest traces FSDP2's per-layer rule); lengths are "
-                 "data-dependent; padding-free packing is not offered with --preference; rpo_alpha's NLL term"),
+                 "data-dependent; padding-free packing is not offered with --preference; rpo_alpha's NLL term; "
+                 "memest does not trace --preference over several ranks yet",
+         spec=dict(preference="dpo", precision="bf16", attention="flash", world_size=4, shard="zero3", batch=4,
+                   seq=8192)),
     dict(recipe="vlm", source="https://github.com/QwenLM/Qwen3-VL/issues/938",
          runs="Qwen2.5-VL-7B LoRA with max_pixels=12800 out of memory on a 24 GB card and on 4 x 16 GB V100; ran once "
               "lm_head was frozen",
@@ -153,6 +163,26 @@ NOT_SCORABLE = [  # published figures for issue 24's recipes that cannot be scor
          runs="trl's 'Reducing memory usage' page (truncation, padding-free, Liger, activation offloading)",
          figure="charts only", missing="no number and no run settings in the text"),
 ]
+
+
+SPEC_MODEL = "hf:qwen2.5-7b"  # a bundled config standing in for the source's model: only the flags are checked
+
+
+def memest_accepts(spec: dict) -> bool | str:
+    """Whether memest takes the source's stated settings (RunSpec's checks, no trace): True, or its refusal."""
+    from memest.errors import MemestError
+    from memest.spec import RunSpec
+
+    try:
+        RunSpec(model=SPEC_MODEL, **spec)
+    except MemestError as exc:
+        return str(exc).strip().splitlines()[0]
+    return True
+
+
+def not_scorable() -> list[dict]:
+    """NOT_SCORABLE, each with the settings it states (where memest has flags for them) checked against memest."""
+    return [{**n, **({"memest": memest_accepts(n["spec"])} if "spec" in n else {})} for n in NOT_SCORABLE]
 
 
 # --- FSDP-QLoRA: issue 24's first recipe, scored in gpu-scale.json ------------------------------------------------
@@ -215,10 +245,15 @@ def render(data: dict) -> str:
         lines += ["", "Rows memest could not trace:", ""] + [f"- {f['group']} / {f['label']}: {f['error']}"
                                                            for f in data["failed"]]
     lines += ["", "## Cannot score: published figures and what they lack", "",
-              "| recipe | source | run and stated memory | figure | missing |", "|---|---|---|---|---|"]
+              f"memest: whether memest takes the settings the source states (its option checks, no trace; model "
+              f"{SPEC_MODEL} standing in, lengths at their stated maximum): 'takes' or its refusal; '-' where the "
+              "source states too little to write them (only what it states is set; the rest is memest's default).", "",
+              "| recipe | source | run and stated memory | figure | missing | memest |", "|---|---|---|---|---|---|"]
     for n in data["not_scorable"]:
         name = n["source"].split("/blob/")[0].split("github.com/")[-1].split("://")[-1]
-        lines.append(f"| {n['recipe']} | [{name}]({n['source']}) | {n['runs']} | {n['figure']} | {n['missing']} |")
+        said = "-" if "memest" not in n else ("takes" if n["memest"] is True else f"refuses: {n['memest']}")
+        lines.append(f"| {n['recipe']} | [{name}]({n['source']}) | {n['runs']} | {n['figure']} | {n['missing']} | "
+                     f"{said} |")
     fq = data["fsdp_qlora"]
     fenv = fq["environment"]
     lines += ["", "## FSDP-QLoRA (scored in gpu-scale.md, not retraced here)", "",
@@ -270,7 +305,7 @@ def main(argv=None) -> int:
     else:
         versions = _versions()
     data = {"environment": _environment(versions), "summary": {f: summary(scored, f) for f in FIGURES},
-            "rows": scored, "failed": failed, "not_scorable": NOT_SCORABLE,
+            "rows": scored, "failed": failed, "not_scorable": not_scorable(),
             "fsdp_qlora": fsdp_qlora_from_scale(json.loads(SCALE_JSON.read_text()))}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")

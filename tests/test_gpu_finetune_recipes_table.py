@@ -111,3 +111,22 @@ def test_accuracy_doc_quotes_the_table(data):
             assert f"{fq[figure]['median_abs_error_pct']:.2f}%" in para, figure
     assert f"{len(data['rows'])} rows scored" in para
     assert f"{len(data['not_scorable'])} published sources" in para
+
+
+def test_memest_column_matches_memests_option_checks(data, md):
+    """Where a source states settings memest has flags for, the table records whether memest takes them: rechecked
+    here with RunSpec (option checks only, no trace), so a refusal lifted or added later shows up."""
+    from memest.errors import MemestError
+    from memest.spec import RunSpec
+
+    checked = [n for n in data["not_scorable"] if "spec" in n]
+    assert checked, "some candidates state enough to be written as memest flags"
+    for n in checked:
+        try:
+            RunSpec(model="hf:qwen2.5-7b", **n["spec"])
+            now = True
+        except MemestError as exc:
+            now = str(exc).strip().splitlines()[0]
+        assert n["memest"] == now, n["source"]
+        said = "takes" if now is True else f"refuses: {now}"
+        assert any(n["source"] in ln and ln.rstrip().endswith(f"| {said} |") for ln in md.splitlines()), n["source"]
