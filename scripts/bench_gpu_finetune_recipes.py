@@ -90,6 +90,15 @@ NOT_SCORABLE = [  # published figures for issue 24's recipes that cannot be scor
                  "reporter (the DPOConfig printed in the thread is another user's run); UltraFeedback pairs are "
                  "padded to the longest in each batch, so the failing batch's length is unknown",
          spec=dict(preference="dpo", reference="copy", precision="fp32")),
+    dict(recipe="dpo", source="https://github.com/huggingface/trl/pull/5926",
+         runs="a trl PR's benchmark (merged 2026-06-03, in trl from v1.6.0): Qwen2.5-0.5B-Instruct, bf16, batch 4, "
+              "max_length 512, precompute_ref_log_probs False (a second copy as reference), 3 steps, 'A100 44GB': "
+              "peak memory 18289 MB before the PR, 15531 MB after",
+         figure="not stated ('Peak memory', MB)",
+         missing="the reproduce script (data set, so whether every batch reaches 512 tokens; gradient checkpointing; "
+                 "which peak it reads) is in a collapsed block the stored copy of the PR does not hold; 'A100 44GB' "
+                 "is no A100 model, so the card is uncertain",
+         spec=dict(preference="dpo", reference="copy", precision="bf16", batch=4, seq=512)),
     dict(recipe="grpo", source="https://github.com/huggingface/trl/issues/3456",
          runs="GRPO, per-device batch 4, max_prompt_length 2048, max_completion_length 1024: Qwen3-0.6B "
               "49273 MiB / 81920 MiB, Qwen3-1.7B 78147 MiB / 81920 MiB (A100 80GB)",

@@ -111,6 +111,8 @@ def test_accuracy_doc_quotes_the_table(data):
             assert f"{fq[figure]['median_abs_error_pct']:.2f}%" in para, figure
     assert f"{len(data['rows'])} rows scored" in para
     assert f"{len(data['not_scorable'])} published sources" in para
+    taken = sum(n.get("memest") is True for n in data["not_scorable"])
+    assert f"({taken} taken;" in para
 
 
 def test_memest_column_matches_memests_option_checks(data, md):
