@@ -4,7 +4,8 @@ wheel into a clean venv with its runtime dependencies (torch pinned to this sess
 same CPU build), and run `memest --version` and one estimate from that venv, outside the source tree. The venv
 has no pytest, matplotlib or transformers: a run-time import of test-only code fails the run.
 
-Slow by nature (a venv and torch's install): 88 s to 185 s for the three tests on this project's 2 shared cores,
+Slow by nature (a venv and torch's install): 88 s to 185 s for the three tests on this project's 2 shared cores
+(the fourth, `python -m memest` from the same venv, adds one estimate),
 most of it pip installing torch (the CPU wheel, from the local wheel directory pip is configured with).
 """
 
@@ -81,7 +82,9 @@ def test_wheel_holds_the_package_and_its_data(built):
     assert not [n for n in names if n.startswith("tests/")], "tests shipped in the wheel"
 
 
-def test_wheel_installs_in_a_clean_venv_and_runs(built):
+@pytest.fixture(scope="module")
+def installed(built):
+    """The wheel installed in a clean venv; a working directory outside the source tree holding examples/mlp.py."""
     tmp, _, wheel = built
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp)
@@ -95,6 +98,11 @@ def test_wheel_installs_in_a_clean_venv_and_runs(built):
     work = tmp / "elsewhere"  # outside the source tree: nothing can come from ROOT
     work.mkdir()
     shutil.copy(ROOT / "examples" / "mlp.py", work / "mlp.py")
+    return venv, bindir, py, env, work
+
+
+def test_wheel_installs_in_a_clean_venv_and_runs(installed):
+    venv, bindir, py, env, work = installed
     memest = str(bindir / "memest")
 
     version = _run([memest, "--version"], cwd=work, env=env).stdout.strip()
@@ -126,3 +134,18 @@ def test_wheel_installs_in_a_clean_venv_and_runs(built):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "transformers" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_python_m_memest_runs_from_the_wheel(installed):
+    """`python -m memest` (memest/__main__.py) from the installed wheel: the console script's version line, and one
+    estimate with the figures of memest.estimate in this process."""
+    import memest
+
+    _, bindir, py, env, work = installed
+    version = _run([str(py), "-m", "memest", "--version"], cwd=work, env=env).stdout
+    assert version == _run([str(bindir / "memest"), "--version"], cwd=work, env=env).stdout
+    by_module = json.loads(_run([str(py), "-m", "memest", "estimate", "mlp.py", "--batch", "2", "--json"], cwd=work,
+                                env=env).stdout)
+    here = memest.estimate(str(work / "mlp.py"), batch=2).to_dict()
+    for key in ("param_count", "peak_allocated_bytes", "needed_bytes"):
+        assert by_module[key] == here[key] > 0, key

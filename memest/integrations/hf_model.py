@@ -2,7 +2,9 @@
 a peft-wrapped model's LoRA (``PeftModel.peft_config``: r, alpha, dropout, targets), a bitsandbytes-quantized base
 (``config.quantization_config`` / ``is_loaded_in_4bit``: nf4, fp4, int8, double quantization), and the layout of
 the arguments (``deepspeed``: a dict or a path, read by the DeepSpeed reader; ``fsdp`` / ``fsdp_config``, read by
-the TrainingArguments reader; ``world_size``). Reads attributes only: nothing here imports peft or bitsandbytes."""
+the TrainingArguments reader; ``world_size``), and what peft's ``prepare_model_for_kbit_training`` left on the live
+model (its non-quantized weights in fp32; gradient checkpointing and its reentrant default; the input embeddings'
+require-grads hook). Reads attributes only: nothing here imports peft or bitsandbytes."""
 
 from __future__ import annotations
 
@@ -85,6 +87,64 @@ def quant_settings(base) -> dict:
     if qc.get("load_in_8bit"):
         return {"quant": "int8"}
     return {}
+
+
+def kbit_prepared_dtype(base):
+    """The 16-bit dtype a bitsandbytes-quantized ``base`` was loaded in, when peft's
+    ``prepare_model_for_kbit_training`` has run on it, else None. Its mark (peft 0.21.2, peft/utils/other.py): every
+    fp16 / bf16 parameter but bitsandbytes' packed ``Params4bit`` cast to fp32, so the base's non-quantized weights
+    (embeddings, norms, head; LoRA's own layers aside: peft makes them fp32 anyway) are all fp32 while the model was
+    loaded in 16 bits (``config.dtype``, or the dtype the 4-bit weights were quantized from). A base loaded in fp32
+    gives None: prepare casts nothing there, the memory is the same either way."""
+    import torch
+
+    if not (getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)):
+        return None
+    config = getattr(base, "config", None)
+    loaded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(loaded, str):
+        loaded = getattr(torch, loaded, None)
+    params = list(base.parameters())
+    if loaded not in (torch.float16, torch.bfloat16):
+        states = [p.quant_state for p in params if type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None)]
+        loaded = getattr(states[0], "dtype", None) if states else None
+    if loaded not in (torch.float16, torch.bfloat16):
+        return None
+    adapters = {id(p) for m in base.modules() for name in getattr(m, "adapter_layer_names", ())
+                if isinstance(getattr(m, name, None), torch.nn.Module) for p in getattr(m, name).parameters()}
+    plain = [p for p in params if id(p) not in adapters and p.is_floating_point() and type(p).__name__ != "Params4bit"]
+    return loaded if plain and all(p.dtype == torch.float32 for p in plain) else None
+
+
+def checkpointing_settings(base) -> dict:
+    """transformers' gradient checkpointing as the live ``base`` has it (``gradient_checkpointing_enable``, called
+    by the Trainer or by peft's prepare_model_for_kbit_training, sets ``gradient_checkpointing`` and
+    ``_gradient_checkpointing_func``, a partial of torch.utils.checkpoint.checkpoint, on its layers): memest's
+    ``checkpointing``. ``use_reentrant`` not given is torch's default, True (torch 2.13 torch/utils/checkpoint.py;
+    prepare_model_for_kbit_training passes no kwargs); the Trainer's own switch passes False (transformers 5.24
+    modeling_utils.py). Checkpointing on some layers only, offloaded, or with other torch.utils.checkpoint keywords
+    than use_reentrant / preserve_rng_state is warned about and left to the arguments."""
+    from torch.utils.checkpoint import checkpoint
+
+    flagged = [m for m in base.modules() if hasattr(m, "gradient_checkpointing")]
+    on = [m for m in flagged if m.gradient_checkpointing is True]
+    settings: dict = {}
+    if not on:
+        hooks = getattr(base, "_require_grads_hooks", None) or getattr(base, "_require_grads_hook", None)
+        if hooks:
+            warnings.warn("memest: the input embeddings' output requires grad (enable_input_require_grads, as peft's "
+                          "prepare_model_for_kbit_training sets it) with checkpointing off: not modelled (backward "
+                          "also computes the embedding output's gradient)", stacklevel=3)
+        return settings
+    func = getattr(on[0], "_gradient_checkpointing_func", None)
+    keywords = dict(getattr(func, "keywords", {}) or {})
+    odd = set(keywords) - {"use_reentrant", "preserve_rng_state"}
+    if len(on) != len(flagged) or getattr(func, "func", func) is not checkpoint or odd:
+        warnings.warn("memest: the model's gradient checkpointing (on some layers only, offloaded, or with "
+                      f"{sorted(odd) or 'another function'}) is not modelled; pass checkpointing=...", stacklevel=3)
+        return settings
+    settings["checkpointing"] = "blocks-reentrant" if keywords.get("use_reentrant", True) else "blocks"
+    return settings
 
 
 def layout_settings(args) -> dict:

@@ -1,7 +1,7 @@
 """``MemestCallback`` for transformers' ``Trainer``: at train start, the run estimated from the trainer's own model
 config (the model rebuilt under fake tensors from ``model.config``, as ``memest estimate hf:config.json`` does, not
-from the loaded weights; a peft-wrapped model's base config, its LoRA and its bitsandbytes quantization:
-hf_model.py) and its ``TrainingArguments`` (with DeepSpeed, FSDP and the world size); a warning, or an error before the first step, when
+from the loaded weights; a peft-wrapped model's base config, its LoRA, its bitsandbytes quantization, whether peft's
+prepare_model_for_kbit_training ran, and the live model's gradient checkpointing: hf_model.py) and its ``TrainingArguments`` (with DeepSpeed, FSDP and the world size); a warning, or an error before the first step, when
 it does not fit; after step 2 on a GPU, predicted vs measured (one log line and ``callback.result.measured``).
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[MemestCallback(seq=2048, on_fail="stop")])"""
@@ -18,7 +18,13 @@ from transformers import TrainerCallback
 from memest.api import estimate
 from memest.errors import MemestError
 from memest.integrations.check import Preflight, check_arguments, gpu_budget, judge, react
-from memest.integrations.hf_model import base_model, layout_settings, model_settings
+from memest.integrations.hf_model import (
+    base_model,
+    checkpointing_settings,
+    kbit_prepared_dtype,
+    layout_settings,
+    model_settings,
+)
 from memest.spec.choices import OnFail
 
 # TrainingArguments.optim (transformers' OptimizerNames) -> memest's --optim and fused flag
@@ -69,12 +75,17 @@ def trainer_settings(args, model) -> dict:
         raise MemestError(f"MemestCallback: TrainingArguments.optim={optim!r} is not one memest models; it models "
                           f"{', '.join(HF_OPTIMIZERS)}")
     choice, fused = HF_OPTIMIZERS[optim]
+    base = base_model(model)
+    prepared = kbit_prepared_dtype(base)  # peft's prepare_model_for_kbit_training ran on a 16-bit quantized base
     settings: dict = {"batch": args.per_device_train_batch_size, "grad_accum": args.gradient_accumulation_steps,
-                      "optim": choice, "lr": float(args.learning_rate), "precision": _precision(args, model)}
+                      "optim": choice, "lr": float(args.learning_rate), "precision": _precision(args, model, prepared)}
     if fused:
         settings["fused"] = True
+    if prepared is not None:
+        settings["prepare_kbit"] = True
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         settings["checkpointing"] = "blocks"  # transformers' own switch on an hf: model (features/checkpointing.py)
+    settings.update(checkpointing_settings(base))  # what the live model has: the Trainer's switch, or peft's
     return {**settings, **model_settings(model), **layout_settings(args)}
 
 
@@ -107,12 +118,19 @@ def first_batch_seq(dataloader) -> int | None:
     return int(ids.shape[1]) if ids is not None and ids.dim() == 2 else None
 
 
-def _precision(args, model) -> str:
+def _precision(args, model, prepared=None) -> str:
+    """The weights' dtype, or autocast's over fp32 weights. A base prepared by prepare_model_for_kbit_training
+    (``prepared``: the 16-bit dtype it was loaded in) holds its non-quantized weights in fp32: under the arguments'
+    autocast that is bf16-mixed / fp16-mixed (docs/finetuning.md), without it the dtype it was loaded in, which
+    prepare_kbit then casts as peft did."""
     import torch
 
+    mixed = "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else None
+    if prepared is not None:
+        return mixed or ("bf16" if prepared == torch.bfloat16 else "fp16")
     dtype = getattr(model, "dtype", torch.float32)
     if dtype == torch.bfloat16:
         return "bf16"
     if dtype == torch.float16:
         return "fp16"
-    return "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
+    return mixed or "fp32"
