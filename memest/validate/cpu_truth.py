@@ -96,7 +96,8 @@ def _step_peak(events) -> tuple[int, object]:
 def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, seed: int = 0) -> dict[str, int]:
     """The real step's peak bytes within each phase of its last iteration, where the step marks a phase's start with
     ``torch.profiler.record_function(prefix + name)`` (features/grpo.py): a phase runs to the next mark or to the
-    end of the step. Bytes as ``measure_cpu_peak`` counts them (parameters, buffers and inputs included)."""
+    end of the step; a phase marked several times (once per micro-step) peaks at the highest of its windows. Bytes as
+    ``measure_cpu_peak`` counts them (parameters, buffers and inputs included)."""
     assert spec.target == Target.CPU, "CPU ground truth is for --target cpu estimates"
     torch.manual_seed(seed)
     with traced_device():
@@ -125,7 +126,8 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
     for e in _allocation_events(prof):
         while k + 1 < len(last) and e.start_time_ns >= last[k + 1][0]:
             k += 1
-            peaks[last[k][1]] = running  # the level the phase starts at
+            # the level the phase starts at; a phase marked again (each micro-step's training step) keeps its max
+            peaks[last[k][1]] = max(peaks.get(last[k][1], 0), running)
         fields = e.extra_fields
         if fields.alloc_size > 0:
             live[fields.ptr] = fields.alloc_size
