@@ -8,7 +8,8 @@ same trl 1.16.0 code (tests/test_grpo.py's method: validate/cpu_truth.measure_cp
   (``_buffered_inputs``) held through the K micro-steps (trl ``_prepare_inputs``); the real run does all K
   micro-steps, the trace two.
 - --quant nf4 --lora: the adapters cast to bf16 as GRPOTrainer.__init__ does over a quantized base; generation and
-  the adapter-disabled reference run on the 4-bit base (bitsandbytes' CPU kernels)."""
+  the adapter-disabled reference run on the 4-bit base (memest's stand-in for bitsandbytes' Linear4bit,
+  features/quant.py, in the trace and in the real run alike)."""
 
 from __future__ import annotations
 
