@@ -54,7 +54,7 @@ import torch
 from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.features.preference import no_padding
-from memest.spec.choices import CheckpointPolicy, Quant, Reference, Rollout
+from memest.spec.choices import CheckpointPolicy, Outputs, Quant, Reference, Rollout
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes
 
@@ -461,6 +461,10 @@ def describe(spec) -> str:
     else:
         checkpointing = ("; gradient checkpointing on the policy's layers, turned off by trl around generate (which "
                          "keeps its KV cache) and the no-grad log-probs")
+    if spec.outputs == Outputs.KEPT:
+        checkpointing += ("; --outputs kept (memest's default loop) holds the last step's output into the next "
+                          "generation, where trl's Trainer drops it (training_step returns loss.detach()): add "
+                          "--outputs freed for trl's loop")
     return (f"--preference grpo: trl GRPOTrainer's step ({TRL_SOURCE}): {spec.batch} completions "
             f"({spec.batch // g} prompts x {g} generations) of {spec.seq} prompt + {completion_len_of(spec)} "
             f"completion tokens, {how}, reference: {ref}, loss by trl's _compute_loss{accumulation}{checkpointing}")

@@ -111,6 +111,12 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
             loop = LoopState()
             for _ in range(spec.iterations):
                 run_step(built.runnable, built.inputs, optimizer, source.compute_loss, spec, loop=loop)
+    return {name: peak + baseline for name, peak in profiled_phase_peaks(prof, prefix, spec.iterations).items()}
+
+
+def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
+    """Each ``prefix``-marked phase's peak bytes in the last of ``iterations`` profiled steps, above the level the
+    profile started at (a step run by other code than memest's build: tests/test_grpo_recipes.py's bitsandbytes)."""
     marks, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
@@ -118,7 +124,7 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
             marks.append((e.start_time_ns, e.name[len(prefix):]))
         stack.extend(e.children)
     marks.sort()
-    per_iteration = len(marks) // spec.iterations
+    per_iteration = len(marks) // iterations
     last = marks[-per_iteration:] if per_iteration else []
     peaks: dict[str, int] = {}
     live: dict[int, int] = {}
@@ -136,4 +142,4 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
             running -= live.pop(fields.ptr)
         if k >= 0:
             peaks[last[k][1]] = max(peaks[last[k][1]], running)
-    return {name: peak + baseline for name, peak in peaks.items()}
+    return peaks
