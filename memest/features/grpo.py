@@ -28,7 +28,7 @@ generation until that one's buffer replaces it. With ``gradient_accumulation_ste
 default), no old log-probs are computed.
 
 Gradient checkpointing (``--checkpointing blocks`` / ``blocks-reentrant``; trl's ``gradient_checkpointing`` defaults
-to True, GRPOConfig's base config): transformers' switch on the policy's layers; trl turns it off around
+to True, trl/trainer/base_config.py): transformers' switch on the policy's layers; trl turns it off around
 ``generate`` (``unwrap_model_for_generation``), which then runs with its KV cache, and around the no-grad log-probs
 (``disable_gradient_checkpointing``), and back on with ``gradient_checkpointing_kwargs`` (None: transformers 5's
 ``use_reentrant=False``).
@@ -461,6 +461,8 @@ def describe(spec) -> str:
     else:
         checkpointing = ("; gradient checkpointing on the policy's layers, turned off by trl around generate (which "
                          "keeps its KV cache) and the no-grad log-probs")
+    if spec.quant != Quant.NONE:
+        checkpointing += "; the adapters cast to bf16, as GRPOTrainer.__init__ does over a quantized base"
     if spec.outputs == Outputs.KEPT:
         checkpointing += ("; --outputs kept (memest's default loop) holds the last step's output into the next "
                           "generation, where trl's Trainer drops it (training_step returns loss.detach()): add "
