@@ -92,7 +92,7 @@ def test_spec_defaults_follow_trl():
     ({"generations": 4}, "add --preference grpo"),
     ({"completion_len": 4}, "add --preference grpo"),
     ({"preference": "grpo", "batch": 8, "reference": "precomputed"}, "DPO's"),
-    ({"preference": "grpo", "batch": 8, "grad_accum": 2}, "not traced yet"),
+    ({"preference": "grpo", "batch": 8, "checkpointing": "every:2"}, "blocks or blocks-reentrant"),
 ])
 def test_bad_grpo_options_are_one_line_errors(fields, match):
     with pytest.raises(MemestError, match=match):

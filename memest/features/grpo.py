@@ -3,8 +3,9 @@
 Source: trl 1.16.0 (huggingface/trl): trl/trainer/grpo_trainer.py (``_generate_single_turn``'s regular
 transformers path, ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``_compute_loss``),
 trl/trainer/grpo_config.py (the defaults, read from ``GRPOConfig``'s fields, not copied), trl/trainer/utils.py
-(``pad``, ``shuffle_sequence_dict``, ``split_tensor_dict``, ``use_adapter``, ``add_fused_lm_head``). One step, as
-trl runs it with ``use_vllm=False`` and ``steps_per_generation = gradient_accumulation_steps = 1``:
+(``pad``, ``shuffle_sequence_dict``, ``split_tensor_dict``, ``use_adapter``, ``add_fused_lm_head``), trl/models/utils.py
+(``disable_gradient_checkpointing``, ``_unwrap_model_for_generation``). One optimizer step, as trl runs it with
+``use_vllm=False`` and ``steps_per_generation = gradient_accumulation_steps`` (GRPOConfig.__post_init__'s default):
 
 1. generation: ``policy.generate`` (transformers' own, ``do_sample=True``, a ``DynamicCache``) under
    ``torch.no_grad()`` for ``--batch`` sequences (``per_device_train_batch_size`` completions: ``--batch /
@@ -16,7 +17,21 @@ trl runs it with ``use_vllm=False`` and ``steps_per_generation = gradient_accumu
    loaded; ``--reference copy`` / ``adapter`` price ``beta != 0``): trl's ``_get_per_token_logps_and_entropies`` on
    the reference (a frozen copy, or the policy inside ``use_adapter(model, None)``) under ``torch.no_grad()``.
 3. training step: trl's own ``_compute_loss`` (loss_type "dapo", token-level importance sampling, the metrics it
-   logs), then backward and the optimizer step.
+   logs), then backward; once per micro-step, then the optimizer step.
+
+Gradient accumulation (``--grad-accum K``): trl's ``_prepare_inputs`` generates once per optimizer step for the whole
+generation batch (``K x --batch`` completions, ``generation_batch_size``), computes the reference log-probs of all of
+them (in chunks of ``--batch``), shuffles the batch (``shuffle_sequence_dict``) and splits it into K slices
+(``split_tensor_dict``: views) kept in ``self._buffered_inputs``; each micro-step's ``_compute_loss`` takes one slice.
+The buffer is an attribute: it is held through all K micro-steps and the optimizer step, and through the next step's
+generation until that one's buffer replaces it. With ``gradient_accumulation_steps % steps_per_generation == 0`` (the
+default), no old log-probs are computed.
+
+Gradient checkpointing (``--checkpointing blocks`` / ``blocks-reentrant``; trl's ``gradient_checkpointing`` defaults
+to True, trl/trainer/base_config.py): transformers' switch on the policy's layers; trl turns it off around
+``generate`` (``unwrap_model_for_generation``), which then runs with its KV cache, and around the no-grad log-probs
+(``disable_gradient_checkpointing``), and back on with ``gradient_checkpointing_kwargs`` (None: transformers 5's
+``use_reentrant=False``).
 
 The rewards (user reward functions) are not traced: memest's advantages are trl's float32 ``(batch,)`` vector.
 In the trace, scalar reads (the stop check of ``generate``, the metrics' ``.item()``) get placeholders
@@ -39,7 +54,7 @@ import torch
 from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.features.preference import no_padding
-from memest.spec.choices import Reference, Rollout
+from memest.spec.choices import CheckpointPolicy, Outputs, Quant, Reference, Rollout
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes
 
@@ -124,7 +139,8 @@ def stand_in_trainer(policy, reference, args) -> types.SimpleNamespace:
         use_adaptive_entropy=args.use_adaptive_entropy,
         _entropy_bonus_enabled=args.entropy_coef != 0.0 or args.use_adaptive_entropy,
         _entropy_window_stats=None, _last_world_entropy=None,
-        current_gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
+        current_gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_completion_length=args.max_completion_length,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
     )
     for name in ("_get_per_token_logps_and_entropies", "_compute_loss", "get_high_entropy_mask",
@@ -169,7 +185,7 @@ class GRPOStep(torch.nn.Module):
     generation, reference log-probs, then trl's ``_compute_loss``."""
 
     def __init__(self, policy, reference, adapter: bool, beta: float, completion_len: int, batch: int,
-                 vllm: bool = False):
+                 vllm: bool = False, accumulation: int = 1, checkpointing_kwargs: dict | None = None):
         super().__init__()
         self.vllm = vllm
         self.policy = policy
@@ -178,8 +194,14 @@ class GRPOStep(torch.nn.Module):
         self.beta = beta
         self.completion_len = completion_len
         self.batch = batch
+        self.accumulation = accumulation  # gradient_accumulation_steps = steps_per_generation
+        # trl's args.gradient_checkpointing_kwargs, re-applied when checkpointing is turned back on
+        self.checkpointing_kwargs = checkpointing_kwargs
         self.marks: list | None = None  # the trace's events list while tracing (GRPOFeature.contexts)
         self.phase_starts: list[tuple[str, int]] = []
+        self.buffered: list[dict] | None = None  # trl's self._buffered_inputs: the generation batch's K slices
+        self.generate_next = True  # an optimizer step starts (GRPOFeature.loop): the next micro-step generates
+        self.micro_step = 0
 
     def train(self, mode: bool = True) -> GRPOStep:
         super().train(mode)
@@ -203,19 +225,40 @@ class GRPOStep(torch.nn.Module):
         args = config_defaults()
         args.beta = self.beta
         args.max_completion_length = self.completion_len
-        # GRPOConfig.__post_init__ with one process and gradient_accumulation_steps 1
-        args.steps_per_generation, args.generation_batch_size = 1, self.batch
+        # GRPOConfig.__post_init__ with one process: steps_per_generation = gradient_accumulation_steps
+        args.gradient_accumulation_steps = args.steps_per_generation = self.accumulation
+        args.generation_batch_size = self.batch * self.accumulation
         trainer = stand_in_trainer(self.policy, self.reference, args)
         trainer.use_vllm = self.vllm
         fake = _is_fake(input_ids)
-        scalars = _fixed_length_generation(self.completion_len) if fake else contextlib.nullcontext()
-        self.mark(OLD_LOGPS if self.vllm else PHASES[0])
-        with scalars:
-            batch = self._rollout(input_ids, attention_mask, args, trainer, utils)
+        if self.generate_next or self.buffered is None:  # trl _prepare_inputs: once per steps_per_generation
+            self.generate_next, self.micro_step = False, 0
+            if self.accumulation > 1:  # the generation batch: K x per_device_train_batch_size prompts
+                input_ids, attention_mask = input_ids.repeat(self.accumulation, 1), attention_mask.repeat(
+                    self.accumulation, 1)
+            scalars = _fixed_length_generation(self.completion_len) if fake else contextlib.nullcontext()
+            self.mark(OLD_LOGPS if self.vllm else PHASES[0])
+            with scalars:
+                batch = self._rollout(input_ids, attention_mask, args, trainer, utils)
+            del input_ids, attention_mask
+            # the previous buffer is released only now, when the new one replaces it
+            self.buffered = utils.split_tensor_dict(batch, args.steps_per_generation)
+            del batch
+        inputs = self.buffered[self.micro_step % args.steps_per_generation]
+        self.micro_step += 1
         self.mark(PHASES[2])
         with _placeholders() if fake else contextlib.nullcontext():
-            loss = trainer._compute_loss(self.policy, batch)
+            loss = trainer._compute_loss(self.policy, inputs)
         return GRPOOutput(loss=loss)
+
+    def _checkpointing_off(self, model):
+        """trl's toggle around generate and the no-grad log-probs: off if on, back on after with
+        ``gradient_checkpointing_kwargs`` (trl/models/utils.py)."""
+        if self.checkpointing_kwargs is None:
+            return contextlib.nullcontext()
+        from trl.models.utils import disable_gradient_checkpointing
+
+        return disable_gradient_checkpointing(model, self.checkpointing_kwargs)
 
     def _rollout(self, input_ids, attention_mask, args, trainer, utils) -> dict:
         """trl's _generate_single_turn (regular transformers path) and _generate_and_score_completions."""
@@ -235,7 +278,8 @@ class GRPOStep(torch.nn.Module):
         )
         n, prompt_len = input_ids.shape
         if not self.vllm:
-            with torch.no_grad():
+            # unwrap_model_for_generation: checkpointing off (the cache is used), then back on
+            with self._checkpointing_off(self.policy), torch.no_grad():
                 prompt_completion_ids = self.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
                                                              generation_config=generation_config)
             completion_ids = prompt_completion_ids[:, prompt_len:]
@@ -261,12 +305,13 @@ class GRPOStep(torch.nn.Module):
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                "completion_mask": completion_mask, "num_items_in_batch": num_items_in_batch,
                "advantages": torch.zeros(n, dtype=torch.float32)}
-        if self.vllm:
-            out.update(self._importance_sampling(prompt_completion_ids, attention_mask, completion_mask, args, trainer,
-                                                 utils))
-        if self.beta != 0.0:
-            self.mark(PHASES[1])
-            with torch.no_grad():
+        # trl: one torch.no_grad() block with checkpointing off (disable_gradient_checkpointing) for both log-probs
+        with torch.no_grad(), self._checkpointing_off(self.policy):
+            if self.vllm:
+                out.update(self._importance_sampling(prompt_completion_ids, attention_mask, completion_mask, args,
+                                                     trainer, utils))
+            if self.beta != 0.0:
+                self.mark(PHASES[1])
                 if self.adapter:
                     with utils.use_adapter(self.policy, adapter_name=None):
                         ref, _, _ = trainer._get_per_token_logps_and_entropies(
@@ -274,10 +319,9 @@ class GRPOStep(torch.nn.Module):
                 else:
                     ref, _, _ = trainer._get_per_token_logps_and_entropies(
                         self.reference, prompt_completion_ids, attention_mask, length, batch_size=self.batch)
-            out["ref_per_token_logps"] = ref
+                out["ref_per_token_logps"] = ref
         del prompt_completion_ids, attention_mask
-        out = utils.shuffle_sequence_dict(out)
-        return utils.split_tensor_dict(out, 1)[0]  # steps_per_generation = 1
+        return utils.shuffle_sequence_dict(out)  # the caller splits it into steps_per_generation slices
 
 
 def _importance_sampling_fn(step, prompt_completion_ids, attention_mask, completion_mask, args, trainer, utils):
@@ -341,11 +385,38 @@ def wrap(policy: torch.nn.Module, spec) -> GRPOStep:
         reference.requires_grad_(False)
         reference.eval()
         utils.add_fused_lm_head(reference, temperature=args.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+    if spec.quant != Quant.NONE:
+        adapters_to_bf16(policy)
     utils.add_fused_lm_head(policy.get_base_model() if peft else policy, temperature=args.temperature,
                             cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, outputs=("log_probs", "entropy"))
     beta = 0.0 if kind is None else _nonzero_beta()
     return GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
-                    completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM)
+                    completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM,
+                    accumulation=spec.grad_accum, checkpointing_kwargs=checkpointing_kwargs(policy, reference, spec))
+
+
+def adapters_to_bf16(policy) -> None:
+    """GRPOTrainer.__init__ over a quantized base (``is_loaded_in_4bit`` / ``8bit``, trl 1.16.0 grpo_trainer.py):
+    "the PEFT adapter weights are converted to bf16" (QLoRA paper, section 3), every trainable parameter but a DoRA
+    magnitude vector, whatever peft's autocast_adapter_dtype made them; its optimizer state follows them."""
+    for name, param in policy.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
+
+
+def checkpointing_kwargs(policy, reference, spec) -> dict | None:
+    """trl's ``gradient_checkpointing_kwargs`` for --checkpointing blocks / blocks-reentrant (None: no checkpointing).
+    The layers must be under transformers' switch (features/checkpointing.py), the one trl turns off and on; a
+    reference copy made after it is switched off, as trl's reference (``create_model_from_path``) never has it."""
+    policy_kind = CheckpointPolicy.of(spec.checkpointing)
+    if policy_kind is CheckpointPolicy.NONE:
+        return None
+    if not getattr(policy, "is_activation_checkpointing", False):
+        raise MemestError("--preference grpo with --checkpointing: the policy's layers are not under transformers' "
+                          "gradient checkpointing switch, the one trl's GRPOTrainer turns off around generate")
+    if reference is not None:
+        reference.activation_checkpointing_disable()
+    return {"use_reentrant": policy_kind is CheckpointPolicy.BLOCKS_REENTRANT}
 
 
 def _nonzero_beta() -> float:
@@ -355,7 +426,8 @@ def _nonzero_beta() -> float:
 
 
 def phase_peaks(trace, starts: list[tuple[str, int]]) -> dict[str, int]:
-    """Each phase's peak live bytes in the last traced iteration (the steady state: optimizer state held)."""
+    """Each phase's peak live bytes in the last traced iteration (the steady state: optimizer state held); a phase
+    run once per micro-step (the training step) peaks at the highest of them."""
     timeline = trace.timeline()
     if not starts or not timeline:
         return {}
@@ -365,7 +437,7 @@ def phase_peaks(trace, starts: list[tuple[str, int]]) -> dict[str, int]:
     for k, (name, begin) in enumerate(last):
         end = last[k + 1][1] if k + 1 < len(last) else len(timeline)
         window = timeline[max(begin - 1, 0):end] if begin < len(timeline) else timeline[-1:]
-        peaks[name] = max(window)
+        peaks[name] = max(peaks.get(name, 0), max(window))  # each micro-step's training step: the highest
     return peaks
 
 
@@ -380,9 +452,24 @@ def describe(spec) -> str:
                "colocated one), then the policy's no-grad log-probs for vLLM's importance sampling (sequence_mask)")
     else:
         how = "generated by transformers' generate (use_vllm=False, DynamicCache)"
+    k = spec.grad_accum
+    accumulation = (f"; --grad-accum {k}: one generation of {k} x {spec.batch} completions per optimizer step, "
+                    f"buffered (trl steps_per_generation {k}) and held through the {k} micro-steps" if k > 1 else "")
+    if CheckpointPolicy.of(spec.checkpointing) is CheckpointPolicy.NONE:
+        checkpointing = ("; no gradient checkpointing (trl's default gradient_checkpointing=True: add --checkpointing "
+                         "blocks to price it)")
+    else:
+        checkpointing = ("; gradient checkpointing on the policy's layers, turned off by trl around generate (which "
+                         "keeps its KV cache) and the no-grad log-probs")
+    if spec.quant != Quant.NONE:
+        checkpointing += "; the adapters cast to bf16, as GRPOTrainer.__init__ does over a quantized base"
+    if spec.outputs == Outputs.KEPT:
+        checkpointing += ("; --outputs kept (memest's default loop) holds the last step's output into the next "
+                          "generation, where trl's Trainer drops it (training_step returns loss.detach()): add "
+                          "--outputs freed for trl's loop")
     return (f"--preference grpo: trl GRPOTrainer's step ({TRL_SOURCE}): {spec.batch} completions "
             f"({spec.batch // g} prompts x {g} generations) of {spec.seq} prompt + {completion_len_of(spec)} "
-            f"completion tokens, {how}, reference: {ref}, loss by trl's _compute_loss")
+            f"completion tokens, {how}, reference: {ref}, loss by trl's _compute_loss{accumulation}{checkpointing}")
 
 
 class GRPOFeature(StepFeature):
@@ -402,6 +489,15 @@ class GRPOFeature(StepFeature):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise MemestError("--preference grpo needs a causal LM's input_ids (hf: models): the source has none")
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
+
+    def loop(self, model, spec) -> contextlib.AbstractContextManager:
+        """Each optimizer step (its K micro-steps): its first micro-step generates (trl's ``_step %
+        generate_every == 0``). Found in ``model`` since real runs (validate/) call with new feature objects."""
+        found = model if isinstance(model, GRPOStep) else next(
+            (m for m in model.modules() if isinstance(m, GRPOStep)), None)
+        if found is not None:
+            found.generate_next = True
+        return contextlib.nullcontext()
 
     def contexts(self, step) -> list[contextlib.AbstractContextManager]:
         if self.step_module is not None:

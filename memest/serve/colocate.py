@@ -107,13 +107,15 @@ def colocated_engine(spec: RunSpec, ctx, needed_range, block: dict) -> Colocate:
     util = float(given("utilization", TRL_UTILIZATION))
     tp = int(given("tp", 1))
     max_model_len = TRL_MAX_MODEL_LEN
+    # trl: max_num_seqs = per_device_train_batch_size x tp x steps_per_generation (= gradient_accumulation_steps)
+    max_num_seqs = spec.batch * tp * (spec.grad_accum if spec.preference == Preference.GRPO else 1)
     if spec.preference == Preference.GRPO:
         from memest.features import grpo  # torch and trl: only for a GRPO step
 
         # trl's vllm_max_model_length: "at least the maximum prompt length plus max_completion_length" (its help)
         max_model_len = (spec.seq or 0) + grpo.completion_len_of(spec)
     engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(given("max_model_len", max_model_len)),
-                       utilization=util, tp=tp, max_num_seqs=int(given("max_num_seqs", spec.batch * tp)),
+                       utilization=util, tp=tp, max_num_seqs=int(given("max_num_seqs", max_num_seqs)),
                        max_num_batched_tokens=TRL_BATCHED_TOKENS, compute_capability=ctx.compute_capability,
                        **serve_measured(ctx, tp, block.get("non_torch_memory")))
     return colocate(needed_range, total, util, plan_serve(engine, recheck=False))  # no fixes shown

@@ -311,13 +311,11 @@ class RunSpec:
         if self.reference == Reference.PRECOMPUTED:
             raise MemestError("--reference precomputed is DPO's; GRPO's reference log-probs are of the sampled "
                               "completions: use --reference auto (trl's beta 0.0: none), copy or adapter")
-        other = [flag for flag, on in (
-            ("--grad-accum > 1", self.grad_accum > 1), ("--checkpointing", self.checkpointing != "none"),
-            ("--quant", self.quant != Quant.NONE),
-        ) if on]
-        if other:
-            raise MemestError(f"--preference grpo with {', '.join(other)} is not traced yet (docs/limitations.md); "
-                              "drop it")
+        if CheckpointPolicy.of(self.checkpointing) not in (CheckpointPolicy.NONE, CheckpointPolicy.BLOCKS,
+                                                           CheckpointPolicy.BLOCKS_REENTRANT):
+            raise MemestError(f"--preference grpo with --checkpointing {self.checkpointing}: trl's GRPOTrainer has "
+                              "gradient_checkpointing (every layer, re-enabled so after each generate) and its "
+                              "use_reentrant kwarg only: use --checkpointing blocks or blocks-reentrant")
 
     def _check_finetune(self) -> None:
 

@@ -96,7 +96,8 @@ def _step_peak(events) -> tuple[int, object]:
 def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, seed: int = 0) -> dict[str, int]:
     """The real step's peak bytes within each phase of its last iteration, where the step marks a phase's start with
     ``torch.profiler.record_function(prefix + name)`` (features/grpo.py): a phase runs to the next mark or to the
-    end of the step. Bytes as ``measure_cpu_peak`` counts them (parameters, buffers and inputs included)."""
+    end of the step; a phase marked several times (once per micro-step) peaks at the highest of its windows. Bytes as
+    ``measure_cpu_peak`` counts them (parameters, buffers and inputs included)."""
     assert spec.target == Target.CPU, "CPU ground truth is for --target cpu estimates"
     torch.manual_seed(seed)
     with traced_device():
@@ -110,6 +111,12 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
             loop = LoopState()
             for _ in range(spec.iterations):
                 run_step(built.runnable, built.inputs, optimizer, source.compute_loss, spec, loop=loop)
+    return {name: peak + baseline for name, peak in profiled_phase_peaks(prof, prefix, spec.iterations).items()}
+
+
+def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
+    """Each ``prefix``-marked phase's peak bytes in the last of ``iterations`` profiled steps, above the level the
+    profile started at (a step run by other code than memest's build: tests/test_grpo_recipes.py's bitsandbytes)."""
     marks, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
@@ -117,7 +124,7 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
             marks.append((e.start_time_ns, e.name[len(prefix):]))
         stack.extend(e.children)
     marks.sort()
-    per_iteration = len(marks) // spec.iterations
+    per_iteration = len(marks) // iterations
     last = marks[-per_iteration:] if per_iteration else []
     peaks: dict[str, int] = {}
     live: dict[int, int] = {}
@@ -125,7 +132,8 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
     for e in _allocation_events(prof):
         while k + 1 < len(last) and e.start_time_ns >= last[k + 1][0]:
             k += 1
-            peaks[last[k][1]] = running  # the level the phase starts at
+            # the level the phase starts at; a phase marked again (each micro-step's training step) keeps its max
+            peaks[last[k][1]] = max(peaks.get(last[k][1], 0), running)
         fields = e.extra_fields
         if fields.alloc_size > 0:
             live[fields.ptr] = fields.alloc_size
@@ -134,4 +142,4 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
             running -= live.pop(fields.ptr)
         if k >= 0:
             peaks[last[k][1]] = max(peaks[last[k][1]], running)
-    return {name: peak + baseline for name, peak in peaks.items()}
+    return peaks
