@@ -165,3 +165,26 @@ def test_report_says_what_the_video_costs():
     rows = [row.text for row in summary_rows(report) if row.label in ("images", "video")]
     assert rows == [f"3 frames of 60x90 per example -> 56x84, 2 temporal patches, 12 tokens each; 24 video tokens in "
                     f"the batch ({im['video']['processor']})"]
+
+
+def test_advise_offers_lower_max_pixels_priced_by_its_trace():
+    """advise's remedy for Qwen2-VL images: max_pixels a quarter of the resized image (448x448 -> 224x224: 256 ->
+    64 tokens), re-traced like every remedy; none for LLaVA (fixed tiles) nor where min_pixels is above it."""
+    from memest.plan.advise import _time_cost, candidates
+    from memest.plan.runner import Runner
+
+    runner = Runner(RunSpec(model=model_ref(QWEN2), batch=1, seq=16, target="cpu", images=1, image_size="448x448"))
+    found = [c for c in candidates(runner) if "max_pixels" in c[1]]
+    assert found == [("lower max_pixels to 50,176 (256 -> 64 image and video tokens per example)",
+                      {"max_pixels": 50176}, 0.9)]
+    lower = runner.run(max_pixels=50176)
+    assert lower.needed_bytes < runner.run().needed_bytes
+    cost = _time_cost(found[0][0], found[0][1], lower, runner.base)
+    assert cost.startswith("fewer image tokens, lower resolution: 64 tokens per image (448x448 resized to 224x224)")
+    video = Runner(RunSpec(model=model_ref(QWEN2), batch=1, seq=16, target="cpu", video_frames=4, image_size="448x448"))
+    assert [c[1] for c in candidates(video) if "max_pixels" in c[1]] == [{"max_pixels": 50176}]
+    floor = Runner(RunSpec(model=model_ref(QWEN2), batch=1, seq=16, target="cpu", images=1, image_size="448x448",
+                           min_pixels=60000))
+    assert not [c for c in candidates(floor) if "max_pixels" in c[1]]
+    llava = Runner(RunSpec(model=model_ref("hf:llava-tiny"), batch=1, seq=16, target="cpu", images=1))
+    assert not [c for c in candidates(llava) if "max_pixels" in c[1]]
