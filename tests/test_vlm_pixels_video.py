@@ -25,7 +25,7 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import model_ref
+from .conftest import CONFIGS, model_ref
 
 QWEN2, QWEN25 = "hf:qwen2-vl-tiny", "hf:qwen2.5-vl-tiny"
 
@@ -188,3 +188,66 @@ def test_advise_offers_lower_max_pixels_priced_by_its_trace():
     assert not [c for c in candidates(floor) if "max_pixels" in c[1]]
     llava = Runner(RunSpec(model=model_ref("hf:llava-tiny"), batch=1, seq=16, target="cpu", images=1))
     assert not [c for c in candidates(llava) if "max_pixels" in c[1]]
+
+
+# LLaMA-Factory's keys for Qwen2-VL (src/llamafactory/model/model_utils/visual.py at ff6d4d12, COMPOSITE_MODELS):
+# vision_model_keys and projector_keys, matched as substrings of parameter names (get_forbidden_modules)
+LLAMAFACTORY_QWEN2_VL = ("visual.patch_embed", "visual.blocks", "visual.merger")
+
+
+def test_freeze_vision_projector_is_llamafactorys_forbidden_modules():
+    """--freeze vision,projector freezes the parameters LLaMA-Factory's full fine-tuning leaves untrained with its
+    defaults (freeze_vision_tower and freeze_multi_modal_projector true), on the real model; 'vision' alone leaves
+    the merger trained; on a model without a tower the group is refused, naming the models it applies to."""
+    from memest.features.finetune import apply_freeze
+
+    model = load_source(model_ref(QWEN2)).build_model()
+    apply_freeze(model, ["vision", "projector"], "test")
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {name for name, _ in model.named_parameters() if any(k in name for k in LLAMAFACTORY_QWEN2_VL)}
+    assert frozen and all(name.startswith("model.visual.") for name in frozen)
+    model = load_source(model_ref(QWEN2)).build_model()
+    apply_freeze(model, ["vision"], "test")
+    assert {n for n, p in model.named_parameters() if p.requires_grad and n.startswith("model.visual.")} == {
+        n for n, _ in model.named_parameters() if "visual.merger" in n}
+    llama = load_source(model_ref("hf:llama-tiny")).build_model()
+    with pytest.raises(MemestError, match="'vision' matches no parameter.*qwen2_vl"):
+        apply_freeze(llama, ["vision"], "test")
+
+
+@pytest.mark.parametrize("ref,kw,gap", [
+    # tower and merger frozen at the model's input: nothing in them is saved for backward, QuickGELU's scalars
+    # neither; the peak in the forward: to the byte
+    (QWEN2, dict(batch=2, images=2, image_size="60x90", freeze="vision,projector", precision="fp32"), 0),
+    # the tower frozen, its merger trained (its inputs saved); the peak in AdamW's step: its -12 B
+    (QWEN25, dict(batch=1, video_frames=4, image_size="60x90", min_pixels=3136, freeze="vision",
+                  precision="bf16-mixed"), -12),
+], ids=["qwen2-vl-tower-and-projector-frozen", "qwen2.5-vl-video-tower-frozen"])
+def test_frozen_tower_matches_real_cpu_peak(ref, kw, gap):
+    assert _gap(ref, **kw) == gap
+
+
+def test_llamafactory_vision_defaults(tmp_path):
+    """LLaMA-Factory on a vision-language template: full fine-tuning freezes the tower and projector by default
+    (freeze: vision,projector), a key set false trains that part; LoRA says its targets differ; a text template
+    leaves the keys without effect."""
+    import yaml
+
+    from memest.spec.trainers.load import read_trainer_config
+
+    def read(**keys):
+        path = tmp_path / "qwen2vl_full_sft.yaml"
+        path.write_text(yaml.safe_dump({"model_name_or_path": str(CONFIGS / "qwen2-vl-tiny.json"), "stage": "sft",
+                                        "finetuning_type": "full", "template": "qwen2_vl", "bf16": True, **keys}))
+        return read_trainer_config(path)
+
+    full = read()
+    assert full.keys["freeze"] == "vision,projector" and not full.unknown
+    assert any("casts only the trainable parameters to fp32" in note for note in full.notes)
+    assert read(freeze_vision_tower=False).keys["freeze"] == "projector"
+    assert "freeze" not in read(freeze_vision_tower=False, freeze_multi_modal_projector=False).keys
+    lora = read(finetuning_type="lora")
+    assert "freeze" not in lora.keys and any("out of LoRA's targets" in note for note in lora.notes)
+    text = read(template="llama3", freeze_vision_tower=True)
+    assert "freeze" not in text.keys and ("freeze_vision_tower = True", "no effect: template 'llama3' is not a "
+                                          "vision-language one memest builds inputs for") in text.mapping

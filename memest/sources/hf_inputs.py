@@ -418,6 +418,16 @@ def image_tokens(config, head: Head, hw: tuple[int, int] | None, min_pixels: int
 TOWERS = {"llava": ("model.vision_tower", "model.multi_modal_projector"),
           "llava_next": ("model.vision_tower", "model.multi_modal_projector"),  # (image_newline: on the model itself)
           "qwen2_vl": ("model.visual",), "qwen2_5_vl": ("model.visual",)}
+# --freeze vision / projector on these models: the modules LLaMA-Factory's freeze_vision_tower and
+# freeze_multi_modal_projector freeze (hiyouga/LLaMA-Factory src/llamafactory/model/model_utils/visual.py,
+# COMPOSITE_MODELS' vision_model_keys / projector_keys, at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30), as
+# transformers 5 names them (Qwen2-VL's projector is its tower's merger; LLaVA-NeXT's image_newline is in neither)
+FREEZE_GROUPS = {
+    "llava": {"vision": ("model.vision_tower",), "projector": ("model.multi_modal_projector",)},
+    "llava_next": {"vision": ("model.vision_tower",), "projector": ("model.multi_modal_projector",)},
+    "qwen2_vl": {"vision": ("model.visual.patch_embed", "model.visual.blocks"), "projector": ("model.visual.merger",)},
+    "qwen2_5_vl": {"vision": ("model.visual.patch_embed", "model.visual.blocks"), "projector": ("model.visual.merger",)},
+}
 LLAVA_PROCESSOR = ("CLIPImageProcessor: shortest edge to the tower's image_size, center crop, one token per patch "
                    "(transformers image_processing_clip.py, processing_llava.py)")
 

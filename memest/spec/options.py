@@ -151,7 +151,8 @@ OPTIONS: tuple[Option, ...] = (
            "dtype=base: adapters in the base layers' dtype, peft's autocast_adapter_dtype=False; default fp32; "
            "needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
-           "(model.embed_tokens,model.layers.[0-9].*)."),
+           "(model.embed_tokens,model.layers.[0-9].*); on hf: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL also vision "
+           "(the vision tower) and projector, as LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector."),
     Option("quant", ("--quant",), "With --lora (QLoRA): base linear weights as bitsandbytes stores them: nf4 | fp4 | "
            "int8 (none: as built).", override="Override the base quantization."),
     Option("double_quant", ("--double-quant/--no-double-quant",), "--quant: bitsandbytes' double quantization of the "
