@@ -175,7 +175,7 @@ OPTIONS: tuple[Option, ...] = (
            "processor's default (images 3136, video frames 100352)."),
     Option("max_pixels", ("--max-pixels",), "Qwen2-VL, Qwen2.5-VL with --images / --video-frames: the processor's "
            "max_pixels (size longest_edge), the most pixels per image or frame (fewer image tokens below it); 0 = "
-           "the processor's default (images 12845056, video frames 602112)."),
+           "the processor's default (images 1003520, video frames 602112)."),
     Option("video_frames", ("--video-frames",), "Qwen2-VL, Qwen2.5-VL: one video of F frames per example "
            "(--image-size each), merged in pairs as Qwen2VLVideoProcessor does (pixel_values_videos, "
            "video_grid_thw), its tokens added to --seq; 0 = none."),
