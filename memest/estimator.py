@@ -155,10 +155,11 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
 
 
 def _image_facts(spec: RunSpec, source) -> dict | None:
-    """--images: what the model's processor makes of them (the report's images row)."""
-    if not spec.images or source.image_facts is None:
+    """--images / --video-frames: what the model's processor makes of them (the report's images row)."""
+    if not (spec.images or spec.video_frames) or source.image_facts is None:
         return None
-    return source.image_facts(spec.images, image_hw(spec.image_size) if spec.image_size else None)
+    return source.image_facts(spec.images, image_hw(spec.image_size) if spec.image_size else None,
+                              **spec.vision_options)
 
 
 def _trace_rank(spec: RunSpec, calibration: dict | None, source) -> _Rank:

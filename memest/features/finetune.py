@@ -19,6 +19,7 @@ from memest.features.base import StepFeature
 from memest.features.quant import Linear4bitModel, quantize_linears
 from memest.features.quant_int8 import Linear8bitModel
 from memest.imports import quiet_library_import
+from memest.sources.hf_inputs import FREEZE_GROUPS
 from memest.spec.choices import Quant, Shard, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
@@ -36,13 +37,26 @@ def unmatched_freeze(names: list[str], patterns: list[str], of: str = "") -> str
         if not any(_matches(name, pattern) for name in names):
             examples = ", ".join(names[:3])
             model = f" of {of}" if of else ""
-            return f"--freeze {pattern!r} matches no parameter{model} (names look like: {examples}, ...)"
+            group = (f"; {pattern} names a part of the hf: vision-language models memest knows ("
+                     f"{', '.join(FREEZE_GROUPS)})" if pattern in FREEZE_GROUP_NAMES else "")
+            return f"--freeze {pattern!r} matches no parameter{model} (names look like: {examples}, ...){group}"
     return None
+
+
+FREEZE_GROUP_NAMES = ("vision", "projector")
+
+
+def expand_freeze(model, patterns: list[str]) -> list[str]:
+    """--freeze's named parts of a vision-language model, ``vision`` (the tower) and ``projector``, as the modules
+    LLaMA-Factory freezes for them (sources/hf_inputs.py FREEZE_GROUPS); other patterns as given."""
+    groups = FREEZE_GROUPS.get(getattr(getattr(model, "config", None), "model_type", None), {})
+    return [module for p in patterns for module in (groups[p] if p in groups else (p,))]
 
 
 def apply_freeze(model, patterns: list[str], where: str) -> int:
     """requires_grad=False for every parameter matching a pattern; each pattern must match one."""
     frozen = 0
+    patterns = expand_freeze(model, patterns)
     missing = unmatched_freeze([name for name, _ in model.named_parameters()], patterns)
     if missing:
         raise MemestError(f"{where}: {missing}")

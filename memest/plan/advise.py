@@ -27,6 +27,7 @@ from memest.plan.runner import Runner
 from memest.spec import RunSpec
 from memest.spec.choices import Optimizer, Outputs, Precision, Preference, Reference, Target
 from memest.spec.options import command_line
+from memest.spec.run import image_hw
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes, plural
 
@@ -152,7 +153,47 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
                     {"lora": LORA, "reference": Reference.ADAPTER}, 0.7))
     if base.seq and base.seq >= 256:
         out.append((f"shorter sequence ({base.seq // 2})", {"seq": base.seq // 2}, 1.0))
-    return out
+    return out + _pixels_candidates(runner)
+
+
+def _pixels_candidates(runner: Runner) -> list[tuple[str, dict, float]]:
+    """Qwen2-VL with --images / --video-frames: max_pixels lowered to a quarter of the largest resized image or
+    frame (half the resolution each way), offered where it cuts the image or video tokens (sources/hf_qwen_vl.py)."""
+    base = runner.base
+    if not (base.images or base.video_frames) or runner.source.image_facts is None:
+        return []
+    hw = image_hw(base.image_size) if base.image_size else None
+    facts = runner.source.image_facts(base.images, hw, **base.vision_options)
+    if facts.get("max_pixels") is None:  # a processor without the rule (LLaVA's fixed tiles)
+        return []
+    sizes = ([facts["resized"]] if base.images else []) + ([facts["video"]["resized"]] if facts.get("video") else [])
+    largest = max(math.prod(int(side) for side in size.split("x")) for size in sizes)
+    lower = largest // 4
+    if base.min_pixels and base.min_pixels > lower:
+        return []
+    after = runner.source.image_facts(base.images, hw, **{**base.vision_options, "max_pixels": lower})
+    if _vision_tokens(after) >= _vision_tokens(facts):
+        return []
+    return [(f"lower max_pixels to {lower:,} ({_vision_tokens(facts)} -> {_vision_tokens(after)} image and video "
+             "tokens per example)", {"max_pixels": lower}, 0.9)]
+
+
+def _vision_tokens(facts: dict) -> int:
+    """Image and video tokens per example."""
+    video = facts.get("video")
+    return facts["per_example"] * facts["tokens_per_image"] + (video["tokens_per_video"] if video else 0)
+
+
+def _pixels_time_cost(base: RunSpec, result) -> str:
+    """What lowering max_pixels costs: fewer image tokens, each image seen at a lower resolution."""
+    im = result.report.images
+    parts = []
+    if base.images:
+        parts.append(f"{im['tokens_per_image']} tokens per image ({im['size']} resized to {im['resized']})")
+    if im.get("video"):
+        parts.append(f"{im['video']['tokens_per_video']} per video (frames resized to {im['video']['resized']})")
+    return ("fewer image tokens, lower resolution: " + "; ".join(parts)
+            + "; the model sees less detail (Qwen2-VL processor min_pixels/max_pixels)")
 
 
 def _grpo_candidates(base: RunSpec) -> list[tuple[str, dict, float]]:
@@ -222,6 +263,8 @@ def _time_cost(name: str, changes: dict, result, base: RunSpec) -> str:
         return f"~{format_bytes(2 * result.report.param_bytes)} over PCIe per step (grads out, params in)"
     if "seq" in changes:
         return "changes the task (shorter context)"
+    if "max_pixels" in changes:
+        return _pixels_time_cost(base, result)
     if "lora" in changes:
         r = result.report
         share = 100 * r.trainable_param_count / r.param_count if r.param_count else 0.0

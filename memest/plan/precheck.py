@@ -11,7 +11,7 @@ import torch
 
 from memest.errors import MemestError
 from memest.features.compiled import is_compiled
-from memest.features.finetune import unmatched_freeze
+from memest.features.finetune import expand_freeze, unmatched_freeze
 from memest.parallel import expert_parallel, pipeline_parallel, tensor_parallel
 from memest.spec import RunSpec
 from memest.spec.lora import freeze_patterns
@@ -30,7 +30,8 @@ def check_before_trace(source, spec: RunSpec) -> None:
     if model is None:
         return
     if patterns:
-        missing = unmatched_freeze([name for name, _ in model.named_parameters()], patterns, of=source.name)
+        missing = unmatched_freeze([name for name, _ in model.named_parameters()], expand_freeze(model, patterns),
+                                   of=source.name)
         if missing:
             raise MemestError(missing)
     if d.tp_enabled:

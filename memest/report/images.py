@@ -41,9 +41,11 @@ def images_summary(trace: Trace, facts: dict | None, batch: int, last: int, at_p
             at["activations"] += rec.nbytes if is_activation else 0
     trained = "trained" if param_bytes and grads >= param_bytes else ("frozen" if not grads else "partly trained")
     tokens = facts["tokens_per_image"]
+    video = facts.get("video")
     return {
         **{k: v for k, v in facts.items() if k != "tower"},
         "image_tokens": batch * facts["per_example"] * tokens,
+        "video_tokens": batch * video["tokens_per_video"] if video else 0,
         "tower": list(tower),
         "tower_params": params,
         "tower_param_bytes": param_bytes,

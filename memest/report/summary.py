@@ -74,6 +74,12 @@ def _images_rows(report: Report) -> list[SummaryRow]:
         return []
     cut = (f"{im['per_example']} x {im['size']} per example -> {im['resized']}, {im['tokens_per_image']} tokens each; "
            f"{im['image_tokens']} image tokens in the batch")
+    rows = [SummaryRow("images", cut, f"({im['processor']})")] if im["per_example"] else []
+    if video := im.get("video"):
+        t = video["grid_thw"][0]
+        rows.append(SummaryRow("video", f"{video['frames']} frames of {video['size']} per example -> {video['resized']}, "
+                               f"{t} temporal patches, {video['tokens_per_video']} tokens each; {im['video_tokens']} "
+                               "video tokens in the batch", f"({video['processor']})"))
     tower = ", ".join(im["tower"])
     state = im["tower_state"] + (f" ({format_bytes(im['tower_gradient_bytes'])} of gradients)"
                                  if im["tower_state"] == "partly trained" else "")
@@ -82,7 +88,7 @@ def _images_rows(report: Report) -> list[SummaryRow]:
             f"activations {format_bytes(im['tower_activation_bytes_at_peak'])} "
             f"({100 * im['tower_share_of_activations']:.1f}% of those at the peak)")
     text, code = _coded("vision tower ", tower, f": {cost}")
-    return [SummaryRow("images", cut, f"({im['processor']})"), SummaryRow("", text, code=code)]
+    return [*rows, SummaryRow("", text, code=code)]
 
 
 def _checkpointing_row(report: Report) -> SummaryRow:

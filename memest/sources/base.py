@@ -37,11 +37,12 @@ class ModelSource:
     # device it gives the model's structure (names, heads, layers) at no memory, for checks before any trace
     meta_build: bool = False
     # vision-language hf: models: (batch_size, text tokens, images per example, (height, width) or None) -> inputs
-    # with the images turned into tokens as the model's processor does (--images, --image-size); None: not a VLM
-    image_inputs: Callable[[int, int | None, int, tuple[int, int] | None], Any] | None = None
-    # (images per example, (height, width) or None) -> what the processor makes of them (size after resizing,
-    # tokens per image, the processor and its source) and the vision tower's module names, for the report
-    image_facts: Callable[[int, tuple[int, int] | None], dict] | None = None
+    # with the images turned into tokens as the model's processor does (--images, --image-size); keywords
+    # min_pixels, max_pixels, video_frames (Qwen2-VL's processors; others refuse them); None: not a VLM
+    image_inputs: Callable[..., Any] | None = None
+    # (images per example, (height, width) or None, the same keywords) -> what the processor makes of them (size
+    # after resizing, tokens per image, the processor and its source) and the vision tower's module names
+    image_facts: Callable[..., dict] | None = None
     values_hint: str = (
         "make the forward value-free: no .item() or Python branches on tensors, torch.where instead of "
         "boolean-mask indexing or nonzero"

@@ -116,11 +116,11 @@ def load_hf_source(name: str) -> ModelSource:
                 ranges[tensor] = (low, high)
         return inputs
 
-    def images_inputs(batch_size: int, seq_len: int | None, images: int, hw: tuple[int, int] | None):
-        return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw, reals)
+    def images_inputs(batch_size: int, seq_len: int | None, images: int, hw: tuple[int, int] | None, **vision):
+        return image_inputs(config, head, batch_size, seq_len or DEFAULT_SEQ, images, hw, reals, **vision)
 
-    def images_facts(images: int, hw: tuple[int, int] | None) -> dict:
-        return image_facts(config, head, images, hw)
+    def images_facts(images: int, hw: tuple[int, int] | None, **vision) -> dict:
+        return image_facts(config, head, images, hw, **vision)
 
     @contextlib.contextmanager
     def trace_context(spec):

@@ -18,7 +18,8 @@ loaded, naming what the model's forward asks for.
 | vision-language | Qwen2-VL, Qwen2.5-VL | input_ids with <|vision_start|>, image pads, <|vision_end|> per image, pixel_values (patches, C*T*P*P), image_grid_thw, mm_token_type_ids, labels | text tokens (image tokens added) |
 
 ``--images N --image-size HxW`` (``image_inputs``): N images per example of HxW pixels before the processor
-resizes them; the image tokens are added to --seq text tokens.
+resizes them; the image tokens are added to --seq text tokens. Qwen2-VL and Qwen2.5-VL also take
+``--min-pixels`` / ``--max-pixels`` and ``--video-frames F`` (one video of F frames per example): hf_qwen_vl.py.
 
 Every example is full length (no padding), as in ``hf_masks.py``: the step a packed or bucketed
 loader runs at this length.
@@ -32,6 +33,14 @@ from typing import Any
 
 from memest.errors import ModelLoadError
 from memest.sources.hf_llava_next import LLAVA_NEXT, llava_next_inputs, llava_next_tiles, llava_next_tokens
+from memest.sources.hf_qwen_vl import (
+    QWEN_VL,
+    QWEN_VL_DEFAULT_IMAGE,
+    pixel_bounds,
+    qwen_vl_grid,
+    qwen_vl_inputs,
+    video_grid,
+)
 
 DEFAULT_SEQ = 512  # tokens when --seq is not given (capped by the model's maximum positions)
 DEFAULT_AUDIO_SAMPLES = 160_000  # CTC without --seq: 10 s at 16 kHz, the rate wav2vec2-style models are trained on
@@ -48,9 +57,6 @@ SUPPORTED = (
     "(Whisper: input_features), CTC on raw audio (input_values), vision-text with return_loss (CLIP) and "
     "vision-language with image tokens (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL)"
 )
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
-
-QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
 
 @dataclass
@@ -311,7 +317,7 @@ def make_inputs(config, head: Head, batch: int, seq: int | None, reals=None) -> 
             "return_loss": True,
         }
     if head.name == VISION_LANGUAGE and config.model_type in QWEN_VL:
-        return _qwen_vl_inputs(config, batch, seq, 1, QWEN_VL_DEFAULT_IMAGE, reals)
+        return qwen_vl_inputs(config, batch, seq, 1, QWEN_VL_DEFAULT_IMAGE, reals)
     if head.name == VISION_LANGUAGE and config.model_type in LLAVA_NEXT:
         side = config.vision_config.image_size
         return llava_next_inputs(config, llava_image_tokens(config), batch, seq, 1, (side, side), reals)
@@ -363,13 +369,17 @@ def _llava_inputs(config, head: Head, batch: int, seq: int, images: int = 1) -> 
 
 # -- --images: N images per example, turned into tokens as the model's processor does ---------------
 def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tuple[int, int] | None,
-                 reals=None) -> dict[str, Any]:
+                 reals=None, *, min_pixels: int = 0, max_pixels: int = 0, video_frames: int = 0) -> dict[str, Any]:
     """Inputs of ``batch`` examples of ``images`` images (``hw`` pixels each before the processor resizes them)
-    and ``text`` text tokens: the image tokens are added, so the sequence is text + image tokens."""
+    and ``text`` text tokens: the image tokens are added, so the sequence is text + image tokens. Qwen2-VL and
+    Qwen2.5-VL also take the processor's ``min_pixels`` / ``max_pixels`` (0: its default) and one video of
+    ``video_frames`` frames of ``hw`` pixels per example (hf_qwen_vl.py); other models refuse them."""
     if head.name != VISION_LANGUAGE:
         raise ModelLoadError(f"--images: a {head.name} model takes no image tokens; memest builds them for {SUPPORTED}")
     if config.model_type in QWEN_VL:
-        return _qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE, reals)
+        return qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE, reals,
+                              min_pixels=min_pixels, max_pixels=max_pixels, video_frames=video_frames)
+    check_vision_options(config, min_pixels, max_pixels, video_frames)
     if config.model_type in LLAVA_NEXT:
         side = config.vision_config.image_size
         return llava_next_inputs(config, llava_image_tokens(config), batch, text, images, hw or (side, side), reals)
@@ -377,12 +387,27 @@ def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tup
     return _llava_inputs(config, head, batch, text + images * tokens, images)
 
 
-def image_tokens(config, head: Head, hw: tuple[int, int] | None) -> int:
+def check_vision_options(config, min_pixels: int, max_pixels: int, video_frames: int) -> None:
+    """--min-pixels / --max-pixels and --video-frames are Qwen2-VL's processors' rules: refused on other models
+    (LLaVA's processors resize to fixed tiles, and LLaVA and LLaVA-NeXT take no video)."""
+    if config.model_type in QWEN_VL:
+        return
+    flags = [flag for flag, value in (("--min-pixels", min_pixels), ("--max-pixels", max_pixels),
+                                      ("--video-frames", video_frames)) if value]
+    if flags:
+        raise ModelLoadError(
+            f"{' and '.join(flags)}: a {config.model_type} model's processor has no such rule (memest models them "
+            "for Qwen2-VL and Qwen2.5-VL: their processors' min_pixels/max_pixels and video inputs); drop "
+            f"{'them' if len(flags) > 1 else 'it'}"
+        )
+
+
+def image_tokens(config, head: Head, hw: tuple[int, int] | None, min_pixels: int = 0, max_pixels: int = 0) -> int:
     """Image tokens of one image of ``hw`` pixels. LLaVA(-1.5): its processor (CLIPImageProcessor) resizes the
     shortest edge to the tower's image_size and center-crops a square of it, so every image gives the same
     tokens whatever its size (processing_llava.py, image_processing_clip.py)."""
     if config.model_type in QWEN_VL:
-        grid_h, grid_w = qwen_vl_grid(config, hw or QWEN_VL_DEFAULT_IMAGE)
+        grid_h, grid_w = qwen_vl_grid(config, hw or QWEN_VL_DEFAULT_IMAGE, *pixel_bounds(min_pixels, max_pixels))
         return grid_h * grid_w // config.vision_config.spatial_merge_size**2
     if config.model_type in LLAVA_NEXT and hw is not None:
         return llava_next_tokens(config, llava_image_tokens(config), hw)
@@ -393,20 +418,38 @@ def image_tokens(config, head: Head, hw: tuple[int, int] | None) -> int:
 TOWERS = {"llava": ("model.vision_tower", "model.multi_modal_projector"),
           "llava_next": ("model.vision_tower", "model.multi_modal_projector"),  # (image_newline: on the model itself)
           "qwen2_vl": ("model.visual",), "qwen2_5_vl": ("model.visual",)}
+# --freeze vision / projector on these models: the modules LLaMA-Factory's freeze_vision_tower and
+# freeze_multi_modal_projector freeze (hiyouga/LLaMA-Factory src/llamafactory/model/model_utils/visual.py,
+# COMPOSITE_MODELS' vision_model_keys / projector_keys, at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30), as
+# transformers 5 names them (Qwen2-VL's projector is its tower's merger; LLaVA-NeXT's image_newline is in neither)
+FREEZE_GROUPS = {
+    "llava": {"vision": ("model.vision_tower",), "projector": ("model.multi_modal_projector",)},
+    "llava_next": {"vision": ("model.vision_tower",), "projector": ("model.multi_modal_projector",)},
+    "qwen2_vl": {"vision": ("model.visual.patch_embed", "model.visual.blocks"), "projector": ("model.visual.merger",)},
+    "qwen2_5_vl": {"vision": ("model.visual.patch_embed", "model.visual.blocks"), "projector": ("model.visual.merger",)},
+}
 LLAVA_PROCESSOR = ("CLIPImageProcessor: shortest edge to the tower's image_size, center crop, one token per patch "
                    "(transformers image_processing_clip.py, processing_llava.py)")
 
 
-def image_facts(config, head: Head, images: int, hw: tuple[int, int] | None) -> dict[str, Any]:
-    """What --images N --image-size HxW become, per image, as the processor cuts them (for the report)."""
+def image_facts(config, head: Head, images: int, hw: tuple[int, int] | None, *, min_pixels: int = 0,
+                max_pixels: int = 0, video_frames: int = 0) -> dict[str, Any]:
+    """What --images N --image-size HxW (and --video-frames F) become, per image, as the processor cuts them (for
+    the report)."""
+    check_vision_options(config, min_pixels, max_pixels, video_frames)
     vision = config.vision_config
+    bounds: tuple[int, int] | None = None
+    video = None
     if config.model_type in QWEN_VL:
         size = hw or QWEN_VL_DEFAULT_IMAGE
-        grid_h, grid_w = qwen_vl_grid(config, size)
+        bounds = pixel_bounds(min_pixels, max_pixels)
+        grid_h, grid_w = qwen_vl_grid(config, size, *bounds)
         resized = (grid_h * vision.patch_size, grid_w * vision.patch_size)
         processor = (f"Qwen2VLImageProcessor: smart_resize to multiples of {vision.patch_size * vision.spatial_merge_size} "
-                     f"px within min_pixels {QWEN_VL_MIN_PIXELS} / max_pixels {QWEN_VL_MAX_PIXELS}, one token per "
-                     "merged patch (transformers image_processing_pil_qwen2_vl.py)")
+                     f"px within min_pixels {bounds[0]} / max_pixels {bounds[1]}, one token per "
+                     "merged patch (transformers 5.24.0 image_processing_pil_qwen2_vl.py)")
+        if video_frames:
+            video = _video_facts(config, video_frames, size, min_pixels, max_pixels)
     elif config.model_type in LLAVA_NEXT:
         from transformers.image_processing_utils import select_best_resolution
 
@@ -420,29 +463,25 @@ def image_facts(config, head: Head, images: int, hw: tuple[int, int] | None) -> 
         side = getattr(vision, "image_size", 224)
         size, resized, processor = hw or (side, side), (side, side), LLAVA_PROCESSOR
     return {"per_example": images, "size": f"{size[0]}x{size[1]}", "resized": f"{resized[0]}x{resized[1]}",
-            "tokens_per_image": image_tokens(config, head, hw), "processor": processor,
-            "tower": list(TOWERS.get(config.model_type, ()))}
+            "tokens_per_image": image_tokens(config, head, hw, min_pixels, max_pixels), "processor": processor,
+            "min_pixels": bounds[0] if bounds else None, "max_pixels": bounds[1] if bounds else None,
+            "video": video, "tower": list(TOWERS.get(config.model_type, ()))}
 
 
-# -- Qwen2-VL -------------------------------------------------------------------------------------
-# Qwen2VLImageProcessor's defaults (transformers image_processing_pil_qwen2_vl.py, size shortest_edge /
-# longest_edge; the released Qwen2-VL preprocessor_config.json files set min_pixels 3136, max_pixels 12845056)
-QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
-
-
-def qwen_vl_grid(config, hw: tuple[int, int]) -> tuple[int, int]:
-    """Patches (rows, columns) of one image of ``hw`` pixels: resized by transformers' own ``smart_resize``
-    (both sides multiples of patch_size x spatial_merge_size, pixels within min/max_pixels), then cut in
-    patch_size squares (Qwen2VLImageProcessor._preprocess)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
+def _video_facts(config, frames: int, size: tuple[int, int], min_pixels: int, max_pixels: int) -> dict[str, Any]:
+    """One video per example as Qwen2VLVideoProcessor cuts it (hf_qwen_vl.py)."""
     vision = config.vision_config
-    factor = vision.patch_size * vision.spatial_merge_size
-    height, width = smart_resize(hw[0], hw[1], factor=factor, min_pixels=QWEN_VL_MIN_PIXELS,
-                                 max_pixels=QWEN_VL_MAX_PIXELS)
-    return height // vision.patch_size, width // vision.patch_size
+    lo, hi = pixel_bounds(min_pixels, max_pixels, video=True)
+    t, grid_h, grid_w = video_grid(config, frames, size, min_pixels, max_pixels)
+    return {"frames": frames, "size": f"{size[0]}x{size[1]}",
+            "resized": f"{grid_h * vision.patch_size}x{grid_w * vision.patch_size}", "grid_thw": [t, grid_h, grid_w],
+            "tokens_per_video": t * grid_h * grid_w // vision.spatial_merge_size**2, "min_pixels": lo, "max_pixels": hi,
+            "processor": (f"Qwen2VLVideoProcessor: each frame smart_resize'd within min_pixels {lo} / max_pixels {hi}, "
+                          f"frames padded to a multiple of temporal_patch_size {vision.temporal_patch_size} and merged "
+                          "in groups of it (transformers 5.24.0 video_processing_qwen2_vl.py)")}
 
 
+# -- Qwen2-VL (the processors' rules: hf_qwen_vl.py) ----------------------------------------------
 def _qwen_vl(config) -> Head:
     limit = getattr(config.text_config, "max_position_embeddings", None)
     tokens = image_tokens(config, Head(VISION_LANGUAGE, None), None)
@@ -455,54 +494,3 @@ def _qwen_vl(config) -> Head:
         "labels skip the image tokens"
     )
     return head
-
-
-def _qwen_vl_inputs(config, batch: int, text: int, images: int, hw: tuple[int, int], reals=None) -> dict[str, Any]:
-    """As Qwen2VLProcessor hands them to the model: each image (one frame, repeated to temporal_patch_size as
-    the image processor does) as grid_h x grid_w rows of C x T x P x P values in ``pixel_values``, its
-    ``image_grid_thw`` row [1, grid_h, grid_w], and in input_ids <|vision_start|>, one <|image_pad|> per
-    merged patch (grid_h x grid_w / merge^2), <|vision_end|> (processing_qwen2_vl.py)."""
-    import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():  # the real values (under the trace: known to hf_values.KnownValues)
-        real = _qwen_vl_ids(config, batch, text, images, hw)
-    pixels = torch.randn(real.pop("pixels"))
-    inputs = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in real.items()}
-    if reals is not None:
-        for name, t in real.items():
-            if name != "labels":
-                reals[inputs[name]] = t
-    if not isinstance(pixels, torch._subclasses.fake_tensor.FakeTensor):  # a real run: the real values
-        inputs = real
-    return {**inputs, "pixel_values": pixels}
-
-
-def _qwen_vl_ids(config, batch: int, text: int, images: int, hw: tuple[int, int]) -> dict[str, Any]:
-    import torch
-
-    vision = config.vision_config
-    grid_h, grid_w = qwen_vl_grid(config, hw)
-    per_image = grid_h * grid_w // vision.spatial_merge_size**2
-    special = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
-    vocab = config.text_config.vocab_size
-    ordinary = torch.tensor([t for t in range(vocab) if t not in special])
-    seq = text + images * (per_image + 2)
-    ids = ordinary[torch.randint(0, len(ordinary), (batch, seq))]
-    kind = torch.zeros(batch, seq, dtype=torch.long)
-    for i in range(images):
-        start = i * (per_image + 2)
-        ids[:, start] = config.vision_start_token_id
-        ids[:, start + 1:start + 1 + per_image] = config.image_token_id
-        ids[:, start + 1 + per_image] = config.vision_end_token_id
-        kind[:, start + 1:start + 1 + per_image] = 1
-    labels = ids.clone()
-    labels[:, :images * (per_image + 2)] = IGNORE_INDEX
-    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    return {
-        "input_ids": ids,
-        "pixels": (batch * images * grid_h * grid_w, patch),
-        "image_grid_thw": torch.tensor([[1, grid_h, grid_w]] * (batch * images)),
-        "mm_token_type_ids": kind,
-        "labels": labels,
-    }

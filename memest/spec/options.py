@@ -151,7 +151,8 @@ OPTIONS: tuple[Option, ...] = (
            "dtype=base: adapters in the base layers' dtype, peft's autocast_adapter_dtype=False; default fp32; "
            "needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
-           "(model.embed_tokens,model.layers.[0-9].*)."),
+           "(model.embed_tokens,model.layers.[0-9].*); on hf: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL also vision "
+           "(the vision tower) and projector, as LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector."),
     Option("quant", ("--quant",), "With --lora (QLoRA): base linear weights as bitsandbytes stores them: nf4 | fp4 | "
            "int8 (none: as built).", override="Override the base quantization."),
     Option("double_quant", ("--double-quant/--no-double-quant",), "--quant: bitsandbytes' double quantization of the "
@@ -168,7 +169,16 @@ OPTIONS: tuple[Option, ...] = (
            "as the model's processor does (Qwen2-VL, Qwen2.5-VL: smart_resize; LLaVA: one tower-sized tile; LLaVA-NeXT: anyres tiles), added to --seq text tokens; "
            "0 = the model's default inputs."),
     Option("image_size", ("--image-size",), "--images: HEIGHTxWIDTH of each image before the processor resizes it "
-           "(default: the vision tower's image size)."),
+           "(default: the vision tower's image size; --video-frames: of each frame)."),
+    Option("min_pixels", ("--min-pixels",), "Qwen2-VL, Qwen2.5-VL with --images / --video-frames: the processor's "
+           "min_pixels (size shortest_edge), the fewest pixels smart_resize keeps per image or frame; 0 = the "
+           "processor's default (images 3136, video frames 100352)."),
+    Option("max_pixels", ("--max-pixels",), "Qwen2-VL, Qwen2.5-VL with --images / --video-frames: the processor's "
+           "max_pixels (size longest_edge), the most pixels per image or frame (fewer image tokens below it); 0 = "
+           "the processor's default (images 1003520, video frames 602112)."),
+    Option("video_frames", ("--video-frames",), "Qwen2-VL, Qwen2.5-VL: one video of F frames per example "
+           "(--image-size each), merged in pairs as Qwen2VLVideoProcessor does (pixel_values_videos, "
+           "video_grid_thw), its tokens added to --seq; 0 = none."),
     Option("zero_grad", ("--zero-grad",), "After the step: none (set to None) | zeros."),
     Option("mode", ("--mode",), "train | inference | generate (decoders, KV cache)."),
     Option("new_tokens", ("--new-tokens",), "--mode generate: tokens after a --seq prompt."),

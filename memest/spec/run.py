@@ -167,6 +167,11 @@ class RunSpec:
     # their size before the processor resizes them ("HxW"; "" = the vision tower's own image size)
     images: int = 0
     image_size: str = ""
+    # Qwen2-VL / Qwen2.5-VL (sources/hf_qwen_vl.py): the processors' min_pixels / max_pixels (0 = the processor's
+    # default) and one video of video_frames frames per example (0 = none)
+    min_pixels: int = 0
+    max_pixels: int = 0
+    video_frames: int = 0
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -353,10 +358,25 @@ class RunSpec:
     def _check_images(self) -> None:
         if self.images < 0:
             raise MemestError(f"--images must be 0 or more images per example, got {self.images}")
+        for flag, value in (("--min-pixels", self.min_pixels), ("--max-pixels", self.max_pixels),
+                            ("--video-frames", self.video_frames)):
+            if value < 0:
+                raise MemestError(f"{flag} must be 0 (the default) or more, got {value}")
         if self.image_size:
             image_hw(self.image_size)
-            if not self.images:
-                raise MemestError("--image-size is the size of the --images inputs: give --images N with it")
+            if not (self.images or self.video_frames):
+                raise MemestError("--image-size is the size of the --images inputs (or --video-frames' frames): give "
+                                  "--images N or --video-frames F with it")
+        if (self.min_pixels or self.max_pixels) and not (self.images or self.video_frames):
+            raise MemestError("--min-pixels / --max-pixels bound the processor's resizing of --images (or --video-frames' "
+                              "frames): give --images N or --video-frames F with them")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise MemestError(f"--min-pixels {self.min_pixels} is above --max-pixels {self.max_pixels}")
+
+    @property
+    def vision_options(self) -> dict:
+        """The Qwen2-VL processors' knobs a source's image_inputs / image_facts take (0: the processor's default)."""
+        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "video_frames": self.video_frames}
 
     def _check_compile(self) -> None:
         if self.compile and self.world_size > 1:

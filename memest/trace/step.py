@@ -712,12 +712,13 @@ def _first_line(exc: Exception) -> str:
 
 def _inputs(source, spec, seq):
     """The step's inputs: the source's example_inputs, or with --images its vision-language inputs."""
-    if not spec.images:
+    if not (spec.images or spec.video_frames):
         return source.example_inputs(spec.batch, seq)
+    flag = "--images" if spec.images else "--video-frames"
     if source.image_inputs is None:
         raise TraceError(
-            f"--images: {source.origin or source.name} is not a vision-language model memest builds image inputs for "
-            "(hf: LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL configs); its inputs are its own (drop --images)"
+            f"{flag}: {source.origin or source.name} is not a vision-language model memest builds image inputs for "
+            f"(hf: LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL configs); its inputs are its own (drop {flag})"
         )
     hw = image_hw(spec.image_size) if spec.image_size else None
-    return source.image_inputs(spec.batch, seq, spec.images, hw)
+    return source.image_inputs(spec.batch, seq, spec.images, hw, **spec.vision_options)

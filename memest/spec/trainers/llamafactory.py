@@ -12,6 +12,11 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
   liger_kernel.py, hiyouga/LLaMA-Factory at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30): for ``stage`` pt and sft
   Liger's defaults, so its fused linear cross entropy (memest ``loss_head: fused``); other stages need logits
   (loader.py ``require_logits``) and get Liger's non-fused cross entropy, but memest refuses those stages (``stage``).
+- ``freeze_vision_tower`` and ``freeze_multi_modal_projector`` (both default true, hparams/finetuning_args.py) on a
+  vision-language ``template`` (qwen2_vl, llava, llava_next*): full fine-tuning leaves the tower's and the
+  projector's parameters untrained (model/adapter.py _setup_full_tuning, model_utils/visual.py
+  get_forbidden_modules): memest ``freeze: vision,projector``; LoRA leaves them out of the targets
+  (patch_target_modules), which memest's LoRA targets do not (a note says so).
 """
 
 from __future__ import annotations
@@ -97,9 +102,52 @@ _HANDLERS = {
     "stage": _stage, "quantization_bit": _quant, "bf16": _half, "fp16": _half,
     "gradient_checkpointing": _checkpointing, "disable_gradient_checkpointing": _checkpointing,
     "enable_liger_kernel": lambda out, key, value, path, data, lora: _liger(out, key, value, data),
+    "freeze_vision_tower": lambda out, key, value, path, data, lora: _vision_key(out, key, value, data),
+    "freeze_multi_modal_projector": lambda out, key, value, path, data, lora: _vision_key(out, key, value, data),
     "pure_bf16": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "trainable parameters kept in bf16" if value else "trainable parameters in fp32")),
 }
+
+
+# LLaMA-Factory's templates with an image plugin for the models memest builds image inputs for (src/llamafactory/data/
+# template.py: qwen2_vl (Qwen2-VL and Qwen2.5-VL), llava, llava_next, llava_next_llama3, llava_next_mistral, ...)
+def _vision_template(data: dict) -> bool:
+    template = str(data.get("template", ""))
+    return template in ("qwen2_vl", "llava") or template.startswith("llava_next")
+
+
+_VISION_PARTS = {"freeze_vision_tower": "vision", "freeze_multi_modal_projector": "projector"}
+
+
+def _vision_key(out: TrainerConfig, key: str, value, data: dict) -> None:
+    if not _vision_template(data):
+        out.mapping.append((f"{key} = {value}", f"no effect: template {data.get('template')!r} is not a vision-language "
+                                                "one memest builds inputs for"))
+        return
+    frozen = common.switch(value, out.path, key)
+    out.mapping.append((f"{key} = {value}", f"--freeze {_VISION_PARTS[key]}" if frozen else f"{_VISION_PARTS[key]} trained"))
+
+
+def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
+    """freeze_vision_tower / freeze_multi_modal_projector (default true) on a vision-language template."""
+    if not _vision_template(data):
+        return
+    parts = [part for key, part in _VISION_PARTS.items() if data.get(key, True) is not False]  # switch() checked it
+    for key, part in _VISION_PARTS.items():
+        if key not in data and part in parts:
+            out.mapping.append((f"({key} not set)", f"--freeze {part} (LLaMA-Factory's default: true)"))
+    if not parts:
+        return
+    if kind == "full":
+        out.keys["freeze"] = ",".join(parts)
+        if out.keys.get("precision") == "bf16-mixed":
+            out.notes.append("LLaMA-Factory casts only the trainable parameters to fp32 (adapter.py _setup_full_tuning): "
+                             f"the frozen {' and '.join(parts)} stay in bf16, which memest's bf16-mixed holds in fp32 "
+                             "(their weights counted at twice their bytes)")
+    elif kind == "lora":
+        out.notes.append(f"LLaMA-Factory leaves the {' and the '.join(parts)} out of LoRA's targets "
+                         "(model_utils/visual.py patch_target_modules); memest's LoRA targets still cover their linear "
+                         "layers, so its estimate trains adapters there too (an overestimate: pass targets by name)")
 
 
 def _liger(out: TrainerConfig, key: str, value, data: dict) -> None:
@@ -135,6 +183,7 @@ def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
                              "(src/llamafactory/model/adapter.py): prepare_kbit: true")
     elif lora:
         out.notes.append(f"lora_* keys with finetuning_type: {kind}: not LoRA, ignored by LLaMA-Factory and memest")
+    _vision_freeze(out, data, kind)
     if kind == "freeze":
         out.unknown.append("finetuning_type = freeze (which layers: set --freeze by name)")
     if keys.get("precision") == "bf16" and kind == "lora" and not data.get("pure_bf16"):
