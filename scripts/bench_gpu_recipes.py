@@ -110,9 +110,10 @@ def tt_rows() -> list[scale.Row]:
 
 def torchtune_rows() -> list[scale.Row]:
     """torchtune's README optimisation ladder, the rows memest can express."""
-    compile_note = ("torchtune compiles each decoder layer and the loss apart (training.compile_model on torch "
-                    f"nightlies, else the whole model; compile_loss: {TUNE_COMPILE}); memest's --compile compiles the "
-                    "whole model (Inductor defaults, activation_memory_budget 1.0)")
+    compile_note = ("torchtune compiles each decoder layer in place and the loss apart (training.compile_model: "
+                    "every TransformerSelfAttentionLayer's m.compile(); compile_loss: torch.compile(loss); "
+                    f"{TUNE_COMPILE}), the embedding, final norm, LM head and fp32 upcast run eager; memest's "
+                    "--compile compiles the whole model with its loss (Inductor defaults, activation_memory_budget 1.0)")
     return [
         scale.Row("torchtune llama-3.2-3b ladder", "+ Packed Dataset (eager, the ladder's base)", TUNE_README,
                   f"A100; {TUNE_SETUP}; this row: packed dataset, no compile", dict(TUNE_SPEC), A100, "allocated",
@@ -125,6 +126,19 @@ def torchtune_rows() -> list[scale.Row]:
 
 
 GROUPS = {"torchtitan": tt_rows, "torchtune": torchtune_rows}
+
+TITAN_9DEC370 = "scripts/models/titan_llama3_9dec370.py"  # relative to the repository root (main() chdirs there)
+
+
+def isolation_rows() -> list[scale.Row]:
+    """The same published run traced with one difference from its scored row changed: not scored (the published
+    figure would count twice); the table shows how far that difference moves memest's figures."""
+    return [scale.Row("isolation: model code", "Table 1 traced with torchtitan 9dec370's Llama 3.1 8B", TT_BENCH,
+                      f"8 H100 96GB; {TT_SETUP}", {**TT_SPEC, "model": TITAN_9DEC370, "world_size": 8}, H100_96,
+                      "reserved", round(82.4 * GiB),
+                      [f"{TITAN_9DEC370}: torchtitan's model code at {TT_RUN[:7]} (grouped-query attention with "
+                       "repeat_kv, its fp32-upcasting RMSNorm, complex RoPE, train.py's loss) in place of "
+                       "transformers' LlamaForCausalLM"])]
 
 SKIPPED = [  # published figures of these recipes not scored, and why (no number is made up for them)
     dict(source=TUNE_README, runs="'+ Chunked Cross Entropy' 42.9, '+ Activation Checkpointing' 24.9, '+ Fuse "
@@ -174,7 +188,9 @@ _TT_STREAMS = (
     "reduce-scatters on another (a block's fp32 unsharded gradients, 0.81 GiB), and those streams keep cached "
     "segments memest's one-stream replay reuses; (2) torchtitan keeps the last block unsharded after forward "
     "(+0.41 GiB at the loss, see the notes); (3) the peak op: memest's is the log-softmax backward of the loss (the "
-    "fp32 logits of 2 x 8192 tokens x 128256 are 7.83 GiB each), the run's is not stated.")
+    "fp32 logits of 2 x 8192 tokens x 128256 are 7.83 GiB each), the run's is not stated. Ruled out by a trace: the "
+    "model code (transformers' Llama in place of torchtitan's): the Isolations table traces torchtitan 9dec370's own "
+    "Llama 3.1 8B for Table 1 and compares its reserved figure with this row's.")
 CAUSES: dict[str, str] = {
     "Table 1: FSDP 8 GPUs, selective AC (op)": _TT_STREAMS + (
         " The run's drop from 8 to 128 GPUs is 15.4 GiB (82.4 -> 67.0); memest's is 11.2 GiB, of which 10.5 is the "
@@ -243,6 +259,23 @@ def render(scored: list[dict], env: dict, failed: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_isolations(iso: list[dict], scored: list[dict]) -> str:
+    if not iso:
+        return ""
+    lines = ["", "## Isolations (memest against memest: one difference from a scored row changed, not scored)", "",
+             "| isolation | run | memest allocated GiB | memest reserved GiB | the scored row's allocated / reserved GiB | "
+             "published GiB | settings traced |", "|---|---|---:|---:|---|---:|---|"]
+    for r in iso:
+        base = next((b for b in scored if b["source"] == r["source"] and b["measured_bytes"] == r["measured_bytes"]),
+                    None)
+        was = "-" if base is None else f"{scale._g(base['memest']['allocated'])} / {scale._g(base['memest']['reserved'])}"
+        lines.append(f"| {r['group']} | {r['label']} | {scale._g(r['memest']['allocated'])} | "
+                     f"{scale._g(r['memest']['reserved'])} | {was} | {scale._g(r['measured_bytes'])} | "
+                     f"`{scale._compact(r['spec'])}` |")
+    lines += [""] + [f"- {r['label']}: " + "; ".join(r["notes"]) for r in iso]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="score only rows whose group or label contains this text")
@@ -258,13 +291,17 @@ def main(argv=None) -> int:
         rows = [r for r in rows if args.only.lower() in f"{r.group} {r.label}".lower()]
     scored, failed, skipped, versions = scale.trace_rows(rows, Path(args.cache), no_cache=args.no_cache,
                                                          cached_only=args.cached_only)
+    isolations = [r for r in isolation_rows() if not args.only or args.only.lower() in f"{r.group} {r.label}".lower()]
+    iso_scored, iso_failed, iso_skipped, _ = scale.trace_rows(isolations, Path(args.cache), no_cache=args.no_cache,
+                                                              cached_only=args.cached_only)
+    failed, skipped = failed + iso_failed, skipped + iso_skipped
     env = scale._environment(versions)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {"environment": env, "summary": {f: scale.summary(scored, f) for f in FIGURES}, "rows": scored,
-            "failed": failed, "skipped": SKIPPED, "not_retraced": skipped}
+            "failed": failed, "skipped": SKIPPED, "not_retraced": skipped, "isolations": iso_scored}
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(scored, env, failed)
+    out.with_suffix(".md").write_text(render(scored, env, failed) + render_isolations(iso_scored, scored)
                                       + ("".join(f"\n- not retraced: {s}" for s in skipped) + "\n" if skipped else ""))
     for f in FIGURES:
         s = data["summary"][f]

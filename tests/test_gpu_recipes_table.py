@@ -71,3 +71,11 @@ def test_the_accuracy_doc_quotes_the_tables_medians():
     for figure in ("reserved", "allocated"):
         s = DATA["summary"][figure]
         assert f"{s['median_abs_error_pct']:.1f}%" in para and f"{s['max_abs_error_pct']:.1f}%" in para
+
+
+def test_isolations_are_traced_but_not_scored():
+    assert DATA["isolations"], "the model-code isolation of the torchtitan row"
+    labels = {r["label"] for r in ROWS}
+    for r in DATA["isolations"]:
+        assert r["label"] not in labels and PINNED.match(r["source"]) and r["notes"]
+        assert f"| {r['group']} | {r['label']} | {_gib(r['memest']['allocated'])} | {_gib(r['memest']['reserved'])} |" in TABLE
