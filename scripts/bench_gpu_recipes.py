@@ -127,7 +127,8 @@ def torchtune_rows() -> list[scale.Row]:
 
 GROUPS = {"torchtitan": tt_rows, "torchtune": torchtune_rows}
 
-TITAN_9DEC370 = "scripts/models/titan_llama3_9dec370.py"  # relative to the repository root (main() chdirs there)
+TITAN_9DEC370 = "scripts/models/titan_llama3_9dec370.py"
+EAGER_LOSS = "scripts/models/llama32_3b_eager_loss.py"  # relative to the repository root (main() chdirs there)
 
 
 def isolation_rows() -> list[scale.Row]:
@@ -138,7 +139,13 @@ def isolation_rows() -> list[scale.Row]:
                       "reserved", round(82.4 * GiB),
                       [f"{TITAN_9DEC370}: torchtitan's model code at {TT_RUN[:7]} (grouped-query attention with "
                        "repeat_kv, its fp32-upcasting RMSNorm, complex RoPE, train.py's loss) in place of "
-                       "transformers' LlamaForCausalLM"])]
+                       "transformers' LlamaForCausalLM"]),
+            *[scale.Row("isolation: loss outside the compiled graph", label, TUNE_README, f"A100; {TUNE_SETUP}",
+                        {**TUNE_SPEC, "model": EAGER_LOSS, **extra}, A100, "allocated", round(gib * GiB),
+                        [f"{EAGER_LOSS}: the model returns bf16 logits; their fp32 upcast and the cross-entropy run "
+                         "after it, eager (torchtune compiles its loss: here it is not)"])
+              for label, extra, gib in (("+ Packed Dataset, the loss after the model (eager)", {}, 60.0),
+                                        ("+ Compile, the loss after the compiled model", {"compile": True}, 51.0))]]
 
 SKIPPED = [  # published figures of these recipes not scored, and why (no number is made up for them)
     dict(source=TUNE_README, runs="'+ Chunked Cross Entropy' 42.9, '+ Activation Checkpointing' 24.9, '+ Fuse "
@@ -200,14 +207,16 @@ CAUSES: dict[str, str] = {
         "isolated); the 128-GPU row, where shards are small, is within 2.3%."),
     "Table 3: FSDP 128 GPUs, selective AC (op)": _TT_STREAMS,
     "+ Compile": (
-        "Inferred, not isolated by a trace. The eager row before it is within 3.5%, so the miss is in what compile "
-        "saves: the run's compile takes 9.0 GiB off the eager step (60.0 -> 51.0), memest's 14.7 GiB (57.92 -> "
-        "43.21). memest compiles the whole step as one graph, and transformers computes the loss inside forward, "
-        "so the LM head, the fp32 upcast and the cross-entropy are fused in it; torchtune compiles each decoder "
-        "layer and the loss apart, and its model makes the fp32 logits eagerly between them (self.output(h).float()), "
-        "the input the compiled loss saves and whose gradient backward makes: 2 x 4096 x 128256 x 4 B = 3.91 GiB "
-        "each, 7.83 GiB for the two, the size of the gap (7.79 GiB). memest cannot trace a per-layer compile with an "
-        "eager head: --compile compiles the model as torch.compile(model) does."),
+        "Isolated by a trace (the Isolations table). The eager row before it is within 3.5%, so the miss is in what "
+        "compile saves: the run's compile takes 9.0 GiB off the eager step (60.0 -> 51.0), memest's 14.7 GiB (57.92 "
+        "-> 43.21). memest compiles the whole step as one graph, and transformers computes the loss inside forward, "
+        "so the LM head's fp32 upcast and the cross-entropy are fused in it; torchtune compiles each decoder layer "
+        "and the loss apart, and its model makes the fp32 logits eagerly between them (self.output(h).float()), the "
+        "input the loss saves and whose gradient backward makes: 2 x 4096 x 128256 x 4 B = 3.91 GiB each, 7.83 GiB "
+        "for the two, the size of the gap (7.79 GiB). Traced with the upcast and the loss after the compiled model "
+        f"({EAGER_LOSS}, --compile), memest's figure is the Isolations table's; the rest of the difference is the "
+        "loss itself (eager there, compiled by torchtune) and the per-layer graphs. memest cannot trace a per-layer "
+        "compile: --compile compiles the model as torch.compile(model) does."),
 }
 
 
