@@ -434,7 +434,7 @@ def render(scored: list[dict], env: dict, failed: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def misses(scored: list[dict]) -> list[str]:
+def misses(scored: list[dict], causes: dict[str, str] | None = None) -> list[str]:
     """Each row off the goals (|error| > 5%, outside the range, or "does not fit"), with the numbers the causes rest
     on computed from the row; CAUSES adds what the sources say."""
     out = []
@@ -464,7 +464,7 @@ def misses(scored: list[dict]) -> list[str]:
         if m["verdict"] == "does-not-fit":
             why.append(f"memest calls a run that ran \"does not fit\" (a goal miss): its smallest budget for the step, "
                        f"{m['needed'][1] / GiB:.2f} GiB, is above the {card / GiB:.2f} GiB card.")
-        why.append(CAUSES.get(r["label"], ""))
+        why.append((CAUSES if causes is None else causes).get(r["label"], ""))
         out.append(f"- {r['group']} / {r['label']}: {r['error_pct']:+.1f}% ({r['figure']}), measured "
                    f"{'inside' if r['inside'] else 'outside' if r['inside'] is False else 'no range for'} memest's "
                    f"range; memest's breakdown at its peak (GiB): {parts}"
@@ -555,29 +555,15 @@ def render_before(data: dict, skipped: list[str]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="score only rows whose group or label contains this text")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu-scale"),
-                   help="output path without suffix (.json and .md are written)")
-    p.add_argument("--no-cache", action="store_true", help="retrace every row")
-    p.add_argument("--cache", default=str(CACHE), help="the per-row cache file (JSON)")
-    p.add_argument("--cached-only", action="store_true",
-                   help="score only the rows already traced at this code (the others are listed as not retraced)")
-    p.add_argument("--before", default="", help="an earlier run's .json: each row's earlier figure beside this one's")
-    args = p.parse_args(argv)
-    os.chdir(ROOT)  # model paths in the rows are relative to the repository root (a stable cache key)
-
-    rows = [r for make in GROUPS.values() for r in make()]
-    if args.only:
-        rows = [r for r in rows if args.only.lower() in f"{r.group} {r.label}".lower()]
+def trace_rows(rows: list[Row], cache_path: Path, *, no_cache: bool = False, cached_only: bool = False):
+    """Trace (or read from the cache) and score each row: (scored, failed, not retraced, versions). A row memest
+    refuses or cannot trace is reported in failed, never hidden."""
     code, versions = _source_hash(), _versions()
-    cache_path = Path(args.cache)
-    cache = {} if args.no_cache or not cache_path.exists() else json.loads(cache_path.read_text())
+    cache = {} if no_cache or not cache_path.exists() else json.loads(cache_path.read_text())
     scored, failed, skipped = [], [], []
     for row in rows:
         key = cache_key(row, code, versions)
-        if key not in cache and args.cached_only:
+        if key not in cache and cached_only:
             from memest.errors import MemestError
             from memest.spec import RunSpec
 
@@ -602,6 +588,27 @@ def main(argv=None) -> int:
             cache_path.write_text(json.dumps({**on_disk, **cache}, indent=1, sort_keys=True) + "\n")
             print(f"  {cache[key]['seconds']} s", file=sys.stderr, flush=True)
         scored.append(score(row, cache[key]))
+    return scored, failed, skipped, versions
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="score only rows whose group or label contains this text")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu-scale"),
+                   help="output path without suffix (.json and .md are written)")
+    p.add_argument("--no-cache", action="store_true", help="retrace every row")
+    p.add_argument("--cache", default=str(CACHE), help="the per-row cache file (JSON)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="score only the rows already traced at this code (the others are listed as not retraced)")
+    p.add_argument("--before", default="", help="an earlier run's .json: each row's earlier figure beside this one's")
+    args = p.parse_args(argv)
+    os.chdir(ROOT)  # model paths in the rows are relative to the repository root (a stable cache key)
+
+    rows = [r for make in GROUPS.values() for r in make()]
+    if args.only:
+        rows = [r for r in rows if args.only.lower() in f"{r.group} {r.label}".lower()]
+    scored, failed, skipped, versions = trace_rows(rows, Path(args.cache), no_cache=args.no_cache,
+                                                  cached_only=args.cached_only)
     env = _environment(versions)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
