@@ -124,7 +124,7 @@ NOT_SCORABLE = [  # published figures for issue 24's recipes that cannot be scor
          missing="prompt lengths come from AI-MO/NuminaMath-TIR (500 prompts drawn over the run; the data set and "
                  "Qwen2's tokenizer are not available offline) and completions stop at EOS, so the longest step's "
                  "shapes are unknown; the peak is the process's over loading and 500 steps; Qwen2-7B's config is "
-                 "not bundled; memest does not trace GRPO with --quant, --checkpointing or --loss-head yet",
+                 "not bundled; memest does not trace GRPO with --loss-head yet (--quant and --checkpointing: traced since the grpo30 merge)",
          spec=dict(preference="grpo", quant="nf4", double_quant=True, precision="fp32",
                    lora="r=32,alpha=32,dropout=0.0,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", batch=8, generations=8, completion_len=256, optim="paged-adamw-8bit",
                    loss_head="fused")),
