@@ -496,7 +496,7 @@ def _compile_request(model, spec) -> tuple[Any, CompileRequest | None]:
             "and tracing it eager would report a step that was not compiled; use --loss-head standard with the "
             "compiled step, or --no-compile to trace the loss head eager"
         )
-    if request is not None and spec.world_size > 1 and spec.training:
+    if request is not None and spec.world_size > 1 and spec.training and request.scope is not CompileScope.BLOCKS:
         raise TraceError(
             "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
             "(DDPOptimizer splits the graph at bucket boundaries); use --no-compile to trace it eager"

@@ -374,10 +374,14 @@ class RunSpec:
             object.__setattr__(self, "compile", True)
 
     def _check_compile(self) -> None:
-        if self.compile and self.world_size > 1:
+        if self.compile and self.world_size > 1 and not (self.compile_scope == CompileScope.BLOCKS
+                                                         and self.shard == Shard.ZERO3 and self.world_size == self.parallel.dp
+                                                         and self.offload == Offload.NONE):
             raise MemestError(
                 "--compile with --world-size: memest does not model a compiled model under DDP/FSDP (DDPOptimizer splits "
-                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself)"
+                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself); "
+                "traced: --compile-scope blocks --shard zero3 (each block compiled, then FSDP2, torchtitan's order; "
+                "without --tp/--pp/--cp/--ep or --offload)"
             )
         if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
