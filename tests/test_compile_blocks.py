@@ -54,8 +54,15 @@ def test_compiled_blocks_differ_from_the_eager_step_as_the_real_runs_do():
     assert compiled.peak()[0] - eager.peak()[0] == pytest.approx(real_compiled - real_eager, rel=0.02)
 
 
-def test_the_scope_is_checked_and_implies_compile():
+def test_the_scope_is_checked_and_implies_compile(tmp_path):
     assert RunSpec(model="m.py", compile_scope="blocks").compile is True
+    from memest.spec.choices import CompileScope
+    from memest.spec.config import load_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {LLAMA}\nbatch: 2\ncompile_scope: blocks\n")
+    spec = load_config(config).spec()
+    assert spec.compile_scope is CompileScope.BLOCKS and spec.compile is True
     with pytest.raises(MemestError, match="--compile-scope blocks with --no-compile"):
         RunSpec(model="m.py", compile_scope="blocks", compile=False)
     with pytest.raises(MemestError, match="unknown --compile-scope 'layers'"):
