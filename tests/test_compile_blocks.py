@@ -4,7 +4,9 @@
 block) is compared with the same step run for real on CPU (validate/cpu_truth.py: each block's real
 ``block.compile()``, Inductor generating and compiling its C++ kernels) on the tiniest llama config.
 
-Measured (llama-tiny, batch 2, seq 64, adamw): without checkpointing traced 5,777,820 B, real 5,778,332 B (-512 B);
+Measured (llama-tiny, batch 2, seq 64, adamw): without checkpointing traced 5,777,820 B, real 5,778,332 B (-512 B: the
+first step's int64 position_ids, alive into step 2 in a reference cycle with dynamo's tracing state until the
+garbage collector runs; gc.collect() between the real steps gives 5,777,820 B);
 with --checkpointing blocks traced 4,860,188 B, real 4,860,188 B (exact); with --checkpointing selective (torchtitan's op
 policy inside each compiled block) traced 5,134,620 B, real 5,134,620 B (exact). Tolerance: 2% of the true peak, as
 tests/test_compile.py."""
