@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.features.selective import selective_context_fn, selective_note
-from memest.spec.choices import CheckpointPolicy
+from memest.spec.choices import CheckpointPolicy, CompileScope
 from memest.trace.step import TRACED_MICRO_STEPS
 
 
@@ -92,10 +92,12 @@ def _hf_checkpointed(model: nn.Module) -> list[str]:
 
 
 def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the model", lookup=None,
-                        recomputed: list[int] | None = None) -> list[str]:
+                        recomputed: list[int] | None = None, hf_switch: bool = True) -> list[str]:
     """Apply ``--checkpointing value``; return the names of the checkpointed modules. ``lookup(name)`` finds a
     name the model file defines (``selective:NAME``); ``recomputed[0]`` sums the FLOPs selective checkpointing
-    leaves to recompute."""
+    leaves to recompute. ``hf_switch=False``: a transformers model's blocks are wrapped here too (their forward
+    under torch.utils.checkpoint, as torchtitan's checkpoint_wrapper), not by transformers' switch, whose
+    checkpoint runs in the layer's ``__call__``, outside a compiled block (--compile-scope blocks)."""
     policy = CheckpointPolicy.of(value)
     if policy is CheckpointPolicy.NONE:
         return []
@@ -119,7 +121,7 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
                 context_fn = selective_context_fn(value, model, hf, lookup, model_name,
                                                   recomputed if recomputed is not None else [0, 0, 0])
                 options.update(context_fn=context_fn, early_stop=False)
-            if _hf_switch(model, options):
+            if hf_switch and _hf_switch(model, options):
                 return _hf_checkpointed(model) or blocks
             chosen = blocks
     modules = dict(model.named_modules())
@@ -158,8 +160,9 @@ class CheckpointingFeature(StepFeature):
         self.recomputed = [0, 0, 0]
 
     def build(self, built, spec) -> None:
+        # --compile-scope blocks compiles each block with its checkpoint wrapper inside (torchtitan's order)
         built.checkpointed = apply_checkpointing(built.model, spec.checkpointing, built.where, built.lookup,
-                                                 self.recomputed)
+                                                 self.recomputed, hf_switch=spec.compile_scope is not CompileScope.BLOCKS)
 
     def finish(self, step) -> list[str]:
         if CheckpointPolicy.of(step.spec.checkpointing) in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):

@@ -43,7 +43,8 @@ import torch
 
 from memest.errors import TraceError
 from memest.features.base import StepFeature
-from memest.spec.choices import LossHead, Target
+from memest.features.checkpointing import repeated_blocks
+from memest.spec.choices import CompileScope, LossHead, Target
 from memest.trace.tracker import TrackingFakeMode
 
 # torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
@@ -66,21 +67,45 @@ class CompileRequest:
     by: str = "--compile"
     compiled_module: Any = None  # the model file's own OptimizedModule (the real run uses it as is)
     compiled_call_impl: Any = None  # the model file's ``model.compile()`` (in place), taken off for the trace
+    scope: CompileScope = CompileScope.STEP  # blocks: each repeated block compiled in place (torchtitan)
 
     @property
     def traced_eager(self) -> bool:
         """dynamo's ``eager`` backend runs the model's own ops; other backends memest does not model are traced eager."""
         return self.backend != "inductor" and self.backend not in OP_BY_OP_BACKENDS
 
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"options": self.inductor_config} if self.backend == "inductor" and self.inductor_config else {}
+
     def real_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module a real run calls: the model file's OptimizedModule, or ``torch.compile(model)``."""
+        """The module a real run calls: the model file's OptimizedModule, or ``torch.compile(model)``; for
+        ``--compile-scope blocks`` the model with each repeated block compiled in place, as torchtitan 0.3.0's
+        ``apply_compile`` does (torchtitan/distributed/compile.py: ``transformer_block.compile(backend=backend,
+        fullgraph=True)``, after activation checkpointing wrapped the block and before FSDP2 shards it)."""
+        if self.scope is CompileScope.BLOCKS:
+            for block in compiled_blocks(model):
+                block.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=True, **self.options)
+            return model
         if self.compiled_module is not None and self.compiled_module._orig_mod is model:
             return self.compiled_module
         if self.compiled_call_impl is not None:  # model.compile(): compiled in place, as the model file left it
             model._compiled_call_impl = self.compiled_call_impl
             return model
-        return torch.compile(model, backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph,
-                             **({"options": self.inductor_config} if self.backend == "inductor" and self.inductor_config else {}))
+        return torch.compile(model, backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **self.options)
+
+
+def compiled_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``--compile-scope blocks`` compiles: the repeated blocks (features/checkpointing.py's
+    ``repeated_blocks``, the blocks ``--checkpointing blocks`` wraps; torchtitan's ``model.layers``)."""
+    modules = dict(model.named_modules())
+    names = repeated_blocks(model)
+    if not names:
+        raise TraceError(
+            "--compile-scope blocks: the model has no repeated blocks (an nn.ModuleList, or an nn.Sequential of blocks, "
+            "of same-class modules) to compile one by one; use --compile-scope step"
+        )
+    return [modules[name] for name in names]
 
 
 def is_compiled(model: Any) -> bool:
@@ -294,6 +319,27 @@ class CompiledForward:
             return self._compiled(*args, **kwargs)
 
 
+class CompiledBlock:
+    """One repeated block's ``_call_impl`` compiled by dynamo with :func:`_trace_backend` and ``fullgraph=True``,
+    installed as the block's ``_compiled_call_impl`` (what ``nn.Module.compile()`` sets: ``Module.__call__`` then
+    calls it) for the step and removed after it. The block's call runs inside the compiled region, with its
+    wrappers (a checkpoint wrapper around its forward is compiled with it, as torchtitan's order has it)."""
+
+    def __init__(self, block: torch.nn.Module, request: CompileRequest) -> None:
+        self._compiled = torch.compile(block._call_impl, backend=_trace_backend(request), dynamic=request.dynamic,
+                                       fullgraph=True)
+
+    def __call__(self, *args, **kwargs):
+        with _without_global_module_hooks():
+            return self._compiled(*args, **kwargs)
+
+
+def _install_block_compiles(model: torch.nn.Module, request: CompileRequest, stack: contextlib.ExitStack) -> None:
+    for block in compiled_blocks(model):
+        block._compiled_call_impl = CompiledBlock(block, request)
+        stack.callback(setattr, block, "_compiled_call_impl", None)
+
+
 @contextlib.contextmanager
 def dynamo_session():
     """A clean dynamo for one step: caches reset before (no graph of another model or spec is reused)
@@ -345,8 +391,11 @@ def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
         _rng_hops_under_tracking_modes()
         if request.backend == "inductor":
             stack.enter_context(inductor_without_kernels())
-        model.forward = CompiledForward(model, request)
-        stack.callback(delattr, model, "forward")
+        if request.scope is CompileScope.BLOCKS and not request.traced_eager:
+            _install_block_compiles(model, request, stack)
+        else:
+            model.forward = CompiledForward(model, request)
+            stack.callback(delattr, model, "forward")
         yield
 
 
@@ -374,6 +423,12 @@ def compile_note(request: CompileRequest, target: str) -> str:
         "so their intermediates never exist, as in the real run); the compiled region's allocations are counted in the "
         "module that calls it. Not counted: a fused C++ kernel's own scratch outside torch's allocator"
     )
+    if request.scope is CompileScope.BLOCKS:
+        text = text.replace("compiled the step under", "compiled each repeated block under", 1) + (
+            "; each repeated block compiled in place with fullgraph=True (block.compile(), after --checkpointing "
+            "wrapped it: torchtitan 0.3.0's apply_compile, torchtitan/distributed/compile.py), the rest of the step "
+            "eager"
+        )
     if dropped:
         text += f"; not modelled: {', '.join(dropped)} (autotuned templates: Inductor's default kernels traced)"
     if target == Target.CUDA:
@@ -417,7 +472,15 @@ def _compile_request(model, spec) -> tuple[Any, CompileRequest | None]:
         return model, None
     if spec.compile and request is None:
         request = CompileRequest()
-    if request is not None and spec.checkpointing != "none" and not request.traced_eager:
+    if spec.compile_scope is CompileScope.BLOCKS:
+        if request.by != "--compile":
+            raise TraceError(
+                f"--compile-scope blocks on a model file that compiles itself ({request.by}): the file's own "
+                "torch.compile is the whole model; drop --compile-scope, or return the eager model"
+            )
+        request.scope, request.fullgraph, request.by = CompileScope.BLOCKS, True, "--compile-scope blocks"
+    if (request is not None and spec.checkpointing != "none" and not request.traced_eager
+            and request.scope is not CompileScope.BLOCKS):
         raise TraceError(
             f"--checkpointing {spec.checkpointing} on a compiled step: torch.utils.checkpoint inside torch.compile runs "
             "higher-order ops that save the real RNG state, which memest's fake tensors cannot hold; drop "
@@ -433,7 +496,7 @@ def _compile_request(model, spec) -> tuple[Any, CompileRequest | None]:
             "and tracing it eager would report a step that was not compiled; use --loss-head standard with the "
             "compiled step, or --no-compile to trace the loss head eager"
         )
-    if request is not None and spec.world_size > 1 and spec.training:
+    if request is not None and spec.world_size > 1 and spec.training and request.scope is not CompileScope.BLOCKS:
         raise TraceError(
             "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
             "(DDPOptimizer splits the graph at bucket boundaries); use --no-compile to trace it eager"

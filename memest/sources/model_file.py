@@ -28,10 +28,15 @@ def load_model_file(ref: str) -> ModelSource:
     module_name = f"memest_model_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
+    # importable by its name, as a model file the user imports is (importlib's recipe): torch.compile's dynamo
+    # imports a function's module by name when it inlines a call whose globals differ from the caller's (a
+    # checkpoint wrapper around a block's forward under --compile-scope blocks)
+    sys.modules[module_name] = module
     sys.path.insert(0, str(path.parent.resolve()))
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # the user's code raised while importing
+        sys.modules.pop(module_name, None)
         raise ModelLoadError(f"{path}: importing the model file raised {type(exc).__name__}: {exc}") from exc
     finally:
         sys.path.pop(0)

@@ -223,6 +223,16 @@ class DataDependent(Choice):
     UPPER_BOUND = "upper-bound"  # size-bounded ones (nonzero, x[mask], masked_select, unique) at their bound
 
 
+class CompileScope(Choice):
+    """--compile-scope: what torch.compile compiles (features/compiled.py)."""
+
+    STEP = "step"  # the whole model, as torch.compile(model) does (default)
+    # each repeated block in place, as torchtitan's apply_compile does (torchtitan 0.3.0,
+    # torchtitan/distributed/compile.py: transformer_block.compile(backend=..., fullgraph=True), after
+    # activation checkpointing is applied to the block)
+    BLOCKS = "blocks"
+
+
 class LossHead(Choice):
     """--loss-head: standard | chunked[:N] | chunked-output[:N] | fused (the kind of a value; features/loss_head.py)."""
 

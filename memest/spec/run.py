@@ -10,6 +10,7 @@ from memest.spec.choices import (
     Attention,
     Cache,
     CheckpointPolicy,
+    CompileScope,
     CpRotate,
     DataDependent,
     ExpertRouting,
@@ -56,6 +57,7 @@ _CHOICE_FIELDS = {
     "pp_schedule": (PipelineSchedule, "--pp-schedule"),
     "quant": (Quant, "--quant"),
     "data_dependent": (DataDependent, "--data-dependent"),
+    "compile_scope": (CompileScope, "--compile-scope"),
     "ep_routing": (ExpertRouting, "ep_routing"),
     "cp_rotate": (CpRotate, "--cp-rotate"),
 }
@@ -161,6 +163,9 @@ class RunSpec:
     # torch.compile (features/compiled.py): None = as the model code does (a model file may return torch.compile(model));
     # True = compile an eager model as torch.compile(model) does (Inductor); False = trace a compiled model eager
     compile: bool | None = None
+    # what --compile compiles: the whole model (step), or each repeated block in place (blocks: torchtitan's
+    # apply_compile); blocks implies --compile
+    compile_scope: CompileScope = CompileScope.STEP
     # ops whose output size depends on values: refuse (the error), or upper-bound (features/upper_bound.py)
     data_dependent: DataDependent = DataDependent.REFUSE
     # vision-language hf: models (sources/hf_inputs.py): images per example (0 = the model's default inputs) and
@@ -177,6 +182,7 @@ class RunSpec:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
             object.__setattr__(self, name, enum.parse(getattr(self, name), flag))
         object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
+        self._resolve_compile_scope()
         CheckpointPolicy.of(self.checkpointing)
         object.__setattr__(self, "loss_head", str(self.loss_head).strip().lower())
         if LossHead.of(self.loss_head)[0] != LossHead.STANDARD and not self.training:
@@ -378,11 +384,22 @@ class RunSpec:
         """The Qwen2-VL processors' knobs a source's image_inputs / image_facts take (0: the processor's default)."""
         return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "video_frames": self.video_frames}
 
+    def _resolve_compile_scope(self) -> None:
+        """--compile-scope blocks implies --compile (set before any check that reads it)."""
+        if self.compile_scope == CompileScope.BLOCKS:
+            if self.compile is False:
+                raise MemestError("--compile-scope blocks with --no-compile: drop one (blocks compiles each block)")
+            object.__setattr__(self, "compile", True)
+
     def _check_compile(self) -> None:
-        if self.compile and self.world_size > 1:
+        if self.compile and self.world_size > 1 and not (self.compile_scope == CompileScope.BLOCKS
+                                                         and self.shard == Shard.ZERO3 and self.world_size == self.parallel.dp
+                                                         and self.offload == Offload.NONE):
             raise MemestError(
                 "--compile with --world-size: memest does not model a compiled model under DDP/FSDP (DDPOptimizer splits "
-                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself)"
+                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself); "
+                "traced: --compile-scope blocks --shard zero3 (each block compiled, then FSDP2, torchtitan's order; "
+                "without --tp/--pp/--cp/--ep or --offload)"
             )
         if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")

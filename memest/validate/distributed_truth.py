@@ -32,7 +32,7 @@ from memest.parallel.distributed import fake_process_group, wrap
 from memest.parallel.expert_parallel import route_as
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.spec.choices import Target
+from memest.spec.choices import CompileScope, Target
 from memest.trace.step import LoopState
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
 
@@ -186,7 +186,8 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     source = load_source(spec.model)
     torch.manual_seed(seed)
     built = build(source, spec)
-    model, inputs = built.model, built.inputs
+    # --compile-scope blocks: each block compiled in place (block.compile()) before FSDP2 wraps it, torchtitan's order
+    model, inputs = (built.runnable if spec.compile_scope is CompileScope.BLOCKS else built.model), built.inputs
     del built
     if dims.ep_enabled:  # weights that make the router split the pairs as the traced assumption says
 
