@@ -95,3 +95,27 @@ def test_other_layouts_with_compile_stay_refused():
                {"shard": "zero3", "tp": 2, "world_size": 4}):
         with pytest.raises(MemestError, match="--compile with --world-size.*--compile-scope blocks --shard zero3"):
             RunSpec(model="m.py", **{"compile": True, "compile_scope": "blocks", "world_size": 2, **kw})
+
+
+def test_more_blocks_than_dynamos_recompile_limit_compile_once_as_in_the_real_run(tmp_path):
+    """Ten blocks (torch._dynamo.config.recompile_limit is 8): the blocks share one compiled _call_impl, as the real
+    block.compile(backend="inductor") calls do. memest used to build one trace backend per block, which dynamo's
+    BACKEND_MATCH guard answered with a recompile per block, failing at the ninth (FailOnRecompileLimitHit under
+    fullgraph=True) on every transformers model deeper than 8 layers (llama-3.2-3b's 28 among them)."""
+    import json
+
+    import torch._dynamo.config as dynamo_config
+
+    from .conftest import ROOT
+
+    config = json.loads((ROOT / "tests" / "configs" / "llama-tiny.json").read_text())
+    config["num_hidden_layers"] = dynamo_config.recompile_limit + 2
+    path = tmp_path / "llama-deep.json"
+    path.write_text(json.dumps(config))
+    ref = f"hf:{path}"
+    spec = RunSpec(model=ref, batch=2, seq=16, optim="adamw", target="cpu", checkpointing="blocks",
+                   compile_scope="blocks")
+    source = load_source(ref)
+    traced = trace_step(source, spec).peak()[0]
+    _assert_close(f"llama-tiny with {config['num_hidden_layers']} blocks compiled", traced,
+                  measure_cpu_peak(source, spec)["peak_bytes"])

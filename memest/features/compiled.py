@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from memest.errors import TraceError
+from memest.errors import MemestError, TraceError
 from memest.features.base import StepFeature
 from memest.features.checkpointing import repeated_blocks
 from memest.spec.choices import CompileScope, LossHead, Target
@@ -325,18 +325,40 @@ class CompiledBlock:
     calls it) for the step and removed after it. The block's call runs inside the compiled region, with its
     wrappers (a checkpoint wrapper around its forward is compiled with it, as torchtitan's order has it)."""
 
-    def __init__(self, block: torch.nn.Module, request: CompileRequest) -> None:
-        self._compiled = torch.compile(block._call_impl, backend=_trace_backend(request), dynamic=request.dynamic,
-                                       fullgraph=True)
+    def __init__(self, block: torch.nn.Module, request: CompileRequest, backend) -> None:
+        # one backend object for every block, as the real run's backend="inductor": dynamo guards on the backend's
+        # identity (BACKEND_MATCH), so a backend per block would recompile the shared _call_impl once per block
+        self._compiled = torch.compile(block._call_impl, backend=backend, dynamic=request.dynamic, fullgraph=True)
 
     def __call__(self, *args, **kwargs):
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
         with _without_global_module_hooks():
-            return self._compiled(*args, **kwargs)
+            try:
+                return self._compiled(*args, **kwargs)
+            except FailOnRecompileLimitHit as exc:
+                raise MemestError(recompile_limit_message()) from exc
+
+
+def recompile_limit_message() -> str:
+    """Why ``--compile-scope blocks`` stopped: dynamo compiles every block from the same code (``Module._call_impl``)
+    and recompiles it when a guard differs between blocks; past ``torch._dynamo.config.recompile_limit`` a
+    ``fullgraph=True`` compile fails, in the real run as here (checked on a 10-layer transformers Llama, torch 2.13,
+    run with ``use_cache=True``: each block updates the forward's DynamicCache at its own ``layer_idx``; memest's
+    ``hf:`` training traces run with ``use_cache=False``, sources/hf.py)."""
+    import torch._dynamo.config as dynamo_config
+
+    return ("--compile-scope blocks: dynamo recompiled the blocks' shared forward once per block (a guard differs "
+            "between the blocks, e.g. an int attribute such as a layer index that the forward branches or indexes "
+            f"on) and hit torch._dynamo.config.recompile_limit ({dynamo_config.recompile_limit}) under "
+            "fullgraph=True; the real block.compile(fullgraph=True) fails the same way. Make the blocks' forwards "
+            "alike, or use --compile-scope step")
 
 
 def _install_block_compiles(model: torch.nn.Module, request: CompileRequest, stack: contextlib.ExitStack) -> None:
+    backend = _trace_backend(request)
     for block in compiled_blocks(model):
-        block._compiled_call_impl = CompiledBlock(block, request)
+        block._compiled_call_impl = CompiledBlock(block, request, backend)
         stack.callback(setattr, block, "_compiled_call_impl", None)
 
 
