@@ -12,13 +12,14 @@ from functools import cached_property
 
 from memest.device import fit
 from memest.device.usage import DeviceUsage, device_usage
+from memest.errors import MemestError
 from memest.features.registry import trace_step
 from memest.parallel.distributed import sharding_summary
 from memest.report.analysis import Report, ReportParts, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.spec.choices import ExpertRouting, Offload, Target, Verdict
+from memest.spec.choices import ActivationOffload, ExpertRouting, Offload, Target, Verdict
 from memest.spec.run import image_hw
 from memest.trace.events import Trace
 from memest.units import format_bytes
@@ -116,6 +117,11 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     stage is traced; the estimate returned is the stage that needs the most, with every stage listed
     (``report.pipeline_stages``): the step fits only if its worst stage does. ``notes``: the caller's
     (the GPU modelled), after the estimate's own."""
+    if spec.target == Target.CPU and spec.activation_offload == ActivationOffload.SAVE_ON_CPU:
+        # save_on_cpu(pin_memory=False) on host tensors: tensor.cpu() is the tensor itself, the option is a no-op;
+        # refused for the user (battery 29, #162), still traceable below for the ground truth (features/activation_offload)
+        raise MemestError("--activation-offload save-on-cpu with --target cpu moves nothing: the saved tensors are "
+                          "already in host memory (tensor.cpu() returns each one itself); drop it, or use --target cuda")
     source = source or load_source(spec.model)
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it

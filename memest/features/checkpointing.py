@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.features.selective import selective_context_fn, selective_note
+from memest.features.selective import selective_context_fn, selective_note, user_policy
 from memest.spec.choices import CheckpointPolicy
 from memest.trace.step import TRACED_MICRO_STEPS
 
@@ -103,6 +103,8 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
     if policy is CheckpointPolicy.NAMES:
         chosen = [name.strip() for name in value.split(",") if name.strip()]
     else:
+        if policy is CheckpointPolicy.SELECTIVE_USER:  # a NAME the file lacks is said first (battery 29, #161)
+            user_policy(value.partition(":")[2], lookup, model_name)
         blocks = repeated_blocks(model)
         if not blocks:
             raise MemestError(

@@ -1,0 +1,92 @@
+"""Issue 22's fourth battery (benchmarks/battery-30.md): the leftovers of battery 29 (benchmarks/battery-29.md
+#152, #161, #162, #177, A5/A6, A26) and the defects battery 30 found in the features added since battery 29
+(--preference orpo|kto|simpo|cpo|grpo, --images, --loss-head chunked-output, --from on the planners, --lora
+dtype=base, --checkpointing blocks-reentrant). Each test failed on main 05c2d10."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import memest
+from memest.cli import app
+from memest.errors import MemestError
+
+from .conftest import ROOT
+from .conftest import one_line_error as error_line
+
+runner = CliRunner()
+MLP = str(ROOT / "examples" / "mlp.py")
+TINY_JSON = ROOT / "tests" / "configs" / "llama-tiny.json"
+TINY = f"hf:{TINY_JSON}"
+AXOLOTL = f"base_model: {TINY_JSON}\nsequence_len: 32\nmicro_batch_size: 2\n"
+
+
+# --- battery 29's leftovers
+
+def test_version_with_extra_arguments_is_a_usage_error():
+    # was: `memest --version extra` printed the versions and exited 0 (battery 29, #152)
+    line = error_line(runner.invoke(app, ["--version", "extra"]), alone=True)
+    assert "--version" in line and "'extra'" in line
+    plain = runner.invoke(app, ["--version"])
+    assert plain.exit_code == 0 and plain.stdout.startswith("memest ")
+
+
+def test_selective_name_the_file_lacks_is_said_before_no_repeated_blocks():
+    # was: "examples/mlp.py has no repeated blocks" for selective:NOPE (battery 29, #161)
+    line = error_line(runner.invoke(app, ["estimate", MLP, "--checkpointing", "selective:NOPE"]), alone=True)
+    assert "defines no NOPE" in line and "repeated blocks" not in line
+
+
+def test_pageable_activation_offload_on_the_cpu_target_is_refused():
+    # was: exit 0 with a note (host copies of host tensors move nothing) (battery 29, #162)
+    line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--target", "cpu",
+                                          "--activation-offload", "save-on-cpu"]), alone=True)
+    assert "--activation-offload save-on-cpu with --target cpu moves nothing" in line
+    with pytest.raises(MemestError, match="moves nothing"):
+        memest.estimate(TINY, seq=32, target="cpu", activation_offload="save-on-cpu")
+
+
+def test_an_include_that_is_not_utf8_names_the_include_and_the_users_from_file(tmp_path):
+    # was: "--from bin.json: not UTF-8 text" when the user's --from was the axolotl file (battery 29, #177)
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00garbage\x9c")
+    config = tmp_path / "ax.yml"
+    config.write_text(AXOLOTL + "deepspeed: bin.json\n")
+    line = error_line(runner.invoke(app, ["estimate", "--from", str(config)]), alone=True)
+    assert "bin.json" in line and f"included by --from {config}" in line and "not UTF-8" in line
+    assert "--from bin.json" not in line
+
+
+def test_api_from_file_reads_the_run_as_the_cli_does(tmp_path):
+    # was: memest.estimate(from_file=...) -> TypeError: missing 'model' (battery 29, A5)
+    config = tmp_path / "ax.yml"
+    config.write_text(AXOLOTL)
+    for extra, flags in (({}, []), ({"batch": 4}, ["--batch", "4"])):
+        est = memest.estimate(from_file=str(config), **extra)
+        cli = runner.invoke(app, ["estimate", "--from", str(config), *flags, "--json"])
+        assert cli.exit_code == 0, cli.output
+        doc = json.loads(cli.stdout)
+        assert est.peak_allocated_bytes == doc["peak_allocated_bytes"]
+        assert json.loads(est.to_json())["spec"]["batch"] == doc["spec"]["batch"] == extra.get("batch", 2)
+
+
+def test_api_from_file_errors_are_memest_errors_naming_from_file(tmp_path):
+    with pytest.raises(MemestError, match=r"^memest.estimate\(\): from_file 'nothere.yml': not found"):
+        memest.estimate(from_file="nothere.yml")
+    with pytest.raises(MemestError, match="from_file: expected the path"):
+        memest.estimate(from_file=5)
+    with pytest.raises(MemestError, match="or from_file="):
+        memest.estimate()
+    config = tmp_path / "ax.yml"
+    config.write_text(AXOLOTL)
+    with pytest.raises(MemestError, match="not a factory"):
+        memest.estimate(lambda: torch.nn.Linear(2, 2), from_file=str(config))
+
+
+def test_preflight_batch_that_disagrees_with_the_sample_is_refused():
+    # was: preflight(..., batch=8) over a sample of 2 silently estimated batch 8 (battery 29, A26)
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(MemestError, match=r"batch=8 disagrees with sample_batch's first dimension \(2\)"):
+        memest.preflight(model, None, torch.zeros(2, 3), gpu="1GB", batch=8)
+    assert memest.preflight(model, None, torch.zeros(2, 3), gpu="1GB", batch=2).fits
