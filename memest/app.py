@@ -31,7 +31,7 @@ from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.serve.plan import validate as validate_serve
 from memest.spec import RunSpec, options
-from memest.spec.choices import Target, Verdict
+from memest.spec.choices import Preference, Target, Verdict
 from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
 from memest.units import format_bytes
@@ -597,6 +597,13 @@ def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
 
     if limit < 1:
         raise MemestError(f"--limit must be at least 1, got {limit}")
+    if not seq_search and Preference.parse(spec_args.get("preference") or Preference.NONE, "preference") == Preference.GRPO:
+        from types import SimpleNamespace
+
+        from memest.features.grpo import generations_of
+
+        # the searched batch counts completions, a multiple of --generations: the base is one group (battery 30)
+        spec_args = {**spec_args, "batch": generations_of(SimpleNamespace(generations=spec_args.get("generations") or 0))}
     ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     runner = ctx.runner
     key = "seq" if seq_search else "batch"

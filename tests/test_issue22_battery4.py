@@ -90,3 +90,19 @@ def test_preflight_batch_that_disagrees_with_the_sample_is_refused():
     with pytest.raises(MemestError, match=r"batch=8 disagrees with sample_batch's first dimension \(2\)"):
         memest.preflight(model, None, torch.zeros(2, 3), gpu="1GB", batch=8)
     assert memest.preflight(model, None, torch.zeros(2, 3), gpu="1GB", batch=2).fits
+
+
+# --- battery 30
+
+GRPO = ["--seq", "32", "--preference", "grpo", "--generations", "2", "--completion-len", "8"]
+
+
+def test_max_batch_under_grpo_searches_multiples_of_generations():
+    # was: exit 2, "--batch must be a multiple of --generations 2 ... got --batch 1": the search began at batch 1
+    result = runner.invoke(app, ["max-batch", TINY, *GRPO, "--gpu", "24GB", "--limit", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["step"] == 2 and doc["value"] == 4 and doc["hit_limit"]
+    assert sorted(v for v, _, _ in doc["probes"]) == [2, 4]
+    line = error_line(runner.invoke(app, ["max-batch", TINY, *GRPO, "--gpu", "24GB", "--limit", "1"]), alone=True)
+    assert "--limit 1" in line and "--generations 2" in line
