@@ -19,7 +19,7 @@ from memest.report.analysis import Report, ReportParts, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.spec.choices import ActivationOffload, ExpertRouting, Offload, Target, Verdict
+from memest.spec.choices import ActivationOffload, ExpertRouting, Offload, Preference, Target, Verdict
 from memest.spec.run import image_hw
 from memest.trace.events import Trace
 from memest.units import format_bytes
@@ -126,6 +126,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
+    _check_completion_positions(spec, source)
     if spec.parallel.ep_enabled:
         gathered = _routing_range(spec, calibration, source)
     elif spec.parallel.cp_enabled:
@@ -133,6 +134,23 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     else:
         gathered = _pipeline_ranks(spec, calibration, source)
     return _estimate_of(gathered, source, notes)
+
+
+def _check_completion_positions(spec: RunSpec, source) -> None:
+    """--preference grpo generates --completion-len tokens after the --seq prompt: each needs a position (was: a
+    100,032-token generation on a 256-position model, traced token by token for many minutes, battery 30)."""
+    if spec.preference != Preference.GRPO or not source.max_seq or spec.seq is None:
+        return
+    from memest.features.grpo import completion_len_of
+
+    total = spec.seq + completion_len_of(spec)
+    if total > source.max_seq:
+        why = f" ({source.max_seq_why})" if source.max_seq_why else ""
+        given = f"--completion-len {spec.completion_len}" if spec.completion_len else \
+            f"trl's default max_completion_length {completion_len_of(spec)} (--completion-len 0)"
+        raise MemestError(f"--preference grpo: the prompt (--seq {spec.seq}) and {given} make {total} positions; "
+                          f"{source.name} takes at most {source.max_seq} positions{why}; use --seq + --completion-len "
+                          f"of {source.max_seq} or less")
 
 
 def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:

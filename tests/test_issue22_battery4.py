@@ -123,3 +123,13 @@ def test_preference_on_a_vision_language_model_is_refused_not_traced_without_its
     line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "8", "--batch", "1", "--preference", "dpo",
                                           *extra]))  # (progress lines: the default inputs are built first)
     assert "--preference dpo" in line and ("--images" in line if extra else "pixel_values" in line), line
+
+
+@pytest.mark.parametrize("completion, named", [("100000", "--completion-len 100000"), ("0", "max_completion_length 512")])
+def test_grpo_prompt_and_completion_past_the_models_positions_is_refused(completion, named):
+    # was: --completion-len 100000 on a 256-position model traced a 100,032-token generation for many minutes
+    line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--preference", "grpo", "--generations", "2",
+                                          "--batch", "2", "--completion-len", completion]))
+    assert named in line and "256 positions" in line, line
+    with pytest.raises(MemestError, match="positions"):
+        memest.estimate(TINY, seq=32, preference="grpo", generations=2, batch=2, completion_len=int(completion))
