@@ -127,6 +127,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
     _check_completion_positions(spec, source)
+    _check_image_positions(spec, source)
     if spec.parallel.ep_enabled:
         gathered = _routing_range(spec, calibration, source)
     elif spec.parallel.cp_enabled:
@@ -151,6 +152,20 @@ def _check_completion_positions(spec: RunSpec, source) -> None:
         raise MemestError(f"--preference grpo: the prompt (--seq {spec.seq}) and {given} make {total} positions; "
                           f"{source.name} takes at most {source.max_seq} positions{why}; use --seq + --completion-len "
                           f"of {source.max_seq} or less")
+
+
+def _check_image_positions(spec: RunSpec, source) -> None:
+    """--images N adds N images' tokens to the --seq text tokens: all need positions (was: --images 1000 on a
+    512-position model traced ~256,000 tokens for many minutes, battery 30)."""
+    facts = _image_facts(spec, source) if source.max_seq and spec.seq is not None else None
+    if not facts:
+        return
+    total = spec.seq + spec.images * facts["tokens_per_image"]
+    if total > source.max_seq:
+        why = f" ({source.max_seq_why})" if source.max_seq_why else ""
+        raise MemestError(f"--images {spec.images}: {facts['tokens_per_image']} image tokens each (a {facts['size']} "
+                          f"image) and --seq {spec.seq} text tokens make at least {total} positions; {source.name} takes "
+                          f"at most {source.max_seq} positions{why}; use fewer or smaller images, or a shorter --seq")
 
 
 def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:

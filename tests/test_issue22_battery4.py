@@ -133,3 +133,10 @@ def test_grpo_prompt_and_completion_past_the_models_positions_is_refused(complet
     assert named in line and "256 positions" in line, line
     with pytest.raises(MemestError, match="positions"):
         memest.estimate(TINY, seq=32, preference="grpo", generations=2, batch=2, completion_len=int(completion))
+
+
+def test_images_past_the_models_positions_are_refused():
+    # was: --images 1000 (256 tokens each) on a 512-position model: a ~256,000-token trace, still running after minutes
+    qwen = "hf:" + str(ROOT / "tests" / "configs" / "qwen2.5-vl-tiny.json")
+    line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "32", "--images", "1000"]))
+    assert "--images 1000" in line and "256 image tokens" in line and "512 positions" in line, line
