@@ -140,3 +140,9 @@ def test_images_past_the_models_positions_are_refused():
     qwen = "hf:" + str(ROOT / "tests" / "configs" / "qwen2.5-vl-tiny.json")
     line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "32", "--images", "1000"]))
     assert "--images 1000" in line and "256 image tokens" in line and "512 positions" in line, line
+
+
+def test_a_checkpointing_policy_spelled_with_an_underscore_is_named(tmp_path):
+    # was: "has no module 'blocks_reentrant'; see the module names in the memest table" (YAML blocks_reentrant)
+    line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--checkpointing", "blocks_reentrant"]))
+    assert "did you mean the policy blocks-reentrant?" in line, line

@@ -127,7 +127,11 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
     modules = dict(model.named_modules())
     for name in chosen:
         if name not in modules or name == "":
-            close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+            # a policy spelled with '_' or another case is read as a module name: say which policy it is (battery 30)
+            words = ("none", "blocks", "blocks-reentrant", "selective")
+            policy_like = next((w for w in words if name.lower().replace("_", "-") == w), None)
+            close = [f"the policy {policy_like}"] if policy_like else \
+                difflib.get_close_matches(name, [n for n in modules if n], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else "; see the module names in the memest table"
             raise MemestError(f"--checkpointing: {model_name} has no module {name!r}{hint}")
         _wrap(modules[name], options)
