@@ -146,3 +146,11 @@ def test_a_checkpointing_policy_spelled_with_an_underscore_is_named(tmp_path):
     # was: "has no module 'blocks_reentrant'; see the module names in the memest table" (YAML blocks_reentrant)
     line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--checkpointing", "blocks_reentrant"]))
     assert "did you mean the policy blocks-reentrant?" in line, line
+
+
+def test_grpo_on_a_vision_language_model_is_refused_before_tracing():
+    # was: exit 2 "the forward raised AttributeError: 'Qwen2_5_VLConfig' object has no attribute 'eos_token_id'"
+    qwen = "hf:" + str(ROOT / "tests" / "configs" / "qwen2.5-vl-tiny.json")
+    line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "8", "--preference", "grpo", "--generations", "2",
+                                          "--batch", "2", "--completion-len", "4"]), alone=True)
+    assert "--preference grpo on a vision-language model" in line and "AttributeError" not in line, line
