@@ -13,6 +13,7 @@ from functools import cached_property
 from memest.device import fit
 from memest.device.usage import DeviceUsage, device_usage
 from memest.errors import MemestError
+from memest.features.grpo import completion_len_of
 from memest.features.registry import trace_step
 from memest.parallel.distributed import sharding_summary
 from memest.report.analysis import Report, ReportParts, analyse
@@ -148,8 +149,6 @@ def _check_completion_positions(spec: RunSpec, source) -> None:
     100,032-token generation on a 256-position model, traced token by token for many minutes, battery 30)."""
     if spec.preference != Preference.GRPO or not source.max_seq or spec.seq is None:
         return
-    from memest.features.grpo import completion_len_of
-
     total = spec.seq + completion_len_of(spec)
     if total > source.max_seq:
         why = f" ({source.max_seq_why})" if source.max_seq_why else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from memest.errors import MemestError
+from memest.features.grpo import generations_of
 from memest.plan.runner import Runner
 from memest.spec.choices import Preference
 
@@ -45,8 +46,6 @@ def _step(runner: Runner, key: str) -> int:
     (was: max-batch probed batch 1 and stopped on RunSpec's multiple check, battery 30)."""
     if key != "batch" or runner.base.preference != Preference.GRPO:
         return 1
-    from memest.features.grpo import generations_of
-
     return generations_of(runner.base)
 
 
