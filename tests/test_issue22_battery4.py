@@ -154,3 +154,10 @@ def test_grpo_on_a_vision_language_model_is_refused_before_tracing():
     line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "8", "--preference", "grpo", "--generations", "2",
                                           "--batch", "2", "--completion-len", "4"]), alone=True)
     assert "--preference grpo on a vision-language model" in line and "AttributeError" not in line, line
+
+
+def test_plan_parallel_refuses_a_preference_step_it_cannot_lay_out():
+    # was: exit 0, every layout 'not traceable' (--preference dpo with --world-size > 1 is not traced yet)
+    line = error_line(runner.invoke(app, ["plan-parallel", TINY, "--seq", "32", "--preference", "dpo", "--gpus", "2",
+                                          "--gpu", "24GB"]), alone=True)
+    assert "--preference dpo" in line and "plan-parallel" in line, line
