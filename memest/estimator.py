@@ -20,7 +20,7 @@ from memest.report.analysis import Report, ReportParts, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.spec.choices import ActivationOffload, ExpertRouting, Offload, Preference, Target, Verdict
+from memest.spec.choices import ActivationOffload, ExpertRouting, LossHead, Offload, Preference, Target, Verdict
 from memest.spec.run import image_hw
 from memest.trace.events import Trace
 from memest.units import format_bytes
@@ -134,6 +134,7 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
                           "yet: trl's batch would carry its images (pixel_values), memest's preference batch does not "
                           "(docs/limitations.md)")
     _check_completion_positions(spec, source)
+    _check_loss_chunks(spec)
     _check_image_positions(spec, source)
     if spec.parallel.ep_enabled:
         gathered = _routing_range(spec, calibration, source)
@@ -157,6 +158,15 @@ def _check_completion_positions(spec: RunSpec, source) -> None:
         raise MemestError(f"--preference grpo: the prompt (--seq {spec.seq}) and {given} make {total} positions; "
                           f"{source.name} takes at most {source.max_seq} positions{why}; use --seq + --completion-len "
                           f"of {source.max_seq} or less")
+
+
+def _check_loss_chunks(spec: RunSpec) -> None:
+    """--loss-head chunked[-output]:N splits the sequence in N chunks: more than its tokens leaves empty chunks, one
+    traced op each (was: chunked-output:100000 at --seq 32 still tracing after 10 minutes, battery 30)."""
+    kind, chunks = LossHead.of(spec.loss_head)
+    if chunks and spec.seq is not None and chunks > spec.seq:
+        raise MemestError(f"--loss-head {spec.loss_head}: {chunks} chunks of a {spec.seq}-token sequence leave "
+                          f"{chunks - spec.seq} of them empty; use {kind}:{spec.seq} or fewer")
 
 
 def _check_image_positions(spec: RunSpec, source) -> None:

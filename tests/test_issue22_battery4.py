@@ -161,3 +161,10 @@ def test_plan_parallel_refuses_a_preference_step_it_cannot_lay_out():
     line = error_line(runner.invoke(app, ["plan-parallel", TINY, "--seq", "32", "--preference", "dpo", "--gpus", "2",
                                           "--gpu", "24GB"]), alone=True)
     assert "--preference dpo" in line and "plan-parallel" in line, line
+
+
+@pytest.mark.parametrize("head", ["chunked-output:100000", "chunked:33"])
+def test_more_loss_chunks_than_tokens_is_refused(head):
+    # was: chunked-output:100000 at --seq 32 traced one op per (empty) chunk, still running after 10 minutes
+    line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--loss-head", head]), alone=True)
+    assert f"--loss-head {head}" in line and "empty" in line, line
