@@ -168,3 +168,12 @@ def test_more_loss_chunks_than_tokens_is_refused(head):
     # was: chunked-output:100000 at --seq 32 traced one op per (empty) chunk, still running after 10 minutes
     line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--loss-head", head]), alone=True)
     assert f"--loss-head {head}" in line and "empty" in line, line
+
+
+@pytest.mark.parametrize("head, extra", [("chunked-output", []), ("chunked", ["--sp"])])
+def test_a_loss_head_with_tensor_parallel_is_refused_with_the_reason(head, extra):
+    # was: exit 2 "the forward raised TypeError: _chunked_output_loss() missing 1 required positional argument:
+    # 'labels'; memest built the inputs of a causal-lm head ..." (blaming the model's inputs)
+    line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", "--loss-head", head, "--tp", "2", *extra,
+                                          "--world-size", "2"]), alone=True)
+    assert f"--loss-head {head} with --tp is not traced yet" in line and "TypeError" not in line, line
