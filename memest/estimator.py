@@ -202,22 +202,10 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
         expert_routing=g.expert_routing,
         context_parallel_ranks=g.context_parallel_ranks,
         notes_before=g.notes,
-        notes_after=(*_source_notes(spec, source), *_rank_notes(g.rank), *notes),
+        notes_after=(*source.notes, *_rank_notes(g.rank), *notes),
         image_facts=_image_facts(spec, source),
     )
     return Estimate(analyse(trace, spec, source.name, parts), trace)
-
-
-# how a vision-language source's note on its default inputs ends (sources/hf_inputs.py: "inputs: one 448x448 image per
-# example (--images N --image-size HxW for others) ...")
-DEFAULT_IMAGES_NOTE = "(--images N --image-size HxW for others)"
-
-
-def _source_notes(spec: RunSpec, source) -> list[str]:
-    """The source's notes; with --images, not the one on its default image (the images row says what was traced;
-    was: "one 448x448 image per example (256 image tokens)" beside --image-size 100000x100000, battery 30)."""
-    drop = bool(spec.images) and _image_facts(spec, source) is not None
-    return [n for n in source.notes if not (drop and DEFAULT_IMAGES_NOTE in n)]
 
 
 def _image_facts(spec: RunSpec, source) -> dict | None:

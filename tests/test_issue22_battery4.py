@@ -108,14 +108,6 @@ def test_max_batch_under_grpo_searches_multiples_of_generations():
     assert "--limit 1" in line and "--generations 2" in line
 
 
-def test_with_images_the_report_drops_the_note_on_the_default_image():
-    # was: "inputs: one 448x448 image per example ... (256 image tokens)" beside --images 2 --image-size 100000x100000
-    qwen = "hf:" + str(ROOT / "tests" / "configs" / "qwen2.5-vl-tiny.json")
-    doc = json.loads(memest.estimate(qwen, seq=8, batch=1, images=2, image_size="56x56", target="cpu").to_json())
-    assert doc["images"]["per_example"] == 2 and doc["images"]["size"] == "56x56"
-    assert not [n for n in doc["notes"] if "448x448 image per example" in n], doc["notes"]
-
-
 @pytest.mark.parametrize("extra", [["--images", "1"], []], ids=["images", "default-inputs"])
 def test_preference_on_a_vision_language_model_is_refused_not_traced_without_its_images(extra):
     # was: exit 0, the DPO batch built from input_ids alone: pixel_values dropped, the vision tower never run
