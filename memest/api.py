@@ -15,7 +15,9 @@ does not hide CUDA devices from torch (the CLI does); it allocates nothing on a 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,21 +28,33 @@ from memest.errors import MemestError
 from memest.report.views import serve_view
 from memest.spec import RunSpec
 from memest.spec.choices import Target
-from memest.spec.options import as_keywords, serve_args, serve_names, typed_serve, typed_spec
+from memest.spec.config import spec_from_trainer
+from memest.spec.options import as_keywords, serve_args, serve_names, step_fields, typed_serve, typed_spec
+
+
+class _Default:
+    """A keyword left out: RunSpec's default, or the from_file= run's value."""
+
+    def __repr__(self) -> str:
+        return "<RunSpec's default>"
+
+
+_DEFAULT: Any = _Default()
 
 
 def estimate(
-    model: str | Callable[[], Any],
+    model: str | Callable[[], Any] | None = None,
     inputs: Callable[..., Any] | None = None,
     *,
-    batch: int = RunSpec.batch,
-    seq: int | None = RunSpec.seq,
-    optim: str = RunSpec.optim,
-    precision: str = RunSpec.precision,
-    target: str = RunSpec.target,
+    batch: int = _DEFAULT,
+    seq: int | None = _DEFAULT,
+    optim: str = _DEFAULT,
+    precision: str = _DEFAULT,
+    target: str = _DEFAULT,
     loss: Callable[[Any, Any], Any] | None = None,
     gpu: str | None = None,
     calibration: str | dict | None = None,
+    from_file: str | os.PathLike | None = None,
     **options: Any,
 ):
     """Estimate one training (or inference) step. ``model``: a ``model.py[:factory]`` path, ``hf:NAME``,
@@ -49,15 +63,24 @@ def estimate(
     ``gpu``: the GPU generation to model, by card name (``"a100"``), and the default budget of
     ``fits()``. ``calibration``: a profile file from ``memest calibrate --out`` (or its dict): its
     measured costs replace the defaults, and its GPU generation is modelled unless ``gpu`` names a card.
+    ``from_file``: a trainer config (axolotl, LLaMA-Factory, DeepSpeed JSON, ..., as the CLI's ``--from``): the run
+    it describes, the keywords given here over it; ``model`` may then be left out (the file names it).
     Returns an estimator.Estimate."""
     from memest.estimator import estimate as run
 
     where = "memest.estimate(): "
-    step = typed_spec({"batch": batch, "seq": seq, "optim": optim, "precision": precision, "target": target, **options},
-                      where, extra=("model", "inputs", "loss", "gpu", "calibration"))
+    named = {"batch": batch, "seq": seq, "optim": optim, "precision": precision, "target": target}
+    step = typed_spec({**{k: v for k, v in named.items() if v is not _DEFAULT}, **options},
+                      where, extra=("model", "inputs", "loss", "gpu", "calibration", "from_file"))
+    if from_file is not None:
+        model, step = _read_from(from_file, model, step, where)
+    elif model is None:
+        raise MemestError(f"{where}model: give a model.py path, hf:NAME or a zero-argument factory, or from_file= "
+                          "(a trainer config: axolotl, LLaMA-Factory, DeepSpeed JSON, ...)")
     gpu = _card_or_size(gpu, where)
-    if calibration is not None and Target.parse(step["target"], "target") != Target.CUDA:
-        raise MemestError(f"{where}calibration= replaces measured CUDA costs; target='{step['target']}' has none of them")
+    chosen = step.get("target", RunSpec.target)
+    if calibration is not None and Target.parse(chosen, "target") != Target.CUDA:
+        raise MemestError(f"{where}calibration= replaces measured CUDA costs; target='{chosen}' has none of them")
     if not isinstance(model, str) and not callable(model):
         raise MemestError(f"{where}model: expected a model.py path, hf:NAME or a zero-argument factory, got {model!r}")
     if isinstance(model, str):
@@ -92,6 +115,27 @@ def estimate(
         raise type(exc)(where + as_keywords(str(exc))) from None
     result.default_budget = gpu
     return result
+
+
+def _read_from(path, model, step: dict, where: str) -> tuple[str, dict]:
+    """from_file=: the trainer config's run as the CLI's --from reads it (spec.config.spec_from_trainer), the
+    keywords given (``step``, and ``model`` when a path) over it. Returns the model and the RunSpec fields."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise MemestError(f"{where}from_file: expected the path of a trainer config, got {path!r}")
+    if model is not None and not isinstance(model, str):
+        raise MemestError(f"{where}from_file= reads the model from the file; with it, model= is a model.py path or "
+                          "hf:NAME (or leave it out), not a factory")
+    defaults = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+    flags = {name: defaults[name] for name in step_fields("estimate") if name != "model"}
+    flags.update(step, model=model)
+    given = set(step) | ({"model"} if model is not None else set())
+    try:
+        _, values = spec_from_trainer(os.fspath(path), flags, given)
+    except MemestError as exc:
+        text = str(exc).replace("pass one (memest estimate hf:path/config.json --from FILE)",
+                                "pass model='hf:path/config.json' beside from_file=")
+        raise type(exc)(where + as_keywords(text.replace("--from ", "from_file "))) from None
+    return values.pop("model"), values
 
 
 def serve_capacity(model: str, gpu: str, **options: Any) -> dict:

@@ -31,7 +31,7 @@ from memest.serve.gpu import serve_measured, serve_total
 from memest.serve.plan import ServeSpec, plan_serve
 from memest.serve.plan import validate as validate_serve
 from memest.spec import RunSpec, options
-from memest.spec.choices import Target, Verdict
+from memest.spec.choices import Preference, Target, Verdict
 from memest.spec.config import load_config, parse_margin
 from memest.spec.options import searched_set
 from memest.units import format_bytes
@@ -597,6 +597,13 @@ def run_max_batch(spec_args: dict, gpu: str, seq_search: bool, limit: int,
 
     if limit < 1:
         raise MemestError(f"--limit must be at least 1, got {limit}")
+    if not seq_search and Preference.parse(spec_args.get("preference") or Preference.NONE, "preference") == Preference.GRPO:
+        from types import SimpleNamespace
+
+        from memest.features.grpo import generations_of
+
+        # the searched batch counts completions, a multiple of --generations: the base is one group (battery 30)
+        spec_args = {**spec_args, "batch": generations_of(SimpleNamespace(generations=spec_args.get("generations") or 0))}
     ctx = planner(spec_args, gpu, need_budget=True, progress=progress, calibration=calibration)
     runner = ctx.runner
     key = "seq" if seq_search else "batch"
@@ -663,6 +670,10 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
     if spec.compile and gpus > 1:
         raise MemestError("--compile: plan-parallel's layouts run under FSDP/DDP, where a compiled model is not "
                           "modelled; drop --compile")
+    if spec.preference != Preference.NONE and gpus > 1:  # was: every layout 'not traceable', exit 0 (battery 30)
+        raise MemestError(f"--preference {spec.preference}: plan-parallel's layouts run on {gpus} ranks, and a "
+                          "preference step with --world-size > 1 is not traced yet (docs/limitations.md); drop "
+                          "--preference, or plan with --gpus 1")
     with user_code(spec.model), ticker("plan-parallel", progress):
         plan = plan_parallel(spec.model, gpus, ctx.capacity_bytes, ctx.budget_label, spec,
                              calibration=ctx.calibration if spec.target == Target.CUDA else None, progress=progress,

@@ -12,13 +12,15 @@ from functools import cached_property
 
 from memest.device import fit
 from memest.device.usage import DeviceUsage, device_usage
+from memest.errors import MemestError
+from memest.features.grpo import completion_len_of
 from memest.features.registry import trace_step
 from memest.parallel.distributed import sharding_summary
 from memest.report.analysis import Report, ReportParts, analyse
 from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.spec.choices import ExpertRouting, Offload, Target, Verdict
+from memest.spec.choices import ActivationOffload, ExpertRouting, LossHead, Offload, Preference, Target, Verdict
 from memest.spec.run import image_hw
 from memest.trace.events import Trace
 from memest.units import format_bytes
@@ -116,10 +118,24 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     stage is traced; the estimate returned is the stage that needs the most, with every stage listed
     (``report.pipeline_stages``): the step fits only if its worst stage does. ``notes``: the caller's
     (the GPU modelled), after the estimate's own."""
+    if spec.target == Target.CPU and spec.activation_offload == ActivationOffload.SAVE_ON_CPU:
+        # save_on_cpu(pin_memory=False) on host tensors: tensor.cpu() is the tensor itself, the option is a no-op;
+        # refused for the user (battery 29, #162), still traceable below for the ground truth (features/activation_offload)
+        raise MemestError("--activation-offload save-on-cpu with --target cpu moves nothing: the saved tensors are "
+                          "already in host memory (tensor.cpu() returns each one itself); drop it, or use --target cuda")
     source = source or load_source(spec.model)
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
+    if spec.preference != Preference.NONE and source.image_facts is not None:
+        # the preference batches are built from input_ids alone (features/preference*.py, grpo.py): a vision-language
+        # model's images would be dropped (was: dpo exit 0 without the vision tower; grpo an AttributeError, battery 30)
+        raise MemestError(f"--preference {spec.preference} on a vision-language model ({source.name}) is not traced "
+                          "yet: trl's batch would carry its images (pixel_values), memest's preference batch does not "
+                          "(docs/limitations.md)")
+    _check_completion_positions(spec, source)
+    _check_loss_chunks(spec)
+    _check_image_positions(spec, source)
     if spec.parallel.ep_enabled:
         gathered = _routing_range(spec, calibration, source)
     elif spec.parallel.cp_enabled:
@@ -127,6 +143,44 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     else:
         gathered = _pipeline_ranks(spec, calibration, source)
     return _estimate_of(gathered, source, notes)
+
+
+def _check_completion_positions(spec: RunSpec, source) -> None:
+    """--preference grpo generates --completion-len tokens after the --seq prompt: each needs a position (was: a
+    100,032-token generation on a 256-position model, traced token by token for many minutes, battery 30)."""
+    if spec.preference != Preference.GRPO or not source.max_seq or spec.seq is None:
+        return
+    total = spec.seq + completion_len_of(spec)
+    if total > source.max_seq:
+        why = f" ({source.max_seq_why})" if source.max_seq_why else ""
+        given = f"--completion-len {spec.completion_len}" if spec.completion_len else \
+            f"trl's default max_completion_length {completion_len_of(spec)} (--completion-len 0)"
+        raise MemestError(f"--preference grpo: the prompt (--seq {spec.seq}) and {given} make {total} positions; "
+                          f"{source.name} takes at most {source.max_seq} positions{why}; use --seq + --completion-len "
+                          f"of {source.max_seq} or less")
+
+
+def _check_loss_chunks(spec: RunSpec) -> None:
+    """--loss-head chunked[-output]:N splits the sequence in N chunks: more than its tokens leaves empty chunks, one
+    traced op each (was: chunked-output:100000 at --seq 32 still tracing after 10 minutes, battery 30)."""
+    kind, chunks = LossHead.of(spec.loss_head)
+    if chunks and spec.seq is not None and chunks > spec.seq:
+        raise MemestError(f"--loss-head {spec.loss_head}: {chunks} chunks of a {spec.seq}-token sequence leave "
+                          f"{chunks - spec.seq} of them empty; use {kind}:{spec.seq} or fewer")
+
+
+def _check_image_positions(spec: RunSpec, source) -> None:
+    """--images N adds N images' tokens to the --seq text tokens: all need positions (was: --images 1000 on a
+    512-position model traced ~256,000 tokens for many minutes, battery 30)."""
+    facts = _image_facts(spec, source) if source.max_seq and spec.seq is not None else None
+    if not facts:
+        return
+    total = spec.seq + spec.images * facts["tokens_per_image"]
+    if total > source.max_seq:
+        why = f" ({source.max_seq_why})" if source.max_seq_why else ""
+        raise MemestError(f"--images {spec.images}: {facts['tokens_per_image']} image tokens each (a {facts['size']} "
+                          f"image) and --seq {spec.seq} text tokens make at least {total} positions; {source.name} takes "
+                          f"at most {source.max_seq} positions{why}; use fewer or smaller images, or a shorter --seq")
 
 
 def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:

@@ -31,6 +31,19 @@ from memest.worker import in_worker
 class OneLineErrors(TyperGroup):
     """Usage errors as one line on stderr (exit 2), like memest's own errors; a CI log stays readable."""
 
+    def parse_args(self, ctx, args):
+        # `--version` is eager (it answers before any command is parsed), so click would drop what follows it
+        # silently: `memest --version extra` printed the versions, exit 0 (battery 29, #152)
+        lead = args[:next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
+        if "--version" in lead and len(args) > 1:
+            try:
+                from typer._click import exceptions as click
+            except ImportError:
+                from click import exceptions as click
+            extra = " ".join(a for a in args if a != "--version")
+            raise click.UsageError(f"--version takes no other arguments; got {extra!r}", ctx)
+        return super().parse_args(ctx, args)
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
 
         ascii_fallback_streams()  # LANG=C / PYTHONIOENCODING=ascii: ASCII instead of a UnicodeEncodeError

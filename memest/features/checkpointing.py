@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.features.selective import selective_context_fn, selective_note
+from memest.features.selective import selective_context_fn, selective_note, user_policy
 from memest.spec.choices import CheckpointPolicy, CompileScope
 from memest.trace.step import TRACED_MICRO_STEPS
 
@@ -105,6 +105,8 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
     if policy is CheckpointPolicy.NAMES:
         chosen = [name.strip() for name in value.split(",") if name.strip()]
     else:
+        if policy is CheckpointPolicy.SELECTIVE_USER:  # a NAME the file lacks is said first (battery 29, #161)
+            user_policy(value.partition(":")[2], lookup, model_name)
         blocks = repeated_blocks(model)
         if not blocks:
             raise MemestError(
@@ -127,7 +129,11 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
     modules = dict(model.named_modules())
     for name in chosen:
         if name not in modules or name == "":
-            close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+            # a policy spelled with '_' or another case is read as a module name: say which policy it is (battery 30)
+            words = ("none", "blocks", "blocks-reentrant", "selective")
+            policy_like = next((w for w in words if name.lower().replace("_", "-") == w), None)
+            close = [f"the policy {policy_like}"] if policy_like else \
+                difflib.get_close_matches(name, [n for n in modules if n], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else "; see the module names in the memest table"
             raise MemestError(f"--checkpointing: {model_name} has no module {name!r}{hint}")
         _wrap(modules[name], options)

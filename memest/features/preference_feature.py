@@ -46,6 +46,7 @@ class PreferenceFeature(StepFeature):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise MemestError(f"--preference {spec.preference} needs a causal LM's input_ids (hf: models): the "
                               "source's inputs have none")
+        refuse_images(inputs, spec)
         if spec.preference == Preference.DPO:
             return preference_batch(inputs, spec)
         if spec.preference == Preference.KTO:
@@ -61,6 +62,18 @@ class PreferenceFeature(StepFeature):
 
     def finish(self, step) -> list[str]:
         return [peak_part(step.trace, getattr(self, "marks", []))]
+
+
+IMAGE_KEYS = ("pixel", "image", "video")  # a vision-language model's inputs: pixel_values, image_grid_thw, image_sizes
+
+
+def refuse_images(inputs: dict, spec) -> None:
+    """The preference batches are built from input_ids alone: a vision-language model's image inputs would be dropped
+    and its vision tower never run (was: exit 0 with the tower left out, battery 30)."""
+    kept = sorted(k for k in inputs if any(word in k for word in IMAGE_KEYS))
+    if kept:
+        raise MemestError(f"--preference {spec.preference} on a vision-language model is not traced yet: trl's batch "
+                          f"would carry {', '.join(kept)}, which memest's preference batch does not (docs/limitations.md)")
 
 
 def peak_part(trace, marks: list[tuple[int, str]]) -> str:

@@ -113,7 +113,7 @@ def torchtitan_policy(save_ops: frozenset, recompute_shapes: set) -> Callable:
     return wrapped_policy
 
 
-def _user_policy(name: str, lookup: Callable[[str], object] | None, where: str) -> Callable[[], object]:
+def user_policy(name: str, lookup: Callable[[str], object] | None, where: str) -> Callable[[], object]:
     """The model file's ``name``: a policy function, or a list of ops (torch saves those)."""
     found = lookup(name) if lookup is not None else None
     if found is None:
@@ -176,7 +176,7 @@ def selective_context_fn(value: str, model: nn.Module, blocks: list[str], lookup
     ``recomputed`` = [FLOPs the backward recomputes, op calls saved, op calls recomputed] (see _counted)."""
     _, _, name = value.partition(":")
     if name:
-        make = _user_policy(name, lookup, where)
+        make = user_policy(name, lookup, where)
     else:
         save_ops, shapes = torchtitan_save_ops(), _forced_recompute_shapes(model, blocks)
         make = functools.partial(torchtitan_policy, save_ops, shapes)

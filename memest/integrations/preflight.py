@@ -48,6 +48,9 @@ def estimate_step(model, optimizer, sample_batch, *, loss_fn=None, gpu=None, mar
     check_margin(margin)  # before the trace, not after it
     factory = fake_factory(model, wrap, shared)
     inputs, batch = batch_factory(sample_batch)
+    if "batch" in options and options["batch"] != batch:  # was: batch=8 over a sample of 2 silently (battery 29, A26)
+        raise MemestError(f"memest.preflight: batch={options['batch']!r} disagrees with sample_batch's first dimension "
+                          f"({batch}); the sample's size is the batch: drop batch=, or pass a sample of that size")
     settings = {"batch": batch, **optim_settings(optimizer, model), **options}
     settings.setdefault("precision", _precision(model))
     budget, label, cc = gpu_budget(gpu)

@@ -223,7 +223,7 @@ def max_batch_view(run) -> View:
     blocks: list = [Table(f"memest max-batch {run.model} against {run.gpu.budget_label}",
                           [r.key, "needed", "fits", "headroom"], rows, left=("fits",))]
     if r.value == 0:
-        blocks.append(f"even {r.key} 1 does not fit {run.gpu.budget_label}: it needs "
+        blocks.append(f"even {r.key} {r.step} does not fit {run.gpu.budget_label}: it needs "
                       f"{format_in(r.next_needed_bytes or 0, unit)}; see memest advise")
     elif r.hit_limit and r.cap.startswith("the model's"):  # the model takes no longer sequence
         blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}), the longest the model "
@@ -232,7 +232,8 @@ def max_batch_view(run) -> View:
         blocks.append(f"largest {r.key} that fits: at least {r.value} (the search stopped at {r.cap or f'--limit {r.limit}'})")
     else:
         blocks.append(f"largest {r.key} that fits: {r.value} ({format_in(r.needed_bytes, unit)}); "
-                      f"{r.value + 1} needs {format_in(r.next_needed_bytes, unit)}")
+                      f"{r.value + r.step} needs {format_in(r.next_needed_bytes, unit)}"
+                      + (f" (--preference grpo: multiples of --generations {r.step})" if r.step > 1 else ""))
     if run.outputs:
         blocks.append(loop_line(run.outputs))
     doc = {"budget": run.gpu.budget_label, "traces": run.traces, **r.to_dict(), "outputs": run.outputs or None}

@@ -155,6 +155,9 @@ def _check_tensor_parallel(d: ParallelDims, spec: RunSpec) -> None:
     _check_loss_parallel(d, spec)
     if not d.tp_enabled:
         return
+    if LossHead.of(spec.loss_head)[0] != LossHead.STANDARD:  # was: TypeError "... missing 'labels'" (battery 30)
+        raise MemestError(f"--loss-head {spec.loss_head} with --tp is not traced yet: the tensor-parallel plan wraps the "
+                          "LM head, whose replacement then gets no labels; drop --loss-head or --tp")
     if d.world_size % d.tp:
         raise MemestError(
             f"--world-size {d.world_size} is not a multiple of --tp {d.tp}: the world is dp x tp ranks "

@@ -290,6 +290,7 @@ class RunSpec:
             ("--loss-head", LossHead.of(self.loss_head)[0] is not LossHead.STANDARD), ("--compile", bool(self.compile)),
             ("--world-size > 1", self.world_size > 1), ("--offload", self.offload != Offload.NONE),
             ("--activation-offload", self.activation_offload != ActivationOffload.NONE),
+            ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
         ) if on]
         if other:
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
