@@ -260,16 +260,7 @@ def render(scored: list[dict], env: dict, failed: list[dict]) -> str:
     errors = [abs(r["error_pct"]) for r in scored]
     if errors:
         lines.append(f"| all | {len(errors)} | {statistics.median(errors):.2f}% | {max(errors):.2f}% | - |")
-    lines += ["", "## Rows", "",
-              "| group | run | card | figure | measured GiB | memest GiB | error | memest range GiB | inside | verdict "
-              "| trace s | settings traced | source |", "|---|---|---|---|---:|---:|---:|---|---|---|---:|---|---|"]
-    for r in scored:
-        rng = "-" if r["low"] is None else f"{scale._g(r['low'])}-{scale._g(r['high']) if r['high'] is not None else 'unbounded'}"
-        inside = "-" if r["inside"] is None else ("yes" if r["inside"] else "**no**")
-        lines.append(f"| {r['group']} | {r['label']} | {r['card']['name']} | {r['figure']} | "
-                     f"{scale._g(r['measured_bytes'])} | {scale._g(r['memest_bytes'])} | {r['error_pct']:+.1f}% | {rng} "
-                     f"| {inside} | {r['memest']['verdict'] or '-'} | {r['memest']['seconds']:.0f} | "
-                     f"`{scale._compact(r['spec'])}` | [source]({r['source']}) |")
+    lines += ["", "## Rows", ""] + scale.rows_table(scored)
     lines += ["", "## Settings and notes", ""]
     for group in dict.fromkeys(r["group"] for r in scored):
         lines.append(f"- **{group}**: " + next(r["setup"] for r in scored if r["group"] == group))

@@ -403,16 +403,7 @@ def render(scored: list[dict], env: dict, failed: list[dict]) -> str:
                      f"{inside} | {goals} |")
     dnf = [r["label"] for r in scored if r["memest"]["verdict"] == "does-not-fit"]
     lines += ["", f"Runs that ran called \"does not fit\": {len(dnf)}" + (f" ({', '.join(dnf)})" if dnf else "") + ".",
-              "", "## Rows", "",
-              "| group | run | card | figure | measured GiB | memest GiB | error | memest range GiB | inside | verdict "
-              "| trace s | settings traced | source |", "|---|---|---|---|---:|---:|---:|---|---|---|---:|---|---|"]
-    for r in scored:
-        rng = "-" if r["low"] is None else f"{_g(r['low'])}-{_g(r['high']) if r['high'] is not None else 'unbounded'}"
-        inside = "-" if r["inside"] is None else ("yes" if r["inside"] else "**no**")
-        lines.append(f"| {r['group']} | {r['label']} | {r['card']['name']} | {r['figure']} | {_g(r['measured_bytes'])} "
-                     f"| {_g(r['memest_bytes'])} | {r['error_pct']:+.1f}% | {rng} | {inside} | "
-                     f"{r['memest']['verdict'] or '-'} | {r['memest']['seconds']:.0f} | `{_compact(r['spec'])}` | "
-                     f"[source]({r['source']}) |")
+              "", "## Rows", ""] + rows_table(scored)
     lines += ["", "## Settings and notes per group", ""]
     seen = set()
     for r in scored:
@@ -432,6 +423,20 @@ def render(scored: list[dict], env: dict, failed: list[dict]) -> str:
     lines += [f"| [{n['source'].split('/blob/')[0].split('github.com/')[-1]}]({n['source']}) | {n['runs']} | "
               f"{n['figure']} | {n['missing']} |" for n in NOT_SCORABLE]
     return "\n".join(lines) + "\n"
+
+
+def rows_table(scored: list[dict]) -> list[str]:
+    """The markdown table of scored rows (this script's and bench_gpu_recipes.py's)."""
+    lines = ["| group | run | card | figure | measured GiB | memest GiB | error | memest range GiB | inside | verdict "
+             "| trace s | settings traced | source |", "|---|---|---|---|---:|---:|---:|---|---|---|---:|---|---|"]
+    for r in scored:
+        rng = "-" if r["low"] is None else f"{_g(r['low'])}-{_g(r['high']) if r['high'] is not None else 'unbounded'}"
+        inside = "-" if r["inside"] is None else ("yes" if r["inside"] else "**no**")
+        lines.append(f"| {r['group']} | {r['label']} | {r['card']['name']} | {r['figure']} | {_g(r['measured_bytes'])} "
+                     f"| {_g(r['memest_bytes'])} | {r['error_pct']:+.1f}% | {rng} | {inside} | "
+                     f"{r['memest']['verdict'] or '-'} | {r['memest']['seconds']:.0f} | `{_compact(r['spec'])}` | "
+                     f"[source]({r['source']}) |")
+    return lines
 
 
 def misses(scored: list[dict], causes: dict[str, str] | None = None) -> list[str]:
