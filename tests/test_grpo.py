@@ -37,6 +37,17 @@ CASES = [
 ]
 
 
+def assert_phases_match(trace, traced: dict, real: dict, scalars: int) -> None:
+    """Each phase's traced peak equals the real one (the training step less ``scalars`` saved Python floats), and
+    the step's peak is the highest phase's."""
+    assert set(traced) == set(real) == set(grpo.PHASES)
+    assert traced["generation"] == real["generation"], (traced, real)
+    assert traced["reference log-probs"] == real["reference log-probs"], (traced, real)
+    assert traced["training step"] == real["training step"] - scalars * SAVED_SCALAR, (traced, real)
+    assert trace.peak()[0] == max(traced.values())
+
+
+
 def _traced(spec):
     source = load_source(spec.model)
     features = features_for(spec)
@@ -51,11 +62,7 @@ def test_each_phase_peak_matches_trl_s_real_step(extra, scalars):
                    preference="grpo", generations=2, completion_len=4, **extra)
     source, trace, traced = _traced(spec)
     real = measure_cpu_phase_peaks(source, spec, "memest.grpo.")
-    assert set(traced) == set(real) == set(grpo.PHASES)
-    assert traced["generation"] == real["generation"], (traced, real)
-    assert traced["reference log-probs"] == real["reference log-probs"], (traced, real)
-    assert traced["training step"] == real["training step"] - scalars * SAVED_SCALAR, (traced, real)
-    assert trace.peak()[0] == max(traced.values())
+    assert_phases_match(trace, traced, real, scalars)
     assert any("phase peaks" in note for note in trace.notes)
 
 

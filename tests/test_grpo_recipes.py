@@ -26,7 +26,7 @@ from memest.trace import step as core
 from memest.validate.cpu_truth import _distinct_storage_bytes, measure_cpu_phase_peaks
 
 from .conftest import model_ref
-from .test_grpo import QV, SAVED_SCALAR
+from .test_grpo import QV, SAVED_SCALAR, assert_phases_match
 
 pytest.importorskip("peft")
 pytest.importorskip("trl.trainer.grpo_trainer")
@@ -80,11 +80,7 @@ def test_each_phase_peak_matches_trl_s_real_step(extra, scalars):
         trainable = [p for p in step.policy.parameters() if p.requires_grad]
         assert trainable and all(p.dtype == torch.bfloat16 for p in trainable)
     real = measure_cpu_phase_peaks(source, spec, "memest.grpo.")
-    assert set(traced) == set(real) == set(grpo.PHASES)
-    assert traced["generation"] == real["generation"], (traced, real)
-    assert traced["reference log-probs"] == real["reference log-probs"], (traced, real)
-    assert traced["training step"] == real["training step"] - scalars * SAVED_SCALAR, (traced, real)
-    assert trace.peak()[0] == max(traced.values())
+    assert_phases_match(trace, traced, real, scalars)
 
 
 def test_qlora_step_against_bitsandbytes_own_linear4bit_on_cpu():
