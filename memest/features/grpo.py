@@ -42,7 +42,6 @@ sequence samples an EOS.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import math
@@ -53,7 +52,7 @@ import torch
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.features.preference import no_padding
+from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, no_padding
 from memest.spec.choices import CheckpointPolicy, Outputs, Quant, Reference, Rollout
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes
@@ -180,42 +179,34 @@ def _fixed_length_generation(new_tokens: int):
         GenerationMixin._has_unfinished_sequences = current
 
 
-class GRPOStep(torch.nn.Module):
+class GRPOStep(ReferenceStep):
     """The policy (and its frozen reference) as one module whose forward is one GRPOTrainer micro-step:
-    generation, reference log-probs, then trl's ``_compute_loss``."""
+    generation, reference log-probs, then trl's ``_compute_loss``. The policy / reference pair, its train() (the
+    reference stays in eval mode) and the frozen copy are ReferenceStep's (features/preference.py), as for DPO/KTO."""
 
     def __init__(self, policy, reference, adapter: bool, beta: float, completion_len: int, batch: int,
                  vllm: bool = False, accumulation: int = 1, checkpointing_kwargs: dict | None = None):
-        super().__init__()
+        super().__init__(policy, reference, adapter)
         self.vllm = vllm
-        self.policy = policy
-        self.reference = reference
-        self.adapter = adapter
         self.beta = beta
         self.completion_len = completion_len
         self.batch = batch
         self.accumulation = accumulation  # gradient_accumulation_steps = steps_per_generation
         # trl's args.gradient_checkpointing_kwargs, re-applied when checkpointing is turned back on
         self.checkpointing_kwargs = checkpointing_kwargs
-        self.marks: list | None = None  # the trace's events list while tracing (GRPOFeature.contexts)
+        self.events: list | None = None  # the trace's events list while tracing (GRPOFeature.contexts)
         self.phase_starts: list[tuple[str, int]] = []
         self.buffered: list[dict] | None = None  # trl's self._buffered_inputs: the generation batch's K slices
         self.generate_next = True  # an optimizer step starts (GRPOFeature.loop): the next micro-step generates
         self.micro_step = 0
-
-    def train(self, mode: bool = True) -> GRPOStep:
-        super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()
-        return self
 
     def _importance_sampling(self, *args):
         return _importance_sampling_fn(self, *args)
 
     def mark(self, name: str) -> None:
         """A phase starts: its event index while tracing; a profiler marker in a real run (validate/)."""
-        if self.marks is not None:
-            self.phase_starts.append((name, len(self.marks)))
+        if self.events is not None:
+            self.phase_starts.append((name, len(self.events)))
         else:
             with torch.profiler.record_function(f"memest.grpo.{name}"):
                 pass
@@ -375,20 +366,14 @@ def _placeholders():
 
 def wrap(policy: torch.nn.Module, spec) -> GRPOStep:
     """GRPOTrainer.__init__'s models: trl's fused head on the policy (its peft base) and on a reference copy."""
-    _, _, utils = _trl()
     args = config_defaults()
     kind = reference_of(spec)
     peft = hasattr(policy, "get_base_model")
-    reference = None
-    if kind == Reference.COPY:
-        reference = copy.deepcopy(policy)  # trl: create_model_from_path(the policy's id): the same weights again
-        reference.requires_grad_(False)
-        reference.eval()
-        utils.add_fused_lm_head(reference, temperature=args.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+    head = {"temperature": args.temperature, "cast_lm_head_to_fp32": args.cast_lm_head_to_fp32}
+    reference = frozen_copy(policy, **head) if kind == Reference.COPY else None
     if spec.quant != Quant.NONE:
         adapters_to_bf16(policy)
-    utils.add_fused_lm_head(policy.get_base_model() if peft else policy, temperature=args.temperature,
-                            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, outputs=("log_probs", "entropy"))
+    add_fused_lm_head(policy.get_base_model() if peft else policy, outputs=("log_probs", "entropy"), **head)
     beta = 0.0 if kind is None else _nonzero_beta()
     return GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
                     completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM,
@@ -501,7 +486,7 @@ class GRPOFeature(StepFeature):
 
     def contexts(self, step) -> list[contextlib.AbstractContextManager]:
         if self.step_module is not None:
-            self.step_module.marks = step.trace.events
+            self.step_module.events = step.trace.events
         return [no_padding()]
 
     def finish(self, step) -> list[str]:

@@ -51,21 +51,23 @@ def reference_of(spec) -> Reference:
     return Reference.ADAPTER if spec.lora else Reference.COPY
 
 
-def add_fused_lm_head(model, outputs=("log_probs",)) -> None:
-    """trl's own ``add_fused_lm_head`` on ``model``, or a MemestError saying how to install trl."""
+def add_fused_lm_head(model, outputs=("log_probs",), **head) -> None:
+    """trl's own ``add_fused_lm_head`` on ``model``, or a MemestError saying how to install trl. ``head``: its other
+    arguments (GRPOTrainer passes ``temperature`` and ``cast_lm_head_to_fp32``; DPO and KTO leave trl's defaults)."""
     try:
         from trl.trainer.utils import add_fused_lm_head as trl_add
     except ImportError as exc:
         raise MemestError(f"--preference dpo traces trl's own fused LM head; install trl (pip install 'memest[trl]'): "
                           f"{exc}") from exc
-    trl_add(model, outputs=outputs)
+    trl_add(model, outputs=outputs, **head)
 
 
 class ReferenceStep(MarkedStep):
     """A policy and its frozen reference (a copy, the policy's own base with the adapter off, or none when the
-    reference log-probs are precomputed) as one module; trl's DPO and KTO steps are its forwards."""
+    reference log-probs are precomputed) as one module; trl's DPO, KTO and GRPO steps are its forwards."""
 
-    def __init__(self, policy: torch.nn.Module, reference: torch.nn.Module | None, adapter: bool, precomputed: bool):
+    def __init__(self, policy: torch.nn.Module, reference: torch.nn.Module | None, adapter: bool,
+                 precomputed: bool = False):
         super().__init__()
         self.policy = policy
         self.reference = reference
@@ -80,15 +82,15 @@ class ReferenceStep(MarkedStep):
         return self
 
 
-def frozen_copy(policy: torch.nn.Module) -> torch.nn.Module:
+def frozen_copy(policy: torch.nn.Module, **head) -> torch.nn.Module:
     """trl's ``ref_model``: create_model_from_path(the policy's id, dtype=the policy's dtype), the same weights
-    again, frozen and in eval mode, with trl's fused log-prob head."""
+    again, frozen and in eval mode, with trl's fused log-prob head (``head``: add_fused_lm_head's other arguments)."""
     import copy
 
     reference = copy.deepcopy(policy)
     reference.requires_grad_(False)
     reference.eval()
-    add_fused_lm_head(reference)
+    add_fused_lm_head(reference, **head)
     return reference
 
 
