@@ -288,7 +288,8 @@ class RunSpec:
             raise MemestError(f"--preference {self.preference} is a training step; drop --mode {self.mode}")
         other = [flag for flag, on in (
             ("--loss-head", LossHead.of(self.loss_head)[0] is not LossHead.STANDARD), ("--compile", bool(self.compile)),
-            ("--world-size > 1", self.world_size > 1), ("--offload", self.offload != Offload.NONE),
+            ("--world-size > 1", self.world_size > 1 and not self._preference_ddp()),
+            ("--offload", self.offload != Offload.NONE),
             ("--activation-offload", self.activation_offload != ActivationOffload.NONE),
             ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
         ) if on]
@@ -309,6 +310,17 @@ class RunSpec:
         if self.reference == Reference.COPY and self.lora:
             raise MemestError("--reference copy with --lora: trl's DPOTrainer and KTOTrainer use the base with the adapter "
                               "disabled when given a peft model and no ref_model; use --reference adapter (or auto)")
+
+    def _preference_ddp(self) -> bool:
+        """--preference dpo over plain DDP (--world-size N, --shard none, no other parallel dimension): trl 1.16.0's
+        DPOTrainer.__init__ (trl/trainer/dpo_trainer.py) wraps the policy in DDP (accelerator.prepare) and prepares the
+        reference with accelerator.prepare_model(ref_model, evaluation_mode=True), which accelerate 1.15.0
+        (accelerate/accelerator.py, Accelerator.prepare_model) does not wrap: a full frozen copy on every rank. memest
+        wraps the step module, whose frozen reference DDP gives no bucket (the same bytes); each of 2 real gloo ranks
+        matches (tests/test_preference_ddp.py). Under ZeRO / FSDP trl prepares the reference too (trl/models/utils.py
+        prepare_deepspeed / prepare_fsdp): not measured, refused, as are KTO, ORPO/CPO/SimPO and GRPO over ranks."""
+        return (self.preference == Preference.DPO and self.shard == Shard.NONE and self.tp == 1 and self.pp == 1
+                and self.cp == 1 and self.ep == 1)
 
     def _check_grpo(self) -> None:
         """--preference grpo (features/grpo.py): trl GRPOTrainer's checks on its batch, and what is not traced yet."""

@@ -1,0 +1,71 @@
+"""--preference dpo at --world-size > 1 over plain DDP (--shard none), each gloo rank's traced peak against the same
+DPO step run for real on 2 gloo ranks (memest/validate/distributed_truth.py).
+
+trl 1.16.0 (trl/trainer/dpo_trainer.py, DPOTrainer.__init__) prepares the policy with ``accelerator.prepare`` (DDP)
+and the reference with ``accelerator.prepare_model(ref_model, evaluation_mode=True)``, which accelerate 1.15.0
+(accelerate/accelerator.py, ``prepare_model``: ``if not evaluation_mode: ... DistributedDataParallel``) leaves
+unwrapped: a full frozen copy on every rank. memest wraps the step module (policy + reference) in DDP; DDP's reducer
+buckets only the parameters that require grad, so the frozen reference adds no bucket and no all-reduce: the same
+bytes as trl's DDP(policy). Sharded runs (ZeRO / FSDP), where trl prepares the reference too (prepare_deepspeed /
+prepare_fsdp), stay refused."""
+
+import pytest
+
+from memest.errors import MemestError
+from memest.features.registry import trace_step
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.validate.distributed_truth import measure_distributed_peaks
+
+from .conftest import model_ref
+
+pytest.importorskip("peft")
+pytest.importorskip("trl.trainer.dpo_trainer")
+
+CASES = [
+    # (extra RunSpec fields, Python floats autograd saves that the trace does not allocate)
+    ({"reference": "copy"}, 0),  # trl's ref_model: a second frozen copy on every rank, not wrapped
+    ({"reference": "precomputed"}, 0),  # no reference forward
+    # the base with the adapter off; peft's LoRA forward multiplies by a Python float, which eager autograd saves as an
+    # 8-byte wrapped-number tensor, one per adapted layer (2 layers x q, v): tests/test_preference.py's SAVED_SCALAR
+    ({"lora": "r=8,alpha=16,targets=q_proj,v_proj", "reference": "adapter"}, 4),
+]
+SAVED_SCALAR = 8
+
+
+def _spec(extra: dict) -> RunSpec:
+    return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=16, target="cpu", optim="adamw", preference="dpo",
+                   world_size=2, **extra)
+
+
+def test_every_gloo_rank_of_the_ddp_dpo_step_matches_the_trace():
+    specs = [_spec(extra) for extra, _ in CASES]
+    measured = measure_distributed_peaks(specs)
+    for spec, (extra, scalars), ranks in zip(specs, CASES, measured, strict=True):
+        traced = trace_step(load_source(spec.model), spec).peak()[0]
+        assert len(ranks) == 2
+        for rank in ranks:
+            real = rank["peak_bytes"] - scalars * SAVED_SCALAR
+            assert traced == real, f"{extra} rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
+
+
+def test_ddp_adds_the_gradient_buckets_of_the_policy_only():
+    """The 2-rank step holds the single-process step plus DDP's gradient bucket, the size of the policy's trainable
+    parameters (float32 here) and not of the policy and its frozen reference copy (the trace's parameters: both)."""
+    spec = _spec({"reference": "copy"})
+    one = RunSpec(**{**spec.to_dict(), "world_size": 1})
+    two = trace_step(load_source(spec.model), spec)
+    single = trace_step(load_source(one.model), one)
+    assert two.peak()[0] - single.peak()[0] == two.param_bytes // 2
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"preference": "dpo", "world_size": 2, "shard": "zero3"}, "not traced yet"),
+    ({"preference": "dpo", "world_size": 2, "shard": "zero1"}, "not traced yet"),
+    ({"preference": "dpo", "world_size": 2, "tp": 2}, "not traced yet"),
+    ({"preference": "kto", "world_size": 2}, "not traced yet"),
+    ({"preference": "orpo", "world_size": 2}, "not traced yet"),
+])
+def test_what_is_not_proven_at_world_size_above_one_stays_refused(fields, match):
+    with pytest.raises(MemestError, match=match):
+        RunSpec(model="hf:gpt2", batch=4, **fields)
