@@ -27,6 +27,12 @@ The buffer is an attribute: it is held through all K micro-steps and the optimiz
 generation until that one's buffer replaces it. With ``gradient_accumulation_steps % steps_per_generation == 0`` (the
 default), no old log-probs are computed.
 
+Generation batch (``--generation-batch N``, trl's ``generation_batch_size``; grpo_config.py ``__post_init__``):
+``steps_per_generation`` S = N / ``--batch`` apart from K. trl generates when ``self._step % S == 0`` (``_step``
+counts micro-steps; ``num_iterations`` 1), for S x ``--batch`` completions split into S slices, and takes slice
+``_step % S``; when ``K % S != 0`` ``_generate_and_score_completions`` also runs the policy's no-grad log-probs of the
+whole generation batch (``old_per_token_logps``, in chunks of ``--batch``) before the reference's.
+
 Gradient checkpointing (``--checkpointing blocks`` / ``blocks-reentrant``; trl's ``gradient_checkpointing`` defaults
 to True, trl/trainer/base_config.py): transformers' switch on the policy's layers; trl turns it off around
 ``generate`` (``unwrap_model_for_generation``), which then runs with its KV cache, and around the no-grad log-probs
@@ -59,7 +65,8 @@ from memest.units import format_bytes
 
 TRL_SOURCE = "trl 1.16.0, trl/trainer/grpo_trainer.py (_generate_single_turn, _compute_loss) and grpo_config.py"
 PHASES = ("generation", "reference log-probs", "training step")
-OLD_LOGPS = "old log-probs"  # --rollout vllm: the policy's no-grad log-probs for vLLM's importance sampling
+# --rollout vllm, or a --generation-batch misaligned with the optimizer step: the policy's no-grad log-probs
+OLD_LOGPS = "old log-probs"
 
 
 def _trl():
@@ -92,6 +99,12 @@ def generations_of(spec) -> int:
 def completion_len_of(spec) -> int:
     """--completion-len, or GRPOConfig's max_completion_length default."""
     return spec.completion_len or config_defaults().max_completion_length
+
+
+def steps_per_generation_of(spec) -> int:
+    """trl's steps_per_generation with one process: --generation-batch / --batch, or --grad-accum (GRPOConfig's
+    default, generation_batch_size None)."""
+    return spec.generation_batch // spec.batch if spec.generation_batch else spec.grad_accum
 
 
 def reference_of(spec) -> Reference | None:
@@ -185,20 +198,24 @@ class GRPOStep(ReferenceStep):
     reference stays in eval mode) and the frozen copy are ReferenceStep's (features/preference.py), as for DPO/KTO."""
 
     def __init__(self, policy, reference, adapter: bool, beta: float, completion_len: int, batch: int,
-                 vllm: bool = False, accumulation: int = 1, checkpointing_kwargs: dict | None = None):
+                 vllm: bool = False, accumulation: int = 1, checkpointing_kwargs: dict | None = None,
+                 steps_per_generation: int | None = None):
         super().__init__(policy, reference, adapter)
         self.vllm = vllm
         self.beta = beta
         self.completion_len = completion_len
         self.batch = batch
-        self.accumulation = accumulation  # gradient_accumulation_steps = steps_per_generation
+        self.accumulation = accumulation  # gradient_accumulation_steps
+        # trl's steps_per_generation: generation_batch_size / per_device_train_batch_size (default: accumulation)
+        self.steps_per_generation = steps_per_generation or accumulation
         # trl's args.gradient_checkpointing_kwargs, re-applied when checkpointing is turned back on
         self.checkpointing_kwargs = checkpointing_kwargs
         self.events: list | None = None  # the trace's events list while tracing (GRPOFeature.contexts)
         self.phase_starts: list[tuple[str, int]] = []
         self.buffered: list[dict] | None = None  # trl's self._buffered_inputs: the generation batch's K slices
-        self.generate_next = True  # an optimizer step starts (GRPOFeature.loop): the next micro-step generates
-        self.micro_step = 0
+        self.generate_next = True  # an optimizer step starts (GRPOFeature.loop)
+        self.optimizer_step = -1  # the optimizer steps begun so far, less one
+        self.micro_step = 0  # within the optimizer step
 
     def _importance_sampling(self, *args):
         return _importance_sampling_fn(self, *args)
@@ -216,17 +233,22 @@ class GRPOStep(ReferenceStep):
         args = config_defaults()
         args.beta = self.beta
         args.max_completion_length = self.completion_len
-        # GRPOConfig.__post_init__ with one process: steps_per_generation = gradient_accumulation_steps
-        args.gradient_accumulation_steps = args.steps_per_generation = self.accumulation
-        args.generation_batch_size = self.batch * self.accumulation
+        # GRPOConfig.__post_init__ with one process: steps_per_generation = gradient_accumulation_steps unless
+        # generation_batch_size is given (then generation_batch_size / per_device_train_batch_size)
+        args.gradient_accumulation_steps = self.accumulation
+        args.steps_per_generation = self.steps_per_generation
+        args.generation_batch_size = self.batch * self.steps_per_generation
         trainer = stand_in_trainer(self.policy, self.reference, args)
         trainer.use_vllm = self.vllm
         fake = _is_fake(input_ids)
-        if self.generate_next or self.buffered is None:  # trl _prepare_inputs: once per steps_per_generation
+        if self.generate_next:
             self.generate_next, self.micro_step = False, 0
-            if self.accumulation > 1:  # the generation batch: K x per_device_train_batch_size prompts
-                input_ids, attention_mask = input_ids.repeat(self.accumulation, 1), attention_mask.repeat(
-                    self.accumulation, 1)
+            self.optimizer_step += 1
+        step = self.optimizer_step * self.accumulation + self.micro_step  # trl's self._step (num_iterations 1)
+        if step % args.steps_per_generation == 0 or self.buffered is None:  # trl _prepare_inputs' generate_every
+            if args.steps_per_generation > 1:  # the generation batch: S x per_device_train_batch_size prompts
+                input_ids, attention_mask = input_ids.repeat(args.steps_per_generation, 1), attention_mask.repeat(
+                    args.steps_per_generation, 1)
             scalars = _fixed_length_generation(self.completion_len) if fake else contextlib.nullcontext()
             self.mark(OLD_LOGPS if self.vllm else PHASES[0])
             with scalars:
@@ -235,7 +257,7 @@ class GRPOStep(ReferenceStep):
             # the previous buffer is released only now, when the new one replaces it
             self.buffered = utils.split_tensor_dict(batch, args.steps_per_generation)
             del batch
-        inputs = self.buffered[self.micro_step % args.steps_per_generation]
+        inputs = self.buffered[step % args.steps_per_generation]
         self.micro_step += 1
         self.mark(PHASES[2])
         with _placeholders() if fake else contextlib.nullcontext():
@@ -301,6 +323,13 @@ class GRPOStep(ReferenceStep):
             if self.vllm:
                 out.update(self._importance_sampling(prompt_completion_ids, attention_mask, completion_mask, args,
                                                      trainer, utils))
+            elif args.gradient_accumulation_steps % args.steps_per_generation:
+                # trl: generation misaligned with the optimizer step (gradient_accumulation_steps % generate_every):
+                # the policy's no-grad log-probs of the completions, for importance sampling
+                self.mark(OLD_LOGPS)
+                old, _, _ = trainer._get_per_token_logps_and_entropies(
+                    self.policy, prompt_completion_ids, attention_mask, length, batch_size=self.batch)
+                out["old_per_token_logps"] = old
             if self.beta != 0.0:
                 self.mark(PHASES[1])
                 if self.adapter:
@@ -377,7 +406,8 @@ def wrap(policy: torch.nn.Module, spec) -> GRPOStep:
     beta = 0.0 if kind is None else _nonzero_beta()
     return GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
                     completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM,
-                    accumulation=spec.grad_accum, checkpointing_kwargs=checkpointing_kwargs(policy, reference, spec))
+                    accumulation=spec.grad_accum, checkpointing_kwargs=checkpointing_kwargs(policy, reference, spec),
+                    steps_per_generation=steps_per_generation_of(spec))
 
 
 def adapters_to_bf16(policy) -> None:
@@ -410,13 +440,17 @@ def _nonzero_beta() -> float:
     return 0.001
 
 
-def phase_peaks(trace, starts: list[tuple[str, int]]) -> dict[str, int]:
-    """Each phase's peak live bytes in the last traced iteration (the steady state: optimizer state held); a phase
-    run once per micro-step (the training step) peaks at the highest of them."""
+def phase_peaks(trace, starts: list[tuple[str, int]], iterations: int | None = None) -> dict[str, int]:
+    """Each phase's peak live bytes in the last traced iteration that generates (the steady state: optimizer state
+    held); a phase run once per micro-step (the training step) peaks at the highest of them. ``iterations``: the
+    steps traced, where a step may generate more than once (--generation-batch = --batch: every micro-step) or not
+    at all (a generation batch of several optimizer steps)."""
     timeline = trace.timeline()
     if not starts or not timeline:
         return {}
     per_iteration = sum(1 for name, _ in starts if name == starts[0][0])  # each iteration starts with the same phase
+    if iterations:
+        per_iteration = min(per_iteration, iterations)
     last = starts[-(len(starts) // max(per_iteration, 1)):]
     peaks = {}
     for k, (name, begin) in enumerate(last):
@@ -437,9 +471,16 @@ def describe(spec) -> str:
                "colocated one), then the policy's no-grad log-probs for vLLM's importance sampling (sequence_mask)")
     else:
         how = "generated by transformers' generate (use_vllm=False, DynamicCache)"
-    k = spec.grad_accum
+    k, s = spec.grad_accum, steps_per_generation_of(spec)
     accumulation = (f"; --grad-accum {k}: one generation of {k} x {spec.batch} completions per optimizer step, "
-                    f"buffered (trl steps_per_generation {k}) and held through the {k} micro-steps" if k > 1 else "")
+                    f"buffered (trl steps_per_generation {k}) and held through the {k} micro-steps"
+                    if k > 1 and s == k else "")
+    if s != k:
+        accumulation = (f"; --generation-batch {s * spec.batch} (trl generation_batch_size): one generation of {s} x "
+                        f"{spec.batch} completions every {s} micro-steps (trl steps_per_generation {s}, --grad-accum "
+                        f"{k}), buffered and held until the next generation replaces it"
+                        + (", with the policy's no-grad old log-probs (generation misaligned with the optimizer step)"
+                           if k % s and spec.rollout != Rollout.VLLM else ""))
     if CheckpointPolicy.of(spec.checkpointing) is CheckpointPolicy.NONE:
         checkpointing = ("; no gradient checkpointing (trl's default gradient_checkpointing=True: add --checkpointing "
                          "blocks to price it)")
@@ -476,8 +517,9 @@ class GRPOFeature(StepFeature):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
 
     def loop(self, model, spec) -> contextlib.AbstractContextManager:
-        """Each optimizer step (its K micro-steps): its first micro-step generates (trl's ``_step %
-        generate_every == 0``). Found in ``model`` since real runs (validate/) call with new feature objects."""
+        """Each optimizer step (its K micro-steps) begins: the step counts trl's ``self._step`` from it and generates
+        where ``_step % steps_per_generation == 0``. Found in ``model`` since real runs (validate/) call with new
+        feature objects."""
         found = model if isinstance(model, GRPOStep) else next(
             (m for m in model.modules() if isinstance(m, GRPOStep)), None)
         if found is not None:
@@ -492,7 +534,7 @@ class GRPOFeature(StepFeature):
     def finish(self, step) -> list[str]:
         if self.step_module is None:
             return []
-        peaks = phase_peaks(step.trace, self.step_module.phase_starts)
+        peaks = phase_peaks(step.trace, self.step_module.phase_starts, step.spec.iterations)
         if not peaks:
             return []
         top = max(peaks, key=peaks.get)

@@ -107,11 +107,13 @@ def colocated_engine(spec: RunSpec, ctx, needed_range, block: dict) -> Colocate:
     util = float(given("utilization", TRL_UTILIZATION))
     tp = int(given("tp", 1))
     max_model_len = TRL_MAX_MODEL_LEN
-    # trl: max_num_seqs = per_device_train_batch_size x tp x steps_per_generation (= gradient_accumulation_steps)
-    max_num_seqs = spec.batch * tp * (spec.grad_accum if spec.preference == Preference.GRPO else 1)
+    max_num_seqs = spec.batch * tp
     if spec.preference == Preference.GRPO:
         from memest.features import grpo  # torch and trl: only for a GRPO step
 
+        # trl: max_num_seqs = per_device_train_batch_size x tp x steps_per_generation (gradient_accumulation_steps,
+        # or generation_batch_size / per_device_train_batch_size)
+        max_num_seqs *= grpo.steps_per_generation_of(spec)
         # trl's vllm_max_model_length: "at least the maximum prompt length plus max_completion_length" (its help)
         max_model_len = (spec.seq or 0) + grpo.completion_len_of(spec)
     engine = ServeSpec(spec.model, total, ctx.flag, max_model_len=int(given("max_model_len", max_model_len)),

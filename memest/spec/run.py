@@ -135,6 +135,9 @@ class RunSpec:
     # and the tokens generated after the --seq prompt tokens (max_completion_length; 0 = trl's default)
     generations: int = 0
     completion_len: int = 0
+    # --preference grpo: completions generated at once (trl generation_batch_size; 0 = trl's default, --batch x
+    # --grad-accum): generated every generation_batch / batch micro-steps (trl steps_per_generation)
+    generation_batch: int = 0
     rollout: Rollout = Rollout.TRANSFORMERS  # --preference grpo: the policy's generate(), or a vLLM engine
     loss_head: str = "standard"  # standard | chunked[:N] | fused: LM head + loss chunk by chunk (features/loss_head.py)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py); --world-size = dp x tp
@@ -276,10 +279,10 @@ class RunSpec:
 
     def _check_preference(self) -> None:
         """--preference: what memest traces of trl's preference trainers (features/preference*.py); the rest is refused."""
-        if self.preference != Preference.GRPO and (self.generations or self.completion_len
+        if self.preference != Preference.GRPO and (self.generations or self.completion_len or self.generation_batch
                                                    or self.rollout != Rollout.TRANSFORMERS):
-            raise MemestError("--generations, --completion-len and --rollout describe GRPO's rollouts; add "
-                              "--preference grpo")
+            raise MemestError("--generations, --completion-len, --generation-batch and --rollout describe GRPO's "
+                              "rollouts; add --preference grpo")
         if self.preference == Preference.NONE:
             if self.reference != Reference.AUTO:
                 raise MemestError(f"--reference {self.reference} is the reference of a preference step; add --preference dpo")
@@ -332,6 +335,7 @@ class RunSpec:
             raise MemestError(f"--preference grpo: --batch counts completions (trl per_device_train_batch_size); "
                               f"it must be a multiple of --generations {generations} (trl's check on the generation "
                               f"batch), got --batch {self.batch}")
+        self._check_generation_batch(generations)
         if self.reference == Reference.PRECOMPUTED:
             raise MemestError("--reference precomputed is DPO's; GRPO's reference log-probs are of the sampled "
                               "completions: use --reference auto (trl's beta 0.0: none), copy or adapter")
@@ -340,6 +344,25 @@ class RunSpec:
             raise MemestError(f"--preference grpo with --checkpointing {self.checkpointing}: trl's GRPOTrainer has "
                               "gradient_checkpointing (every layer, re-enabled so after each generate) and its "
                               "use_reentrant kwarg only: use --checkpointing blocks or blocks-reentrant")
+
+    def _check_generation_batch(self, generations: int) -> None:
+        """--generation-batch (trl generation_batch_size, GRPOConfig.__post_init__'s checks with one process): a
+        multiple of --batch; steps_per_generation S = it / --batch. Traced: S a multiple of --grad-accum K (one
+        generation every S / K optimizer steps; the trace runs S / K + 1 of them, so that one generation runs with the
+        optimizer state held) or S = 1; other S < K generate at a micro-step past the two the trace runs."""
+        if not self.generation_batch:
+            return
+        if self.generation_batch < 0 or self.generation_batch % self.batch:
+            raise MemestError(f"--generation-batch must be a multiple of --batch {self.batch} (trl's check: "
+                              f"generation_batch_size divisible by the global batch), got {self.generation_batch}")
+        if self.generation_batch % generations:  # implied by --batch's check; trl checks it apart
+            raise MemestError(f"--generation-batch must be a multiple of --generations {generations}")
+        steps = self.generation_batch // self.batch
+        if steps % self.grad_accum and steps != 1:
+            raise MemestError(f"--generation-batch {self.generation_batch} generates every {steps} micro-steps, not a "
+                              f"multiple of --grad-accum {self.grad_accum} (nor 1): not traced yet (docs/limitations.md)")
+        # the steady state: a generation after an optimizer step (optimizer state held)
+        object.__setattr__(self, "iterations", max(self.iterations, steps // self.grad_accum + 1))
 
     def _check_finetune(self) -> None:
 

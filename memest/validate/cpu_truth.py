@@ -115,7 +115,8 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
 
 
 def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
-    """Each ``prefix``-marked phase's peak bytes in the last of ``iterations`` profiled steps, above the level the
+    """Each ``prefix``-marked phase's peak bytes in the last of ``iterations`` profiled steps (the last that starts
+    with the first phase), above the level the
     profile started at (a step run by other code than memest's build: tests/test_grpo_recipes.py's bitsandbytes)."""
     marks, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -124,7 +125,10 @@ def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
             marks.append((e.start_time_ns, e.name[len(prefix):]))
         stack.extend(e.children)
     marks.sort()
-    per_iteration = len(marks) // iterations
+    # the last iteration that starts with the first phase: with --generation-batch a step may not generate (nor
+    # mark its first phase), as features/grpo.py's phase_peaks counts the traced ones
+    starting = sum(1 for _, name in marks if name == marks[0][1]) if marks else 0
+    per_iteration = len(marks) // max(min(iterations, starting), 1)
     last = marks[-per_iteration:] if per_iteration else []
     peaks: dict[str, int] = {}
     live: dict[int, int] = {}
