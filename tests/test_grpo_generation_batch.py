@@ -85,3 +85,13 @@ def test_trl_s_default_is_the_grad_accum_generation_batch():
 def test_bad_generation_batches_are_one_line_errors(fields, match):
     with pytest.raises(MemestError, match=match):
         RunSpec(model="hf:gpt2", **fields)
+
+
+def test_max_batch_refuses_a_fixed_generation_batch():
+    """max-batch searches --batch; a fixed --generation-batch must be a multiple of each batch probed: one line."""
+    from memest.plan.runner import Runner
+    from memest.plan.search import largest_fitting
+
+    base = RunSpec(model=model_ref("hf:llama-tiny"), generation_batch=4, **BASE)
+    with pytest.raises(MemestError, match="drop it to search --batch"):
+        largest_fitting(Runner(base), "batch", capacity=1 << 30)

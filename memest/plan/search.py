@@ -46,6 +46,10 @@ def _step(runner: Runner, key: str) -> int:
     (was: max-batch probed batch 1 and stopped on RunSpec's multiple check, battery 30)."""
     if key != "batch" or runner.base.preference != Preference.GRPO:
         return 1
+    if runner.base.generation_batch:  # a fixed generation batch is a multiple of each batch searched: most are not
+        raise MemestError(f"--generation-batch {runner.base.generation_batch} fixes trl's generation_batch_size, a "
+                          "multiple of --batch: drop it to search --batch (trl's default scales it, --batch x "
+                          "--grad-accum)")
     return generations_of(runner.base)
 
 
