@@ -86,6 +86,10 @@ TUNE_SETUP = (f"torchtune README optimisation table ({TUNE_README}): recipe full
               f"ones; config llama3_2/3B_full_single_device.yaml ({TUNE_CONFIG}) with the ladder's overrides")
 TUNE_SPEC = dict(model="hf:benchmarks/configs/llama-3.2-3b.json", batch=2, seq=4096, optim="adamw", precision="bf16",
                  checkpointing="none", outputs="freed")
+CHUNKED_LOSS = "scripts/models/llama32_3b_chunked_loss.py"  # relative to the repository root (main() chdirs there)
+CHUNKED_COMPILED_LOSS = "scripts/models/llama32_3b_chunked_compiled_loss.py"
+# torchtune compiles each layer (training.compile_model): --compile-scope blocks, on the chunked-loss model file
+CHUNKED_SPEC = {**TUNE_SPEC, "model": CHUNKED_LOSS, "compile_scope": "blocks"}
 TUNE_NOTES = [
     "config: benchmarks/configs/llama-3.2-3b.json (torchtune's llama3_2_3b shapes; benchmarks/configs/README.md)",
     "model code: transformers' LlamaForCausalLM; torchtune's TransformerDecoder returns fp32 logits "
@@ -116,6 +120,26 @@ def torchtune_rows() -> list[scale.Row]:
                     "--compile-scope blocks: each decoder layer compiled in place (Inductor defaults), the rest eager, "
                     "the loss too (transformers computes it inside forward; torchtune compiles it apart); the whole "
                     "step compiled as one graph is in the Isolations table")
+    blocks_note = ("torchtune compiles each decoder layer in place and the loss apart (training.compile_model, "
+                   f"training.compile_loss: {TUNE_COMPILE}); traced with --compile-scope blocks: each decoder layer "
+                   "compiled in place (Inductor defaults), the embedding, final norm, LM head and the chunked loss eager "
+                   "(the '+ Chunked Cross Entropy' row compiled the whole model before the model file was built with "
+                   "use_cache=False: 43.71 GiB, +1.9%)")
+    chunked_note = (f"model file {CHUNKED_LOSS}: memest refuses --compile with --loss-head, so the chunked loss is "
+                    "written after the model, as torchtune's recipe has it (the model returns bf16 logits, "
+                    "CEWithChunkedOutputLoss upcasts one chunk at a time); its transformers Llama is built with "
+                    "use_cache=False, as memest's hf: source builds it for training (with use_cache each block's "
+                    "cache index recompiled the shared block forward); torchtune compiles compute_cross_entropy "
+                    "(one chunk's upcast and cross-entropy), here it runs eager")
+    ac_note = ("activation checkpointing: torchtune wraps each TransformerSelfAttentionLayer in torch's "
+               "checkpoint_wrapper (training.set_activation_checkpointing -> apply_activation_checkpointing, "
+               f"non-reentrant) after compiling it ({TUNE_RECIPE}: compile_model, then set_activation_checkpointing), "
+               "so the checkpoint runs eager around the compiled layer; memest's --checkpointing blocks wraps each "
+               "decoder layer (non-reentrant) and compiles the wrapper with it (torchtitan's order): the same tensors "
+               "kept, each layer's input")
+    oib_note = ("optimizer_in_bwd: torchtune's register_optim_in_bwd_hooks, one AdamW per parameter stepped in its "
+                "post-accumulate-grad hook (memest --optim-in-backward); the hooks run eager after each compiled "
+                "layer's backward, as under --compile-scope blocks")
     return [
         scale.Row("torchtune llama-3.2-3b ladder", "+ Packed Dataset (eager, the ladder's base)", TUNE_README,
                   f"A100; {TUNE_SETUP}; this row: packed dataset, no compile", dict(TUNE_SPEC), A100, "allocated",
@@ -126,13 +150,16 @@ def torchtune_rows() -> list[scale.Row]:
                   A100, "allocated", round(51.0 * GiB), TUNE_NOTES + [compile_note]),
         scale.Row("torchtune llama-3.2-3b ladder", "+ Chunked Cross Entropy", TUNE_README,
                   f"A100; {TUNE_SETUP}; this row: packed dataset + compile=True + "
-                  "loss=torchtune.modules.loss.CEWithChunkedOutputLoss (8 chunks)",
-                  {**TUNE_SPEC, "model": CHUNKED_LOSS, "compile": True}, A100, "allocated", round(42.9 * GiB),
-                  TUNE_NOTES[:1] + TUNE_NOTES[2:] + [
-                      f"model file {CHUNKED_LOSS}: memest refuses --compile with --loss-head, so the chunked loss "
-                      "is written after the model, as torchtune's recipe has it (the model returns bf16 logits, "
-                      "CEWithChunkedOutputLoss upcasts one chunk at a time); the model is compiled whole "
-                      "(--compile), torchtune compiles each layer and compute_cross_entropy (here eager)"]),
+                  "loss=torchtune.modules.loss.CEWithChunkedOutputLoss (8 chunks)", dict(CHUNKED_SPEC), A100,
+                  "allocated", round(42.9 * GiB), TUNE_NOTES[:1] + TUNE_NOTES[2:] + [blocks_note, chunked_note]),
+        scale.Row("torchtune llama-3.2-3b ladder", "+ Activation Checkpointing", TUNE_README,
+                  f"A100; {TUNE_SETUP}; this row: the previous + enable_activation_checkpointing=True",
+                  {**CHUNKED_SPEC, "checkpointing": "blocks"}, A100, "allocated", round(24.9 * GiB),
+                  TUNE_NOTES[:1] + TUNE_NOTES[2:] + [blocks_note, chunked_note, ac_note]),
+        scale.Row("torchtune llama-3.2-3b ladder", "+ Fuse optimizer step into backward", TUNE_README,
+                  f"A100; {TUNE_SETUP}; this row: the previous + optimizer_in_bwd=True",
+                  {**CHUNKED_SPEC, "checkpointing": "blocks", "optim_in_backward": True}, A100, "allocated",
+                  round(23.1 * GiB), TUNE_NOTES[:1] + TUNE_NOTES[2:] + [blocks_note, chunked_note, ac_note, oib_note]),
     ]
 
 
@@ -140,7 +167,6 @@ GROUPS = {"torchtitan": tt_rows, "torchtune": torchtune_rows}
 
 TITAN_9DEC370 = "scripts/models/titan_llama3_9dec370.py"
 EAGER_LOSS = "scripts/models/llama32_3b_eager_loss.py"
-CHUNKED_LOSS = "scripts/models/llama32_3b_chunked_loss.py"  # relative to the repository root (main() chdirs there)
 
 
 def isolation_rows() -> list[scale.Row]:
@@ -161,19 +187,35 @@ def isolation_rows() -> list[scale.Row]:
             scale.Row("isolation: compile scope", "+ Compile, the whole step compiled as one graph (--compile-scope "
                       "step)", TUNE_README, f"A100; {TUNE_SETUP}", {**TUNE_SPEC, "compile": True}, A100, "allocated",
                       round(51.0 * GiB), ["what the '+ Compile' row read before --compile-scope blocks existed: "
-                                          "transformers' loss inside forward is fused into the one compiled graph"])]
+                                          "transformers' loss inside forward is fused into the one compiled graph"]),
+            scale.Row("isolation: AdamW kernel", "+ Activation Checkpointing, AdamW fused (fused=True)", TUNE_README,
+                      f"A100; {TUNE_SETUP}", {**CHUNKED_SPEC, "checkpointing": "blocks", "fused": True}, A100,
+                      "allocated", round(24.9 * GiB),
+                      ["torch.optim.AdamW(fused=True) in place of torch's CUDA default (foreach): the ladder does not "
+                       "state the full-finetune rows' optimizer settings; the QLoRA config its last command runs sets "
+                       "fused: True (recipes/configs/llama3_2/3B_qlora_single_device.yaml at "
+                       f"{TUNE_README_AT[:7]}); the fused kernel makes no list-wide temporaries"]),
+            scale.Row("isolation: loss compiled", "+ Fuse optimizer step into backward, compute_cross_entropy compiled",
+                      TUNE_README, f"A100; {TUNE_SETUP}",
+                      {**CHUNKED_SPEC, "model": CHUNKED_COMPILED_LOSS, "checkpointing": "blocks",
+                       "optim_in_backward": True}, A100, "allocated", round(23.1 * GiB),
+                      [f"{CHUNKED_COMPILED_LOSS}: the chunked loss with compute_cross_entropy (one chunk's fp32 upcast "
+                       "and cross-entropy) compiled by torch.compile, as torchtune's training.compile_loss does; the "
+                       "same file shape checked against the real compiled step on CPU "
+                       "(tests/test_compile_blocks.py, bf16 tiny Llama: traced and real agree to the byte with the "
+                       "loss compiled and eager)"])]
 
 SKIPPED = [  # published figures of these recipes not scored, and why (no number is made up for them)
-    dict(source=TUNE_README, runs="'+ Activation Checkpointing' 24.9, '+ Fuse optimizer step into backward' 23.1, "
-         "'+ Activation Offloading' 21.8, '+ 8-bit AdamW' 17.6 GiB (active)",
-         why="every row keeps compile=True and the chunked loss on top of the recipe: per-layer compile with "
-             "checkpointing (--compile-scope blocks) of the chunked-loss model file fails in dynamo (its transformers "
-             "Llama is built with use_cache, whose per-layer cache index recompiles each block; not chased), memest "
-             "refuses --compile with --optim-in-backward, and "
-             "torchtune's OffloadActivations (streams, last layer kept) is not offered (--activation-offload is "
-             "save_on_cpu's rule)"),
+    dict(source=TUNE_README, runs="'+ Activation Offloading' 21.8, '+ 8-bit AdamW' 17.6 GiB (active)",
+         why="torchtune's OffloadActivations (torchtune 0.6.1 torchtune/training/_activation_offloading.py: a second "
+             "CUDA stream, up to 5 offloaded activations kept on the device until their copy is done, tensors under "
+             "1024 B and parameters kept, the output head under a NoOpManager) is not offered: --activation-offload "
+             "is save_on_cpu's rule, and the class cannot run on a CPU-only torch to prove a rule against (its __init__ calls "
+             "torch.cuda.default_stream(): 'Torch not compiled with CUDA enabled', torch 2.13.0+cpu); the 8-bit AdamW "
+             "row keeps the offloading on"),
     dict(source=TUNE_README, runs="'LoRA' 8.5, 'QLoRA' 4.6 GiB (active)",
-         why="compile + chunked CE + activation offloading on top of LoRA (the QLoRA command): the same refusals"),
+         why="activation offloading on top of LoRA (the QLoRA command: enable_activation_offloading=True): torchtune's "
+             "OffloadActivations is not offered, as above"),
     dict(source=TUNE_README, runs="'Baseline' 25.5 GiB (active)",
          why="unpacked alpaca rows: the sequence length of the peak batch is not stated (padded to the batch's "
              "longest sample, at most 4096)"),
@@ -235,6 +277,23 @@ CAUSES: dict[str, str] = {
         "for the two, the size of the gap (7.79 GiB). Traced with the upcast and the loss after the compiled model "
         f"({EAGER_LOSS}, --compile), memest's figure is the Isolations table's; the rest of the difference is the "
         "loss itself (eager there, compiled by torchtune) and the per-layer graphs."),
+    "+ Activation Checkpointing": (
+        "Isolated by a trace (the Isolations table). memest's peak is the optimizer step of iteration 1 "
+        "(_foreach_sqrt): torch's foreach AdamW (_multi_tensor_adamw, CUDA's default) makes exp_avg_sq.sqrt() for "
+        "every parameter at once, one bf16 copy of a state, 3.21B x 2 B = 5.98 GiB, on top of the bf16 parameters, "
+        "gradients and two AdamW states (23.9 GiB); the run's 24.9 GiB leaves no room for it. The ladder does not "
+        "state the full-finetune rows' optimizer settings (the QLoRA config of its last command sets fused: True); "
+        "traced with AdamW fused=True memest reads 25.84 GiB (+3.8%), its peak then the loss's forward of "
+        "iteration 2, the same as the next row's."),
+    "+ Fuse optimizer step into backward": (
+        "Isolated by a trace (the Isolations table). memest's peak is the chunked loss's forward of iteration 2 "
+        "(nll_loss_forward): bf16 parameters and AdamW states (17.95 GiB) plus 7.9 GiB of activations and loss "
+        "tensors, where the run's 23.1 GiB leaves 5.2. The chunked loss runs eager in the model file, and each "
+        "chunk's log_softmax saves its fp32 output for backward (8 x 2 x 512 x 128256 x 4 B = 3.91 GiB at the last "
+        "chunk); torchtune compiles compute_cross_entropy (one chunk's upcast and cross-entropy, "
+        "training.compile_loss). With that function compiled in the model file memest reads 23.39 GiB, +1.2% "
+        "(Isolations table); the row keeps the eager loss file, the one the chunked-loss rows above it use. The same "
+        "eager loss-forward peak (25.84 GiB) is the previous row's with AdamW fused (Isolations table)."),
 }
 
 

@@ -25,7 +25,7 @@ from memest.features.preference import reference_of
 from memest.plan.parallel import plan_parallel
 from memest.plan.runner import Runner
 from memest.spec import RunSpec
-from memest.spec.choices import Optimizer, Outputs, Precision, Preference, Reference, Target
+from memest.spec.choices import CompileScope, Optimizer, Outputs, Precision, Preference, Reference, Target
 from memest.spec.options import command_line
 from memest.spec.run import image_hw
 from memest.trace.values import PlaceholderScalars
@@ -120,7 +120,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
         out.append(("fused linear cross-entropy (Liger-Kernel)", {"loss_head": "fused"}, 0.04))
     if base.precision == Precision.FP32 and base.target == Target.CUDA:
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, -0.1))
-    if base.training and not base.optim_in_backward and not compiled:  # a spec it cannot apply to is refused
+    # a spec it cannot apply to is refused: the whole step compiled (--compile-scope blocks keeps the hooks eager)
+    if base.training and not base.optim_in_backward and (not compiled or base.compile_scope == CompileScope.BLOCKS):
         out.append(("optimizer step in backward (torchtune optimizer_in_bwd)", {"optim_in_backward": True}, 0.01))
     if base.optim in (Optimizer.ADAM, Optimizer.ADAMW):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))

@@ -484,8 +484,12 @@ class RunSpec:
             raise MemestError(f"{flag} with --tp, --cp or --ep is not traced; with --world-size use --shard zero3 alone")
         if self.offload != Offload.NONE:
             raise MemestError(f"{flag} with --offload is not traced (the step's host memory is marked by phase); drop one")
-        if self.compile:
-            raise MemestError(f"{flag} with --compile is not traced; drop one")
+        if self.compile and self.compile_scope != CompileScope.BLOCKS:
+            raise MemestError(
+                f"{flag} with --compile (--compile-scope step): the whole step compiled as one graph would take the "
+                "per-parameter hooks into it, which is not traced; use --compile-scope blocks (each block compiled, "
+                "the hooks run eager after it, as torchtune compiles its layers) or drop one"
+            )
 
     @property
     def training(self) -> bool:

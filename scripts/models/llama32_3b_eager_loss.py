@@ -19,8 +19,11 @@ CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "llama
 
 
 def build_model() -> torch.nn.Module:
+    # use_cache=False, as memest's hf: source builds a model for training (memest/sources/hf.py) and torchtune's
+    # training forward keeps no KV cache: with transformers' default (True) each decoder layer updates the forward's
+    # DynamicCache at its own layer_idx, a guard that recompiles the shared block forward under --compile-scope blocks
     fields = {k: v for k, v in json.loads(CONFIG.read_text()).items() if not k.startswith("_")}
-    return LlamaForCausalLM(LlamaConfig(**fields))
+    return LlamaForCausalLM(LlamaConfig(**{**fields, "use_cache": False}))
 
 
 def example_inputs(batch_size: int, seq_len: int = 4096):
