@@ -55,6 +55,16 @@ def test_cli_refuses_a_quantized_base_under_sharding_or_model_parallelism(layout
     assert "--shard none" in line and "drop --quant" in line  # what to do instead
 
 
+def test_deepspeed_style_optimizer_offload_over_qlora_says_why_it_is_refused():
+    """A DeepSpeed ZeRO-3 QLoRA config with offload_optimizer reads as --shard zero3 --offload optimizer
+    (spec/trainers/deepspeed.py); FSDP2 has no such policy and no real DeepSpeed run checks it."""
+    args = ["estimate", model_ref("hf:llama-tiny"), *QLORA, "--precision", "bf16", "--world-size", "2", "--shard",
+            "zero3", "--offload", "optimizer"]
+    line = _one_line(CliRunner().invoke(app, args))
+    assert "--quant nf4 with --offload optimizer is not modelled" in line
+    assert "DeepSpeed" in line and "FSDP2 has no policy" in line and "--offload params" in line
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_int8_base_under_zero3_stays_refused(precision):
     """FSDP-QLoRA is modelled for the 4-bit stand-in only: Linear8bitLt's int8 weight under FSDP is not checked."""
