@@ -383,7 +383,8 @@ def render(scored: list[dict], env: dict, failed: list[dict]) -> str:
     lines = ["# Published per-rank GPU measurements at scale: memest uncalibrated (issue 21)", "",
              f"Scored {env['date']} with memest {env['memest']} ({env['commit']}), torch {env['torch']}, transformers "
              f"{env['transformers']}, peft {env['peft']}, bitsandbytes {env['bitsandbytes']}, on a CPU (memest never "
-             "touches a GPU; no calibration). Reproduce: `python scripts/bench_gpu_scale.py` (raw: gpu-scale.json).",
+             "touches a GPU; no calibration). Reproduce: "
+             f"`{env.get('command', 'python scripts/bench_gpu_scale.py')}` (raw: {env.get('raw', 'gpu-scale.json')}).",
              "",
              "Each row is a per-rank figure a public source states, with the settings it states; memest's figure is "
              "the one of the same type: reserved = `max_memory_reserved` (memest's allocator replay, range = its "
@@ -488,15 +489,20 @@ CAUSES: dict[str, str] = {
                          "GiB: at batch 1 the step likely fits inside what the load left reserved (see ctx512).",
     "LoRA bs1 ctx512 (allocated)": "The rest is not isolated.",
     "LoRA bs1 ctx2048 (allocated)": "The rest is not isolated.",
-    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The 2.0 GiB more the run reserved fits the load-time "
+    "QLoRA CPU offload bs12 ctx2048": "Not isolated. Near the card's limit: memest's unconstrained replay (24.25 GiB "
+        "reserved) is above the card, so its figure is the replay capped at the card, which releases cached blocks as "
+        "the allocator does before an OOM; the run kept 1.06 GiB more reserved than that capped replay, and no "
+        "allocated peak is published for the row to tell the allocator's cache from the step's tensors. Offloading "
+        "leaves 0.49 GiB of parameters on the device at the peak (iteration 1, the loss's backward).",
+    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The 2.6 GiB more the run reserved fits the load-time "
         "state of the 7B batch-1 rows (inferred): with --low_memory (the default) train.py quantizes each layer on the GPU before "
         "placing it on the CPU (its help text), and an 80-layer 70B layer is ~1.6 GiB of bf16 weights before "
         "quantization; memest traces the step only. The adapters are offloaded here, so their dtype does not count.",
     "Mistral 7B v0.2 QLoRA CPU offload bs12 ctx2048": "Both Mistral rows read exactly 22.54 GiB, the most the 24 GB "
-        "card leaves the allocator once the context is in: the runs ran at the card's limit. memest's peak is "
-        "in the backward of the recomputed last decoder layer (at its down_proj lora_B), where the fp32 adapters' "
-        "dropout outputs are alive (the adapter-dtype arithmetic above); the run may also have offloaded activations "
-        "(--use_activation_cpu_offload is not stated for these rows). Not isolated by a trace.",
+        "card leaves the allocator once the context is in: the runs ran at the card's limit, and memest's "
+        "unconstrained replay (25.12 GiB reserved) is above the card too; its replay capped at the card reads 0.35 GiB "
+        "below the run, within what the allocator's cache under pressure decides. The run may also have offloaded "
+        "activations (--use_activation_cpu_offload is not stated for these rows). Not isolated by a trace.",
     "Mistral 7B v0.2 QLoRA CPU offload bs1 ctx24576": "Same tokens per step as the bs12 x 2048 row and the same "
         "reading, in the run and in memest (see that row).",
     "FSDP QLoRA 2 GPUs, no CPU offload": "Not isolated; the unit alone makes the measured 6.9% smaller (above). FSDP1 "
@@ -508,7 +514,9 @@ CAUSES: dict[str, str] = {
     "FSDP QLoRA 2x24GB, CPU offload": "Not isolated. The figure is the GPU monitor's for the whole run (load, "
         "training, evaluation each epoch, the final save); memest's device figure is the training step's. With "
         "fsdp_cpu_ram_efficient_loading rank 0 loads the weights and FSDP broadcasts them (sync_module_states), which "
-        "passes whole unsharded units through the GPU at load time.",
+        "passes whole unsharded units through the GPU at load time. What offloading saves reads as the page states "
+        "it: the same run without offload measured 35.6 GB, 16.0 GiB more; memest's two figures differ by 16.8 GiB "
+        "(29.38 and 12.58 GiB, gpu-scale.md), so of the 7.0 GiB miss, 6.2 GiB is the no-offload row's own gap.",
     "DeepSpeed ZeRO-3 LoRA 8x H100 80GB": "Not isolated. DeepSpeed ZeRO-3's gathered-parameter budget "
         "(stage3_max_live_parameters 1e9, prefetch buckets) and its contiguous gradient partitions are not FSDP2's "
         "per-layer rule memest traces.",
@@ -616,6 +624,11 @@ def main(argv=None) -> int:
                                                   cached_only=args.cached_only)
     env = _environment(versions)
     out = Path(args.out)
+    if args.only or out != ROOT / "benchmarks" / "gpu-scale":  # a part of the table: the command that made it
+        where = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
+        env["command"] = ("python scripts/bench_gpu_scale.py" + (f" --only '{args.only}'" if args.only else "")
+                          + f" --out {where}")
+        env["raw"] = out.with_suffix(".json").name
     out.parent.mkdir(parents=True, exist_ok=True)
     before = json.loads(Path(args.before).read_text()) if args.before else None
     data = {"environment": env, "summary": {f: summary(scored, f) for f in ("reserved", "allocated", "device")},

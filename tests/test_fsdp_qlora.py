@@ -2,7 +2,11 @@
 not modelled, so every path refuses it with one line (exit 2) naming what is not modelled and what to do: the
 CLI, a YAML run config, the Python API, advise (never proposes it) and plan-parallel. Plain DDP over a
 quantized base stays modelled: its traced rank peak is checked against the same step run on real gloo ranks
-(memest/validate/distributed_truth.py), as tests/test_sharding.py checks the unquantized layouts."""
+(memest/validate/distributed_truth.py), as tests/test_sharding.py checks the unquantized layouts. So are FSDP-QLoRA
+(FSDP2 --shard zero3 / zero2 over a 4-bit base in bf16 or fp32) and, under zero3, FSDP2's CPUOffloadPolicy over it
+(--offload params): on a CPU offloading moves nothing, so its device + host peak is checked against the real ranks'
+peak and its host column against the real ranks' sharded storage bytes (docs/limitations.md: what a CPU cannot
+prove)."""
 
 import json
 
@@ -28,7 +32,7 @@ UNMODELLED = [
     (["--world-size", "2", "--shard", "zero3", "--precision", "bf16-mixed"], "--shard zero3"),
     (["--world-size", "2", "--shard", "zero2", "--precision", "fp16"], "--shard zero2"),
     (["--world-size", "2", "--shard", "zero1"], "--shard zero1"),
-    (["--world-size", "2", "--shard", "zero3", "--offload", "params"], "--offload params"),
+    (["--world-size", "2", "--shard", "zero3", "--offload", "optimizer"], "--offload optimizer"),
     (["--offload", "optimizer"], "--offload optimizer"),
     (["--world-size", "2", "--tp", "2"], "--tp 2"),
     (["--world-size", "2", "--pp", "2"], "--pp 2"),
@@ -49,6 +53,16 @@ def test_cli_refuses_a_quantized_base_under_sharding_or_model_parallelism(layout
     line = _one_line(CliRunner().invoke(app, args))
     assert f"--quant {quant}" in line and named in line and "not modelled" in line
     assert "--shard none" in line and "drop --quant" in line  # what to do instead
+
+
+def test_deepspeed_style_optimizer_offload_over_qlora_says_why_it_is_refused():
+    """A DeepSpeed ZeRO-3 QLoRA config with offload_optimizer reads as --shard zero3 --offload optimizer
+    (spec/trainers/deepspeed.py); FSDP2 has no such policy and no real DeepSpeed run checks it."""
+    args = ["estimate", model_ref("hf:llama-tiny"), *QLORA, "--precision", "bf16", "--world-size", "2", "--shard",
+            "zero3", "--offload", "optimizer"]
+    line = _one_line(CliRunner().invoke(app, args))
+    assert "--quant nf4 with --offload optimizer is not modelled" in line
+    assert "DeepSpeed" in line and "FSDP2 has no policy" in line and "--offload params" in line
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -194,14 +208,16 @@ FSDP_CASES = [
     ("fp4", "fp32", False, "zero3"),
     ("nf4", "bf16", True, "zero2"),  # FSDP2 reshard_after_forward=False (SHARD_GRAD_OP)
     ("nf4", "bf16", True, "zero3-wide"),  # the 4-bit weights dominate (vocabulary 128)
+    ("nf4", "bf16", True, "zero3-offload"),  # FSDP2 CPUOffloadPolicy (--offload params)
 ]
 
 
-def _fsdp_spec(quant: str, precision: str, double_quant: bool, shard: str) -> RunSpec:
-    shard, _, wide = shard.partition("-")
-    model, batch, seq = ("hf:llama-tiny-wide", 1, 16) if wide else ("hf:llama-tiny", 2, 32)
-    return RunSpec(model=model_ref(model), batch=batch, seq=seq, target="cpu", precision=precision,
-                   lora="r=8,targets=all-linear", quant=quant, double_quant=double_quant, world_size=2, shard=shard)
+def _fsdp_spec(quant: str, precision: str, double_quant: bool, shard: str, target: str = "cpu") -> RunSpec:
+    shard, *extra = shard.split("-")
+    model, batch, seq = ("hf:llama-tiny-wide", 1, 16) if "wide" in extra else ("hf:llama-tiny", 2, 32)
+    return RunSpec(model=model_ref(model), batch=batch, seq=seq, target=target, precision=precision,
+                   lora="r=8,targets=all-linear", quant=quant, double_quant=double_quant, world_size=2, shard=shard,
+                   offload="params" if "offload" in extra else "none")
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +233,60 @@ def test_fsdp_qlora_matches_real_gloo_ranks(case, fsdp_measured):
     their optimizer state sharded): every rank's traced peak against 2 real gloo ranks."""
     spec = _fsdp_spec(*case)
     result = trace_step(load_source(spec.model), spec)
-    traced = result.peak()[0]
+    # on a CPU the host of an offloading run is the same memory: device + host together (as tests/test_sharding.py)
+    traced = result.combined_peak() if spec.offload != "none" else result.peak()[0]
     for rank in fsdp_measured[case]:
         error = (traced - rank["peak_bytes"]) / rank["peak_bytes"]
         assert abs(error) <= REL_TOL, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
     assert any("bnb_4bit_quant_storage" in note for note in result.notes)
+
+
+OFFLOAD_CASE = ("nf4", "bf16", True, "zero3-offload")
+
+
+def test_fsdp_qlora_cpu_offload_host_column_is_the_real_ranks_sharded_state(fsdp_measured):
+    """FSDP2's CPUOffloadPolicy over the 4-bit base: the host column holds, byte for byte, what every real gloo rank
+    holds as the last optimizer step begins (the local shards of every parameter, the packed 4-bit storage among
+    them, in FSDP's padded storage; the adapters' sharded gradients; AdamW's state), and the device holds none of it.
+    The quantization state (buffers, no parameter) stays on the device, where FSDP2 puts buffers; the same step
+    without offloading holds the same bytes in one place."""
+    from memest.parallel.distributed import model_state_bytes
+    from memest.trace import Category, Phase
+
+    spec = _fsdp_spec(*OFFLOAD_CASE)
+    trace = trace_step(load_source(spec.model), spec)
+    state = model_state_bytes(trace)
+    for rank in fsdp_measured[OFFLOAD_CASE]:
+        assert state["host"] == rank["state_bytes"], f"rank {rank['rank']}"
+    assert state["device"] == {"parameters": 0, "gradients": 0, "optimizer_state": 0}
+    packed = [rec for rec in trace.storages if rec.host and rec.category is Category.PARAMETERS and rec.module
+              and any(rec.module.endswith(p) for p in ("q_proj.base_layer", "down_proj.base_layer"))]
+    assert packed, "the sharded packed 4-bit storage is host memory"
+    for rec in trace.storages:
+        if rec.host:
+            assert rec.phase is Phase.OPTIMIZER or rec.category in (
+                Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE), rec
+        if rec.category is Category.BUFFERS:
+            assert not rec.host, rec
+    plain = trace_step(load_source(spec.model), _fsdp_spec("nf4", "bf16", True, "zero3"))
+    assert trace.combined_peak() == plain.peak()[0]
+    assert model_state_bytes(plain)["device"] == state["host"]
+
+
+def test_fsdp_qlora_cpu_offload_on_a_gpu_copies_each_unit_s_host_shards_in():
+    """--target cuda (no real run: a CPU moves nothing): each FSDP unit's all-gather first copies its host shards
+    (the packed 4-bit storage with the rest) to the device, so one forward's copies add up to the host parameters."""
+    from memest.trace import Category, Phase
+
+    spec = _fsdp_spec(*OFFLOAD_CASE, target="cuda")
+    trace = trace_step(load_source(spec.model), spec)
+    host_params = sum(rec.nbytes for rec in trace.storages if rec.host and rec.category is Category.PARAMETERS)
+    copies = [rec for rec in trace.storages if rec.op == "host-to-device copy of offloaded shards"]
+    first_forward = sum(rec.nbytes for rec in copies if rec.iteration == 1 and rec.phase is Phase.FORWARD)
+    assert host_params > 0 and first_forward == host_params
+    assert all(not rec.host for rec in copies)
+    plain = trace_step(load_source(spec.model), _fsdp_spec("nf4", "bf16", True, "zero3", target="cuda"))
+    assert trace.peak()[0] < plain.peak()[0]
 
 
 def test_fsdp_qlora_stand_in_stores_the_packed_weight_in_the_model_dtype():

@@ -65,8 +65,8 @@ _CHOICE_FIELDS = {
 
 def quant_layout_unmodelled(spec) -> list[str]:
     """The options of ``spec``'s layout that memest does not model under a quantized base (--quant): --shard
-    other than FSDP2's zero3 / zero2 over nf4/fp4 in fp32 or bf16, any --offload, --tp, --pp, --cp or --ep (RunSpec refuses
-    them; plan-parallel refuses --quant)."""
+    other than FSDP2's zero3 / zero2 over nf4/fp4 in fp32 or bf16, any --offload but params under that zero3, --tp,
+    --pp, --cp or --ep (RunSpec refuses them; plan-parallel refuses --quant)."""
     out = []
     # FSDP-QLoRA (FSDP2: --shard zero3 or zero2 over a 4-bit base in fp32 or bf16, pure data parallel) is modelled
     # and checked against real gloo ranks (tests/test_fsdp_qlora.py); mixed precision would cast the packed storage
@@ -74,7 +74,11 @@ def quant_layout_unmodelled(spec) -> list[str]:
     fsdp_qlora = fsdp and spec.precision in (Precision.FP32, Precision.BF16)
     if spec.shard != Shard.NONE and not fsdp_qlora:
         out.append(f"--shard {spec.shard}" + (f" with --precision {spec.precision}" if fsdp else ""))
-    if spec.offload != Offload.NONE:
+    # FSDP2's CPUOffloadPolicy over FSDP-QLoRA (--shard zero3 --offload params) is modelled and checked against real
+    # gloo ranks (tests/test_fsdp_qlora.py): the sharded packed storage, the adapters' gradients and optimizer state on
+    # the host; --offload optimizer (no FSDP2 policy: DeepSpeed's ZeRO offload) is not
+    qlora_offload = fsdp_qlora and spec.shard == Shard.ZERO3 and spec.offload == Offload.PARAMS
+    if spec.offload != Offload.NONE and not qlora_offload:
         out.append(f"--offload {spec.offload}")
     out += [f"--{name} {getattr(spec, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(spec, name) > 1]
     return out
@@ -384,16 +388,24 @@ class RunSpec:
         """A quantized base under sharding, offload or model parallelism is refused where it is not modelled
         (quant_layout_unmodelled). Modelled, each against real gloo ranks (tests/test_fsdp_qlora.py): plain DDP
         (--world-size N, --shard none) and FSDP-QLoRA, --shard zero3 / zero2 over a 4-bit base in bf16 or fp32, whose
-        packed weights are stored as the model's dtype (``bnb_4bit_quant_storage``, features/quant.py)."""
+        packed weights are stored as the model's dtype (``bnb_4bit_quant_storage``, features/quant.py), with FSDP2's
+        CPUOffloadPolicy under zero3 (--offload params: the sharded packed storage on the host)."""
         if self.quant == Quant.NONE:
             return
         unmodelled = quant_layout_unmodelled(self)
         if unmodelled:
+            why = ("a bitsandbytes base laid out so is not checked against a real run"
+                   if self.offload != Offload.OPTIMIZER else
+                   # DeepSpeed ZeRO-3 QLoRA with offload_optimizer reads as --shard zero3 --offload optimizer
+                   # (spec/trainers/deepspeed.py): DeepSpeed's own engine partitions and offloads it, not FSDP2
+                   "--offload optimizer is DeepSpeed's ZeRO-Offload, which FSDP2 has no policy for; DeepSpeed ZeRO-3 "
+                   "over a bitsandbytes base is not checked against a real run: memest's ground truth runs torch's "
+                   "own wrappers on gloo ranks, not DeepSpeed's engine")
+            fsdp = ("; so is --shard zero3 or zero2 in --precision bf16 or fp32, the FSDP-QLoRA recipe, with "
+                    "--offload params (FSDP2's CPUOffloadPolicy) under zero3") if self.quant != Quant.INT8 else ""
             raise MemestError(
-                f"--quant {self.quant} with {' and '.join(unmodelled)} is not modelled (a bitsandbytes base laid out so, "
-                "e.g. DeepSpeed ZeRO-3 or FSDP with offload over QLoRA, is not checked against a real run); "
-                f"drop {unmodelled[0].split()[0]} (plain DDP, --world-size N --shard none, is modelled"
-                f"{'; so is --shard zero3 or zero2 in --precision bf16 or fp32, the FSDP-QLoRA recipe' if self.quant != Quant.INT8 else ''}), "
+                f"--quant {self.quant} with {' and '.join(unmodelled)} is not modelled ({why}); "
+                f"drop {unmodelled[0].split()[0]} (plain DDP, --world-size N --shard none, is modelled{fsdp}), "
                 "or drop --quant to estimate a 16-bit base sharded"
             )
 

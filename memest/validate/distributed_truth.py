@@ -41,7 +41,8 @@ PRELOAD = ["memest.validate.distributed_truth"]
 
 def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int = 1) -> list[list[dict]]:
     """Run each spec (all with the same --world-size) for real; for each spec, every rank's
-    ``{"rank", "peak_bytes", "op_at_peak", "baseline_bytes"}``. CPU only (``--target cpu``)."""
+    ``{"rank", "peak_bytes", "op_at_peak", "baseline_bytes"}`` (under FSDP also ``state_bytes``: parameters,
+    gradients and optimizer state as the last optimizer step begins). CPU only (``--target cpu``)."""
     if not specs:
         return []
     world_size = specs[0].world_size
@@ -211,6 +212,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
         if parallel is not None:
             parallel.ddp_buckets = []
         module, optimizer = (model, None) if parallel is None else (parallel.module, parallel.optimizer)
+        state: dict[str, int] = {}
+        if dims.fsdp_enabled and optimizer is not None:  # the sharded state as the last optimizer step begins
+            optimizer.register_step_pre_hook(lambda opt, *_: state.update(_sharded_state_bytes(module, opt)))
         marker = torch.empty(SENTINEL_BYTES, dtype=torch.uint8)
         del marker
         loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
@@ -219,7 +223,21 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
             for _ in range(spec.iterations):
                 run_step(module, inputs, optimizer, source.compute_loss, spec, loop=loop)
     dist.barrier()
-    return _peak(_allocation_events(prof), baseline, rank)
+    return {**_peak(_allocation_events(prof), baseline, rank), **({"state_bytes": state} if state else {})}
+
+
+def _sharded_state_bytes(module, optimizer) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state (the local shards of FSDP's DTensors; a shard's
+    storage is FSDP's padded one), in distinct storage bytes: what parallel.distributed.model_state_bytes
+    counts in a trace, read from the real run's tensors. Reads sizes only: nothing is allocated."""
+    def local(t):
+        return getattr(t, "_local_tensor", t)
+
+    params = list(module.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"parameters": _distinct_storage_bytes(local(p) for p in params),
+            "gradients": _distinct_storage_bytes(local(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": _distinct_storage_bytes(local(v) for v in state)}
 
 
 def _peak(events: list, baseline: int, rank: int) -> dict:
