@@ -202,10 +202,17 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
         expert_routing=g.expert_routing,
         context_parallel_ranks=g.context_parallel_ranks,
         notes_before=g.notes,
-        notes_after=(*source.notes, *_rank_notes(g.rank), *notes),
+        notes_after=(*_source_notes(spec, source), *_rank_notes(g.rank), *notes),
         image_facts=_image_facts(spec, source),
     )
     return Estimate(analyse(trace, spec, source.name, parts), trace)
+
+
+def _source_notes(spec: RunSpec, source) -> list[str]:
+    """The source's notes; with --images / --video-frames, not those on its default inputs (the report's images row
+    says what was traced: the images given, their size after the processor's resizing, their tokens)."""
+    drop = source.default_input_notes if _image_facts(spec, source) is not None else ()
+    return [n for n in source.notes if n not in drop]
 
 
 def _image_facts(spec: RunSpec, source) -> dict | None:
