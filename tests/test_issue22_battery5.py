@@ -85,3 +85,29 @@ def test_the_cli_keeps_naming_flags(args, named):
     extra = ["--preference", "grpo", "--completion-len", "8"] if "--generations" in args or "--rollout" in args else []
     line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", *extra, *args]), alone=True)
     assert named in line, line
+
+
+# --- battery 31's defects
+
+def test_yaml_blocks_with_compile_false_names_the_value(tmp_path):
+    # was: "compile_scope: blocks with compile: drop one" (--no-compile said as "compile:", its value lost; #18)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {TINY}\nseq: 32\ncompile_scope: blocks\ncompile: false\n")
+    line = error_line(runner.invoke(app, ["check", str(config)]), alone=True)
+    assert "compile_scope: blocks with compile: false" in line and "--" not in line
+
+
+def test_video_frames_past_the_positions_are_refused_naming_them():
+    # was: "the forward uses a data-dependent op (aten.nonzero.default) ... memest cannot trace this model yet" (#43)
+    line = error_line(runner.invoke(app, ["estimate", QWEN, "--seq", "16", "--video-frames", "100000"]))
+    assert "--video-frames 100000" in line and "video tokens" in line and "positions" in line, line
+    assert "data-dependent" not in line
+
+
+def test_an_aspect_ratio_the_processor_refuses_is_a_one_line_error():
+    # was: "memest: internal error: ValueError: absolute aspect ratio must be smaller than 200" (#48)
+    result = runner.invoke(app, ["estimate", QWEN, "--seq", "16", "--images", "1", "--image-size", "28x10000"])
+    line = error_line(result, internal=True)
+    assert "--image-size 28x10000" in line and "aspect ratio" in line, line
+    with pytest.raises(MemestError, match=r"image_size 28x10000: .*aspect ratio"):
+        memest.estimate(QWEN, seq=16, images=1, image_size="28x10000")

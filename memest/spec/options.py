@@ -335,7 +335,7 @@ def spec_options() -> dict[str, Option]:
 
 def as_yaml_keys(text: str, keep: typing.Iterable[str] = ()) -> str:
     """A message about options said of a YAML config: each flag named as its YAML key ("--tp 3: ..." ->
-    "tp: 3: ...", "--lora: bad value" -> "lora: bad value"); the options named in ``keep`` (given as flags
+    "tp: 3: ...", "--lora: bad value" -> "lora: bad value", "--no-compile" -> "compile: false"); the options named in ``keep`` (given as flags
     beside the config, e.g. check's overrides) keep their flag."""
     keep = set(keep)
     for opt in OPTIONS:
@@ -343,7 +343,10 @@ def as_yaml_keys(text: str, keep: typing.Iterable[str] = ()) -> str:
             continue
         key = opt.yaml or opt.name
         for flag in opt.flags[0].split("/"):
-            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-]):?", f"{key}:", text)
+            if flag.startswith("--no-") and opt.kind is bool:  # was "compile_scope: blocks with compile: drop one"
+                text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", f"{key}: false", text)
+            else:
+                text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-]):?", f"{key}:", text)
     return text
 
 
