@@ -111,3 +111,15 @@ def test_an_aspect_ratio_the_processor_refuses_is_a_one_line_error():
     assert "--image-size 28x10000" in line and "aspect ratio" in line, line
     with pytest.raises(MemestError, match=r"image_size 28x10000: .*aspect ratio"):
         memest.estimate(QWEN, seq=16, images=1, image_size="28x10000")
+
+
+def test_an_option_given_beside_a_trainer_file_is_not_named_as_the_files_key(tmp_path):
+    # was: "ax.yml: preference: grpo: batch: counts completions ..." for preference='grpo' / --preference grpo given
+    # beside the file (its key form blamed the file for the user's own option; #66, #68)
+    config = tmp_path / "ax.yml"
+    config.write_text(f"base_model: {CONFIGS / 'llama-tiny.json'}\nsequence_len: 32\nmicro_batch_size: 2\n")
+    with pytest.raises(MemestError) as err:
+        memest.estimate(from_file=str(config), preference="grpo")
+    assert "preference='grpo'" in str(err.value) and "batch: counts completions" in str(err.value), str(err.value)
+    line = error_line(runner.invoke(app, ["estimate", "--from", str(config), "--preference", "grpo"]), alone=True)
+    assert "--preference grpo" in line and "batch: counts completions" in line, line
