@@ -65,10 +65,20 @@ def estimate(
     measured costs replace the defaults, and its GPU generation is modelled unless ``gpu`` names a card.
     ``from_file``: a trainer config (axolotl, LLaMA-Factory, DeepSpeed JSON, ..., as the CLI's ``--from``): the run
     it describes, the keywords given here over it; ``model`` may then be left out (the file names it).
-    Returns an estimator.Estimate."""
+    Returns an estimator.Estimate. Its errors (MemestError) name this call's keywords, not the CLI's flags."""
+    where = "memest.estimate(): "
+    try:
+        return _estimate(model, inputs, batch, seq, optim, precision, target, loss, gpu, calibration, from_file,
+                         options, where)
+    except MemestError as exc:  # issue 22 item 27; battery 30 #46, #49: was "unknown --rollout 'x'" from rollout='x'
+        text = str(exc).removeprefix(where)
+        raise type(exc)(where + as_keywords(text)) from None
+
+
+def _estimate(model, inputs, batch, seq, optim, precision, target, loss, gpu, calibration, from_file, options,
+              where: str):
     from memest.estimator import estimate as run
 
-    where = "memest.estimate(): "
     named = {"batch": batch, "seq": seq, "optim": optim, "precision": precision, "target": target}
     step = typed_spec({**{k: v for k, v in named.items() if v is not _DEFAULT}, **options},
                       where, extra=("model", "inputs", "loss", "gpu", "calibration", "from_file"))
@@ -107,12 +117,9 @@ def estimate(
             raise MemestError(f"the calibration profile was measured on {profile['gpu_name']}, not a {gpu}; pass a "
                               "profile measured on that card")
         cc = named or (profile["compute_capability"] if profile else None) or DEFAULT_COMPUTE_CAPABILITY
-    try:  # the errors name this call's keywords, not the CLI's flags (issue 22)
-        spec = RunSpec(model=ref, compute_capability=cc, **step)
-        with user_code(source.origin or ref, quiet_stdout=False):
-            result = run(spec, calibration=profile if spec.target == Target.CUDA else None, source=source)
-    except MemestError as exc:
-        raise type(exc)(where + as_keywords(str(exc))) from None
+    spec = RunSpec(model=ref, compute_capability=cc, **step)
+    with user_code(source.origin or ref, quiet_stdout=False):
+        result = run(spec, calibration=profile if spec.target == Target.CUDA else None, source=source)
     result.default_budget = gpu
     return result
 
@@ -134,7 +141,7 @@ def _read_from(path, model, step: dict, where: str) -> tuple[str, dict]:
     except MemestError as exc:
         text = str(exc).replace("pass one (memest estimate hf:path/config.json --from FILE)",
                                 "pass model='hf:path/config.json' beside from_file=")
-        raise type(exc)(where + as_keywords(text.replace("--from ", "from_file "))) from None
+        raise type(exc)(where + text.replace("--from ", "from_file ")) from None
     return values.pop("model"), values
 
 
@@ -147,6 +154,13 @@ def serve_capacity(model: str, gpu: str, **options: Any) -> dict:
     budget steps under ``budget``)."""
 
     where = "memest.serve_capacity(): "
+    try:
+        return _serve_capacity(model, gpu, options, where)
+    except MemestError as exc:  # its errors name this call's keywords, as memest.estimate's do
+        raise type(exc)(where + as_keywords(str(exc).removeprefix(where))) from None
+
+
+def _serve_capacity(model, gpu, options: dict, where: str) -> dict:
     known = {*serve_names(), "calibration"}
     unknown = sorted(set(options) - known)
     if unknown:

@@ -170,17 +170,23 @@ def _check_loss_chunks(spec: RunSpec) -> None:
 
 
 def _check_image_positions(spec: RunSpec, source) -> None:
-    """--images N adds N images' tokens to the --seq text tokens: all need positions (was: --images 1000 on a
-    512-position model traced ~256,000 tokens for many minutes, battery 30)."""
+    """--images N adds N images' tokens (--video-frames F a video's) to the --seq text tokens: all need positions
+    (was: --images 1000 on a 512-position model traced ~256,000 tokens for many minutes, battery 30)."""
     facts = _image_facts(spec, source) if source.max_seq and spec.seq is not None else None
     if not facts:
         return
-    total = spec.seq + spec.images * facts["tokens_per_image"]
+    video = facts.get("video")
+    total = spec.seq + spec.images * facts["tokens_per_image"] + (video["tokens_per_video"] if video else 0)
     if total > source.max_seq:
         why = f" ({source.max_seq_why})" if source.max_seq_why else ""
-        raise MemestError(f"--images {spec.images}: {facts['tokens_per_image']} image tokens each (a {facts['size']} "
-                          f"image) and --seq {spec.seq} text tokens make at least {total} positions; {source.name} takes "
-                          f"at most {source.max_seq} positions{why}; use fewer or smaller images, or a shorter --seq")
+        parts = [f"--images {spec.images}: {facts['tokens_per_image']} image tokens each (a {facts['size']} image)"] \
+            if spec.images else []
+        if video:  # was: --video-frames 100000 blamed a data-dependent op of the model (battery 31 #43)
+            parts.append(f"--video-frames {video['frames']}: {video['tokens_per_video']} video tokens (frames of "
+                         f"{video['size']})")
+        raise MemestError(f"{' and '.join(parts)} and --seq {spec.seq} text tokens make at least {total} positions; "
+                          f"{source.name} takes at most {source.max_seq} positions{why}; use fewer or smaller images "
+                          "or frames, or a shorter --seq")
 
 
 def _estimate_one(spec: RunSpec, calibration: dict | None, source) -> Estimate:
@@ -202,10 +208,17 @@ def _estimate_of(g: _Gathered, source, notes: Sequence[str] = ()) -> Estimate:
         expert_routing=g.expert_routing,
         context_parallel_ranks=g.context_parallel_ranks,
         notes_before=g.notes,
-        notes_after=(*source.notes, *_rank_notes(g.rank), *notes),
+        notes_after=(*_source_notes(spec, source), *_rank_notes(g.rank), *notes),
         image_facts=_image_facts(spec, source),
     )
     return Estimate(analyse(trace, spec, source.name, parts), trace)
+
+
+def _source_notes(spec: RunSpec, source) -> list[str]:
+    """The source's notes; with --images / --video-frames, not those on its default inputs (the report's images row
+    says what was traced: the images given, their size after the processor's resizing, their tokens)."""
+    drop = source.default_input_notes if _image_facts(spec, source) is not None else ()
+    return [n for n in source.notes if n not in drop]
 
 
 def _image_facts(spec: RunSpec, source) -> dict | None:

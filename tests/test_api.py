@@ -87,7 +87,7 @@ def test_inputs_with_a_seq_and_other_options():
     ({"model": Net}, "inputs="),
     ({"model": Net, "inputs": torch.randn(2, 64)}, "callable"),
     ({"model": model_ref("mlp"), "inputs": make_inputs}, "model factory"),
-    ({"model": Net, "inputs": make_inputs, "optim": "lion"}, "--optim"),
+    ({"model": Net, "inputs": make_inputs, "optim": "lion"}, "unknown optim='lion'"),  # the keyword (issue 22 item 27)
 ])
 def test_api_errors_say_what_to_pass(kwargs, needle):
     with pytest.raises(MemestError, match=needle):

@@ -1,6 +1,7 @@
 """Run battery 30's rows (rows.txt) and check each mechanically: exit code in {0, 1, 2}; no Traceback; exit 2
 prints exactly one `memest: error` line; --json stdout is one JSON document or empty. Writes results.json.
-Usage (in the folder files.sh filled): R=/path/to/repo PYTHONPATH=$R python run.py [ids...]
+Usage (in the folder files.sh filled): R=/path/to/repo PYTHONPATH=$R python run.py [ids...]; ROWS=FILE runs another
+battery's rows (benchmarks/battery31/rows.txt).
 CLI rows run in this one process through typer's CliRunner (memest's `app`, the same entry `python -m memest`
 calls; its worker process still forks per command), API rows as Python in this process: on a shared 2-core
 machine a fresh interpreter per row cost ~50 s of imports. SUBPROCESS=1 runs each row as `python -m memest`."""
@@ -21,7 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": R}
 
 
 def rows():
-    for line in (HERE / "rows.txt").read_text().splitlines():
+    for line in Path(os.environ.get("ROWS", HERE / "rows.txt")).read_text().splitlines():
         if line.startswith("#") or not line.strip():
             continue
         rid, expected, command = line.split("|", 2)
@@ -42,7 +43,7 @@ def run_inprocess(command: str):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                exec(command[4:].replace("print(", "print("), {"memest": memest, "torch": torch, "L": L})
+                exec(command[4:], {"memest": memest, "torch": torch, "L": L, "T": T})
                 print("ok")
             except memest.MemestError as e:
                 print(f"{type(e).__name__}: {e}")
@@ -69,7 +70,7 @@ def run(row):
         p.stdout, p.stderr = stdout, stderr
     elif command.startswith("API:"):
         code = ("import memest, torch\n"
-                f"L = {L!r}\n"
+                f"L = {L!r}\nT = {T!r}\n"
                 "try:\n    " + command[4:] + "\n    print('ok')\n"
                 "except memest.MemestError as e:\n    print(f'{type(e).__name__}: {e}')\n")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=600)
@@ -89,6 +90,8 @@ def run(row):
         errs = [x for x in p.stderr.splitlines() if x.startswith("memest: error")]
         if len(errs) != 1:
             problems.append(f"{len(errs)} error lines")
+        elif len(p.stderr.strip().splitlines()) != 1:
+            problems.append("stderr holds more than the error line")
     if "--json" in command and p.stdout.strip():
         try:
             json.loads(p.stdout)

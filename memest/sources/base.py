@@ -24,6 +24,10 @@ class ModelSource:
     # its MoE kernel choice on the target device)
     trace_context: Callable[[Any], Any] | None = None
     notes: list[str] = field(default_factory=list)  # facts about the model or its inputs, for the report
+    # those of ``notes`` that describe the inputs memest builds by default (vision-language hf: models: the default
+    # image); the report leaves them out when --images / --video-frames replace them (was: "one 448x448 image per
+    # example (256 image tokens)" beside --image-size 100000x100000, battery 30 #54)
+    default_input_notes: list[str] = field(default_factory=list)
     # what the model's inputs are when they have no sequence (hf: image models): --seq is refused for it
     no_seq: str = ""
     # name -> what the model file defines under that name, or None (e.g. --checkpointing selective:NAME's policy)

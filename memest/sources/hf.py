@@ -153,6 +153,7 @@ def load_hf_source(name: str) -> ModelSource:
         values_hint=_values_hint(arch, config),
         image_inputs=images_inputs if head.name == VISION_LANGUAGE else None,
         image_facts=images_facts if head.name == VISION_LANGUAGE else None,
+        default_input_notes=list(head.notes) if head.name == VISION_LANGUAGE else [],
         meta_build=True,
         warnings=list(built.warnings),
         no_seq=f"a {head.name} model: its inputs are images (pixel_values)" if head.default_seq is None else "",

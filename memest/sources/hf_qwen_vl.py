@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memest.errors import MemestError
+
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 QWEN_VL_DEFAULT_IMAGE = (448, 448)  # memest's image without --image-size: 256 image tokens (a 32 x 32 patch grid / 2 x 2)
 
@@ -49,7 +51,11 @@ def qwen_vl_grid(config, hw: tuple[int, int], min_pixels: int = QWEN_VL_MIN_PIXE
 
     vision = config.vision_config
     factor = vision.patch_size * vision.spatial_merge_size
-    height, width = smart_resize(hw[0], hw[1], factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    try:
+        height, width = smart_resize(hw[0], hw[1], factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    except ValueError as exc:  # was an internal error for --image-size 28x10000 (battery 31 #48)
+        raise MemestError(f"--image-size {hw[0]}x{hw[1]}: the Qwen2-VL processors' smart_resize refuses it ({exc}), "
+                          "as a real run's would; give a size whose longer side is under 200 times the shorter") from None
     return height // vision.patch_size, width // vision.patch_size
 
 

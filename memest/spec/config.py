@@ -39,6 +39,7 @@ A ``colocate:`` mapping on a training config adds a vLLM rollout engine on the s
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,13 +124,14 @@ def load_config(path: str | Path) -> RunConfig:
     return config_from_dict(data, path)
 
 
-def config_from_dict(data: dict, path: str | Path = "") -> RunConfig:
+def config_from_dict(data: dict, path: str | Path = "", given: Iterable[str] = ()) -> RunConfig:
     """A run config from its YAML mapping, every value checked; an error names the YAML key the user wrote
-    (``pp_split:``, ``lora:``), never the CLI flag of the same option (issue 22)."""
+    (``pp_split:``, ``lora:``), never the CLI flag of the same option (issue 22); the options in ``given`` (flags or
+    keywords the user set beside the file, --from) keep their flag: they are not the file's (battery 31 #66, #68)."""
     try:
         return _from_dict(data, path)
     except MemestError as exc:
-        raise type(exc)(options.as_yaml_keys(str(exc))) from None
+        raise type(exc)(options.as_yaml_keys(str(exc), keep=given)) from None
 
 
 def _from_dict(data: dict, path: str | Path = "") -> RunConfig:
@@ -285,7 +287,7 @@ def spec_from_trainer(path: str | Path, flags: dict, given: set[str], drop: tupl
         why = f" ({trainer.no_model})" if trainer.no_model else ""
         raise MemestError(f"--from {path}: the file names no model memest can read{why}; pass one (memest {command} "
                           "hf:path/config.json --from FILE)")
-    config = config_from_dict(data, path)
+    config = config_from_dict(data, path, given={name for name in given if name != "model"})
     values = dict(config.values)
     if "model" in given and flags.get("model"):
         values["model"] = flags["model"]  # the command line's own path, not resolved beside the file

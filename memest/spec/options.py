@@ -339,7 +339,7 @@ def spec_options() -> dict[str, Option]:
 
 def as_yaml_keys(text: str, keep: typing.Iterable[str] = ()) -> str:
     """A message about options said of a YAML config: each flag named as its YAML key ("--tp 3: ..." ->
-    "tp: 3: ...", "--lora: bad value" -> "lora: bad value"); the options named in ``keep`` (given as flags
+    "tp: 3: ...", "--lora: bad value" -> "lora: bad value", "--no-compile" -> "compile: false"); the options named in ``keep`` (given as flags
     beside the config, e.g. check's overrides) keep their flag."""
     keep = set(keep)
     for opt in OPTIONS:
@@ -347,20 +347,87 @@ def as_yaml_keys(text: str, keep: typing.Iterable[str] = ()) -> str:
             continue
         key = opt.yaml or opt.name
         for flag in opt.flags[0].split("/"):
-            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-]):?", f"{key}:", text)
+            if flag.startswith("--no-") and opt.kind is bool:  # was "compile_scope: blocks with compile: drop one"
+                text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", f"{key}: false", text)
+            else:
+                text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-]):?", f"{key}:", text)
     return text
+
+
+# the Python API's own keyword for an option that is not a RunSpec field (memest.estimate's gpu=, calibration=,
+# from_file=; serve_capacity's engine options); the CLI's other options (--json, --out, ...) have no keyword
+_API_KEYWORDS = {"gpu": "gpu", "calibration": "calibration", "from": "from_file"}
+
+
+def _keyword_rows() -> dict[str, tuple[str, Any]]:
+    """flag -> (keyword, kind) for every option the Python API takes by name; a switch's --no-x too."""
+    rows: dict[str, tuple[str, Any]] = {}
+    for opt in OPTIONS:
+        if not opt.flags or opt.argument or opt.grid:
+            continue
+        keyword = opt.name if opt.spec_field or opt.yaml else _API_KEYWORDS.get(opt.name)
+        if keyword is None:
+            continue
+        for flag in opt.flags[0].split("/"):
+            rows.setdefault(flag, (keyword, opt.kind))
+    return rows
+
+
+_NUMBER = re.compile(r"-?\d")
+
+
+def _keyword_value(kind: Any, word: str) -> str | None:
+    """The value a flag is followed by in a message ("--generations 8", "--rollout sglang"), as a keyword's value
+    ("8", "'sglang'"); None when the next word is the message's own ("--batch counts completions")."""
+    if not word:
+        return None
+    if kind in (int, float):
+        return word if _NUMBER.match(word) else None
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        known = word.lower() in kind.values() or word.lower().replace("_", "-") in kind.values()
+        return repr(word) if known or _NUMBER.match(word) else None
+    if kind is str and (_NUMBER.match(word) or re.search(r"[:=,/]", word)):
+        return repr(word)
+    return None
 
 
 def as_keywords(text: str) -> str:
-    """A message about one option's value said of a Python API call: the flag it opens with named as its keyword
-    ("--pp-split a,b: ..." -> "pp_split a,b: ...", "--lora 'x': ..." -> "lora 'x': ..."). A message about a
-    combination ("--compile with --world-size ...") keeps its flags."""
-    match = re.match(r"(--[\w-]+)(?=(?: '[^']*'| [^ ]+?)?:)", text)
-    if match:
-        for opt in OPTIONS:
-            if opt.flags and not opt.argument and opt.spec_field and match.group(1) in opt.flags[0].split("/"):
-                return opt.name + text[match.end():]
-    return text
+    """A message said of a Python API call, its flags named as the call's keywords: the flag it opens with as its
+    keyword ("--pp-split a,b: ..." -> "pp_split a,b: ...", "--lora 'x': ..." -> "lora 'x': ...", "--preference dpo
+    traces ..." -> "preference dpo traces ..."), every other flag
+    as ``keyword=value`` where a value follows it ("unknown --rollout 'x'" -> "unknown rollout='x'", "a multiple of
+    --generations 8, got --batch 1" -> "a multiple of generations=8, got batch=1", "--compile with --world-size 2"
+    -> "compile=True with world_size=2") and ``keyword=`` where none does ("--batch counts completions" -> "batch=
+    counts completions"; before a colon the keyword alone). The CLI's messages keep their flags (battery 30 #46, #49; issue 22 item 27)."""
+    rows = _keyword_rows()
+    head = ""
+    match = re.match(r"(--[\w-]+)(?=(?: '[^']*'| [^ ]+?)?:)", text) or re.match(r"(--[\w-]+) ('[^']*'|[^ ]+)", text)
+    if match and match.group(1) in rows and rows[match.group(1)][1] is not bool:
+        name, kind = rows[match.group(1)]
+        value = match.group(2) if match.re.groups == 2 else None
+        if value is None:
+            head, text = name, text[match.end():]
+        elif value[:1] == "'" or _keyword_value(kind, value.rstrip(".,;:)")) is not None:
+            head, text = f"{name} {value}", text[match.end():]  # "--preference dpo traces ..." -> "preference dpo ..."
+
+    def keyword(m: re.Match) -> str:
+        flag, token = m.group(1), m.group(2) or ""
+        if flag not in rows:
+            return m.group(0)
+        name, kind = rows[flag]
+        if kind is bool:
+            return f"{name}={not flag.startswith('--no-')}" + (f" {token}" if token else "")
+        if token[:1] in ("'", '"'):
+            return f"{name}={token}"
+        word = token.rstrip(".,;:)")
+        value = _keyword_value(kind, word)
+        if value is None:
+            if not token and m.string[m.end():m.end() + 1] == ":":
+                return name  # "--world-size: ..." -> "world_size: ..."
+            return f"{name}=" + (f" {token}" if token else "")
+        return f"{name}={value}{token[len(word):]}"
+
+    return head + re.sub(r"(?<![\w-])(--[a-z][\w-]*)(?: ('[^']*'|\"[^\"]*\"|[^ ]+))?", keyword, text)
 
 
 def yaml_kind(key: str) -> type:
