@@ -88,13 +88,18 @@ def test_fsdp2_over_compiled_blocks_matches_each_gloo_rank():
 
 
 def test_other_layouts_with_compile_stay_refused():
-    """DDP (DDPOptimizer splits a compiled graph at bucket boundaries), ZeRO-1/2 and the whole-step compile under
-    --world-size are not traced: refused with the way out."""
-    RunSpec(model="m.py", compile_scope="blocks", world_size=2, shard="zero3")  # traced
-    for kw in ({"shard": "none"}, {"shard": "zero2"}, {"shard": "zero3", "compile_scope": "step"},
-               {"shard": "zero3", "tp": 2, "world_size": 4}):
-        with pytest.raises(MemestError, match="--compile with --world-size.*--compile-scope blocks --shard zero3"):
-            RunSpec(model="m.py", **{"compile": True, "compile_scope": "blocks", "world_size": 2, **kw})
+    """The whole step compiled under --world-size (DDPOptimizer's graph splits, FSDP2's collectives in the graph) and
+    per-block compile with --tp/--pp/--cp/--ep or --offload are not traced: refused, each message naming what is."""
+    for shard in ("none", "zero1", "zero2", "zero3"):  # traced
+        RunSpec(model="m.py", compile_scope="blocks", world_size=2, shard=shard)
+    for shard in ("none", "zero3"):
+        with pytest.raises(MemestError, match="--compile with --world-size.*use --compile-scope blocks"):
+            RunSpec(model="m.py", compile=True, world_size=2, shard=shard)
+    for kw, flags in (({"tp": 2, "world_size": 4}, "--tp"), ({"pp": 2, "world_size": 4}, "--pp"),
+                      ({"cp": 2, "world_size": 4}, "--cp"), ({"offload": "optimizer"}, "--offload optimizer")):
+        with pytest.raises(MemestError, match=f"--compile-scope blocks with {flags} is not traced.*"
+                                              "--shard none, zero1, zero2 or zero3 alone"):
+            RunSpec(model="m.py", **{"compile_scope": "blocks", "world_size": 2, "shard": "zero3", **kw})
 
 
 def test_more_blocks_than_dynamos_recompile_limit_compile_once_as_in_the_real_run(tmp_path):
