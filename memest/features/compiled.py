@@ -44,7 +44,7 @@ import torch
 from memest.errors import MemestError, TraceError
 from memest.features.base import StepFeature
 from memest.features.checkpointing import repeated_blocks
-from memest.spec.choices import CompileScope, LossHead, Target
+from memest.spec.choices import CompileScope, LossHead, Shard, Target
 from memest.trace.tracker import TrackingFakeMode
 
 # torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
@@ -502,8 +502,6 @@ def compile_note(request: CompileRequest, target: str) -> str:
 def _ddp_note(request: CompileRequest, spec) -> str:
     """What DDP does to the compiled blocks (--shard none/zero1 with --world-size; see
     :func:`_ddp_optimizer_outside_tracking_modes`)."""
-    from memest.spec.choices import Shard
-
     if request.scope is not CompileScope.BLOCKS or spec.world_size <= 1 or not spec.training or spec.shard not in (
             Shard.NONE, Shard.ZERO1):
         return ""
