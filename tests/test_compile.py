@@ -167,5 +167,5 @@ def test_what_is_not_modelled_is_refused_with_the_way_out():
     with pytest.raises(TraceError, match="--checkpointing 0,2 on a compiled step.*--no-compile"):
         trace_step(load_source(model_ref("gelu_mlp")), spec)
     spec = RunSpec(model="nanogpt_compiled", batch=2, seq=16, target="cpu", world_size=2)
-    with pytest.raises(TraceError, match="compiled model under DDP/FSDP.*--no-compile"):
+    with pytest.raises(TraceError, match="compiles the whole model.*--world-size.*--no-compile.*--compile-scope blocks"):
         trace_step(load_source(model_ref("nanogpt_compiled")), spec)

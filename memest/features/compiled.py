@@ -44,7 +44,7 @@ import torch
 from memest.errors import MemestError, TraceError
 from memest.features.base import StepFeature
 from memest.features.checkpointing import repeated_blocks
-from memest.spec.choices import CompileScope, LossHead, Target
+from memest.spec.choices import CompileScope, LossHead, Shard, Target
 from memest.trace.tracker import TrackingFakeMode
 
 # torch's own AOTAutograd debugging backends (torch/_dynamo/backends/debugging.py): their graphs run op by op
@@ -363,6 +363,42 @@ def _install_block_compiles(model: torch.nn.Module, request: CompileRequest, sta
 
 
 @contextlib.contextmanager
+def _ddp_optimizer_outside_tracking_modes():
+    """Blocks compiled inside DDP's forward (--shard none/zero1 with --compile-scope blocks): dynamo's frame callback
+    sees the active DDP module (``DistributedDataParallel._get_active_ddp_module()``, set by DDP's forward) and, with
+    ``torch._dynamo.config.optimize_ddp`` at its default "ddp_optimizer" (torchtitan's apply_ddp sets it so when compiling),
+    hands the frame to a clone of itself whose backend is ``DDPOptimizer.compile_fn`` (torch/_dynamo/convert_frame.py,
+    ``CatchErrorsWrapper.__call__``; torch/_dynamo/backends/distributed.py), which splits each graph at DDP's bucket
+    boundaries and compiles each piece with the real backend. Unlike the ordinary path, that clone is called without
+    ``_disable_current_modes()``, so under memest's tracking fake mode dynamo's own fake tensors met memest's mode while
+    tracing ("Mixing fake modes NYI"). Here the clone runs as the ordinary path does: with the dispatch modes off
+    while dynamo compiles the frame (the compiled code then runs under them, as every compiled block does)."""
+    from unittest import mock
+
+    from torch._dynamo import convert_frame
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def outside_modes(clone):
+        def with_backend(backend):
+            callback = clone(backend)
+
+            def call(*args, **kwargs):
+                with _disable_current_modes():
+                    return callback(*args, **kwargs)
+
+            return call
+
+        return with_backend
+
+    with contextlib.ExitStack() as stack:
+        for cls in (convert_frame.ConvertFrame, convert_frame.ConvertFrameAssert):
+            original = cls._clone_with_backend
+            stack.enter_context(mock.patch.object(
+                cls, "_clone_with_backend", property(lambda self, original=original: outside_modes(original.fget(self)))))
+        yield
+
+
+@contextlib.contextmanager
 def dynamo_session():
     """A clean dynamo for one step: caches reset before (no graph of another model or spec is reused)
     and after (none outlives the trace), however the step ends."""
@@ -414,6 +450,7 @@ def compiled_forward(model: torch.nn.Module, request: CompileRequest | None):
         if request.backend == "inductor":
             stack.enter_context(inductor_without_kernels())
         if request.scope is CompileScope.BLOCKS and not request.traced_eager:
+            stack.enter_context(_ddp_optimizer_outside_tracking_modes())
             _install_block_compiles(model, request, stack)
         else:
             model.forward = CompiledForward(model, request)
@@ -462,6 +499,19 @@ def compile_note(request: CompileRequest, target: str) -> str:
     return text
 
 
+def _ddp_note(request: CompileRequest, spec) -> str:
+    """What DDP does to the compiled blocks (--shard none/zero1 with --world-size; see
+    :func:`_ddp_optimizer_outside_tracking_modes`)."""
+    if request.scope is not CompileScope.BLOCKS or spec.world_size <= 1 or not spec.training or spec.shard not in (
+            Shard.NONE, Shard.ZERO1):
+        return ""
+    return ("; DDP wraps the model after the blocks are compiled (torchtitan's apply_ddp), so each block compiles inside "
+            "DDP's forward, where dynamo's DDPOptimizer (torch._dynamo.config.optimize_ddp 'ddp_optimizer', torch's "
+            "default and torchtitan's setting with compile) splits the block's graph at DDP's bucket boundaries "
+            "(bucket_cap_mb 25, first bucket 1 MiB) and Inductor compiles each piece: traced as run, DDP's reducer "
+            "hooks outside the graphs")
+
+
 class CompileFeature(StepFeature):
     """--compile / --no-compile and a model file's own torch.compile: the model unwrapped at build, the step
     run through the compiled forward (:func:`compiled_forward`), and the report's note on how it was traced."""
@@ -477,7 +527,7 @@ class CompileFeature(StepFeature):
         built.model, self.request = _compile_request(built.model, spec)
         built.compiled = self.request
         if self.request is not None:
-            self.note = compile_note(self.request, spec.target)
+            self.note = compile_note(self.request, spec.target) + _ddp_note(self.request, spec)
         elif built_compiled:  # --no-compile on a model file that compiles itself
             self.note = "the model file compiles the model (torch.compile): traced eager, as --no-compile asks"
 
@@ -520,7 +570,9 @@ def _compile_request(model, spec) -> tuple[Any, CompileRequest | None]:
         )
     if request is not None and spec.world_size > 1 and spec.training and request.scope is not CompileScope.BLOCKS:
         raise TraceError(
-            "the model file compiles the model (torch.compile): memest does not model a compiled model under DDP/FSDP "
-            "(DDPOptimizer splits the graph at bucket boundaries); use --no-compile to trace it eager"
+            "the model file compiles the whole model (torch.compile) with --world-size: not traced (dynamo's DDPOptimizer "
+            "splits the graph at DDP's bucket boundaries, FSDP2 traces its collectives into it); use --no-compile to "
+            "trace it eager, or return the eager model and use --compile-scope blocks (traced with --shard none, zero1, "
+            "zero2 or zero3)"
         )
     return model, request

@@ -163,7 +163,8 @@ OPTIONS: tuple[Option, ...] = (
            "trace a model file that compiles itself eager; default: as the model code does."),
     Option("compile_scope", ("--compile-scope",), "What --compile compiles: step (the whole model, torch.compile(model)) "
            "| blocks (each repeated block in place after --checkpointing, torchtitan's apply_compile; implies "
-           "--compile).", override="Override the compile scope: step | blocks."),
+           "--compile; the one scope traced with --world-size: --shard none, zero1, zero2 or zero3).",
+           override="Override the compile scope: step | blocks."),
     Option("data_dependent", ("--data-dependent",), "Ops whose output size depends on values: refuse (an error naming "
            "the bound) | upper-bound (nonzero, x[mask], masked_select, unique traced at their bound: the estimate is "
            "an upper bound).",

@@ -440,17 +440,29 @@ class RunSpec:
             object.__setattr__(self, "compile", True)
 
     def _check_compile(self) -> None:
-        if self.compile and self.world_size > 1 and not (self.compile_scope == CompileScope.BLOCKS
-                                                         and self.shard == Shard.ZERO3 and self.world_size == self.parallel.dp
-                                                         and self.offload == Offload.NONE):
-            raise MemestError(
-                "--compile with --world-size: memest does not model a compiled model under DDP/FSDP (DDPOptimizer splits "
-                "the graph at bucket boundaries); drop --compile (or --no-compile for a model file that compiles itself); "
-                "traced: --compile-scope blocks --shard zero3 (each block compiled, then FSDP2, torchtitan's order; "
-                "without --tp/--pp/--cp/--ep or --offload)"
-            )
+        if self.compile and self.world_size > 1:
+            self._check_compile_parallel()
         if self.compile and self.mode == Mode.GENERATE:
             raise MemestError("--compile with --mode generate: a compiled decode loop is not modelled; drop --compile")
+
+    def _check_compile_parallel(self) -> None:
+        """--compile with --world-size: traced with each block compiled in place, then DDP (--shard none), DDP +
+        ZeroRedundancyOptimizer (zero1) or FSDP2 (zero2/zero3) over the ranks, torchtitan's order; each checked
+        against real gloo ranks (tests/test_compile_blocks.py)."""
+        supported = ("traced: --compile-scope blocks with --shard none, zero1, zero2 or zero3 alone (each block "
+                     "compiled, then DDP or FSDP2, torchtitan's order)")
+        if self.compile_scope != CompileScope.BLOCKS:
+            raise MemestError(
+                "--compile with --world-size: the whole step compiled under DDP/FSDP is not traced (dynamo's DDPOptimizer "
+                "splits the graph at DDP's bucket boundaries, FSDP2 traces its collectives into it); use --compile-scope "
+                f"blocks, or drop --compile (--no-compile for a model file that compiles itself); {supported}"
+            )
+        other = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--cp", self.cp > 1),
+                                       ("--ep", self.ep > 1), (f"--offload {self.offload}", self.offload != Offload.NONE))
+                 if on]
+        if other:
+            raise MemestError(f"--compile-scope blocks with {', '.join(other)} is not traced (not checked against real "
+                              f"compiled runs); drop {'them' if len(other) > 1 else 'it'} or --compile; {supported}")
 
     def _check_fp8(self) -> None:
         if self.fp8 == Fp8.NONE:
