@@ -82,3 +82,30 @@ def one_line_error(result, code=2, *, alone: bool = False, full_prefix: bool = F
     if internal:
         assert "internal error" not in result.stderr, result.stderr
     return lines[0]
+
+
+def real_cpu_peak(source, spec) -> int:
+    """The real CPU step's peak bytes (memest.validate.cpu_truth.measure_cpu_peak) for a test that compares it with
+    the trace to the byte. Skips where that comparison is not claimed: the model has convolutions and this CPU is not
+    AVX-512, for which memest's oneDNN convolution rules are written (targets/cpu/onednn_conv.py, docs/limitations.md;
+    tests/test_accuracy_cpu.py's AVX512 mark). oneDNN and ATen pick other kernels per ISA: on an AVX2 AMD EPYC a
+    Qwen2-VL patch embedding's backward held 757,376 B memest does not add, and in bf16 the Conv3d ran ATen's
+    slow_conv3d, whose column buffer (a resize_) made the peak."""
+    import torch
+    from torch import nn
+
+    from memest.targets.cpu import conv_modelled
+    from memest.validate.cpu_truth import measure_cpu_peak
+
+    if not conv_modelled() and any(isinstance(m, nn.modules.conv._ConvNd) for m in source.build_model().modules()):
+        pytest.skip("the model has convolutions; memest's oneDNN convolution rules are for AVX-512 CPUs, this one is "
+                    f"{torch.backends.cpu.get_cpu_capability()}")
+    return measure_cpu_peak(source, spec)["peak_bytes"]
+
+
+def onednn_bf16() -> bool:
+    """oneDNN runs bf16 kernels (mkldnn_rnn_layer in bf16) only on CPUs with AVX-512 (its bf16 check); elsewhere a
+    bf16 LSTM runs ATen's own ops or fails to build a primitive, so a test of oneDNN's bf16 LSTM cannot run."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -11,7 +11,7 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import model_ref
+from .conftest import model_ref, real_cpu_peak
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
@@ -22,7 +22,7 @@ def test_llava_images_estimate_equals_real_cpu_peak(precision, freeze):
                    images=3, image_size="480x640", freeze=freeze)
     source = load_source(ref)
     estimated, _ = trace_step(source, spec).peak()
-    real = measure_cpu_peak(source, spec)["peak_bytes"]
+    real = real_cpu_peak(source, spec)
     # the step without --images (one image, 64 tokens) misses by the same bytes: what the images add is exact
     plain = RunSpec(model=ref, batch=2, seq=64, optim="adamw", precision=precision, target="cpu", freeze=freeze)
     plain_gap = trace_step(source, plain).peak()[0] - measure_cpu_peak(source, plain)["peak_bytes"]
@@ -71,7 +71,7 @@ def test_qwen2_vl_images_estimate_matches_real_cpu_peak(batch, images, size, pre
                    images=images, image_size=size, freeze=freeze)
     source = load_source(ref)
     estimated, _ = trace_step(source, spec).peak()
-    real = measure_cpu_peak(source, spec)["peak_bytes"]
+    real = real_cpu_peak(source, spec)
     assert abs(estimated - real) <= tolerance, f"estimated {estimated} B, measured {real} B ({estimated - real:+d} B)"
 
 

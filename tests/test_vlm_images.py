@@ -26,10 +26,9 @@ from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.targets.cpu import cpu_kernels
-from memest.validate.cpu_truth import measure_cpu_peak
 from memest.validate.op_truth import measure_ops
 
-from .conftest import model_ref
+from .conftest import model_ref, real_cpu_peak
 
 QWEN25 = "hf:qwen2.5-vl-tiny"  # transformers' Qwen2_5_VLConfig defaults, shrunk (tests/configs/qwen2.5-vl-tiny.json)
 
@@ -37,7 +36,7 @@ QWEN25 = "hf:qwen2.5-vl-tiny"  # transformers' Qwen2_5_VLConfig defaults, shrunk
 def _gap(ref: str, **kw) -> tuple[int, int]:
     spec = RunSpec(model=model_ref(ref), seq=16, optim="adamw", target="cpu", **kw)
     source = load_source(spec.model)
-    return trace_step(source, spec).peak()[0], measure_cpu_peak(source, spec)["peak_bytes"]
+    return trace_step(source, spec).peak()[0], real_cpu_peak(source, spec)
 
 
 @pytest.mark.parametrize("kw", [

@@ -23,9 +23,8 @@ from memest.errors import MemestError
 from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import CONFIGS, model_ref
+from .conftest import CONFIGS, model_ref, real_cpu_peak
 
 QWEN2, QWEN25 = "hf:qwen2-vl-tiny", "hf:qwen2.5-vl-tiny"
 
@@ -121,7 +120,7 @@ def test_images_and_video_together_reach_the_real_model():
 def _gap(ref: str, **kw) -> int:
     spec = RunSpec(model=model_ref(ref), seq=16, optim="adamw", target="cpu", **kw)
     source = load_source(spec.model)
-    return trace_step(source, spec).peak()[0] - measure_cpu_peak(source, spec)["peak_bytes"]
+    return trace_step(source, spec).peak()[0] - real_cpu_peak(source, spec)
 
 
 @pytest.mark.parametrize("ref,kw,gap", [
