@@ -54,9 +54,9 @@ def test_the_default_image_note_stays_where_the_default_image_is_traced():
     ({"optim": "lion"}, ["unknown optim='lion'"]),
     ({"compile_scope": "layers"}, ["unknown compile_scope='layers'"]),
     ({**GRPO, "generations": 3, "batch": 4}, ["batch= counts completions", "multiple of generations=3", "got batch=4"]),
-    ({"generations": 2}, ["generations=, completion_len= and rollout=", "add preference='grpo'"]),
+    ({"generations": 2}, ["generations=, completion_len=, generation_batch= and rollout=", "add preference='grpo'"]),
     ({"preference": "simpo", "reference": "copy"}, ["preference simpo has no reference", "drop reference='copy'"]),
-    ({"compile_scope": "blocks", "world_size": 2}, ["compile=True with world_size:", "compile_scope='blocks'"]),
+    ({"compile": True, "world_size": 2}, ["compile=True with world_size:", "compile_scope='blocks'"]),
     ({"prepare_kbit": True}, ["prepare_kbit"]),
 ], ids=["rollout", "optim", "compile-scope", "grpo-batch", "grpo-options", "simpo-reference", "compile-world",
         "prepare-kbit"])
@@ -79,7 +79,7 @@ def test_api_min_max_pixels_refusal_names_keywords():
 @pytest.mark.parametrize("args,named", [
     (["--rollout", "x"], "'--rollout'"),
     (["--generations", "3", "--batch", "4"], "--generations 3"),
-    (["--compile-scope", "blocks", "--world-size", "2"], "--compile with --world-size"),
+    (["--compile", "--world-size", "2"], "--compile with --world-size"),
 ], ids=["rollout", "grpo-batch", "compile-world"])
 def test_the_cli_keeps_naming_flags(args, named):
     extra = ["--preference", "grpo", "--completion-len", "8"] if "--generations" in args or "--rollout" in args else []

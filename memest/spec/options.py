@@ -428,7 +428,7 @@ def as_keywords(text: str) -> str:
             return f"{name}=" + (f" {token}" if token else "")
         return f"{name}={value}{token[len(word):]}"
 
-    return head + re.sub(r"(?<![\w-])(--[a-z][\w-]*)(?: ('[^']*'|\"[^\"]*\"|[^ ]+))?", keyword, text)
+    return head + re.sub(r"(?<![\w-])(--[a-z][\w-]*)(?: (?!\(?--)('[^']*'|\"[^\"]*\"|[^ ]+))?", keyword, text)
 
 
 def yaml_kind(key: str) -> type:
