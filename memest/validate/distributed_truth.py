@@ -213,7 +213,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
             parallel.ddp_buckets = []
         module, optimizer = (model, None) if parallel is None else (parallel.module, parallel.optimizer)
         state: dict[str, int] = {}
-        if dims.fsdp_enabled and optimizer is not None:  # the sharded state as the last optimizer step begins
+        # the sharded state as the last optimizer step begins, read where the step is one module and a torch
+        # optimizer (not a pipeline stage's step, nor the optimizer-in-backward stand-in, which has no step hook)
+        if dims.fsdp_enabled and isinstance(module, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer):
             optimizer.register_step_pre_hook(lambda opt, *_: state.update(_sharded_state_bytes(module, opt)))
         marker = torch.empty(SENTINEL_BYTES, dtype=torch.uint8)
         del marker
