@@ -9,15 +9,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_tiny_chunked_loss import CHUNKS, _compute_cross_entropy, build_model, example_inputs  # noqa: E402,F401
+from llama_tiny_chunked_loss import _compute_cross_entropy, build_model, chunked_loss, example_inputs  # noqa: E402,F401
 
-compute_cross_entropy = torch.compile(_compute_cross_entropy)
-
-
-def compute_loss(output, inputs) -> torch.Tensor:
-    labels = inputs["input_ids"]
-    total_elements = (labels != -100).sum()
-    total = 0.0
-    for logits, target in zip(output.logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
-        total += compute_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
-    return total / total_elements
+compute_loss = chunked_loss(torch.compile(_compute_cross_entropy))

@@ -27,13 +27,19 @@ def _compute_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.
     return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=-100)
 
 
-compute_cross_entropy = _compute_cross_entropy
+def chunked_loss(compute_cross_entropy):
+    """CEWithChunkedOutputLoss's forward over ``compute_cross_entropy`` (eager here, compiled in
+    llama_tiny_chunked_compiled_loss.py)."""
+
+    def compute_loss(output, inputs) -> torch.Tensor:
+        labels = inputs["input_ids"]
+        total_elements = (labels != -100).sum()
+        total = 0.0
+        for logits, target in zip(output.logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
+            total += compute_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+        return total / total_elements
+
+    return compute_loss
 
 
-def compute_loss(output, inputs) -> torch.Tensor:
-    labels = inputs["input_ids"]
-    total_elements = (labels != -100).sum()
-    total = 0.0
-    for logits, target in zip(output.logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
-        total += compute_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
-    return total / total_elements
+compute_loss = chunked_loss(_compute_cross_entropy)
