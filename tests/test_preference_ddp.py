@@ -1,13 +1,17 @@
-"""--preference dpo at --world-size > 1 over plain DDP (--shard none), each gloo rank's traced peak against the same
-DPO step run for real on 2 gloo ranks (memest/validate/distributed_truth.py).
+"""--preference dpo, kto, orpo, cpo and simpo at --world-size > 1 over plain DDP (--shard none), each gloo rank's
+traced peak against the same step run for real on 2 gloo ranks (memest/validate/distributed_truth.py).
 
 trl 1.16.0 (trl/trainer/dpo_trainer.py, DPOTrainer.__init__) prepares the policy with ``accelerator.prepare`` (DDP)
 and the reference with ``accelerator.prepare_model(ref_model, evaluation_mode=True)``, which accelerate 1.15.0
 (accelerate/accelerator.py, ``prepare_model``: ``if not evaluation_mode: ... DistributedDataParallel``) leaves
 unwrapped: a full frozen copy on every rank. memest wraps the step module (policy + reference) in DDP; DDP's reducer
 buckets only the parameters that require grad, so the frozen reference adds no bucket and no all-reduce: the same
-bytes as trl's DDP(policy). Sharded runs (ZeRO / FSDP), where trl prepares the reference too (prepare_deepspeed /
-prepare_fsdp), stay refused."""
+bytes as trl's DDP(policy). KTOTrainer (trl/trainer/kto_trainer.py, KTOTrainer.__init__) prepares its reference the
+same way; its loss all-gathers the KL term over the ranks (``accelerator.gather_for_metrics(kl)``), which memest's
+KTOStep runs as accelerate does (features/preference_kto.py, gather_for_metrics: a real gloo all_gather in the
+truth run). ORPOTrainer and CPOTrainer (trl/experimental/orpo, trl/experimental/cpo; cpo and simpo) have no reference:
+HF Trainer's accelerator.prepare wraps the policy alone in DDP. Sharded runs (ZeRO / FSDP), where trl prepares the
+reference too (prepare_deepspeed / prepare_fsdp), and GRPO over ranks stay refused."""
 
 import pytest
 
@@ -22,23 +26,29 @@ from .conftest import model_ref
 pytest.importorskip("peft")
 pytest.importorskip("trl.trainer.dpo_trainer")
 
+LORA = "r=8,alpha=16,targets=q_proj,v_proj"
 CASES = [
     # (extra RunSpec fields, Python floats autograd saves that the trace does not allocate)
-    ({"reference": "copy"}, 0),  # trl's ref_model: a second frozen copy on every rank, not wrapped
-    ({"reference": "precomputed"}, 0),  # no reference forward
+    ({"preference": "dpo", "reference": "copy"}, 0),  # trl's ref_model: a second frozen copy on every rank, not wrapped
+    ({"preference": "dpo", "reference": "precomputed"}, 0),  # no reference forward
     # the base with the adapter off; peft's LoRA forward multiplies by a Python float, which eager autograd saves as an
     # 8-byte wrapped-number tensor, one per adapted layer (2 layers x q, v): tests/test_preference.py's SAVED_SCALAR
-    ({"lora": "r=8,alpha=16,targets=q_proj,v_proj", "reference": "adapter"}, 4),
+    ({"preference": "dpo", "lora": LORA, "reference": "adapter"}, 4),
+    ({"preference": "kto", "reference": "copy"}, 0),  # + the KL batch and the all-gathered KL term
+    ({"preference": "kto", "lora": LORA, "reference": "adapter"}, 4),
+    ({"preference": "orpo"}, 0),  # no reference: the policy alone, the whole logits
+    ({"preference": "cpo"}, 0),
+    ({"preference": "simpo"}, 0),
 ]
 SAVED_SCALAR = 8
 
 
 def _spec(extra: dict) -> RunSpec:
-    return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=16, target="cpu", optim="adamw", preference="dpo",
-                   world_size=2, **extra)
+    return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=16, target="cpu", optim="adamw", world_size=2,
+                   **extra)
 
 
-def test_every_gloo_rank_of_the_ddp_dpo_step_matches_the_trace():
+def test_every_gloo_rank_of_the_ddp_preference_step_matches_the_trace():
     specs = [_spec(extra) for extra, _ in CASES]
     measured = measure_distributed_peaks(specs)
     for spec, (extra, scalars), ranks in zip(specs, CASES, measured, strict=True):
@@ -52,7 +62,7 @@ def test_every_gloo_rank_of_the_ddp_dpo_step_matches_the_trace():
 def test_ddp_adds_the_gradient_buckets_of_the_policy_only():
     """The 2-rank step holds the single-process step plus DDP's gradient bucket, the size of the policy's trainable
     parameters (float32 here) and not of the policy and its frozen reference copy (the trace's parameters: both)."""
-    spec = _spec({"reference": "copy"})
+    spec = _spec({"preference": "dpo", "reference": "copy"})
     one = RunSpec(**{**spec.to_dict(), "world_size": 1})
     two = trace_step(load_source(spec.model), spec)
     single = trace_step(load_source(one.model), one)
@@ -63,8 +73,9 @@ def test_ddp_adds_the_gradient_buckets_of_the_policy_only():
     ({"preference": "dpo", "world_size": 2, "shard": "zero3"}, "not traced yet"),
     ({"preference": "dpo", "world_size": 2, "shard": "zero1"}, "not traced yet"),
     ({"preference": "dpo", "world_size": 2, "tp": 2}, "not traced yet"),
-    ({"preference": "kto", "world_size": 2}, "not traced yet"),
-    ({"preference": "orpo", "world_size": 2}, "not traced yet"),
+    ({"preference": "kto", "world_size": 2, "shard": "zero2"}, "not traced yet"),
+    ({"preference": "orpo", "world_size": 2, "shard": "zero3"}, "not traced yet"),
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4}, "not traced yet"),
 ])
 def test_what_is_not_proven_at_world_size_above_one_stays_refused(fields, match):
     with pytest.raises(MemestError, match=match):

@@ -16,7 +16,8 @@ undesirable weights 1.0). KTO left trl.experimental for the stable API; it runs 
 - the reference under ``no_grad`` (and trl's ``disable_gradient_checkpointing``): its KL forward, then its forward on
   the examples: a frozen copy (``ref_model``), the peft base with the adapter disabled (``use_adapter``), or no
   forward at all with precomputed log-probs.
-- the loss: ``kl = (KL_logps - ref_KL_logps).mean().detach().clamp(min=0)``; chosen ``1 - sigmoid(beta *
+- the loss: ``kl = gather_for_metrics((KL_logps - ref_KL_logps).mean().detach()).mean().clamp(min=0)`` (over
+  --world-size ranks a real all-gather of the scalar, one float per rank: ``gather_for_metrics`` below); chosen ``1 - sigmoid(beta *
   (logratio - kl))``, rejected ``1 - sigmoid(beta * (kl - logratio))``, concatenated, ``nanmean``.
 
 Not traced: the metrics (``.item()`` reads of a few ``(B, seq)`` masks and scalars, which need values), and on
@@ -33,7 +34,7 @@ from torch import nn
 from memest.errors import MemestError
 from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, reference_of, reference_phrase
 from memest.features.preference_logits import PreferenceOutput
-from memest.spec.choices import Reference
+from memest.spec.choices import Reference, Target
 
 TRL_SOURCE = "trl 1.16.0, trl/trainer/kto_trainer.py (KTOTrainer._compute_kl_logps, _compute_loss)"
 BETA = 0.1  # KTOConfig.beta default
@@ -42,6 +43,31 @@ _NON_MODEL_KEYS = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_c
                    "ref_KL_logps"}
 _KL_NON_MODEL_KEYS = {"input_ids", "attention_mask", "completion_mask", "KL_completion_mask", "label", "ref_logps",
                       "ref_KL_logps"}
+
+
+def gather_for_metrics(t: torch.Tensor, gloo: bool) -> torch.Tensor:
+    """``accelerator.gather_for_metrics(t)`` as accelerate 1.15.0 runs it (accelerate/utils/operations.py,
+    ``_gpu_gather_one``; accelerator.py ``gather_for_metrics``, which drops nothing mid-epoch): ``t`` itself on one
+    process; over ranks a 0-d tensor becomes ``t.clone()[None]``, then on gloo ``world`` ``empty_like`` outputs,
+    ``all_gather`` into them and ``torch.cat`` (gloo's all_gather works in a flat buffer of its own,
+    parallel/distributed.py's gloo rule); on any other backend (NCCL) one ``empty`` of ``world`` x numel and
+    ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        return t
+    if t.ndim == 0:
+        t = t.clone()[None]
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if gloo:
+        outputs = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(outputs, t)
+        return torch.cat(outputs, dim=0)
+    out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t)
+    return out.view(-1, *t.size()[1:])
 
 
 def kl_logps(model, batch) -> torch.Tensor:
@@ -58,6 +84,8 @@ def kl_logps(model, batch) -> torch.Tensor:
 
 class KTOStep(ReferenceStep):
     """The policy and its frozen reference as one module whose forward is KTOTrainer._compute_loss (less metrics)."""
+
+    gloo = False  # wrap(): whether accelerate's gather of the KL term goes over gloo (--target cpu)
 
     def forward(self, **batch) -> PreferenceOutput:
         n = batch["label"].size(0)
@@ -93,7 +121,7 @@ class KTOStep(ReferenceStep):
             ref_rejected_logps = ref_completion_logps.index_select(0, rejected_idx)
         self.mark("the loss")
         kl = (KL_logps - ref_KL_logps).mean().detach()
-        kl = kl.mean().clamp(min=0)  # gather_for_metrics(kl) on one process: kl itself
+        kl = gather_for_metrics(kl, self.gloo).mean().clamp(min=0)
         chosen_losses = 1 - F.sigmoid(BETA * ((chosen_logps - ref_chosen_logps) - kl))
         rejected_losses = 1 - F.sigmoid(BETA * (kl - (rejected_logps - ref_rejected_logps)))
         losses = torch.cat((1.0 * chosen_losses, 1.0 * rejected_losses), 0)  # desirable/undesirable_weight
@@ -122,7 +150,9 @@ def wrap(policy: nn.Module, spec) -> KTOStep:
     kind = reference_of(spec)
     reference = frozen_copy(policy) if kind == Reference.COPY else None
     add_fused_lm_head(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, outputs=POLICY_OUTPUTS)
-    return KTOStep(policy, reference, adapter=kind == Reference.ADAPTER, precomputed=kind == Reference.PRECOMPUTED)
+    step = KTOStep(policy, reference, adapter=kind == Reference.ADAPTER, precomputed=kind == Reference.PRECOMPUTED)
+    step.gloo = spec.target == Target.CPU  # accelerate's gather: gloo on CPU, NCCL on CUDA
+    return step
 
 
 def describe(spec) -> str:

@@ -404,6 +404,9 @@ def _gloo_buffers() -> dict:
     return {
         c10d._reduce_scatter_base_.default: lambda args, kwargs: [_nbytes(args[1])],
         c10d._allgather_base_.default: lambda args, kwargs: [_nbytes(args[0])],
+        # all_gather into a list (accelerate's gather on gloo, features/preference_kto.py): ProcessGroupGloo's
+        # AsyncAllgatherWork gathers into one flat tensor of every output (newLikeFlat), then copies each out
+        c10d.allgather_.default: lambda args, kwargs: [sum(_nbytes(t) for t in args[0][0])],
         functional.all_gather_into_tensor.default: lambda args, kwargs: [_nbytes(args[0]) * args[1]],
         functional.reduce_scatter_tensor.default: lambda args, kwargs: [_nbytes(args[0])],
     }

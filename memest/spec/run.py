@@ -301,8 +301,10 @@ class RunSpec:
             ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
         ) if on]
         if other:
+            ranks = ("; over ranks memest traces dpo, kto, orpo, cpo and simpo on plain DDP (--shard none, no --tp, "
+                     "--pp, --cp or --ep)" if "--world-size > 1" in other else "")
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
-                              "(docs/limitations.md); drop it")
+                              f"(docs/limitations.md){ranks}; drop it")
         if self.preference == Preference.GRPO:
             self._check_grpo()
         elif not self.preference.has_reference and self.reference != Reference.AUTO:
@@ -319,15 +321,18 @@ class RunSpec:
                               "disabled when given a peft model and no ref_model; use --reference adapter (or auto)")
 
     def _preference_ddp(self) -> bool:
-        """--preference dpo over plain DDP (--world-size N, --shard none, no other parallel dimension): trl 1.16.0's
-        DPOTrainer.__init__ (trl/trainer/dpo_trainer.py) wraps the policy in DDP (accelerator.prepare) and prepares the
-        reference with accelerator.prepare_model(ref_model, evaluation_mode=True), which accelerate 1.15.0
-        (accelerate/accelerator.py, Accelerator.prepare_model) does not wrap: a full frozen copy on every rank. memest
-        wraps the step module, whose frozen reference DDP gives no bucket (the same bytes); each of 2 real gloo ranks
-        matches (tests/test_preference_ddp.py). Under ZeRO / FSDP trl prepares the reference too (trl/models/utils.py
-        prepare_deepspeed / prepare_fsdp): not measured, refused, as are KTO, ORPO/CPO/SimPO and GRPO over ranks."""
-        return (self.preference == Preference.DPO and self.shard == Shard.NONE and self.tp == 1 and self.pp == 1
-                and self.cp == 1 and self.ep == 1)
+        """--preference dpo, kto, orpo, cpo or simpo over plain DDP (--world-size N, --shard none, no other parallel
+        dimension). trl 1.16.0's DPOTrainer.__init__ (trl/trainer/dpo_trainer.py) and KTOTrainer.__init__
+        (trl/trainer/kto_trainer.py) wrap the policy in DDP (accelerator.prepare) and prepare the reference with
+        accelerator.prepare_model(ref_model, evaluation_mode=True), which accelerate 1.15.0 (accelerate/accelerator.py,
+        Accelerator.prepare_model) does not wrap: a full frozen copy on every rank. memest wraps the step module, whose
+        frozen reference DDP gives no bucket (the same bytes); KTO's loss all-gathers its KL term
+        (features/preference_kto.py, gather_for_metrics). trl.experimental's ORPOTrainer and CPOTrainer (cpo, simpo)
+        have no reference: HF Trainer's accelerator.prepare wraps the policy alone. Each of 2 real gloo ranks matches
+        (tests/test_preference_ddp.py). Under ZeRO / FSDP trl prepares the reference too (trl/models/utils.py
+        prepare_deepspeed / prepare_fsdp): not measured, refused, as is GRPO over ranks."""
+        return (self.preference not in (Preference.NONE, Preference.GRPO) and self.shard == Shard.NONE and self.tp == 1
+                and self.pp == 1 and self.cp == 1 and self.ep == 1)
 
     def _check_grpo(self) -> None:
         """--preference grpo (features/grpo.py): trl GRPOTrainer's checks on its batch, and what is not traced yet."""
