@@ -1,4 +1,4 @@
-"""--preference dpo, kto, orpo, cpo and simpo at --world-size > 1 over plain DDP (--shard none), each gloo rank's
+"""--preference dpo, kto, orpo, cpo, simpo and grpo at --world-size > 1 over plain DDP (--shard none), each gloo rank's
 traced peak against the same step run for real on 2 gloo ranks (memest/validate/distributed_truth.py).
 
 trl 1.16.0 (trl/trainer/dpo_trainer.py, DPOTrainer.__init__) prepares the policy with ``accelerator.prepare`` (DDP)
@@ -10,8 +10,12 @@ bytes as trl's DDP(policy). KTOTrainer (trl/trainer/kto_trainer.py, KTOTrainer._
 same way; its loss all-gathers the KL term over the ranks (``accelerator.gather_for_metrics(kl)``), which memest's
 KTOStep runs as accelerate does (features/preference_kto.py, gather_for_metrics: a real gloo all_gather in the
 truth run). ORPOTrainer and CPOTrainer (trl/experimental/orpo, trl/experimental/cpo; cpo and simpo) have no reference:
-HF Trainer's accelerator.prepare wraps the policy alone in DDP. Sharded runs (ZeRO / FSDP), where trl prepares the
-reference too (prepare_deepspeed / prepare_fsdp), and GRPO over ranks stay refused."""
+HF Trainer's accelerator.prepare wraps the policy alone in DDP. GRPOTrainer (trl/trainer/grpo_trainer.py,
+GRPOTrainer.__init__) prepares its reference with prepare_model(evaluation_mode=True) too, generates on the policy
+unwrapped (unwrap_model_for_generation), and gathers over the ranks (num_items_in_batch, the rewards whose advantages
+it slices, the metrics of _compute_loss): memest's stand-in accelerator runs those as accelerate does
+(features/grpo.py). Sharded runs (ZeRO / FSDP), where trl prepares the reference too (prepare_deepspeed /
+prepare_fsdp), stay refused."""
 
 import pytest
 
@@ -27,6 +31,7 @@ pytest.importorskip("peft")
 pytest.importorskip("trl.trainer.dpo_trainer")
 
 LORA = "r=8,alpha=16,targets=q_proj,v_proj"
+GRPO = {"preference": "grpo", "seq": 8, "generations": 2, "completion_len": 3}  # 1 prompt x 2 completions per rank
 CASES = [
     # (extra RunSpec fields, Python floats autograd saves that the trace does not allocate)
     ({"preference": "dpo", "reference": "copy"}, 0),  # trl's ref_model: a second frozen copy on every rank, not wrapped
@@ -39,13 +44,17 @@ CASES = [
     ({"preference": "orpo"}, 0),  # no reference: the policy alone, the whole logits
     ({"preference": "cpo"}, 0),
     ({"preference": "simpo"}, 0),
+    # GRPO (trl GRPOTrainer): generation on the unwrapped policy, the reference log-probs, trl's _compute_loss with its
+    # gathers over the ranks; beta != 0 with a frozen copy, and with the adapter-disabled base
+    ({**GRPO, "reference": "copy"}, 0),
+    ({**GRPO, "lora": LORA, "reference": "adapter"}, 4),
 ]
 SAVED_SCALAR = 8
 
 
 def _spec(extra: dict) -> RunSpec:
-    return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=16, target="cpu", optim="adamw", world_size=2,
-                   **extra)
+    return RunSpec(**{"model": model_ref("hf:llama-tiny"), "batch": 2, "seq": 16, "target": "cpu", "optim": "adamw",
+                      "world_size": 2, **extra})
 
 
 def test_every_gloo_rank_of_the_ddp_preference_step_matches_the_trace():
@@ -75,7 +84,11 @@ def test_ddp_adds_the_gradient_buckets_of_the_policy_only():
     ({"preference": "dpo", "world_size": 2, "tp": 2}, "not traced yet"),
     ({"preference": "kto", "world_size": 2, "shard": "zero2"}, "not traced yet"),
     ({"preference": "orpo", "world_size": 2, "shard": "zero3"}, "not traced yet"),
-    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4}, "not traced yet"),
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "shard": "zero2"}, "not traced yet"),
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "rollout": "vllm"},
+     "--rollout transformers"),
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "generation_batch": 8},
+     "--rollout transformers"),
 ])
 def test_what_is_not_proven_at_world_size_above_one_stays_refused(fields, match):
     with pytest.raises(MemestError, match=match):

@@ -39,6 +39,13 @@ to True, trl/trainer/base_config.py): transformers' switch on the policy's layer
 (``disable_gradient_checkpointing``), and back on with ``gradient_checkpointing_kwargs`` (None: transformers 5's
 ``use_reentrant=False``).
 
+Data parallelism (``--world-size N`` over plain DDP, RunSpec._preference_ddp): GRPOTrainer.__init__ prepares the
+policy with ``accelerator.prepare`` (DDP) and the reference with ``prepare_model(ref_model, evaluation_mode=True)``
+(unwrapped: a full copy per rank); ``unwrap_model_for_generation`` generates on the unwrapped policy. The step's
+gathers run as accelerate 1.15.0 runs them over the ranks (``_Accelerator``: ``num_items_in_batch =
+gather(loss_mask.sum()).sum()``, the metrics' gathers and ``reduce`` in ``_compute_loss``), and the advantages are this
+rank's ``process_slice`` of the gathered vector. Each of 2 real gloo ranks matches (tests/test_preference_ddp.py).
+
 The rewards (user reward functions) are not traced: memest's advantages are trl's float32 ``(batch,)`` vector.
 In the trace, scalar reads (the stop check of ``generate``, the metrics' ``.item()``) get placeholders
 (trace/values.py) and ``generate``'s loop runs exactly ``--completion-len`` times, as a real run does when no
@@ -58,8 +65,17 @@ import torch
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, no_padding
-from memest.spec.choices import CheckpointPolicy, Outputs, Quant, Reference, Rollout
+from memest.features.preference import (
+    ReferenceStep,
+    add_fused_lm_head,
+    frozen_copy,
+    gather_for_metrics,
+    no_padding,
+    rank,
+    reduce_sum,
+    world_size,
+)
+from memest.spec.choices import CheckpointPolicy, Outputs, Quant, Reference, Rollout, Target
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes
 
@@ -113,36 +129,46 @@ def reference_of(spec) -> Reference | None:
 
 
 class _Accelerator:
-    """What trl's code asks of its accelerator in one process: identity gathers, no autocast."""
+    """What trl's code asks of its accelerator: no autocast; gathers and reductions as accelerate 1.15.0 runs them
+    over this step's ranks (features/preference.py: identity gathers and a cloning reduce on one process)."""
 
-    num_processes = 1
     is_main_process = True
     sync_gradients = True
     device = torch.device("cpu")
+
+    def __init__(self, gloo: bool = True):
+        self.gloo = gloo  # --target cpu: gloo's all_gather into a list; else NCCL's all_gather_into_tensor
+        self.num_processes = world_size()
+        self.process_index = rank()
 
     @staticmethod
     def autocast():
         return contextlib.nullcontext()
 
-    @staticmethod
-    def gather(t):
-        return t
+    def gather(self, t):
+        return gather_for_metrics(t, self.gloo)
 
     gather_for_metrics = gather
-    unwrap_model = gather
+
+    @staticmethod
+    def unwrap_model(model):
+        return model
 
     @staticmethod
     def reduce(t, reduction="sum"):
-        return t
+        if reduction != "sum":
+            raise MemestError(f"accelerator.reduce(reduction={reduction!r}) is not traced")
+        return reduce_sum(t)
 
 
-def stand_in_trainer(policy, reference, args) -> types.SimpleNamespace:
+def stand_in_trainer(policy, reference, args, gloo: bool = True) -> types.SimpleNamespace:
     """The attributes of a GRPOTrainer that its ``_compute_loss`` and ``_get_per_token_logps_and_entropies`` read,
-    set as GRPOTrainer.__init__ sets them from ``args`` (one process, no vLLM, no MoE aux loss)."""
+    set as GRPOTrainer.__init__ sets them from ``args`` (no vLLM, no MoE aux loss); its accelerator gathers over this
+    step's ranks (``_Accelerator``)."""
     grpo_trainer, _, _ = _trl()
     cls = grpo_trainer.GRPOTrainer
     trainer = types.SimpleNamespace(
-        model=policy, ref_model=reference, args=args, accelerator=_Accelerator(), beta=args.beta,
+        model=policy, ref_model=reference, args=args, accelerator=_Accelerator(gloo), beta=args.beta,
         loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
         epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
         top_entropy_quantile=args.top_entropy_quantile, off_policy_mask_threshold=args.off_policy_mask_threshold,
@@ -211,6 +237,7 @@ class GRPOStep(ReferenceStep):
         # trl's args.gradient_checkpointing_kwargs, re-applied when checkpointing is turned back on
         self.checkpointing_kwargs = checkpointing_kwargs
         self.events: list | None = None  # the trace's events list while tracing (GRPOFeature.contexts)
+        self.gloo = True  # wrap(): accelerate's gathers over gloo (--target cpu) or NCCL
         self.phase_starts: list[tuple[str, int]] = []
         self.buffered: list[dict] | None = None  # trl's self._buffered_inputs: the generation batch's K slices
         self.generate_next = True  # an optimizer step starts (GRPOFeature.loop)
@@ -238,7 +265,7 @@ class GRPOStep(ReferenceStep):
         args.gradient_accumulation_steps = self.accumulation
         args.steps_per_generation = self.steps_per_generation
         args.generation_batch_size = self.batch * self.steps_per_generation
-        trainer = stand_in_trainer(self.policy, self.reference, args)
+        trainer = stand_in_trainer(self.policy, self.reference, args, gloo=self.gloo)
         trainer.use_vllm = self.vllm
         fake = _is_fake(input_ids)
         if self.generate_next:
@@ -314,10 +341,14 @@ class GRPOStep(ReferenceStep):
                                     padding_side="right")
         prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        num_items_in_batch = completion_mask.sum()
+        num_items_in_batch = trainer.accelerator.gather(completion_mask.sum()).sum()
+        # trl computes the advantages over every rank's gathered rewards, then keeps this rank's slice (a view of the
+        # whole vector, until shuffle_sequence_dict copies it); one process: the (n,) vector itself
+        world, index = trainer.accelerator.num_processes, trainer.accelerator.process_index
+        advantages = torch.zeros(world * n, dtype=torch.float32)[index * n:(index + 1) * n]
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                "completion_mask": completion_mask, "num_items_in_batch": num_items_in_batch,
-               "advantages": torch.zeros(n, dtype=torch.float32)}
+               "advantages": advantages}
         # trl: one torch.no_grad() block with checkpointing off (disable_gradient_checkpointing) for both log-probs
         with torch.no_grad(), self._checkpointing_off(self.policy):
             if self.vllm:
@@ -404,10 +435,12 @@ def wrap(policy: torch.nn.Module, spec) -> GRPOStep:
         adapters_to_bf16(policy)
     add_fused_lm_head(policy.get_base_model() if peft else policy, outputs=("log_probs", "entropy"), **head)
     beta = 0.0 if kind is None else _nonzero_beta()
-    return GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
+    step = GRPOStep(policy, reference, adapter=kind == Reference.ADAPTER, beta=beta,
                     completion_len=completion_len_of(spec), batch=spec.batch, vllm=spec.rollout == Rollout.VLLM,
                     accumulation=spec.grad_accum, checkpointing_kwargs=checkpointing_kwargs(policy, reference, spec),
                     steps_per_generation=steps_per_generation_of(spec))
+    step.gloo = spec.target == Target.CPU  # accelerate's gathers: gloo on CPU, NCCL on CUDA
+    return step
 
 
 def adapters_to_bf16(policy) -> None:

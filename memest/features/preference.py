@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from memest.errors import MemestError
@@ -60,6 +61,48 @@ def add_fused_lm_head(model, outputs=("log_probs",), **head) -> None:
         raise MemestError(f"--preference dpo traces trl's own fused LM head; install trl (pip install 'memest[trl]'): "
                           f"{exc}") from exc
     trl_add(model, outputs=outputs, **head)
+
+
+def world_size() -> int:
+    """The ranks of the process group this step runs in (1 without one): trl's ``accelerator.num_processes``."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group): trl's ``accelerator.process_index``."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_for_metrics(t: torch.Tensor, gloo: bool) -> torch.Tensor:
+    """``accelerator.gather_for_metrics(t)`` as accelerate 1.15.0 runs it (accelerate/utils/operations.py,
+    ``_gpu_gather_one``; accelerator.py ``gather_for_metrics``, which drops nothing mid-epoch): ``t`` itself on one
+    process; over ranks a 0-d tensor becomes ``t.clone()[None]``, then on gloo ``world`` ``empty_like`` outputs,
+    ``all_gather`` into them and ``torch.cat`` (gloo's all_gather works in a flat buffer of its own,
+    parallel/distributed.py's gloo rule); on any other backend (NCCL) one ``empty`` of ``world`` x numel and
+    ``all_gather_into_tensor``."""
+    world = world_size()
+    if world == 1:
+        return t
+    if t.ndim == 0:
+        t = t.clone()[None]
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if gloo:
+        outputs = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(outputs, t)
+        return torch.cat(outputs, dim=0)
+    out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t)
+    return out.view(-1, *t.size()[1:])
+
+
+def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """``accelerator.reduce(t, reduction="sum")`` as accelerate 1.15.0 runs it (accelerate/utils/operations.py,
+    ``_reduce_across_processes``): a clone, on one process too, all-reduced in place over ranks."""
+    out = t.clone()
+    if world_size() > 1:
+        dist.all_reduce(out, dist.ReduceOp.SUM)
+    return out
 
 
 class ReferenceStep(MarkedStep):

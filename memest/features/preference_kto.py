@@ -17,8 +17,9 @@ undesirable weights 1.0). KTO left trl.experimental for the stable API; it runs 
   the examples: a frozen copy (``ref_model``), the peft base with the adapter disabled (``use_adapter``), or no
   forward at all with precomputed log-probs.
 - the loss: ``kl = gather_for_metrics((KL_logps - ref_KL_logps).mean().detach()).mean().clamp(min=0)`` (over
-  --world-size ranks a real all-gather of the scalar, one float per rank: ``gather_for_metrics`` below); chosen ``1 - sigmoid(beta *
-  (logratio - kl))``, rejected ``1 - sigmoid(beta * (kl - logratio))``, concatenated, ``nanmean``.
+  --world-size ranks a real all-gather of the scalar, one float per rank: features/preference.py's
+  ``gather_for_metrics``); chosen ``1 - sigmoid(beta * (logratio - kl))``, rejected ``1 - sigmoid(beta * (kl -
+  logratio))``, concatenated, ``nanmean``.
 
 Not traced: the metrics (``.item()`` reads of a few ``(B, seq)`` masks and scalars, which need values), and on
 ``--target cuda`` trl's Triton fold kernels (the torch fallback is traced, as for --preference dpo). ``chosen_idx`` /
@@ -32,7 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from memest.errors import MemestError
-from memest.features.preference import ReferenceStep, add_fused_lm_head, frozen_copy, reference_of, reference_phrase
+from memest.features.preference import (
+    ReferenceStep,
+    add_fused_lm_head,
+    frozen_copy,
+    gather_for_metrics,
+    reference_of,
+    reference_phrase,
+)
 from memest.features.preference_logits import PreferenceOutput
 from memest.spec.choices import Reference, Target
 
@@ -43,31 +51,6 @@ _NON_MODEL_KEYS = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_c
                    "ref_KL_logps"}
 _KL_NON_MODEL_KEYS = {"input_ids", "attention_mask", "completion_mask", "KL_completion_mask", "label", "ref_logps",
                       "ref_KL_logps"}
-
-
-def gather_for_metrics(t: torch.Tensor, gloo: bool) -> torch.Tensor:
-    """``accelerator.gather_for_metrics(t)`` as accelerate 1.15.0 runs it (accelerate/utils/operations.py,
-    ``_gpu_gather_one``; accelerator.py ``gather_for_metrics``, which drops nothing mid-epoch): ``t`` itself on one
-    process; over ranks a 0-d tensor becomes ``t.clone()[None]``, then on gloo ``world`` ``empty_like`` outputs,
-    ``all_gather`` into them and ``torch.cat`` (gloo's all_gather works in a flat buffer of its own,
-    parallel/distributed.py's gloo rule); on any other backend (NCCL) one ``empty`` of ``world`` x numel and
-    ``all_gather_into_tensor``."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world == 1:
-        return t
-    if t.ndim == 0:
-        t = t.clone()[None]
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if gloo:
-        outputs = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(outputs, t)
-        return torch.cat(outputs, dim=0)
-    out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t)
-    return out.view(-1, *t.size()[1:])
 
 
 def kl_logps(model, batch) -> torch.Tensor:

@@ -301,8 +301,8 @@ class RunSpec:
             ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
         ) if on]
         if other:
-            ranks = ("; over ranks memest traces dpo, kto, orpo, cpo and simpo on plain DDP (--shard none, no --tp, "
-                     "--pp, --cp or --ep)" if "--world-size > 1" in other else "")
+            ranks = ("; over ranks memest traces plain DDP only (--shard none, no --tp, --pp, --cp or --ep)"
+                     if "--world-size > 1" in other else "")
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
                               f"(docs/limitations.md){ranks}; drop it")
         if self.preference == Preference.GRPO:
@@ -328,10 +328,13 @@ class RunSpec:
         Accelerator.prepare_model) does not wrap: a full frozen copy on every rank. memest wraps the step module, whose
         frozen reference DDP gives no bucket (the same bytes); KTO's loss all-gathers its KL term
         (features/preference_kto.py, gather_for_metrics). trl.experimental's ORPOTrainer and CPOTrainer (cpo, simpo)
-        have no reference: HF Trainer's accelerator.prepare wraps the policy alone. Each of 2 real gloo ranks matches
+        have no reference: HF Trainer's accelerator.prepare wraps the policy alone. GRPOTrainer.__init__
+        (trl/trainer/grpo_trainer.py) prepares its reference as DPO's, generates on the unwrapped policy
+        (unwrap_model_for_generation) and gathers over the ranks (features/grpo.py's _Accelerator); with --rollout
+        transformers and no --generation-batch only (_check_grpo). Each of 2 real gloo ranks matches
         (tests/test_preference_ddp.py). Under ZeRO / FSDP trl prepares the reference too (trl/models/utils.py
-        prepare_deepspeed / prepare_fsdp): not measured, refused, as is GRPO over ranks."""
-        return (self.preference not in (Preference.NONE, Preference.GRPO) and self.shard == Shard.NONE and self.tp == 1
+        prepare_deepspeed / prepare_fsdp): not measured, refused."""
+        return (self.preference != Preference.NONE and self.shard == Shard.NONE and self.tp == 1
                 and self.pp == 1 and self.cp == 1 and self.ep == 1)
 
     def _check_grpo(self) -> None:
@@ -345,6 +348,12 @@ class RunSpec:
                               f"it must be a multiple of --generations {generations} (trl's check on the generation "
                               f"batch), got --batch {self.batch}")
         self._check_generation_batch(generations)
+        if self.world_size > 1 and (self.generation_batch or self.rollout != Rollout.TRANSFORMERS):
+            # trl's generation_batch_size is global (per_device x processes x steps_per_generation) and its vLLM
+            # rollouts gather the prompts to one engine (server) or run one per rank (colocate): neither measured
+            raise MemestError("--preference grpo with --world-size > 1 is traced with --rollout transformers and no "
+                              "--generation-batch (trl's default steps_per_generation = --grad-accum); drop "
+                              "--generation-batch / --rollout vllm")
         if self.reference == Reference.PRECOMPUTED:
             raise MemestError("--reference precomputed is DPO's; GRPO's reference log-probs are of the sampled "
                               "completions: use --reference auto (trl's beta 0.0: none), copy or adapter")
