@@ -68,14 +68,20 @@ def test_every_gloo_rank_of_the_ddp_preference_step_matches_the_trace():
             assert traced == real, f"{extra} rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
 
 
-def test_ddp_adds_the_gradient_buckets_of_the_policy_only():
+@pytest.mark.parametrize("extra, copies", [
+    ({"preference": "dpo", "reference": "copy"}, 2),
+    ({"preference": "kto", "reference": "copy"}, 2),
+    ({**GRPO, "reference": "copy"}, 2),
+    ({"preference": "orpo"}, 1),  # no reference: the trace's parameters are the policy's
+], ids=["dpo", "kto", "grpo", "orpo"])
+def test_ddp_adds_the_gradient_buckets_of_the_policy_only(extra, copies):
     """The 2-rank step holds the single-process step plus DDP's gradient bucket, the size of the policy's trainable
     parameters (float32 here) and not of the policy and its frozen reference copy (the trace's parameters: both)."""
-    spec = _spec({"preference": "dpo", "reference": "copy"})
+    spec = _spec(extra)
     one = RunSpec(**{**spec.to_dict(), "world_size": 1})
     two = trace_step(load_source(spec.model), spec)
     single = trace_step(load_source(one.model), one)
-    assert two.peak()[0] - single.peak()[0] == two.param_bytes // 2
+    assert two.peak()[0] - single.peak()[0] == two.param_bytes // copies
 
 
 @pytest.mark.parametrize("fields, match", [
