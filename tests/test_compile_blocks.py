@@ -189,8 +189,8 @@ def test_other_layouts_with_compile_stay_refused():
     for shard in ("none", "zero3"):
         with pytest.raises(MemestError, match="--compile with --world-size.*use --compile-scope blocks"):
             RunSpec(model="m.py", compile=True, world_size=2, shard=shard)
-    for kw, flags in (({"tp": 2, "world_size": 4}, "--tp"), ({"pp": 2, "world_size": 4}, "--pp"),
-                      ({"cp": 2, "world_size": 4}, "--cp"), ({"offload": "optimizer"}, "--offload optimizer")):
+    for kw, flags in (({"tp": 2, "world_size": 4}, "--tp 2"), ({"pp": 2, "world_size": 4}, "--pp 2"),
+                      ({"cp": 2, "world_size": 4}, "--cp 2"), ({"offload": "optimizer"}, "--offload optimizer")):
         with pytest.raises(MemestError, match=f"--compile-scope blocks with {flags} is not traced.*"
                                               "--shard none, zero1, zero2 or zero3 alone"):
             RunSpec(model="m.py", **{"compile_scope": "blocks", "world_size": 2, "shard": "zero3", **kw})
