@@ -91,12 +91,12 @@ DDP_AND_ZERO12 = ("none", "zero1", "zero2")
 
 
 @functools.cache
-def _ddp_and_zero12_ranks() -> dict:
+def _ddp_and_zero12_ranks(checkpointing: str = "blocks") -> dict:
     """--shard none (DDP), zero1 (DDP + ZeroRedundancyOptimizer) and zero2 (FSDP2, reshard_after_forward=False) over
-    the compiled blocks, checkpointed: the three real 2-rank gloo runs in one set of processes."""
+    the compiled blocks, checkpointed or not: the three real 2-rank gloo runs in one set of processes."""
     from memest.validate.distributed_truth import measure_distributed_peaks
 
-    specs = [RunSpec(model=LLAMA, batch=2, seq=64, optim="adamw", target="cpu", checkpointing="blocks",
+    specs = [RunSpec(model=LLAMA, batch=2, seq=64, optim="adamw", target="cpu", checkpointing=checkpointing,
                      compile_scope="blocks", world_size=2, shard=shard) for shard in DDP_AND_ZERO12]
     return dict(zip(DDP_AND_ZERO12, zip(specs, measure_distributed_peaks(specs), strict=True), strict=True))
 
@@ -117,6 +117,30 @@ def test_ddp_and_zero12_over_compiled_blocks_match_each_gloo_rank(shard):
     for rank in ranks:
         _assert_close(f"llama-tiny, --shard {shard} over compiled blocks, rank {rank['rank']}", trace.peak()[0],
                       rank["peak_bytes"])
+
+
+@pytest.mark.parametrize("shard", DDP_AND_ZERO12)
+def test_ddp_and_zero12_over_compiled_blocks_without_checkpointing_match_each_gloo_rank(shard):
+    """The same three layouts with no checkpoint around the compiled blocks (each block's graph whole: llama-tiny's
+    blocks hold less than DDP's first 1 MiB bucket, so DDPOptimizer does not split them). Measured (llama-tiny,
+    batch 2, seq 64, adamw, 2 gloo ranks): none 6,653,596 B traced, 6,654,108 B on both ranks (-512 B); zero1
+    5,778,036 B traced, 5,778,036 B on rank 0 (exact) and 5,777,520 B on rank 1 (-516 B: ZeroRedundancyOptimizer's
+    partition, as with checkpointing above); zero2 5,340,444 B traced, 5,340,444 B on both ranks (exact).
+    The -512 B is the int64 position_ids of one step (1 x 64 x 8 B), the one-process difference of this module's
+    docstring: alive into the next step in a reference cycle with dynamo's tracing state until the cyclic garbage
+    collector runs, so when it is counted depends on when the collector runs, in the trace as in the real run: the
+    same DDP and zero1 steps traced in a worker process the gloo harness had just started gave 6,654,108 B and 5,778,548 B (+512 B each).
+    Not fixed here (memest does not model the collector's timing); within the 2% tolerance."""
+    spec, ranks = _ddp_and_zero12_ranks("none")[shard]
+    trace = trace_step(load_source(LLAMA), spec)
+    assert any("compiled each repeated block" in n for n in trace.notes), trace.notes
+    assert any("DDPOptimizer" in n for n in trace.notes) is (shard != "zero2"), trace.notes
+    for rank in ranks:
+        _assert_close(f"llama-tiny, --shard {shard} over compiled blocks, no checkpointing, rank {rank['rank']}",
+                      trace.peak()[0], rank["peak_bytes"])
+        # the position_ids cycle (512 B) and ZeroRedundancyOptimizer's smaller rank-1 partition (516 B) aside,
+        # exact: anything more is a modelling difference, not the collector's timing
+        assert abs(trace.peak()[0] - rank["peak_bytes"]) <= 516 + 512, (shard, rank, trace.peak()[0])
 
 
 def test_ddp_optimizer_splits_a_compiled_block_as_in_the_real_run(tmp_path, monkeypatch):
@@ -165,8 +189,8 @@ def test_other_layouts_with_compile_stay_refused():
     for shard in ("none", "zero3"):
         with pytest.raises(MemestError, match="--compile with --world-size.*use --compile-scope blocks"):
             RunSpec(model="m.py", compile=True, world_size=2, shard=shard)
-    for kw, flags in (({"tp": 2, "world_size": 4}, "--tp"), ({"pp": 2, "world_size": 4}, "--pp"),
-                      ({"cp": 2, "world_size": 4}, "--cp"), ({"offload": "optimizer"}, "--offload optimizer")):
+    for kw, flags in (({"tp": 2, "world_size": 4}, "--tp 2"), ({"pp": 2, "world_size": 4}, "--pp 2"),
+                      ({"cp": 2, "world_size": 4}, "--cp 2"), ({"offload": "optimizer"}, "--offload optimizer")):
         with pytest.raises(MemestError, match=f"--compile-scope blocks with {flags} is not traced.*"
                                               "--shard none, zero1, zero2 or zero3 alone"):
             RunSpec(model="m.py", **{"compile_scope": "blocks", "world_size": 2, "shard": "zero3", **kw})

@@ -58,8 +58,14 @@ def test_the_default_image_note_stays_where_the_default_image_is_traced():
     ({"preference": "simpo", "reference": "copy"}, ["preference simpo has no reference", "drop reference='copy'"]),
     ({"compile": True, "world_size": 2}, ["compile=True with world_size:", "compile_scope='blocks'"]),
     ({"prepare_kbit": True}, ["prepare_kbit"]),
+    # was: "compile_scope blocks with tp= is not traced ...; drop it or compile=True" (the value lost, and a keyword
+    # that turns compile on named as the way out of a refusal of compiled blocks)
+    ({"compile_scope": "blocks", "world_size": 4, "shard": "zero3", "tp": 2},
+     ["compile_scope blocks with tp=2 is not traced", "drop it, or drop compile_scope='blocks'"]),
+    ({"compile_scope": "blocks", "world_size": 2, "offload": "optimizer"},
+     ["compile_scope blocks with offload='optimizer' is not traced", "drop it, or drop compile_scope='blocks'"]),
 ], ids=["rollout", "optim", "compile-scope", "grpo-batch", "grpo-options", "simpo-reference", "compile-world",
-        "prepare-kbit"])
+        "prepare-kbit", "blocks-tp", "blocks-offload"])
 def test_api_errors_name_keywords_for_choices_and_combinations(keywords, named):
     with pytest.raises(MemestError) as err:
         memest.estimate(TINY, seq=32, target="cpu", **keywords)
@@ -67,7 +73,7 @@ def test_api_errors_name_keywords_for_choices_and_combinations(keywords, named):
     assert text.startswith("memest.estimate(): ") and "\n" not in text, text
     for words in named:
         assert words in text, text
-    assert "--" not in text, text
+    assert "--" not in text and "compile=True;" not in text, text
 
 
 def test_api_min_max_pixels_refusal_names_keywords():
@@ -80,7 +86,10 @@ def test_api_min_max_pixels_refusal_names_keywords():
     (["--rollout", "x"], "'--rollout'"),
     (["--generations", "3", "--batch", "4"], "--generations 3"),
     (["--compile", "--world-size", "2"], "--compile with --world-size"),
-], ids=["rollout", "grpo-batch", "compile-world"])
+    (["--compile-scope", "blocks", "--world-size", "4", "--shard", "zero3", "--tp", "2"],
+     "--compile-scope blocks with --tp 2 is not traced (not checked against real compiled runs); drop it, or drop "
+     "--compile-scope blocks;"),
+], ids=["rollout", "grpo-batch", "compile-world", "blocks-tp"])
 def test_the_cli_keeps_naming_flags(args, named):
     extra = ["--preference", "grpo", "--completion-len", "8"] if "--generations" in args or "--rollout" in args else []
     line = error_line(runner.invoke(app, ["estimate", TINY, "--seq", "32", *extra, *args]), alone=True)

@@ -60,6 +60,7 @@ class Advice:
     traces: int = 0
     parallel: dict | None = None  # advise --gpus: the planner's run (gpus, seconds, traces, check, notes)
     skipped: list[dict] = field(default_factory=list)  # savers whose trace fails on this step: {name, changes, reason}
+    not_offered: list[dict] = field(default_factory=list)  # savers not traced on this kind of step: {name, reason}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,8 +106,15 @@ def _recompute_pct(result) -> float:
     return 100 * r.recompute_flops / base if base else 0.0
 
 
-def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
-    """(name, changes, rank) of the remedies that apply to the base spec."""
+# why advise offers no sharding for a step compiled whole (spec/run.py _check_compile_parallel refuses it)
+WHOLE_STEP_SHARDING = ("not traced with the whole step compiled (FSDP2's collectives would be traced into its graph); "
+                       "with --compile-scope blocks it is")
+
+
+def candidates(runner: Runner, not_offered: list[dict] | None = None) -> list[tuple[str, dict, float]]:
+    """(name, changes, rank) of the remedies that apply to the base spec. ``not_offered``: where given, a saver
+    that cannot be traced on this kind of step at all gets ``{name, reason}`` there (said in one line, not skipped
+    in silence)."""
     base = runner.base
     out: list[tuple[str, dict, float]] = []
     blocks, causal_lm, compiled = _model_traits(runner) if base.training else (False, False, False)
@@ -126,8 +134,10 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.optim in (Optimizer.ADAM, Optimizer.ADAMW):
         out.append(("8-bit Adam", {"optim": "adam8bit"}, 0.01))
         out.append(("Adafactor", {"optim": "adafactor"}, 0.02))
-    # a compiled step is traced without checkpointing and data parallelism (features/compiled.py)
-    if base.checkpointing == "none" and base.training and blocks and not compiled:
+    # checkpointing inside a step compiled whole is refused (features/compiled.py: the RNG state fake tensors cannot
+    # hold); each block checkpointed, then compiled (--compile-scope blocks, torchtitan's order) is traced
+    blocks_scope = compiled and base.compile_scope == CompileScope.BLOCKS
+    if base.checkpointing == "none" and base.training and blocks and (not compiled or blocks_scope):
         out.append(("activation checkpointing", {"checkpointing": "blocks"}, 0.2))
         # torchtitan's op-level SAC: keeps the matmuls' outputs, so it recomputes less and saves less than blocks
         out.append(("selective activation checkpointing (torchtitan's op policy)", {"checkpointing": "selective"}, 0.15))
@@ -137,10 +147,8 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
         out.append((f"micro-batch {base.batch // k} x {k} accumulation",
                     {"batch": base.batch // k, "grad_accum": base.grad_accum * k}, 0.02 * math.log2(k)))
         k *= 2
-    if base.training and not compiled:
-        for n in (2, 4, 8):
-            out.append((f"ZeRO-3 / FSDP over {n} GPUs", {"world_size": n, "shard": "zero3"}, 0.3 + 0.05 * n))
-        out.append(("CPU offload of the optimizer", {"offload": "optimizer"}, 0.5))
+    if base.training:
+        out += _state_candidates(compiled, blocks_scope, not_offered)
     if base.training and causal_lm and not base.lora and _peft_available():
         out.append(("LoRA r=16 on every linear layer (peft)", {"lora": LORA}, 0.8))
         out.append(("QLoRA: NF4 base + LoRA r=16 (bitsandbytes + peft)", {"lora": LORA, "quant": "nf4"}, 0.9))
@@ -155,6 +163,20 @@ def candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     if base.seq and base.seq >= 256:
         out.append((f"shorter sequence ({base.seq // 2})", {"seq": base.seq // 2}, 1.0))
     return out + _pixels_candidates(runner)
+
+
+def _state_candidates(compiled: bool, blocks_scope: bool, not_offered: list[dict] | None) -> list[tuple[str, dict, float]]:
+    """Sharding and optimizer offload. Sharding a compiled step is traced with each block compiled (--compile-scope
+    blocks, then FSDP2: torchtitan's order; spec/run.py _check_compile_parallel), not with the whole step compiled."""
+    out: list[tuple[str, dict, float]] = []
+    if not compiled or blocks_scope:
+        for n in (2, 4, 8):
+            out.append((f"ZeRO-3 / FSDP over {n} GPUs", {"world_size": n, "shard": "zero3"}, 0.3 + 0.05 * n))
+    elif not_offered is not None:
+        not_offered.append({"name": "ZeRO-3 / FSDP", "reason": WHOLE_STEP_SHARDING})
+    if not compiled:
+        out.append(("CPU offload of the optimizer", {"offload": "optimizer"}, 0.5))
+    return out
 
 
 def _pixels_candidates(runner: Runner) -> list[tuple[str, dict, float]]:
@@ -292,7 +314,7 @@ def advise(runner: Runner, capacity: int, gpus: int | None = None, budget_label:
     advice = Advice(base.needed_bytes, capacity, base.fits(capacity))
     if gpus:
         advice.remedies += parallel_remedies(runner, capacity, gpus, budget_label, advice, extra)
-    for name, changes, rank in candidates(runner):
+    for name, changes, rank in candidates(runner, advice.not_offered):
         try:
             spec = dataclasses.replace(runner.base, **changes)
         except MemestError:

@@ -278,6 +278,7 @@ def advise_view(run) -> View:
     if a.parallel:
         blocks.append(_parallel_line(a.parallel))
     blocks += [f"skipped {s['name']}: its trace fails on this step: {s['reason']}" for s in a.skipped]
+    blocks += [f"not offered: {s['name']}: {s['reason']}" for s in a.not_offered]
     blocks.append(plural(a.traces, "trace"))
     doc = {"budget": label, "headroom_bytes": headroom, **a.to_dict()}
     return View(doc, blocks)

@@ -471,12 +471,15 @@ class RunSpec:
                 "splits the graph at DDP's bucket boundaries, FSDP2 traces its collectives into it); use --compile-scope "
                 f"blocks, or drop --compile (--no-compile for a model file that compiles itself); {supported}"
             )
-        other = [flag for flag, on in (("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--cp", self.cp > 1),
-                                       ("--ep", self.ep > 1), (f"--offload {self.offload}", self.offload != Offload.NONE))
+        # each flag with its value, so that the API's message names the keyword and its value (tp=2, not tp=)
+        other = [flag for flag, on in ((f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1),
+                                       (f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}", self.ep > 1),
+                                       (f"--offload {self.offload}", self.offload != Offload.NONE))
                  if on]
         if other:
             raise MemestError(f"--compile-scope blocks with {', '.join(other)} is not traced (not checked against real "
-                              f"compiled runs); drop {'them' if len(other) > 1 else 'it'} or --compile; {supported}")
+                              f"compiled runs); drop {'them' if len(other) > 1 else 'it'}, or drop --compile-scope "
+                              f"blocks; {supported}")
 
     def _check_fp8(self) -> None:
         if self.fp8 == Fp8.NONE:

@@ -94,10 +94,12 @@ def read(path, data) -> TrainerConfig:
         cfg.keys[key] = value
         cfg.mapping.append((f"{source} = {data.get(source, '(default)')!r}", meaning or f"{key}: {value}"))
 
-    put("batch", "per_device_train_batch_size", get("per_device_train_batch_size", 8))
+    batch = get("per_device_train_batch_size", 8)
+    put("batch", "per_device_train_batch_size", batch)
     accum = get("gradient_accumulation_steps", 1)
     if accum > 1:
         put("grad_accum", "gradient_accumulation_steps", accum)
+    _generation_batch(cfg, data, get, put, batch, accum)
     _seq(cfg, data, get, put)
     _precision(cfg, data, get, put)
     _checkpointing(cfg, get, put)
@@ -121,6 +123,38 @@ def read(path, data) -> TrainerConfig:
     if "model" not in cfg.keys:
         cfg.notes.append("TrainingArguments do not name the model: give it beside the file")
     return cfg
+
+
+def _generation_batch(cfg, data, get, put, batch: int, accum: int) -> None:
+    """trl GRPOConfig's (and RLOOConfig's) ``generation_batch_size`` / ``steps_per_generation`` -> memest's
+    ``generation_batch``. trl 1.16.0 trl/trainer/grpo_config.py ``__post_init__``: at most one of the two is given;
+    steps_per_generation S defaults to gradient_accumulation_steps, generation_batch_size to
+    per_device_train_batch_size x num_processes x S, and a dump (``to_json_string()``, after ``__post_init__``) holds
+    both. memest traces one process, whose generation batch is per_device_train_batch_size x S: read from S where
+    it is there, else from generation_batch_size as one process's; trl's default (S = the accumulation) is memest's
+    default (0) and is not set."""
+    size, steps = get("generation_batch_size"), get("steps_per_generation")
+    if size is None and steps is None:
+        return
+    if steps is not None:
+        source, value = "steps_per_generation", batch * steps
+        meaning = (f"generation_batch: {value} (per_device_train_batch_size {batch} x steps_per_generation {steps}: "
+                   "one process's completions generated at once)")
+        if size is not None and size != value:
+            cfg.notes.append(f"generation_batch_size {size} is {size // value} processes' generation batches (trl: "
+                             "per_device_train_batch_size x num_processes x steps_per_generation); memest traces one "
+                             "process's")
+    else:
+        source, value, steps = "generation_batch_size", size, size // batch if batch else 0
+        meaning = f"generation_batch: {value} (one process's completions generated at once)"
+        cfg.notes.append(f"generation_batch_size {size}: trl divides it over the processes (num_processes x "
+                         "per_device_train_batch_size x steps_per_generation); memest reads it as one process's: with "
+                         "N processes give --generation-batch <it / N>")
+    if steps == accum and value == batch * accum:
+        cfg.mapping.append((f"{source} = {data.get(source)!r}", "trl's default (per_device_train_batch_size x "
+                            "gradient_accumulation_steps): memest's default generation_batch"))
+        return
+    put("generation_batch", source, value, meaning)
 
 
 def _seq(cfg, data, get, put) -> None:

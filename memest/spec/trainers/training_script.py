@@ -129,6 +129,11 @@ def read(path, data=None) -> TrainerConfig:
         except NotLiteral:
             skipped.append(f"{kw.arg} = {ast.unparse(kw.value)} (line {kw.value.lineno}: not a literal)")
     given = dict(values)
+    if values.get("generation_batch_size") is not None and values.get("steps_per_generation") is not None:
+        # trl 1.16.0 grpo_config.py __post_init__ raises the same (a dump holds both: training_args.py reads it)
+        raise MemestError(f"--from {path}: {kind}(...) at line {call.lineno} gives both generation_batch_size and "
+                          "steps_per_generation, which trl refuses ('can not be both configured at the same time'): "
+                          "keep one")
     defaults = _trl_defaults(kind, values) if kind not in ARGS_CLASSES else {}
     cfg = training_args.read(path, {**defaults, **values})
     cfg.format = FORMAT
