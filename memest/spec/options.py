@@ -149,7 +149,9 @@ OPTIONS: tuple[Option, ...] = (
            override="Override the loss head."),
     Option("lora", ("--lora",), "peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; "
            "dtype=base: adapters in the base layers' dtype, peft's autocast_adapter_dtype=False; default fp32; "
-           "needs memest[peft]).", override="Override LoRA (none: off)."),
+           "exclude=vision,projector: no adapters in those modules or under them, peft's exclude_modules: on hf: "
+           "vision-language models vision and projector are --freeze's parts, else module names, as LLaMA-Factory "
+           "keeps a frozen tower out of LoRA; needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
            "(model.embed_tokens,model.layers.[0-9].*); on hf: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL also vision "
            "(the vision tower) and projector, as LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector."),

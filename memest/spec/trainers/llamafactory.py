@@ -16,7 +16,11 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
   vision-language ``template`` (qwen2_vl, llava, llava_next*): full fine-tuning leaves the tower's and the
   projector's parameters untrained (model/adapter.py _setup_full_tuning, model_utils/visual.py
   get_forbidden_modules): memest ``freeze: vision,projector``; LoRA leaves them out of the targets
-  (patch_target_modules), which memest's LoRA targets do not (a note says so).
+  (patch_target_modules: every module whose name holds a target and no forbidden key): memest ``lora: exclude=``
+  the frozen parts; ``lora_target: all`` leaves the projector out whatever freeze_multi_modal_projector says
+  (model_utils/misc.py find_all_linear_modules adds projector_keys to its forbidden modules), and Qwen2-VL's
+  ``patch_embed`` is out of LoRA always (its lora_conflict_keys).
+- ``lora_target`` defaults to ``all`` (hparams/finetuning_args.py): memest ``targets=all-linear``.
 """
 
 from __future__ import annotations
@@ -125,7 +129,13 @@ def _vision_key(out: TrainerConfig, key: str, value, data: dict) -> None:
                                                 "one memest builds inputs for"))
         return
     frozen = common.switch(value, out.path, key)
-    out.mapping.append((f"{key} = {value}", f"--freeze {_VISION_PARTS[key]}" if frozen else f"{_VISION_PARTS[key]} trained"))
+    out.mapping.append((f"{key} = {value}", f"{_freezing(data)} {_VISION_PARTS[key]}" if frozen
+                        else f"{_VISION_PARTS[key]} trained"))
+
+
+def _freezing(data: dict) -> str:
+    """How a frozen part is said: LoRA keeps adapters out of it (patch_target_modules), full fine-tuning freezes it."""
+    return "lora exclude:" if data.get("finetuning_type", "lora") == "lora" else "--freeze"
 
 
 def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
@@ -135,7 +145,9 @@ def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
     parts = [part for key, part in _VISION_PARTS.items() if data.get(key, True) is not False]  # switch() checked it
     for key, part in _VISION_PARTS.items():
         if key not in data and part in parts:
-            out.mapping.append((f"({key} not set)", f"--freeze {part} (LLaMA-Factory's default: true)"))
+            out.mapping.append((f"({key} not set)", f"{_freezing(data)} {part} (LLaMA-Factory's default: true)"))
+    if kind == "lora":
+        _lora_exclusion(out, data, parts)
     if not parts:
         return
     if kind == "full":
@@ -144,10 +156,27 @@ def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
             out.notes.append("LLaMA-Factory casts only the trainable parameters to fp32 (adapter.py _setup_full_tuning): "
                              f"the frozen {' and '.join(parts)} stay in bf16, which memest's bf16-mixed holds in fp32 "
                              "(their weights counted at twice their bytes)")
-    elif kind == "lora":
-        out.notes.append(f"LLaMA-Factory leaves the {' and the '.join(parts)} out of LoRA's targets "
-                         "(model_utils/visual.py patch_target_modules); memest's LoRA targets still cover their linear "
-                         "layers, so its estimate trains adapters there too (an overestimate: pass targets by name)")
+
+
+def _lora_exclusion(out: TrainerConfig, data: dict, parts: list[str]) -> None:
+    """LoRA on a vision-language template: the frozen parts out of the targets (patch_target_modules), the projector
+    out of ``all`` too (find_all_linear_modules), and Qwen2-VL's patch_embed out always (lora_conflict_keys)."""
+    lora = out.keys["lora"] if isinstance(out.keys.get("lora"), dict) else {}
+    exclude = list(parts)
+    if lora.get("targets") == "all-linear" and "projector" not in exclude:
+        exclude.append("projector")
+        out.mapping.append(("lora_target = all", "lora exclude: projector (find_all_linear_modules leaves the "
+                                                 "projector_keys out whatever freeze_multi_modal_projector says)"))
+    if data.get("template") == "qwen2_vl" and "vision" not in exclude and lora.get("targets") != "all-linear":
+        exclude.append("model.visual.patch_embed")  # its Conv3d proj: peft would adapt it for a target named proj
+        out.mapping.append(("template = qwen2_vl", "lora exclude: model.visual.patch_embed (COMPOSITE_MODELS' "
+                                                   "lora_conflict_keys)"))
+    if exclude:
+        out.keys["lora"] = {**lora, "exclude": exclude}
+    if isinstance(lora.get("targets"), list):
+        out.notes.append("LLaMA-Factory matches lora_target names as substrings of module names on vision-language "
+                         "models (patch_target_modules: proj also adapts q_proj, o_proj, ...); memest, as peft, matches "
+                         "whole last names: the two agree where each target is a module's whole last name")
 
 
 def _liger(out: TrainerConfig, key: str, value, data: dict) -> None:
@@ -176,7 +205,10 @@ def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
         keys["optim"] = "adamw"
         out.mapping.append(("(optim not set)", "optim: adamw (TrainingArguments' default adamw_torch)"))
     if kind == "lora":
-        keys["lora"] = lora or True
+        if "targets" not in lora:  # LLaMA-Factory's default lora_target: all (hparams/finetuning_args.py)
+            lora["targets"] = "all-linear"
+            out.mapping.append(("(lora_target not set)", "lora targets: all-linear (LLaMA-Factory's default: all)"))
+        keys["lora"] = lora
         if keys.get("quant"):
             keys["prepare_kbit"] = True
             out.notes.append("a quantized base: LLaMA-Factory calls peft's prepare_model_for_kbit_training "
