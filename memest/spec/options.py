@@ -182,6 +182,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_pixels", ("--max-pixels",), "Qwen2-VL, Qwen2.5-VL with --images / --video-frames: the processor's "
            "max_pixels (size longest_edge), the most pixels per image or frame (fewer image tokens below it); 0 = "
            "the processor's default (images 1003520, video frames 602112)."),
+    Option("pre_resize", ("--pre-resize",), "--images / --video-frames: each --image-size image (image=MIN:MAX) or "
+           "frame (video=MIN:MAX) resized before the processor as LLaMA-Factory does (image_min/max_pixels, "
+           "video_min/max_pixels; mm_plugin.py _preprocess_image): above MAX pixels both sides scaled by "
+           "sqrt(MAX / pixels), below MIN by sqrt(MIN / pixels), int()-rounded; default none."),
     Option("video_frames", ("--video-frames",), "Qwen2-VL, Qwen2.5-VL: one video of F frames per example "
            "(--image-size each), merged in pairs as Qwen2VLVideoProcessor does (pixel_values_videos, "
            "video_grid_thw), its tokens added to --seq; 0 = none."),

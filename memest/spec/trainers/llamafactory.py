@@ -20,6 +20,10 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
   the frozen parts; ``lora_target: all`` leaves the projector out whatever freeze_multi_modal_projector says
   (model_utils/misc.py find_all_linear_modules adds projector_keys to its forbidden modules), and Qwen2-VL's
   ``patch_embed`` is out of LoRA always (its lora_conflict_keys).
+- ``image_max_pixels`` / ``image_min_pixels`` (default 768 * 768 / 32 * 32) and ``video_max_pixels`` /
+  ``video_min_pixels`` (256 * 256 / 16 * 16, hparams/model_args.py) resize each image and frame before the processor
+  (data/mm_plugin.py _preprocess_image): memest ``pre_resize``. ``video_fps`` / ``video_maxlen`` pick the frames from
+  the video's length, which no config holds: memest's ``video_frames`` is given on the command line (a note).
 - ``lora_target`` defaults to ``all`` (hparams/finetuning_args.py): memest ``targets=all-linear``.
 """
 
@@ -97,6 +101,40 @@ def _target(out, key, value, path, data, lora) -> None:
     out.mapping.append((f"{key} = {value}", f"lora targets: {lora['targets']}"))
 
 
+# LLaMA-Factory's defaults (src/llamafactory/hparams/model_args.py at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30)
+_PIXELS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768, "video_min_pixels": 16 * 16,
+           "video_max_pixels": 256 * 256}
+_VIDEO_SAMPLING = {"video_fps": 2.0, "video_maxlen": 128}
+
+
+def _pre_resize(out: TrainerConfig, data: dict) -> None:
+    """image_* / video_*_pixels: the resize before the processor (data/mm_plugin.py _preprocess_image), on a
+    vision-language template; video_fps / video_maxlen: frames from a video's length, not in the file."""
+    if not _vision_template(data):
+        for key in (*_PIXELS, *_VIDEO_SAMPLING):
+            if key in data:
+                out.mapping.append((f"{key} = {data[key]}", f"no effect: template {data.get('template')!r} is not a "
+                                                            "vision-language one memest builds inputs for"))
+        return
+    values = {}
+    for key, default in _PIXELS.items():
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MemestError(f"{out.path}: {key} = {value!r}: a number of pixels")
+        values[key] = value
+    out.keys["pre_resize"] = (f"image={values['image_min_pixels']}:{values['image_max_pixels']},"
+                              f"video={values['video_min_pixels']}:{values['video_max_pixels']}")
+    given = [f"{key} = {data[key]}" for key in _PIXELS if key in data]
+    out.mapping.append((", ".join(given) or "(image_/video_min/max_pixels not set)",
+                        f"pre_resize: {out.keys['pre_resize']} (each --image-size image or frame resized before the "
+                        "processor, mm_plugin.py _preprocess_image" + ("" if given else "; LLaMA-Factory's defaults") + ")"))
+    sampling = {key: data.get(key, default) for key, default in _VIDEO_SAMPLING.items()}
+    out.notes.append(f"video_fps = {sampling['video_fps']}, video_maxlen = {sampling['video_maxlen']}: LLaMA-Factory "
+                     "samples min(frames, video_maxlen, floor(seconds x video_fps)) frames of each video "
+                     "(mm_plugin.py _get_video_sample_indices); a video's length is not in the file: pass "
+                     f"--video-frames (at most {sampling['video_maxlen']})")
+
+
 _HANDLERS = {
     "lora_target": _target,
     "model_name_or_path": lambda out, key, value, path, data, lora: common.model(out, key, value, path),
@@ -108,6 +146,7 @@ _HANDLERS = {
     "enable_liger_kernel": lambda out, key, value, path, data, lora: _liger(out, key, value, data),
     "freeze_vision_tower": lambda out, key, value, path, data, lora: _vision_key(out, key, value, data),
     "freeze_multi_modal_projector": lambda out, key, value, path, data, lora: _vision_key(out, key, value, data),
+    **{key: lambda out, key, value, path, data, lora: None for key in (*_PIXELS, *_VIDEO_SAMPLING)},  # _pre_resize
     "pure_bf16": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "trainable parameters kept in bf16" if value else "trainable parameters in fp32")),
 }
@@ -216,6 +255,7 @@ def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
     elif lora:
         out.notes.append(f"lora_* keys with finetuning_type: {kind}: not LoRA, ignored by LLaMA-Factory and memest")
     _vision_freeze(out, data, kind)
+    _pre_resize(out, data)
     if kind == "freeze":
         out.unknown.append("finetuning_type = freeze (which layers: set --freeze by name)")
     if keys.get("precision") == "bf16" and kind == "lora" and not data.get("pure_bf16"):

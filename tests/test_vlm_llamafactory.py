@@ -1,10 +1,14 @@
-"""LoRA on a vision-language model as LLaMA-Factory builds it: its frozen vision tower (and projector) left out of
+"""Vision-language fine-tuning as LLaMA-Factory runs it. LoRA: its frozen vision tower (and projector) left out of
 the targets (--lora exclude=vision,projector, read from a LLaMA-Factory YAML by --from), against peft's
 get_peft_model given the module list LLaMA-Factory's own rule makes, one real CPU step on the tiny Qwen2-VL.
 
 The byte-exact peak comparison (real_cpu_peak) skips on CPUs without AVX-512 (the Conv3d patch embedding's oneDNN
 scratch); the trainable parameters, the gradients and the AdamW state do not depend on conv scratch and are compared
 here on any CPU: the trace's storages of those categories against the real model's after a real step.
+
+Images: image_min/max_pixels (and video_*) resize each image before the processor (--pre-resize, read by --from);
+the image tokens memest uses against LLaMA-Factory's resize of a real PIL image fed to transformers' Qwen2-VL
+image processor.
 """
 
 import pytest
@@ -114,3 +118,58 @@ def test_lora_exclude_parses_and_names_modules():
         r"(?:model\.visual\.patch_embed|model\.visual\.blocks|lm_head)(?:\..*)?"
     with pytest.raises(MemestError, match="exclude=model.tower names no module"):
         lora_exclusion(model, ("model.tower",), "test")
+
+
+def _lf_preprocess_image(image, image_max_pixels: int, image_min_pixels: int):
+    """LLaMA-Factory's MMPluginMixin._preprocess_image (src/llamafactory/data/mm_plugin.py at ff6d4d12), on a PIL
+    image (its Qwen2VLPlugin's further rules, a side under 28 px or an aspect ratio above 200, are not met here)."""
+    import math
+
+    if (image.width * image.height) > image_max_pixels:
+        resize_factor = math.sqrt(image_max_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * resize_factor), int(image.height * resize_factor)))
+    if (image.width * image.height) < image_min_pixels:
+        resize_factor = math.sqrt(image_min_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * resize_factor), int(image.height * resize_factor)))
+    return image
+
+
+@pytest.mark.parametrize("hw,keys", [
+    ((1080, 1920), {}),  # LLaMA-Factory's default image_max_pixels 768 * 768: 576 x 1024
+    ((3000, 4000), {"image_max_pixels": 512 * 512}),
+    ((30, 30), {}),  # under the default image_min_pixels 32 * 32: scaled up to 32 x 32
+    ((700, 500), {"image_max_pixels": 1 << 30, "image_min_pixels": 0}),  # not resized
+])
+def test_llamafactory_image_pixels_give_the_processors_tokens(tmp_path, hw, keys):
+    PIL = pytest.importorskip("PIL.Image")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = tmp_path / "qwen2vl_lora_sft.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(CONFIGS / "qwen2-vl-tiny.json"), "stage": "sft",
+                                    "finetuning_type": "lora", "template": "qwen2_vl", **keys}))
+    pre_resize = read_trainer_config(path).keys["pre_resize"]
+    spec = RunSpec(model=model_ref(QWEN2), batch=1, seq=8, images=1, image_size=f"{hw[0]}x{hw[1]}",
+                   pre_resize=pre_resize)
+    source = load_source(spec.model)
+    image = _lf_preprocess_image(PIL.new("RGB", (hw[1], hw[0])), keys.get("image_max_pixels", 768 * 768),
+                                 keys.get("image_min_pixels", 32 * 32))
+    assert spec.input_hw == (image.height, image.width)
+    real = Qwen2VLImageProcessorPil()(images=[image], return_tensors="pt")
+    tokens = int(real["image_grid_thw"][0].prod()) // 4
+    assert source.image_facts(1, spec.input_hw)["tokens_per_image"] == tokens
+    inputs = source.image_inputs(1, 8, 1, spec.input_hw)
+    assert (inputs["input_ids"] == source.build_model().config.image_token_id).sum() == tokens
+
+
+def test_pre_resize_video_frames_and_one_size():
+    """Frames take the video bounds; images and frames resized apart to different sizes are refused (one
+    --image-size for both); a malformed value names the form."""
+    from memest.errors import MemestError
+
+    video = RunSpec(model=model_ref(QWEN2), video_frames=4, image_size="448x448", pre_resize="video=256:65536")
+    assert video.input_hw == (256, 256)
+    with pytest.raises(MemestError, match="one size for both"):
+        RunSpec(model=model_ref(QWEN2), images=1, video_frames=4, image_size="448x448",
+                pre_resize="image=1024:589824,video=256:65536")
+    with pytest.raises(MemestError, match="image=MIN:MAX"):
+        RunSpec(model=model_ref(QWEN2), images=1, image_size="448x448", pre_resize="image=5")
