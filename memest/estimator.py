@@ -21,7 +21,6 @@ from memest.result import EstimateViews, budget_bytes
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import ActivationOffload, ExpertRouting, LossHead, Offload, Preference, Target, Verdict
-from memest.spec.run import image_hw
 from memest.trace.events import Trace
 from memest.units import format_bytes
 
@@ -225,7 +224,7 @@ def _image_facts(spec: RunSpec, source) -> dict | None:
     """--images / --video-frames: what the model's processor makes of them (the report's images row)."""
     if not (spec.images or spec.video_frames) or source.image_facts is None:
         return None
-    return source.image_facts(spec.images, image_hw(spec.image_size) if spec.image_size else None,
+    return source.image_facts(spec.images, spec.input_hw,
                               **spec.vision_options)
 
 

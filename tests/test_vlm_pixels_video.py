@@ -228,7 +228,8 @@ def test_frozen_tower_matches_real_cpu_peak(ref, kw, gap):
 
 def test_llamafactory_vision_defaults(tmp_path):
     """LLaMA-Factory on a vision-language template: full fine-tuning freezes the tower and projector by default
-    (freeze: vision,projector), a key set false trains that part; LoRA says its targets differ; a text template
+    (freeze: vision,projector), a key set false trains that part; LoRA keeps them out of its targets (exclude:),
+    the projector out of lora_target all whatever its key says; a text template
     leaves the keys without effect."""
     import yaml
 
@@ -246,7 +247,8 @@ def test_llamafactory_vision_defaults(tmp_path):
     assert read(freeze_vision_tower=False).keys["freeze"] == "projector"
     assert "freeze" not in read(freeze_vision_tower=False, freeze_multi_modal_projector=False).keys
     lora = read(finetuning_type="lora")
-    assert "freeze" not in lora.keys and any("out of LoRA's targets" in note for note in lora.notes)
+    assert "freeze" not in lora.keys and lora.keys["lora"] == {"targets": "all-linear", "exclude": ["vision", "projector"]}
+    assert read(finetuning_type="lora", freeze_vision_tower=False).keys["lora"]["exclude"] == ["projector"]
     text = read(template="llama3", freeze_vision_tower=True)
     assert "freeze" not in text.keys and ("freeze_vision_tower = True", "no effect: template 'llama3' is not a "
                                           "vision-language one memest builds inputs for") in text.mapping

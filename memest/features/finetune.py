@@ -11,6 +11,7 @@ What the flags say is parsed in memest/spec/lora.py."""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 from memest.errors import MemestError
 from memest.features import quant as quant_layers  # by module: tests stand in peft's bitsandbytes layer classes
@@ -76,6 +77,8 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
     except ImportError:
         raise MemestError("--lora runs peft's own LoRA: pip install 'memest[peft]' (or pip install peft)") from None
     kwargs = settings.peft_kwargs()
+    if settings.exclude:
+        kwargs["exclude_modules"] = lora_exclusion(model, settings.exclude, where)
     if type(model).__name__.endswith("ForCausalLM"):
         kwargs["task_type"] = "CAUSAL_LM"
     try:
@@ -86,11 +89,31 @@ def apply_lora(model, settings: LoraSettings, where: str, quant: str = "none"):
         elif quant != Quant.NONE:
 
             config._register_custom_module({Linear4bitModel: quant_layers.lora_layer_class()})
-        wrapped = get_peft_model(model, config, autocast_adapter_dtype=settings.autocast_adapter_dtype)
+        with warnings.catch_warnings():  # exclude= that removes no target (vision with targets=q_proj on Qwen2-VL): as asked
+            warnings.filterwarnings("ignore", message="You have passed exclude_modules")
+            wrapped = get_peft_model(model, config, autocast_adapter_dtype=settings.autocast_adapter_dtype)
     except ValueError as exc:  # peft's own message: no target modules found, unknown model type, ...
         raise MemestError(f"{where}: peft's get_peft_model: {str(exc).strip().splitlines()[0]}") from exc
     _check_rank(wrapped, config.r, where)
     return wrapped
+
+
+def lora_exclusion(model, exclude: tuple[str, ...], where: str) -> str:
+    """--lora exclude=: peft's exclude_modules as a regular expression (peft fullmatches a string against each module
+    name) for the named modules and everything under them; ``vision`` / ``projector`` are --freeze's parts of a
+    vision-language model (expand_freeze). LLaMA-Factory's patch_target_modules drops a module whose name contains a
+    forbidden key (model_utils/visual.py, hiyouga/LLaMA-Factory at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30); for its
+    keys (visual.blocks, vision_tower, ...) that is the same set as these module prefixes."""
+    import re
+
+    names = {name for name, _ in model.named_modules()}
+    prefixes = expand_freeze(model, list(exclude))
+    missing = [p for p in prefixes if p not in names]
+    if missing:
+        examples = ", ".join(sorted(n for n in names if n and n.count(".") <= 1)[:6])
+        raise MemestError(f"{where}: --lora exclude={missing[0]} names no module (module names look like: {examples}, "
+                          f"...; vision and projector name the parts of {', '.join(FREEZE_GROUPS)})")
+    return "(?:" + "|".join(re.escape(p) for p in prefixes) + r")(?:\..*)?"
 
 
 def _check_rank(model, r: int, where: str) -> None:

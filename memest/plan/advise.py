@@ -27,7 +27,6 @@ from memest.plan.runner import Runner
 from memest.spec import RunSpec
 from memest.spec.choices import CompileScope, Optimizer, Outputs, Precision, Preference, Reference, Target
 from memest.spec.options import command_line
-from memest.spec.run import image_hw
 from memest.trace.values import PlaceholderScalars
 from memest.units import format_bytes, plural
 
@@ -185,7 +184,7 @@ def _pixels_candidates(runner: Runner) -> list[tuple[str, dict, float]]:
     base = runner.base
     if not (base.images or base.video_frames) or runner.source.image_facts is None:
         return []
-    hw = image_hw(base.image_size) if base.image_size else None
+    hw = base.input_hw
     facts = runner.source.image_facts(base.images, hw, **base.vision_options)
     if facts.get("max_pixels") is None:  # a processor without the rule (LLaVA's fixed tiles)
         return []

@@ -7,7 +7,13 @@ dropout=0, peft's target modules for the model type, fp32 adapters). ``dtype=bas
 layer's dtype: peft's ``get_peft_model(..., autocast_adapter_dtype=False)`` (``autocast_adapter_dtype=false`` is the
 same key under peft's name; ``dtype=fp32`` is peft's default, autocast_adapter_dtype=True, peft >= 0.12.0). The YAML
 ``lora:`` mapping and the API's ``lora=`` (a dict, the same string, or True for peft's defaults) canonicalise to this
-string."""
+string.
+
+``exclude=vision,projector`` keeps adapters out of those modules and everything under them (peft's
+``exclude_modules``, given as a regular expression over module names): on the hf: vision-language models ``vision``
+and ``projector`` are the parts ``--freeze`` names (features/finetune.py expand_freeze), other entries are module
+names (``model.visual.patch_embed``). LLaMA-Factory builds its LoRA targets so (model_utils/visual.py
+patch_target_modules)."""
 
 from __future__ import annotations
 
@@ -18,9 +24,11 @@ from memest.errors import MemestError
 from memest.spec.choices import AdapterDtype
 
 _KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
-_ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "targets", "rank": "r"}
+_ALIASES = {"lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "targets", "rank": "r",
+            "exclude_modules": "exclude"}
+_LISTS = ("targets", "exclude")  # keys whose value is a comma-separated list
 _AUTOCAST = "autocast_adapter_dtype"  # peft's get_peft_model keyword: dtype=fp32 (true) | base (false)
-_NAMES = (*_KEYS, "dtype")
+_NAMES = (*_KEYS, "dtype", "exclude")
 
 
 @dataclass(frozen=True)
@@ -30,11 +38,14 @@ class LoraSettings:
     dropout: float | None = None
     targets: tuple[str, ...] | None = None  # ("all-linear",) for peft's all-linear
     dtype: AdapterDtype | None = None  # None: peft's default (fp32)
+    exclude: tuple[str, ...] | None = None  # modules (and their submodules) with no adapter: vision, projector, names
 
     def text(self) -> str:
         parts = [f"{k}={_num(getattr(self, k))}" for k in ("r", "alpha", "dropout") if getattr(self, k) is not None]
         if self.dtype is not None:
             parts.append(f"dtype={self.dtype}")
+        if self.exclude:
+            parts.append("exclude=" + ",".join(self.exclude))
         if self.targets:
             parts.append("targets=" + ",".join(self.targets))
         return ",".join(parts) or "on"
@@ -72,7 +83,7 @@ def parse_lora(value) -> str:
             if "=" in token:
                 key, _, v = token.partition("=")
                 items.append((key.strip(), [v.strip()]))
-            elif key is not None and _ALIASES.get(key.lower(), key.lower()) == "targets" and token:
+            elif key is not None and _ALIASES.get(key.lower(), key.lower()) in _LISTS and token:
                 items[-1][1].append(token)
             else:
                 raise MemestError(f"--lora {value!r}: write key=value pairs (r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj)")
@@ -117,9 +128,10 @@ def settings_from(items) -> LoraSettings:
         lowered = str(key).lower()
         name = "dtype" if lowered == _AUTOCAST else _ALIASES.get(lowered, lowered)
         if name not in _NAMES:
-            raise MemestError(f"--lora: unknown key {key!r}; use r, alpha, dropout, targets, dtype")
+            raise MemestError(f"--lora: unknown key {key!r}; use r, alpha, dropout, targets, dtype, exclude")
         if name in fields:
-            raise MemestError(f"--lora: {name} is given twice; give each of r, alpha, dropout, targets, dtype once")
+            raise MemestError(f"--lora: {name} is given twice; give each of r, alpha, dropout, targets, dtype, "
+                              "exclude once")
         try:
             if name == "dtype":
                 fields["dtype"] = _adapter_dtype(lowered, v)
@@ -138,10 +150,10 @@ def settings_from(items) -> LoraSettings:
                 targets = tuple(t.strip() for t in targets for t in str(t).split(",") if t.strip())
                 if not targets:
                     raise ValueError
-                fields["targets"] = targets
+                fields[name] = targets
         except (TypeError, ValueError):
             raise MemestError(f"--lora: bad value for {name}: {v!r} (r: a whole number >= 1, alpha: a number > 0, "
-                              "dropout: 0 <= p < 1, targets: module names or all-linear, dtype: fp32 (peft's default) or base "
+                              "dropout: 0 <= p < 1, targets: module names or all-linear, exclude: vision, projector or module names, dtype: fp32 (peft's default) or base "
                               "(the base layer's dtype: peft's autocast_adapter_dtype=False), "
                               "autocast_adapter_dtype: true or false)") from None
     return LoraSettings(**fields)

@@ -149,7 +149,9 @@ OPTIONS: tuple[Option, ...] = (
            override="Override the loss head."),
     Option("lora", ("--lora",), "peft LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj (or targets=all-linear; "
            "dtype=base: adapters in the base layers' dtype, peft's autocast_adapter_dtype=False; default fp32; "
-           "needs memest[peft]).", override="Override LoRA (none: off)."),
+           "exclude=vision,projector: no adapters in those modules or under them, peft's exclude_modules: on hf: "
+           "vision-language models vision and projector are --freeze's parts, else module names, as LLaMA-Factory "
+           "keeps a frozen tower out of LoRA; needs memest[peft]).", override="Override LoRA (none: off)."),
     Option("freeze", ("--freeze",), "Freeze parameters by name: glob patterns, comma-separated "
            "(model.embed_tokens,model.layers.[0-9].*); on hf: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL also vision "
            "(the vision tower) and projector, as LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector."),
@@ -180,6 +182,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_pixels", ("--max-pixels",), "Qwen2-VL, Qwen2.5-VL with --images / --video-frames: the processor's "
            "max_pixels (size longest_edge), the most pixels per image or frame (fewer image tokens below it); 0 = "
            "the processor's default (images 1003520, video frames 602112)."),
+    Option("pre_resize", ("--pre-resize",), "--images / --video-frames: each --image-size image (image=MIN:MAX) or "
+           "frame (video=MIN:MAX) resized before the processor as LLaMA-Factory does (image_min/max_pixels, "
+           "video_min/max_pixels; mm_plugin.py _preprocess_image): above MAX pixels both sides scaled by "
+           "sqrt(MAX / pixels), below MIN by sqrt(MIN / pixels), int()-rounded; default none."),
     Option("video_frames", ("--video-frames",), "Qwen2-VL, Qwen2.5-VL: one video of F frames per example "
            "(--image-size each), merged in pairs as Qwen2VLVideoProcessor does (pixel_values_videos, "
            "video_grid_thw), its tokens added to --seq; 0 = none."),

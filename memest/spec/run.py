@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from memest.errors import MemestError
@@ -90,6 +91,39 @@ def image_hw(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise MemestError(f"--image-size takes HEIGHTxWIDTH in pixels, e.g. 448x448; got {text!r}")
     return int(parts[0]), int(parts[1])
+
+def pre_resize_bounds(text: str) -> dict[str, tuple[int, int]]:
+    """--pre-resize image=MIN:MAX,video=MIN:MAX -> {"image": (MIN, MAX), ...} (MIN 0: no lower bound)."""
+    out: dict[str, tuple[int, int]] = {}
+    for part in str(text).split(","):
+        kind, _, bounds = part.strip().partition("=")
+        lo, _, hi = bounds.partition(":")
+        if kind not in ("image", "video") or kind in out or not (lo.strip().isdigit() and hi.strip().isdigit()) \
+                or not 0 < int(hi) or int(lo) > int(hi):
+            raise MemestError(f"--pre-resize takes image=MIN:MAX and/or video=MIN:MAX in pixels (MIN <= MAX, MAX > 0), "
+                              f"e.g. image=1024:589824,video=256:65536; got {text!r}")
+        out[kind] = (int(lo), int(hi))
+    return out
+
+
+def pre_resize_text(bounds: dict[str, tuple[int, int]]) -> str:
+    return ",".join(f"{kind}={lo}:{hi}" for kind, (lo, hi) in bounds.items())
+
+
+def pre_resized(hw: tuple[int, int], min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """LLaMA-Factory's resize before the processor (hiyouga/LLaMA-Factory src/llamafactory/data/mm_plugin.py
+    MMPluginMixin._preprocess_image at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30): above max_pixels both sides
+    scaled by sqrt(max_pixels / (w * h)), then below min_pixels by sqrt(min_pixels / (w * h)), each int()-rounded
+    (PIL's image.resize((width, height)))."""
+    height, width = hw
+    if width * height > max_pixels:
+        factor = math.sqrt(max_pixels / (width * height))
+        width, height = int(width * factor), int(height * factor)
+    if width * height < min_pixels:
+        factor = math.sqrt(min_pixels / (width * height))
+        width, height = int(width * factor), int(height * factor)
+    return height, width
+
 
 # trl 1.16.0, trl/trainer/grpo_config.py: GRPOConfig.num_generations's default (features/grpo.py reads trl's own
 # GRPOConfig; tests/test_grpo.py checks this copy, which the spec layer keeps so it need not import trl)
@@ -184,6 +218,9 @@ class RunSpec:
     min_pixels: int = 0
     max_pixels: int = 0
     video_frames: int = 0
+    # a trainer's own resize of --image-size before the processor ("image=MIN:MAX,video=MIN:MAX" pixels; "" = none):
+    # LLaMA-Factory's image_min/max_pixels, video_min/max_pixels (pre_resized)
+    pre_resize: str = ""
 
     def __post_init__(self) -> None:
         for name, (enum, flag) in _CHOICE_FIELDS.items():
@@ -440,6 +477,27 @@ class RunSpec:
                               "frames): give --images N or --video-frames F with them")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise MemestError(f"--min-pixels {self.min_pixels} is above --max-pixels {self.max_pixels}")
+        if self.pre_resize:
+            object.__setattr__(self, "pre_resize", pre_resize_text(pre_resize_bounds(self.pre_resize)))
+            _ = self.input_hw  # one --image-size for images and frames: refused where their resizes differ
+
+    @property
+    def input_hw(self) -> tuple[int, int] | None:
+        """(height, width) the processor gets: --image-size after --pre-resize (None: the model's default image)."""
+        if not self.image_size:
+            return None
+        hw = image_hw(self.image_size)
+        if not self.pre_resize:
+            return hw
+        bounds = pre_resize_bounds(self.pre_resize)
+        sizes = {kind: pre_resized(hw, *bounds[kind]) for kind, on in (("image", self.images), ("video",
+                 self.video_frames)) if on and kind in bounds}
+        if len(set(sizes.values())) > 1:
+            raise MemestError(f"--pre-resize {self.pre_resize}: --image-size {self.image_size} becomes "
+                              f"{sizes['image'][0]}x{sizes['image'][1]} for the images and {sizes['video'][0]}x"
+                              f"{sizes['video'][1]} for the video frames, and memest has one size for both: "
+                              "estimate them apart")
+        return next(iter(sizes.values()), hw)
 
     @property
     def vision_options(self) -> dict:

@@ -23,7 +23,6 @@ from typing import Any
 
 from memest.imports import imports_without_gc
 from memest.spec.choices import Mode, Shard, ZeroGrad
-from memest.spec.run import image_hw
 from memest.units import format_count
 
 with imports_without_gc():
@@ -720,5 +719,5 @@ def _inputs(source, spec, seq):
             f"{flag}: {source.origin or source.name} is not a vision-language model memest builds image inputs for "
             f"(hf: LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL configs); its inputs are its own (drop {flag})"
         )
-    hw = image_hw(spec.image_size) if spec.image_size else None
+    hw = spec.input_hw
     return source.image_inputs(spec.batch, seq, spec.images, hw, **spec.vision_options)

@@ -16,7 +16,15 @@ examples/train_qlora/, src/llamafactory/hparams/). What LLaMA-Factory does with 
   vision-language ``template`` (qwen2_vl, llava, llava_next*): full fine-tuning leaves the tower's and the
   projector's parameters untrained (model/adapter.py _setup_full_tuning, model_utils/visual.py
   get_forbidden_modules): memest ``freeze: vision,projector``; LoRA leaves them out of the targets
-  (patch_target_modules), which memest's LoRA targets do not (a note says so).
+  (patch_target_modules: every module whose name holds a target and no forbidden key): memest ``lora: exclude=``
+  the frozen parts; ``lora_target: all`` leaves the projector out whatever freeze_multi_modal_projector says
+  (model_utils/misc.py find_all_linear_modules adds projector_keys to its forbidden modules), and Qwen2-VL's
+  ``patch_embed`` is out of LoRA always (its lora_conflict_keys).
+- ``image_max_pixels`` / ``image_min_pixels`` (default 768 * 768 / 32 * 32) and ``video_max_pixels`` /
+  ``video_min_pixels`` (256 * 256 / 16 * 16, hparams/model_args.py) resize each image and frame before the processor
+  (data/mm_plugin.py _preprocess_image): memest ``pre_resize``. ``video_fps`` / ``video_maxlen`` pick the frames from
+  the video's length, which no config holds: memest's ``video_frames`` is given on the command line (a note).
+- ``lora_target`` defaults to ``all`` (hparams/finetuning_args.py): memest ``targets=all-linear``.
 """
 
 from __future__ import annotations
@@ -93,6 +101,40 @@ def _target(out, key, value, path, data, lora) -> None:
     out.mapping.append((f"{key} = {value}", f"lora targets: {lora['targets']}"))
 
 
+# LLaMA-Factory's defaults (src/llamafactory/hparams/model_args.py at ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30)
+_PIXELS = {"image_min_pixels": 32 * 32, "image_max_pixels": 768 * 768, "video_min_pixels": 16 * 16,
+           "video_max_pixels": 256 * 256}
+_VIDEO_SAMPLING = {"video_fps": 2.0, "video_maxlen": 128}
+
+
+def _pre_resize(out: TrainerConfig, data: dict) -> None:
+    """image_* / video_*_pixels: the resize before the processor (data/mm_plugin.py _preprocess_image), on a
+    vision-language template; video_fps / video_maxlen: frames from a video's length, not in the file."""
+    if not _vision_template(data):
+        for key in (*_PIXELS, *_VIDEO_SAMPLING):
+            if key in data:
+                out.mapping.append((f"{key} = {data[key]}", f"no effect: template {data.get('template')!r} is not a "
+                                                            "vision-language one memest builds inputs for"))
+        return
+    values = {}
+    for key, default in _PIXELS.items():
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MemestError(f"{out.path}: {key} = {value!r}: a number of pixels")
+        values[key] = value
+    out.keys["pre_resize"] = (f"image={values['image_min_pixels']}:{values['image_max_pixels']},"
+                              f"video={values['video_min_pixels']}:{values['video_max_pixels']}")
+    given = [f"{key} = {data[key]}" for key in _PIXELS if key in data]
+    out.mapping.append((", ".join(given) or "(image_/video_min/max_pixels not set)",
+                        f"pre_resize: {out.keys['pre_resize']} (each --image-size image or frame resized before the "
+                        "processor, mm_plugin.py _preprocess_image" + ("" if given else "; LLaMA-Factory's defaults") + ")"))
+    sampling = {key: data.get(key, default) for key, default in _VIDEO_SAMPLING.items()}
+    out.notes.append(f"video_fps = {sampling['video_fps']}, video_maxlen = {sampling['video_maxlen']}: LLaMA-Factory "
+                     "samples min(frames, video_maxlen, floor(seconds x video_fps)) frames of each video "
+                     "(mm_plugin.py _get_video_sample_indices); a video's length is not in the file: pass "
+                     f"--video-frames (at most {sampling['video_maxlen']})")
+
+
 _HANDLERS = {
     "lora_target": _target,
     "model_name_or_path": lambda out, key, value, path, data, lora: common.model(out, key, value, path),
@@ -104,6 +146,7 @@ _HANDLERS = {
     "enable_liger_kernel": lambda out, key, value, path, data, lora: _liger(out, key, value, data),
     "freeze_vision_tower": lambda out, key, value, path, data, lora: _vision_key(out, key, value, data),
     "freeze_multi_modal_projector": lambda out, key, value, path, data, lora: _vision_key(out, key, value, data),
+    **{key: lambda out, key, value, path, data, lora: None for key in (*_PIXELS, *_VIDEO_SAMPLING)},  # _pre_resize
     "pure_bf16": lambda out, key, value, path, data, lora: out.mapping.append(
         (f"{key} = {value}", "trainable parameters kept in bf16" if value else "trainable parameters in fp32")),
 }
@@ -125,7 +168,13 @@ def _vision_key(out: TrainerConfig, key: str, value, data: dict) -> None:
                                                 "one memest builds inputs for"))
         return
     frozen = common.switch(value, out.path, key)
-    out.mapping.append((f"{key} = {value}", f"--freeze {_VISION_PARTS[key]}" if frozen else f"{_VISION_PARTS[key]} trained"))
+    out.mapping.append((f"{key} = {value}", f"{_freezing(data)} {_VISION_PARTS[key]}" if frozen
+                        else f"{_VISION_PARTS[key]} trained"))
+
+
+def _freezing(data: dict) -> str:
+    """How a frozen part is said: LoRA keeps adapters out of it (patch_target_modules), full fine-tuning freezes it."""
+    return "lora exclude:" if data.get("finetuning_type", "lora") == "lora" else "--freeze"
 
 
 def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
@@ -135,7 +184,9 @@ def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
     parts = [part for key, part in _VISION_PARTS.items() if data.get(key, True) is not False]  # switch() checked it
     for key, part in _VISION_PARTS.items():
         if key not in data and part in parts:
-            out.mapping.append((f"({key} not set)", f"--freeze {part} (LLaMA-Factory's default: true)"))
+            out.mapping.append((f"({key} not set)", f"{_freezing(data)} {part} (LLaMA-Factory's default: true)"))
+    if kind == "lora":
+        _lora_exclusion(out, data, parts)
     if not parts:
         return
     if kind == "full":
@@ -144,10 +195,27 @@ def _vision_freeze(out: TrainerConfig, data: dict, kind: str) -> None:
             out.notes.append("LLaMA-Factory casts only the trainable parameters to fp32 (adapter.py _setup_full_tuning): "
                              f"the frozen {' and '.join(parts)} stay in bf16, which memest's bf16-mixed holds in fp32 "
                              "(their weights counted at twice their bytes)")
-    elif kind == "lora":
-        out.notes.append(f"LLaMA-Factory leaves the {' and the '.join(parts)} out of LoRA's targets "
-                         "(model_utils/visual.py patch_target_modules); memest's LoRA targets still cover their linear "
-                         "layers, so its estimate trains adapters there too (an overestimate: pass targets by name)")
+
+
+def _lora_exclusion(out: TrainerConfig, data: dict, parts: list[str]) -> None:
+    """LoRA on a vision-language template: the frozen parts out of the targets (patch_target_modules), the projector
+    out of ``all`` too (find_all_linear_modules), and Qwen2-VL's patch_embed out always (lora_conflict_keys)."""
+    lora = out.keys["lora"] if isinstance(out.keys.get("lora"), dict) else {}
+    exclude = list(parts)
+    if lora.get("targets") == "all-linear" and "projector" not in exclude:
+        exclude.append("projector")
+        out.mapping.append(("lora_target = all", "lora exclude: projector (find_all_linear_modules leaves the "
+                                                 "projector_keys out whatever freeze_multi_modal_projector says)"))
+    if data.get("template") == "qwen2_vl" and "vision" not in exclude and lora.get("targets") != "all-linear":
+        exclude.append("model.visual.patch_embed")  # its Conv3d proj: peft would adapt it for a target named proj
+        out.mapping.append(("template = qwen2_vl", "lora exclude: model.visual.patch_embed (COMPOSITE_MODELS' "
+                                                   "lora_conflict_keys)"))
+    if exclude:
+        out.keys["lora"] = {**lora, "exclude": exclude}
+    if isinstance(lora.get("targets"), list):
+        out.notes.append("LLaMA-Factory matches lora_target names as substrings of module names on vision-language "
+                         "models (patch_target_modules: proj also adapts q_proj, o_proj, ...); memest, as peft, matches "
+                         "whole last names: the two agree where each target is a module's whole last name")
 
 
 def _liger(out: TrainerConfig, key: str, value, data: dict) -> None:
@@ -176,7 +244,10 @@ def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
         keys["optim"] = "adamw"
         out.mapping.append(("(optim not set)", "optim: adamw (TrainingArguments' default adamw_torch)"))
     if kind == "lora":
-        keys["lora"] = lora or True
+        if "targets" not in lora:  # LLaMA-Factory's default lora_target: all (hparams/finetuning_args.py)
+            lora["targets"] = "all-linear"
+            out.mapping.append(("(lora_target not set)", "lora targets: all-linear (LLaMA-Factory's default: all)"))
+        keys["lora"] = lora
         if keys.get("quant"):
             keys["prepare_kbit"] = True
             out.notes.append("a quantized base: LLaMA-Factory calls peft's prepare_model_for_kbit_training "
@@ -184,6 +255,7 @@ def _finish(out: TrainerConfig, data: dict, kind: str, lora: dict) -> None:
     elif lora:
         out.notes.append(f"lora_* keys with finetuning_type: {kind}: not LoRA, ignored by LLaMA-Factory and memest")
     _vision_freeze(out, data, kind)
+    _pre_resize(out, data)
     if kind == "freeze":
         out.unknown.append("finetuning_type = freeze (which layers: set --freeze by name)")
     if keys.get("precision") == "bf16" and kind == "lora" and not data.get("pure_bf16"):
