@@ -159,3 +159,23 @@ def test_option_reaches_json_and_cpu_target_is_refused():
     assert refused.exit_code == 2 and "runs on CUDA only" in refused.output
     with pytest.raises(MemestError, match="saves none"):
         RunSpec(model="m.py", mode="inference", activation_offload="torchtune")
+
+
+@pytest.mark.parametrize("extra", [dict(compile_scope="blocks"), dict(compile_scope="blocks", checkpointing="blocks")],
+                         ids=["compiled-blocks", "compiled-checkpointed-blocks"])
+def test_compiled_blocks_match_torchtunes_class(extra, monkeypatch):
+    """The torchtune ladder's shape: each decoder layer compiled (--compile-scope blocks), with and without
+    checkpointing, the chunked loss after the model (tests/models/llama_tiny_chunked_loss.py); torchtune's
+    empty_like copy keeps the saved tensors' strides, which the compiled backward asserts."""
+    monkeypatch.setattr(TorchtuneOffloadFeature, "moves_for", staticmethod(lambda spec: True))
+    model = "tests/models/llama_tiny_chunked_loss.py"
+    source = load_source(model)
+
+    def spec(mode):
+        return RunSpec(model=model, batch=2, seq=64, target="cpu", optim="adamw", activation_offload=mode, **extra)
+
+    residual = registry.trace_step(source, spec("none")).combined_peak() - measure_cpu_peak(source, spec("none"))["peak_bytes"]
+    trace, feature = _traced(source, spec("torchtune"))
+    real, copied = _real_with_torchtune(source, spec("torchtune"), True, monkeypatch)
+    assert trace.combined_peak() - real in (0, residual) and abs(residual) <= 512
+    assert sum(r.nbytes for r in trace.storages if r.saved_copy) == sum(copied) == feature.copied_bytes > 0

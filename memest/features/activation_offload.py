@@ -16,6 +16,11 @@ host copy becomes a host storage, the unpacked tensor a device one, as on a GPU.
 unchanged: ``tensor.cpu()`` of a CPU tensor is the tensor itself (pageable save_on_cpu moves nothing), the pinned
 variant copies each saved tensor (into pageable memory where CUDA is absent) and backward uses that copy.
 
+``--activation-offload torchtune`` (``TorchtuneOffloadFeature``, ``TorchtuneRules``) prices torchtune 0.6.1's
+``OffloadActivations`` instead: its pack and unpack run from memest code, line by line with the class (line numbers
+of torchtune/training/_activation_offloading.py), the streams' stashes kept, their synchronisation left out; proven
+against the class itself, copied into tests/torchtune_activation_offloading.py, on real CPU steps.
+
 The host copies are host storages of their own kind (``StorageRecord.saved_copy``): ``Trace.host_peak(saved=True)``
 is their peak, kept apart from --offload's model state (parallel/distributed.offloaded), which this never marks.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -314,10 +320,19 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
         self.in_model = self.in_head = False
         self.offloaded = 0  # tensors the pack copied to the host
         self.kept = 0  # tensors the pack kept (under min_offload_size, parameters)
+        self.real_host_copies = 0  # real (not fake) host tensors in the traced step it copied (RNG states)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         # torch.empty_like(activation, pin_memory=True, device="cpu") + copy_ (l. 171-179): a new host buffer
         # (pinned on a CUDA machine; a CPU-only torch cannot pin, and pinning changes no byte count)
+        if self._step is not None and not isinstance(t, FakeTensor):
+            # a real host tensor in the traced step (a compiled checkpointed block saves the CPU RNG state,
+            # 5,056 B): torchtune 0.6.1 copies it too (no device check), host to host, outside device memory
+            with unset_fake_temporarily():
+                copy = torch.empty_like(t, device="cpu")
+                copy.copy_(t)
+            self.real_host_copies += 1
+            return copy
         copy = torch.empty_like(t, device="cpu")
         copy.copy_(t)
         self.copied_bytes += copy.untyped_storage().nbytes()
@@ -327,6 +342,9 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
         return copy
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self._step is not None and not isinstance(t, FakeTensor):  # the real host copy above, back to the device
+            with unset_fake_temporarily():
+                return t.to("cpu", copy=True)
         return t.to("cpu", copy=True)  # .to("cuda") (l. 220, 275): a new device tensor (fake CPU tensors here)
 
     def pack_saved(self, t: torch.Tensor):
