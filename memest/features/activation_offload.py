@@ -334,7 +334,8 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
             self.real_host_copies += 1
             return copy
         copy = torch.empty_like(t, device="cpu")
-        copy.copy_(t)
+        if self._step is None:  # a real run; in a trace the copy's values are nothing (fake tensors), its bytes are
+            copy.copy_(t)  # the empty_like's: one op fewer per offloaded tensor (trace time)
         self.copied_bytes += copy.untyped_storage().nbytes()
         self.copies += 1
         if self._step is not None:
@@ -345,7 +346,9 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
         if self._step is not None and not isinstance(t, FakeTensor):  # the real host copy above, back to the device
             with unset_fake_temporarily():
                 return t.to("cpu", copy=True)
-        return t.to("cpu", copy=True)  # .to("cuda") (l. 220, 275): a new device tensor (fake CPU tensors here)
+        if self._step is not None:  # .to("cuda") (l. 220, 275): a new device tensor of the same layout (a fake
+            return torch.empty_like(t)  # CPU tensor here: empty_like is that allocation, cheaper to trace than .to)
+        return t.to("cpu", copy=True)  # a real run on CPU: the move is a copy into a new buffer
 
     def pack_saved(self, t: torch.Tensor):
         if not self.in_model or self.in_head:
