@@ -332,7 +332,7 @@ CAUSES: dict[str, str] = {
         "every parameter at once, one bf16 copy of a state, 3.21B x 2 B = 5.98 GiB, on top of the bf16 parameters, "
         "gradients and two AdamW states (23.9 GiB); the run's 24.9 GiB leaves no room for it. The ladder does not "
         "state the full-finetune rows' optimizer settings (the QLoRA config of its last command sets fused: True); "
-        "traced with AdamW fused=True memest reads 25.84 GiB (+3.8%), its peak then the loss's forward of "
+        "traced with AdamW fused=True memest reads 26.08 GiB (+4.7%), its peak then the loss's forward of "
         "iteration 2, the same as the next row's."),
     "+ Fuse optimizer step into backward": (
         "Isolated by a trace (the Isolations table). memest's peak is the chunked loss's forward of iteration 2 "
@@ -342,7 +342,13 @@ CAUSES: dict[str, str] = {
         "chunk); torchtune compiles compute_cross_entropy (one chunk's upcast and cross-entropy, "
         "training.compile_loss). With that function compiled in the model file memest reads 23.39 GiB, +1.2% "
         "(Isolations table); the row keeps the eager loss file, the one the chunked-loss rows above it use. The same "
-        "eager loss-forward peak (25.84 GiB) is the previous row's with AdamW fused (Isolations table)."),
+        "eager loss-forward peak (26.08 GiB) is the previous row's with AdamW fused (Isolations table)."),
+    "+ Activation Offloading": (
+        "memest's peak is again the chunked loss's forward of iteration 2 (nll_loss_forward), the previous row's: "
+        "the loss runs after the model, outside the recipe's offloading context (get_act_offloading_ctx_manager "
+        "wraps self._model(...) only), so its saved fp32 log_softmax outputs stay on the device; offloading takes "
+        "1.31 GiB off memest's figure (26.08 -> 24.77 GiB) where the run lost 1.3 GiB (23.1 -> 21.8): the miss is "
+        "the previous row's eager-loss one, carried over (compute_cross_entropy compiled there: +1.2%)."),
 }
 
 
