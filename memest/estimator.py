@@ -122,6 +122,10 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
         # refused for the user (battery 29, #162), still traceable below for the ground truth (features/activation_offload)
         raise MemestError("--activation-offload save-on-cpu with --target cpu moves nothing: the saved tensors are "
                           "already in host memory (tensor.cpu() returns each one itself); drop it, or use --target cuda")
+    if spec.target == Target.CPU and spec.activation_offload == ActivationOffload.TORCHTUNE:
+        raise MemestError("--activation-offload torchtune with --target cpu: torchtune's OffloadActivations runs on CUDA "
+                          "only (its __init__ calls torch.cuda.default_stream(), its unpack .to(\"cuda\")); use "
+                          "--target cuda")
     source = source or load_source(spec.model)
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it

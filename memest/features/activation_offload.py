@@ -16,6 +16,11 @@ host copy becomes a host storage, the unpacked tensor a device one, as on a GPU.
 unchanged: ``tensor.cpu()`` of a CPU tensor is the tensor itself (pageable save_on_cpu moves nothing), the pinned
 variant copies each saved tensor (into pageable memory where CUDA is absent) and backward uses that copy.
 
+``--activation-offload torchtune`` (``TorchtuneOffloadFeature``, ``TorchtuneRules``) prices torchtune 0.6.1's
+``OffloadActivations`` instead: its pack and unpack run from memest code, line by line with the class (line numbers
+of torchtune/training/_activation_offloading.py), the streams' stashes kept, their synchronisation left out; proven
+against the class itself, copied into tests/torchtune_activation_offloading.py, on real CPU steps.
+
 The host copies are host storages of their own kind (``StorageRecord.saved_copy``): ``Trace.host_peak(saved=True)``
 is their peak, kept apart from --offload's model state (parallel/distributed.offloaded), which this never marks.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -162,3 +168,245 @@ def saved_copies_peak(trace) -> int:
             live += delta
             best = max(best, live)
     return best
+
+
+# -- --activation-offload torchtune: torchtune's OffloadActivations ---------------------------------------------
+TT_FILE = "torchtune/training/_activation_offloading.py"
+TT_SOURCE = f"torchtune 0.6.1 {TT_FILE} (PyPI wheel torchtune-0.6.1)"
+TT_MIN_OFFLOAD_SIZE = 1024  # OffloadActivations(min_offload_size=1024), l. 71
+TT_MAX_FWD_STASH_SIZE = 5  # OffloadActivations(max_fwd_stash_size=5), l. 70
+
+
+def rules_source(choice: ActivationOffload) -> str:
+    """Whose rule the mode prices (the report's activation offload row, JSON ``activation_host.rules``)."""
+    if choice == ActivationOffload.TORCHTUNE:
+        return (f"OffloadActivations(use_pin_memory=True, use_streams=True, max_fwd_stash_size="
+                f"{TT_MAX_FWD_STASH_SIZE}, min_offload_size={TT_MIN_OFFLOAD_SIZE}) + NoOpManager on the output head, "
+                f"as get_act_offloading_ctx_manager sets it up ({TT_SOURCE})")
+    return SOURCE
+
+
+class TorchtuneRules:
+    """OffloadActivations' pack and unpack (``TT_FILE``, line numbers of torchtune 0.6.1), their bookkeeping run
+    as the class runs it, with the CUDA streams' synchronisation left out: a traced step is one sequence of
+    allocations, so ``wait_event``/``wait_stream`` order nothing here. What the streams cost in memory is their
+    stashes, and those are kept exactly: ``fwd_stash`` holds each offloaded device tensor until the pack
+    ``max_fwd_stash_size`` ids later (or the first backward node's hook), ``bwd_tensor_stash`` each tensor brought
+    back until the next node that brings one back has run (or the end of backward).
+
+    ``to_host(t)`` is torch.empty_like(t, pin_memory=..., device="cpu") + copy_ (l. 171-179); ``to_device(t)``
+    is ``t.to("cuda")`` (l. 220, 275); the caller supplies them (copies of fake CPU tensors in a trace)."""
+
+    def __init__(self, to_host, to_device, use_streams: bool = True,
+                 max_fwd_stash_size: int = TT_MAX_FWD_STASH_SIZE, min_offload_size: int = TT_MIN_OFFLOAD_SIZE):
+        self.to_host, self.to_device = to_host, to_device
+        self.use_streams = use_streams
+        self.min_tensor_size_bytes = min_offload_size
+        self.max_fwd_stash_size = max_fwd_stash_size
+        self.tracker: dict = {}  # tensor_id => (tensor, modified), l. 80
+        self.tensor_id = 0
+        self.is_first_forward_call = self.is_first_backward_call = True
+        self.fwd_stash: dict = {}  # tensor_id => activation (l. 95; its event left out)
+        self.bwd_tensor_stash: dict = {}  # l. 101
+        self.bwd_ev_stash: dict = {}  # l. 102: which brought-back tensors recorded an event (True)
+        self.curr_graph_id = self.curr_autograd_node = None
+        self.record_streams = 0  # brought-back tensors a node's outputs still use (record_stream, l. 316-323)
+
+    def pack(self, activation: torch.Tensor) -> int:  # pack_tensor, l. 133-200
+        if self.is_first_forward_call:
+            self.is_first_forward_call, self.is_first_backward_call = False, True
+        num_bytes = activation.element_size() * activation.nelement()  # l. 126-131
+        self.tensor_id += 1
+        tensor_id = self.tensor_id
+        if num_bytes >= self.min_tensor_size_bytes and not isinstance(activation, torch.nn.Parameter | torch.nn.Buffer):
+            evicted = None
+            if self.use_streams:  # l. 157-163: dereference the stash entries max_fwd_stash_size ids back
+                for id_ in list(self.fwd_stash):
+                    if id_ <= tensor_id - self.max_fwd_stash_size:
+                        # l. 159 ``_, ev = self.fwd_stash[id]``: the loop variable holds the last evicted tensor
+                        # until pack_tensor returns, so it is freed only after this pack's host copy is allocated
+                        evicted = self.fwd_stash.pop(id_)
+                    else:
+                        break
+            self.tracker[tensor_id] = (self.to_host(activation), True)
+            del evicted
+            if self.use_streams:
+                self.fwd_stash[tensor_id] = activation  # l. 193: kept alive until its copy is done
+        else:
+            self.tracker[tensor_id] = (activation, False)
+        return tensor_id
+
+    def unpack(self, unpack_tensor_id: int) -> torch.Tensor:
+        return self._unpack_streams(unpack_tensor_id) if self.use_streams else self._unpack_single(unpack_tensor_id)
+
+    def _first_backward_call(self) -> None:
+        self.is_first_backward_call, self.is_first_forward_call = False, True
+
+    def _unpack_single(self, unpack_tensor_id: int) -> torch.Tensor:  # unpack_tensor_single_stream, l. 202-225
+        if self.is_first_backward_call:
+            self._first_backward_call()
+        tensor, modified = self.tracker.pop(unpack_tensor_id)
+        return self.to_device(tensor) if modified else tensor
+
+    def _unpack_streams(self, unpack_tensor_id: int) -> torch.Tensor:  # unpack_tensor_with_streams, l. 227-346
+        if self.is_first_backward_call:
+            self.curr_graph_id = torch._C._current_graph_task_id()
+
+            def wait_and_del_remaining_references() -> None:  # l. 232-245: at the end of backward
+                for id_ in list(self.bwd_tensor_stash):
+                    del self.bwd_tensor_stash[id_]
+
+            torch.autograd.variable.Variable._execution_engine.queue_callback(wait_and_del_remaining_references)
+            self._first_backward_call()
+        tensor, modified = self.tracker[unpack_tensor_id]
+        if modified:
+            graph_id = torch._C._current_graph_task_id()
+            node = torch._C._current_autograd_node()
+            prev_node_ids = []
+            if graph_id == self.curr_graph_id and self.curr_autograd_node != node:  # l. 264-266
+                self.curr_autograd_node = node
+                prev_node_ids = list(self.bwd_tensor_stash)
+            brought_back = unpack_tensor_id not in self.fwd_stash
+            if not brought_back:  # l. 269-271: still on the device
+                tensor = self.fwd_stash[unpack_tensor_id]
+            else:  # l. 273-299
+                tensor = self.to_device(tensor)
+                self.bwd_tensor_stash[unpack_tensor_id] = tensor
+                storage_refcount = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+            def hook(outputs, inputs):  # l. 301-340, after the node has run
+                if brought_back:
+                    unpacked = self.bwd_tensor_stash[unpack_tensor_id]
+                    if torch._C._storage_Use_Count(unpacked.untyped_storage()._cdata) > storage_refcount:
+                        del self.bwd_tensor_stash[unpack_tensor_id]  # record_stream(s0): freed when s0 is done
+                        self.record_streams += 1
+                    else:
+                        self.bwd_ev_stash[unpack_tensor_id] = True
+                self.fwd_stash.clear()  # l. 329-332
+                for id_ in prev_node_ids:  # l. 335-338
+                    self.bwd_ev_stash[id_]  # noqa: B018  (the event torchtune waits on: a KeyError there too)
+                    del self.bwd_tensor_stash[id_]
+                return outputs
+
+            node.register_hook(hook)
+        del self.tracker[unpack_tensor_id]
+        return tensor
+
+
+def output_head(model) -> torch.nn.Module | None:
+    """The module get_act_offloading_ctx_manager puts under a NoOpManager (l. 400-417): ``model.output`` (a
+    torchtune TransformerDecoder's head); a transformers model's head is ``get_output_embeddings()``."""
+    base = getattr(model, "module", model)  # a wrapper (data parallel) holds the model
+    head = getattr(base, "output", None)
+    if isinstance(head, torch.nn.Module):
+        return head
+    getter = getattr(base, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+class TorchtuneOffloadFeature(ActivationOffloadFeature):
+    """--activation-offload torchtune: OffloadActivations' rules (``TorchtuneRules``) on the tensors the model's
+    forward saves (torchtune's recipes enter the context around ``self._model(**batch)`` only: the loss after the
+    model saves its tensors on the device), none of the output head's (its NoOpManager)."""
+
+    name = "activation_offload"
+    use_streams = True  # torchtune's default, and its recipes' (OffloadActivations() in get_act_offloading_ctx_manager)
+
+    def __init__(self, choice: ActivationOffload, moves: bool) -> None:
+        super().__init__(choice, moves)
+        self.pinned = True  # use_pin_memory=True (l. 68)
+        self.offload_rules: TorchtuneRules | None = None
+        self.in_model = self.in_head = False
+        self.offloaded = 0  # tensors the pack copied to the host
+        self.kept = 0  # tensors the pack kept (under min_offload_size, parameters)
+        self.real_host_copies = 0  # real (not fake) host tensors in the traced step it copied (RNG states)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # torch.empty_like(activation, pin_memory=True, device="cpu") + copy_ (l. 171-179): a new host buffer
+        # (pinned on a CUDA machine; a CPU-only torch cannot pin, and pinning changes no byte count)
+        if self._step is not None and not isinstance(t, FakeTensor):
+            # a real host tensor in the traced step (a compiled checkpointed block saves the CPU RNG state,
+            # 5,056 B): torchtune 0.6.1 copies it too (no device check), host to host, outside device memory
+            with unset_fake_temporarily():
+                copy = torch.empty_like(t, device="cpu")
+                copy.copy_(t)
+            self.real_host_copies += 1
+            return copy
+        copy = torch.empty_like(t, device="cpu")
+        if self._step is None:  # a real run; in a trace the copy's values are nothing (fake tensors), its bytes are
+            copy.copy_(t)  # the empty_like's: one op fewer per offloaded tensor (trace time)
+        self.copied_bytes += copy.untyped_storage().nbytes()
+        self.copies += 1
+        if self._step is not None:
+            self._mark_host(copy)
+        return copy
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self._step is not None and not isinstance(t, FakeTensor):  # the real host copy above, back to the device
+            with unset_fake_temporarily():
+                return t.to("cpu", copy=True)
+        if self._step is not None:  # .to("cuda") (l. 220, 275): a new device tensor of the same layout (a fake
+            return torch.empty_like(t)  # CPU tensor here: empty_like is that allocation, cheaper to trace than .to)
+        return t.to("cpu", copy=True)  # a real run on CPU: the move is a copy into a new buffer
+
+    def pack_saved(self, t: torch.Tensor):
+        if not self.in_model or self.in_head:
+            return t  # outside the forward's context, or under the head's NoOpManager: saved as is
+        if self.offload_rules is None:
+            self.offload_rules = TorchtuneRules(self._to_host, self._to_device, use_streams=self.use_streams)
+        before = self.copies
+        packed = self.offload_rules.pack(t)
+        if self.copies == before:
+            self.kept += 1
+        else:
+            self.offloaded += 1
+        return packed
+
+    def unpack_saved(self, packed):
+        return self.offload_rules.unpack(packed) if isinstance(packed, int) else packed
+
+    @contextlib.contextmanager
+    def _scopes(self, model):
+        """The recipe's ``with activations_handling_ctx: model(...)`` and the head's NoOpManager, as forward hooks."""
+
+        def flag(name, value):
+            return lambda *args: setattr(self, name, value)
+
+        handles = [model.register_forward_pre_hook(flag("in_model", True)),
+                   model.register_forward_hook(flag("in_model", False), always_call=True)]
+        head = output_head(model)
+        if head is not None:
+            handles += [head.register_forward_pre_hook(flag("in_head", True)),
+                        head.register_forward_hook(flag("in_head", False), always_call=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.in_model = self.in_head = False
+
+    def contexts(self, step) -> list:
+        return [*super().contexts(step), self._scopes(step.model)]
+
+    def loop(self, model, spec) -> contextlib.AbstractContextManager:
+        if self.tracing:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._scopes(model))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved))
+        return stack
+
+    def finish(self, step) -> list[str]:
+        head = output_head(step.model)
+        peak = saved_copies_peak(step.trace)
+        return [f"--activation-offload torchtune: {rules_source(self.choice)}: every tensor the model's forward saves "
+                f"of at least {TT_MIN_OFFLOAD_SIZE} B that is not a parameter is copied to pinned host memory "
+                f"({self.offloaded} offloaded, {self.kept} kept on the device per traced step); the last "
+                f"{TT_MAX_FWD_STASH_SIZE} offloaded stay on the device until the next offload past them (the copy "
+                "stream's fwd stash), and backward keeps each tensor it brings back until the next node that brings "
+                f"one back has run (the bwd stash); {format_bytes(peak)} peak in host memory; "
+                + (f"the output head ({type(head).__name__}) saves on the device (its NoOpManager)" if head is not None
+                   else "no output head found: every layer offloads (torchtune warns the same)")
+                + "; the loss after the model saves on the device (the recipes' context holds the forward only); "
+                "the copies' timing is not modelled (streams synchronous here)"]

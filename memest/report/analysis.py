@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 from memest.device.usage import DeviceUsage
+from memest.features.activation_offload import rules_source
 from memest.features.checkpointing import within
 from memest.features.loss_head import describe
 from memest.features.optim import FOLKLORE_N
@@ -224,8 +225,9 @@ def _activation_host(trace: Trace, spec: RunSpec) -> dict | None:
     """--activation-offload: the peak of the saved tensors' host copies (pinned host memory is page-locked)."""
     if spec.activation_offload == ActivationOffload.NONE:
         return None
-    return {"mode": spec.activation_offload.value, "pinned": spec.activation_offload == ActivationOffload.SAVE_ON_CPU_PINNED,
-            "host_peak_bytes": trace.host_peak(saved=True)}
+    return {"mode": spec.activation_offload.value,
+            "pinned": spec.activation_offload in (ActivationOffload.SAVE_ON_CPU_PINNED, ActivationOffload.TORCHTUNE),
+            "host_peak_bytes": trace.host_peak(saved=True), "rules": rules_source(spec.activation_offload)}
 
 
 def _loop_notes(trace: Trace, spec: RunSpec, peak_i: int) -> list[str]:

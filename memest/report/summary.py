@@ -63,7 +63,8 @@ def _run_rows(report: Report) -> list[SummaryRow]:
         host = report.activation_host
         kind = "pinned" if host["pinned"] else "pageable"
         rows.append(SummaryRow("activation offload", f"{format_bytes(host['host_peak_bytes'])} {kind} host memory",
-                               f"at its peak ({host['mode']}: saved tensors copied to the host, not in the device peak)"))
+                               f"at its peak ({host['mode']}: saved tensors copied to the host, not in the device peak; "
+                               f"rules: {host['rules']})"))
     return rows + _images_rows(report) + _parallel_rows(report)
 
 

@@ -165,6 +165,7 @@ class ActivationOffload(Choice):
     NONE = "none"
     SAVE_ON_CPU = "save-on-cpu"  # torch.autograd.graph.save_on_cpu(pin_memory=False)
     SAVE_ON_CPU_PINNED = "save-on-cpu-pinned"  # torch.autograd.graph.save_on_cpu(pin_memory=True)
+    TORCHTUNE = "torchtune"  # torchtune 0.6.1's OffloadActivations (use_streams=True) + NoOpManager on the output head
 
 
 class Fp8(Choice):
