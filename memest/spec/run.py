@@ -333,14 +333,14 @@ class RunSpec:
             raise MemestError(f"--preference {self.preference} is a training step; drop --mode {self.mode}")
         other = [flag for flag, on in (
             ("--loss-head", LossHead.of(self.loss_head)[0] is not LossHead.STANDARD), ("--compile", bool(self.compile)),
-            ("--world-size > 1", self.world_size > 1 and not self._preference_ddp()),
+            ("--world-size > 1 beyond plain DDP", self.world_size > 1 and not self._preference_ddp()),
             ("--offload", self.offload != Offload.NONE),
             ("--activation-offload", self.activation_offload != ActivationOffload.NONE),
             ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
         ) if on]
         if other:
             ranks = ("; over ranks memest traces plain DDP only (--shard none, no --tp, --pp, --cp or --ep)"
-                     if "--world-size > 1" in other else "")
+                     if "--world-size > 1 beyond plain DDP" in other else "")
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
                               f"(docs/limitations.md){ranks}; drop it")
         if self.preference == Preference.GRPO:
