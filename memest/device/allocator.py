@@ -16,8 +16,17 @@ Source followed (names below are the C++ names, so each rule can be checked agai
     torch 2.13.0 (git cf30153c); the .cpp files from public pytorch snapshots before and after 2.13, which
     agree on every rule modelled here.
 
-Scope: one device, one stream, no CUDA graphs/private pools, no cross-stream ``record_stream`` (so every
-free is immediate), no free-memory callbacks, no cudaMallocAsync backend. Fragmentation of physical GPU
+Streams: "Allocations are associated with a stream. Once freed, blocks can be re-allocated on the same
+stream, but not on any other stream" (the header comment of CUDACachingAllocator.cpp). Each block carries
+the stream it was allocated on: the pools order free blocks by (stream, size, address) as
+``BlockComparatorSize`` does and unmapped ones by (stream, address) as ``BlockComparatorAddress`` does,
+``get_free_block`` and ``release_available_cached_blocks`` look only at the request's stream,
+``find_expandable_block`` grows only the request's stream's expandable segment, while
+``release_cached_blocks`` (the OOM retry, ``empty_cache``) and ``garbage_collect_cached_blocks`` take free
+segments of every stream. A replay is told each storage's stream (``streams``; default: stream 0).
+
+Scope: one device, no CUDA graphs/private pools, no cross-stream ``record_stream`` (so every free is
+immediate), no free-memory callbacks, no cudaMallocAsync backend. Fragmentation of physical GPU
 memory is not modelled: cudaMalloc succeeds whenever the bytes fit under ``device_limit_bytes``. Other
 simplifications are marked ``SIMPLIFICATION``.
 """
@@ -305,8 +314,10 @@ def get_allocation_size(size: int, large_segment_size: int = kLargeBuffer) -> in
 
 
 # --- internal state -----------------------------------------------------------------------------------
-# A free block's pool key is (size << 64) | addr: it orders by (size, address) like BlockComparatorSize.
+# A free block's pool key is (stream << 128) | (size << 64) | addr: it orders by (stream, size, address) like
+# BlockComparatorSize; an unmapped block's is (stream << 128) | addr, BlockComparatorAddress's order.
 _SHIFT = 64
+_STREAM_SHIFT = 128
 _ADDR_MASK = (1 << _SHIFT) - 1
 _NO_LIMIT = 1 << 80  # larger than any total the driver is asked for
 _VA_ALIGN = 2 * MIB  # SIMPLIFICATION: each new segment gets a fresh address above all earlier ones
@@ -327,10 +338,11 @@ class _Segment:
 
 class _Block:
     __slots__ = ("addr", "size", "requested", "allocated", "mapped", "prev", "next", "pool", "seg",
-                 "gc_base")
+                 "gc_base", "stream")
 
-    def __init__(self, addr: int, size: int, pool: _Pool, seg: _Segment, mapped: bool = True):
+    def __init__(self, addr: int, size: int, pool: _Pool, seg: _Segment, mapped: bool = True, stream: int = 0):
         self.addr, self.size, self.pool, self.seg, self.mapped = addr, size, pool, seg, mapped
+        self.stream = stream
         self.requested = 0
         self.allocated = False
         self.prev: _Block | None = None
@@ -342,7 +354,7 @@ class _Block:
 
 
 class _Pool:
-    """BlockPool: free mapped blocks ordered by (size, address); unmapped blocks ordered by address."""
+    """BlockPool: free mapped blocks ordered by (stream, size, address); unmapped ones by (stream, address)."""
 
     __slots__ = ("is_small", "keys", "unmapped", "gc_calls")
 
@@ -386,8 +398,14 @@ class ReplayResult:
     same_replay_limits: tuple[int, int | None] | None = None
 
 
+def _stream_range(keys: list[int], stream: int) -> tuple[int, int]:
+    """The slice of a pool's sorted keys that holds ``stream``'s blocks."""
+    return (bisect.bisect_left(keys, stream << _STREAM_SHIFT),
+            bisect.bisect_left(keys, (stream + 1) << _STREAM_SHIFT))
+
+
 class CachingAllocator:
-    """DeviceCachingAllocator for one device and one stream.
+    """DeviceCachingAllocator for one device, its streams' blocks apart.
 
     ``device_limit_bytes`` is the memory cudaMalloc can hand out (the GPU minus the CUDA context and
     other processes); None means unlimited, so only the OOM-recovery paths differ.
@@ -444,21 +462,21 @@ class CachingAllocator:
     def _insert(self, b: _Block) -> None:
         """BlockPool::insert_into_blocks."""
         b.gc_base = b.pool.gc_calls
-        bisect.insort(b.pool.keys, (b.size << _SHIFT) | b.addr)
+        bisect.insort(b.pool.keys, (b.stream << _STREAM_SHIFT) | (b.size << _SHIFT) | b.addr)
         self.free_blocks[b.addr] = b
 
     def _erase(self, b: _Block) -> None:
         keys = b.pool.keys
-        keys.pop(bisect.bisect_left(keys, (b.size << _SHIFT) | b.addr))
+        keys.pop(bisect.bisect_left(keys, (b.stream << _STREAM_SHIFT) | (b.size << _SHIFT) | b.addr))
         del self.free_blocks[b.addr]
 
     def _insert_unmapped(self, b: _Block) -> None:
-        bisect.insort(b.pool.unmapped, b.addr)
+        bisect.insort(b.pool.unmapped, (b.stream << _STREAM_SHIFT) | b.addr)
         self.unmapped_blocks[b.addr] = b
 
     def _erase_unmapped(self, b: _Block) -> None:
         unmapped = b.pool.unmapped
-        unmapped.pop(bisect.bisect_left(unmapped, b.addr))
+        unmapped.pop(bisect.bisect_left(unmapped, (b.stream << _STREAM_SHIFT) | b.addr))
         del self.unmapped_blocks[b.addr]
 
     def _new_va(self, size: int) -> int:
@@ -467,23 +485,23 @@ class CachingAllocator:
         return addr
 
     # --- malloc / free -----------------------------------------------------------------------------
-    def malloc(self, orig_size: int) -> _Block:
-        """DeviceCachingAllocator::malloc."""
+    def malloc(self, orig_size: int, stream: int = 0) -> _Block:
+        """DeviceCachingAllocator::malloc on ``stream``."""
         if orig_size <= 0:
             raise ValueError(f"allocation of {orig_size} bytes (zero-byte storages take no block)")
         size = round_size(orig_size, self.config) if self.rounds_power2 else (
             kMinBlockSize if orig_size < kMinBlockSize else (orig_size + kMinBlockSize - 1) & -kMinBlockSize)
         pool = self.small if size <= kSmallSize else self.large  # get_pool
         alloc_size = get_allocation_size(size, self.config.large_segment_size)
-        block = self._get_free_block(pool, size)
+        block = self._get_free_block(pool, size, stream)
         if block is None:
             if self.gc_enabled:
                 self._garbage_collect_cached_blocks()
             block = (
-                self._alloc_block(pool, size, alloc_size, False)
-                or (self._release_available_cached_blocks(pool, size)
-                    and self._alloc_block(pool, size, alloc_size, False))
-                or (self._release_cached_blocks() and self._alloc_block(pool, size, alloc_size, True))
+                self._alloc_block(pool, size, alloc_size, False, stream)
+                or (self._release_available_cached_blocks(pool, size, stream)
+                    and self._alloc_block(pool, size, alloc_size, False, stream))
+                or (self._release_cached_blocks() and self._alloc_block(pool, size, alloc_size, True, stream))
             )
             if not block:
                 raise OutOfMemory(orig_size, alloc_size, self.reserved, self.allocated)
@@ -496,13 +514,15 @@ class CachingAllocator:
         block.allocated = False
         self._free_block(block)
 
-    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
-        """get_free_block: best fit = the smallest cached block >= size (lower_bound on (size, addr))."""
+    def _get_free_block(self, pool: _Pool, size: int, stream: int = 0) -> _Block | None:
+        """get_free_block: best fit = the smallest cached block >= size of the request's stream (lower_bound
+        on (stream, size, addr), then ``(*it)->stream != p.stream()`` fails it)."""
         if self.gc_enabled:
             pool.gc_calls += 1
         keys = pool.keys
-        i = bisect.bisect_left(keys, size << _SHIFT)
-        if i == len(keys):
+        i = bisect.bisect_left(keys, (stream << _STREAM_SHIFT) | (size << _SHIFT))
+        end = bisect.bisect_left(keys, (stream + 1) << _STREAM_SHIFT, i)
+        if i == end:
             return None
         block = self.free_blocks[keys[i] & _ADDR_MASK]
         if block.seg.expandable:
@@ -514,16 +534,16 @@ class CachingAllocator:
                     return b.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
 
                 j = i + 1
-                while block.seg.expandable and j < len(keys):
+                while block.seg.expandable and j < end:
                     nxt_block = self.free_blocks[keys[j] & _ADDR_MASK]
                     if expandable_size(nxt_block) >= expandable_size(block):
                         break
                     block, i, j = nxt_block, j, j + 1
             else:  # expandable segments switched off later: only non-expandable blocks qualify
                 i += 1
-                while i < len(keys) and self.free_blocks[keys[i] & _ADDR_MASK].seg.expandable:
+                while i < end and self.free_blocks[keys[i] & _ADDR_MASK].seg.expandable:
                     i += 1
-                if i == len(keys):
+                if i == end:
                     return None
                 block = self.free_blocks[keys[i] & _ADDR_MASK]
         if self.max_split is not None:
@@ -548,7 +568,7 @@ class CachingAllocator:
         """alloc_found_block: the front ``size`` bytes become the block; the remainder goes back."""
         if split:
             remaining = block
-            block = _Block(remaining.addr, size, remaining.pool, remaining.seg)
+            block = _Block(remaining.addr, size, remaining.pool, remaining.seg, stream=remaining.stream)
             block.prev = remaining.prev
             if block.prev is not None:
                 block.prev.next = block
@@ -604,21 +624,21 @@ class CachingAllocator:
         self.limit_granted_max = max(self.limit_granted_max, total)
         return True
 
-    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, is_retry: bool) -> _Block | None:
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, is_retry: bool, stream: int = 0) -> _Block | None:
         """alloc_block: cudaMalloc(alloc_size), or map pages of an expandable segment."""
         if is_retry:
             self.num_alloc_retries += 1
         if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_max:
             return None
         if self.expandable:
-            return self._try_allocate_expandable_block(pool, size)
+            return self._try_allocate_expandable_block(pool, size, stream)
         if not self._under_limit(self.total_allocated_memory + alloc_size):
             return None  # cudaMalloc fails with cudaErrorMemoryAllocation
         seg = _Segment(self._new_va(alloc_size), alloc_size, expandable=False)
         self.segments.add(seg)
         self._add_reserved(alloc_size)
         self.num_device_alloc += 1
-        return _Block(seg.base, alloc_size, pool, seg)
+        return _Block(seg.base, alloc_size, pool, seg, stream=stream)
 
     def _release_block(self, block: _Block) -> None:
         """release_block: cudaFree an unsplit cached segment."""
@@ -627,14 +647,16 @@ class CachingAllocator:
         self._sub_reserved(block.size)
         self.num_device_free += 1
 
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
-        """release_available_cached_blocks: free oversize blocks, only enough to satisfy the request."""
+    def _release_available_cached_blocks(self, pool: _Pool, size: int, stream: int = 0) -> bool:
+        """release_available_cached_blocks: free oversize blocks of the request's stream, only enough to
+        satisfy the request."""
         if self.max_split is None:
             return False
         key_size = max(size, self.max_split)
         keys = pool.keys
-        i = bisect.bisect_left(keys, key_size << _SHIFT)
-        if i == len(keys) or self.free_blocks[keys[i] & _ADDR_MASK].seg.expandable:
+        i = bisect.bisect_left(keys, (stream << _STREAM_SHIFT) | (key_size << _SHIFT))
+        if (i == len(keys) or keys[i] >> _STREAM_SHIFT != stream
+                or self.free_blocks[keys[i] & _ADDR_MASK].seg.expandable):
             # No single block is large enough; free multiple oversize blocks, starting with the largest
             if i == 0:
                 return False
@@ -642,7 +664,7 @@ class CachingAllocator:
             i -= 1
             while released < key_size:
                 cur = self.free_blocks[keys[i] & _ADDR_MASK]
-                if cur.size < self.max_split:
+                if cur.size < self.max_split or cur.stream != stream:
                     break
                 is_first = i == 0
                 if not is_first:
@@ -708,8 +730,9 @@ class CachingAllocator:
                     self._release_block(block)
 
     # --- expandable segments -----------------------------------------------------------------------
-    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
-        """find_expandable_block: lowest address where free + unmapped space holds ``size`` bytes."""
+    def _find_expandable_block(self, pool: _Pool, size: int, stream: int = 0) -> _Block:
+        """find_expandable_block: lowest address of the stream's expandable segments where free + unmapped
+        space holds ``size`` bytes; else a new segment for the stream."""
 
         def has_available_address_space(b: _Block | None) -> bool:
             total = 0
@@ -718,8 +741,9 @@ class CachingAllocator:
                 b = b.next
             return total >= size
 
-        for addr in pool.unmapped:
-            c = self.unmapped_blocks[addr]
+        lo, hi = _stream_range(pool.unmapped, stream)
+        for key in pool.unmapped[lo:hi]:
+            c = self.unmapped_blocks[key & _ADDR_MASK]
             if c.prev is not None and not c.prev.allocated:
                 c = c.prev  # a free mapped block just before the unmapped range can grow into it
             if has_available_address_space(c):
@@ -734,13 +758,13 @@ class CachingAllocator:
         va_size = -(-va_total // page) * page
         seg = _Segment(self._new_va(va_size), va_size, expandable=True, page=page)
         self.segments.add(seg)
-        candidate = _Block(seg.base, va_size, pool, seg, mapped=False)
+        candidate = _Block(seg.base, va_size, pool, seg, mapped=False, stream=stream)
         self._insert_unmapped(candidate)
         return candidate
 
-    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
+    def _try_allocate_expandable_block(self, pool: _Pool, size: int, stream: int = 0) -> _Block | None:
         """try_allocate_expandable_block: map just enough pages for ``size`` (the rounded request)."""
-        candidate = self._find_expandable_block(pool, size)
+        candidate = self._find_expandable_block(pool, size, stream)
         if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
             return None
         while candidate.size < size:
@@ -768,7 +792,8 @@ class CachingAllocator:
         self._erase_unmapped(to_map)
         to_map.mapped = True
         if mapped < to_map.size:
-            remaining = _Block(to_map.addr + mapped, to_map.size - mapped, to_map.pool, seg, mapped=False)
+            remaining = _Block(to_map.addr + mapped, to_map.size - mapped, to_map.pool, seg, mapped=False,
+                               stream=to_map.stream)
             remaining.prev, remaining.next = to_map, to_map.next
             if to_map.next is not None:
                 to_map.next.prev = remaining
@@ -796,7 +821,7 @@ class CachingAllocator:
         unmap_addr, unmap_size = seg.base + begin, end - begin
         before = unmap_addr - block.addr
         if before > 0:  # prev? -> before_free -> block
-            bf = _Block(block.addr, before, block.pool, seg)
+            bf = _Block(block.addr, before, block.pool, seg, stream=block.stream)
             bf.prev, bf.next = block.prev, block
             if block.prev is not None:
                 block.prev.next = bf
@@ -804,7 +829,7 @@ class CachingAllocator:
             self._insert(bf)
         after = block.size - (before + unmap_size)
         if after > 0:  # block -> after_free -> next?
-            af = _Block(unmap_addr + unmap_size, after, block.pool, seg)
+            af = _Block(unmap_addr + unmap_size, after, block.pool, seg, stream=block.stream)
             af.prev, af.next = block, block.next
             if block.next is not None:
                 block.next.prev = af
@@ -850,6 +875,7 @@ class CachingAllocator:
             chain = sorted(by_seg.get(seg, []), key=lambda b: b.addr)
             assert chain, "every segment holds blocks"
             assert chain[0].addr == seg.base and chain[0].prev is None and chain[-1].next is None
+            assert len({b.stream for b in chain}) == 1, "a segment belongs to one stream"
             for a, b in zip(chain, chain[1:], strict=False):
                 assert a.addr + a.size == b.addr and a.next is b and b.prev is a
                 assert a.allocated or b.allocated or a.mapped != b.mapped, "free neighbours merge"
@@ -868,10 +894,12 @@ def replay(
     config: AllocatorConfig | None = None,
     *,
     device_limit_bytes: int | None = None,
+    streams: Mapping[int, int] | None = None,
 ) -> ReplayResult:
     """Replay ``(storage_id, delta)`` events (memest Trace.events) through the caching allocator.
 
-    delta > 0 allocates ``delta`` bytes for the storage, delta < 0 frees its block. With
+    delta > 0 allocates ``delta`` bytes for the storage (on stream ``streams[storage_id]``, 0 when absent),
+    delta < 0 frees its block. With
     ``device_limit_bytes`` the allocator runs its OOM recovery (free oversize / all unsplit cached
     blocks, then retry) and the replay stops at the first request that would raise OutOfMemoryError.
     """
@@ -879,13 +907,14 @@ def replay(
     live: dict[int, _Block] = {}
     oom_at = oom_bytes = None
     malloc, free = alloc.malloc, alloc.free
+    streams = streams or {}
     for i, (sid, delta) in enumerate(events):
         alloc.event = i
         if delta > 0:
             if sid in live:
                 raise ValueError(f"storage {sid} allocated twice without a free (event {i})")
             try:
-                live[sid] = malloc(delta)
+                live[sid] = malloc(delta, streams.get(sid, 0))
             except OutOfMemory:
                 oom_at, oom_bytes = i, delta
                 break
@@ -922,6 +951,7 @@ def min_device_limit(
     *,
     unconstrained: ReplayResult | None = None,
     every_larger: bool = False,
+    streams: Mapping[int, int] | None = None,
 ) -> int:
     """The smallest ``device_limit_bytes`` under which ``replay(events, config, ...)`` completes.
 
@@ -956,14 +986,14 @@ def min_device_limit(
     """
     config = config or AllocatorConfig()
     events = events if isinstance(events, list) else list(events)
-    first = unconstrained or replay(events, config)
+    first = unconstrained or replay(events, config, streams=streams)
     oom_at = first.peak_requested - 1  # a limit known to raise OOM
-    ok_at = _completing_limit(events, config, first)
+    ok_at = _completing_limit(events, config, first, streams)
     # where replays can certify only their own limit, search whole MiB
     step = MIB if config.per_process_memory_fraction is not None or config.expandable_segments else 1
     if every_larger:
         while ok_at - 1 > oom_at:
-            probe = replay(events, config, device_limit_bytes=ok_at - 1)
+            probe = replay(events, config, device_limit_bytes=ok_at - 1, streams=streams)
             if probe.oom:
                 break
             if probe.same_replay_limits is None:
@@ -974,7 +1004,7 @@ def min_device_limit(
         mid = (ok_at + oom_at) // 2
         if step == MIB:  # whole MiB: the totals the driver is asked for are whole MiB (segments, pages)
             mid = mid // MIB * MIB if mid // MIB * MIB > oom_at else mid // MIB * MIB + MIB
-        probe = replay(events, config, device_limit_bytes=mid)
+        probe = replay(events, config, device_limit_bytes=mid, streams=streams)
         same = probe.same_replay_limits
         if same is None or (probe.oom and same[1] is None):
             same = (mid, mid + 1)
@@ -985,7 +1015,8 @@ def min_device_limit(
     return ok_at
 
 
-def _completing_limit(events: list, config: AllocatorConfig, unconstrained: ReplayResult) -> int:
+def _completing_limit(events: list, config: AllocatorConfig, unconstrained: ReplayResult,
+                      streams: Mapping[int, int] | None = None) -> int:
     """A limit under which the replay completes (the lowest that replays the unconstrained path)."""
     fraction = config.per_process_memory_fraction
     if fraction is None:
@@ -995,7 +1026,7 @@ def _completing_limit(events: list, config: AllocatorConfig, unconstrained: Repl
         raise ValueError("PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction:0 lets the allocator hold nothing")
     limit = -(-int(unconstrained.peak_reserved / fraction) // MIB) * MIB + MIB
     for _ in range(64):  # garbage_collection_threshold can make a limit that covers the peak not enough
-        if not replay(events, config, device_limit_bytes=limit).oom:
+        if not replay(events, config, device_limit_bytes=limit, streams=streams).oom:
             return limit
         limit *= 2
     raise ValueError("no device limit found under which the replay completes")

@@ -22,12 +22,16 @@ PYTORCH_HIP_ALLOC_CONF, then PYTORCH_ALLOC_CONF), said in ``range_basis`` with t
 expandable_segments:True. The trace holds two steps (trace/step.py): the second reuses the first's
 cache, and a third replays as the second did (tests/test_allocator_pressure.py).
 
-Not modelled (the real allocator holds more, not less): one pool per CUDA stream. "Allocations are
-associated with a stream. Once freed, blocks can be re-allocated on the same stream, but not on any
-other stream" (the header comment of c10/cuda/CUDACachingAllocator.cpp; expandable segments too: "one
-segment (per stream)"), so FSDP2's all-gather and reduce-scatter streams (FSDPCommContext in
-torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) and record_stream'ed blocks keep cached
-segments of their own. The high end does not include it.
+One pool per CUDA stream: "Allocations are associated with a stream. Once freed, blocks can be
+re-allocated on the same stream, but not on any other stream" (the header comment of
+c10/cuda/CUDACachingAllocator.cpp; expandable segments too: "one segment (per stream)"). The trace records
+the stream each storage was allocated on (trace/tracker.py: FSDP2 selects its FSDPCommContext streams with
+``torch.cpu.stream`` on the trace's "cpu" mesh exactly where it selects CUDA streams on a GPU: the
+all-gather output on the copy-in stream, the reduce-scatter output, which the sharded gradients are views
+of, on the reduce-scatter stream; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), and the
+replay keeps each stream's freed blocks for that stream (``streams_basis`` says how much that adds).
+Not modelled (the real allocator holds more, not less): record_stream'ed blocks, whose free waits for the
+other stream's work (FSDP1's, NCCL's on DDP buckets); the high end does not include it.
 
 Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
 targets/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
@@ -175,15 +179,16 @@ def at_bound(events: list[tuple[int, int]], trace: Trace, which: str) -> list[tu
     return out
 
 
-def workspace_range(trace: Trace, events: list[tuple[int, int]], conf, expected) -> WorkspaceRange | None:
+def workspace_range(trace: Trace, events: list[tuple[int, int]], conf, expected,
+                    streams: dict[int, int] | None = None) -> WorkspaceRange | None:
     """Replays at the low and the high bounds. The allocator's peaks are not monotonic in one block's size
     (a different size is placed in another cached block), so each end of the range is the lowest / highest
     of the three replays."""
     if not trace.workspace_ranges:
         return None
-    low = replay(at_bound(events, trace, "low"), conf)
+    low = replay(at_bound(events, trace, "low"), conf, streams=streams)
     high_events = at_bound(events, trace, "high")
-    high = replay(high_events, conf) if high_events is not None else None
+    high = replay(high_events, conf, streams=streams) if high_events is not None else None
     runs = [r for r in (low, expected, high) if r is not None]
     unbounded = sorted({why for _, h, why in trace.workspace_ranges.values() if h is None})
     return WorkspaceRange(
@@ -218,8 +223,9 @@ def device_usage(
     except ValueError as exc:  # torch would refuse to start the run with the same setting
         raise MemestError(f"{var}={conf_text!r}: {exc}; torch rejects this setting too (fix or unset it)") from None
     events = allocator_events(trace, costs)
-    result = replay(events, conf)
-    limit = min_device_limit(events, conf, unconstrained=result)
+    streams = trace.streams()
+    result = replay(events, conf, streams=streams)
+    limit = min_device_limit(events, conf, unconstrained=result, streams=streams)
     outside = outside_allocator(costs)
     band = slack_band(cudnn) if evidence_runs is None else slack_band(cudnn, evidence_runs)
     allocated = result.peak_allocated
@@ -230,8 +236,8 @@ def device_usage(
     # freed before an OOM, expandable segments): the needed range and max_memory_reserved reach down to the
     # floor. Unconstrained device use (bytes_low, room to spare, no OOM recovery) keeps the measured band.
     limit_low = min(limit_low, floor)
-    expandable = None if conf.expandable_segments else _expandable_limit(events, conf_text)
-    workspaces = workspace_range(trace, events, conf, result)
+    expandable = None if conf.expandable_segments else _expandable_limit(events, conf_text, streams)
+    workspaces = workspace_range(trace, events, conf, result, streams)
     if workspaces is not None:  # cuDNN's run-time workspace choices widen the range (None: unbounded)
         reserved_low = min(reserved_low, workspaces.low_reserved_bytes)
         limit_low = min(limit_low, workspaces.low_reserved_bytes)
@@ -277,6 +283,7 @@ def device_usage(
         cudnn_kernels=cudnn,
         range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis]
         + allocator_basis(var, conf_text, floor, limit, expandable)
+        + streams_basis(trace, events, conf, streams, result)
         + (workspaces.unbounded if workspaces is not None else []),
         workspaces=workspaces,
         allocator_floor_bytes=floor,
@@ -285,14 +292,31 @@ def device_usage(
     )
 
 
-def _expandable_limit(events: list[tuple[int, int]], conf_text: str) -> int | None:
+def _expandable_limit(events: list[tuple[int, int]], conf_text: str, streams: dict[int, int]) -> int | None:
     """The replay's smallest allocator budget with expandable_segments:True added to ``conf_text``
     (None where torch would reject the combination)."""
     try:
         conf = parse_alloc_conf(f"{conf_text},{_EXPANDABLE}" if conf_text.strip() else _EXPANDABLE)
-        return min_device_limit(events, conf)
+        return min_device_limit(events, conf, streams=streams)
     except ValueError:
         return None
+
+
+def streams_basis(trace: Trace, events: list[tuple[int, int]], conf, streams: dict[int, int], result) -> list[str]:
+    """The report line for a step that allocates on more than the default stream: how many storages, on how
+    many streams, and what keeping their freed blocks apart adds to max_memory_reserved (one replay with
+    every block on one stream, for the difference)."""
+    if not streams:
+        return []
+    one_pool = replay(events, conf)
+    mib = 2**20
+    side = {trace.storages[sid].stream for sid in streams}
+    largest = max((trace.storages[sid].nbytes for sid in streams), default=0)
+    return [f"{len(streams)} blocks allocated on {len(side)} side stream(s) (largest {largest / mib:.1f} MiB; "
+            "FSDP2's all-gather copy-in and reduce-scatter streams): the caching allocator re-uses a freed block "
+            "only on its own stream (c10/cuda/CUDACachingAllocator.cpp), which the replay follows: "
+            f"{(result.peak_reserved - one_pool.peak_reserved) / mib:+.0f} MiB of max_memory_reserved over "
+            "one pool for every stream"]
 
 
 def allocator_basis(var: str, conf_text: str, floor: int, limit: int, expandable: int | None) -> list[str]:
@@ -334,4 +358,5 @@ def replay_under(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dic
     if limit < 0:
         return None
     env = os.environ if env is None else env
-    return replay(allocator_events(trace, usage.fixed_costs), alloc_conf_from_env(env), device_limit_bytes=limit)
+    return replay(allocator_events(trace, usage.fixed_costs), alloc_conf_from_env(env), device_limit_bytes=limit,
+                  streams=trace.streams())

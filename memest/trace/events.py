@@ -49,6 +49,9 @@ class StorageRecord:
     # a saved tensor's host copy made by activation offloading (--activation-offload; also ``host``), apart from
     # --offload's model state
     saved_copy: bool = False
+    # the stream current when it was allocated (0: the default one; others numbered in order of first use):
+    # the caching allocator keeps each stream's freed blocks for that stream (device/allocator.py)
+    stream: int = 0
 
     def classify(self, category: Category) -> None:
         if CATEGORY_PRIORITY.index(category) < CATEGORY_PRIORITY.index(self.category):
@@ -108,6 +111,10 @@ class Trace:
     # --outputs kept: per micro-step, (index of the first event after the loss, where a loop that frees
     # outputs drops them; storage ids of the output the loop keeps from there on)
     held_outputs: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def streams(self) -> dict[int, int]:
+        """Storage id -> the stream it was allocated on, for storages not on the default stream."""
+        return {sid: rec.stream for sid, rec in enumerate(self.storages) if rec.stream}
 
     def held_output_bytes(self, event_index: int) -> int:
         """Bytes of model outputs alive just after ``event_index`` only because the loop keeps them

@@ -138,6 +138,19 @@ class StorageTracker:
         self.ignoring = 0  # > 0: ops run only to compute metadata (DTensor sharding propagation), not recorded
         self.label: str | None = None  # appended to the op name of allocations (e.g. "FSDP all-gather")
         self._lineage: dict[int, list[int]] = {}  # storage id -> every id of that storage (resize_)
+        # the step's streams: device-agnostic code (FSDP2's FSDPCommContext on a "cpu" mesh) selects
+        # torch.cpu.Stream objects with ``torch.cpu.stream(...)``, exactly where it selects CUDA streams on a
+        # GPU; the one current now is the default (0), others are numbered as they are first seen (the
+        # objects are kept so an id() is never reused)
+        self._streams: dict[int, tuple[int, object]] = {id(s): (0, s) for s in (torch.cpu.current_stream(),)}
+
+    def stream(self) -> int:
+        """The number of the stream current now (0: the default)."""
+        current = torch.cpu.current_stream()
+        known = self._streams.get(id(current))
+        if known is None:
+            known = self._streams[id(current)] = (len(self._streams), current)
+        return known[0]
 
     # -- bookkeeping -------------------------------------------------------------------------
     def set_phase(self, iteration: int, phase: Phase) -> None:
@@ -170,6 +183,7 @@ class StorageTracker:
                 phase=self.phase,
                 op=op,
                 iteration=self.iteration,
+                stream=self.stream(),
             )
         )
         self._ids[key] = sid
@@ -269,6 +283,7 @@ class StorageTracker:
                 op=(old.op.removesuffix(op_suffix) + op_suffix) if op is None else op,
                 iteration=self.iteration,
                 host=old.host if host is None else host,
+                stream=self.stream(),
             )
         )
         if sid in self.trace.owner_module:
@@ -289,7 +304,8 @@ class StorageTracker:
         """An allocation the fake step does not make (e.g. the host-to-device copies of offloaded
         shards on a GPU); free it with :meth:`free_unseen`."""
         sid = len(self.trace.storages)
-        self.trace.storages.append(StorageRecord(nbytes, category, self.module_of(), self.phase, op, self.iteration))
+        self.trace.storages.append(StorageRecord(nbytes, category, self.module_of(), self.phase, op, self.iteration,
+                                                 stream=self.stream()))
         self.trace.events.append((sid, nbytes))
         return sid
 
@@ -369,7 +385,8 @@ class StorageTracker:
             if ranged:
                 self.trace.workspace_ranges[sid] = (nbytes.low, nbytes.high, nbytes.why)
             self.trace.storages.append(
-                StorageRecord(int(nbytes), Category.TEMPORARIES, self.module_of(), self.phase, f"{func.__name__} (kernel scratch)", self.iteration)
+                StorageRecord(int(nbytes), Category.TEMPORARIES, self.module_of(), self.phase,
+                              f"{func.__name__} (kernel scratch)", self.iteration, stream=self.stream())
             )
             self.trace.events.append((sid, int(nbytes)))
             allocated.append((sid, int(nbytes)))
