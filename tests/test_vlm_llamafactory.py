@@ -121,8 +121,10 @@ def test_lora_exclude_parses_and_names_modules():
 
 
 def _lf_preprocess_image(image, image_max_pixels: int, image_min_pixels: int):
-    """LLaMA-Factory's MMPluginMixin._preprocess_image (src/llamafactory/data/mm_plugin.py at ff6d4d12), on a PIL
-    image (its Qwen2VLPlugin's further rules, a side under 28 px or an aspect ratio above 200, are not met here)."""
+    """LLaMA-Factory's Qwen2VLPlugin._preprocess_image on a PIL image, transcribed (LLaMA-Factory cannot be installed
+    here): MMPluginMixin._preprocess_image's resize (src/llamafactory/data/mm_plugin.py lines 218-235 at ff6d4d12),
+    then the plugin's own rules (lines 2261-2275): a side under 28 px raised to 28, an aspect ratio over 200 cut
+    to 180."""
     import math
 
     if (image.width * image.height) > image_max_pixels:
@@ -131,6 +133,12 @@ def _lf_preprocess_image(image, image_max_pixels: int, image_min_pixels: int):
     if (image.width * image.height) < image_min_pixels:
         resize_factor = math.sqrt(image_min_pixels / (image.width * image.height))
         image = image.resize((int(image.width * resize_factor), int(image.height * resize_factor)))
+    if min(image.width, image.height) < 28:
+        image = image.resize((max(image.width, 28), max(image.height, 28)))
+    if image.width / image.height > 200:
+        image = image.resize((image.height * 180, image.height))
+    if image.height / image.width > 200:
+        image = image.resize((image.width, image.width * 180))
     return image
 
 
@@ -139,6 +147,9 @@ def _lf_preprocess_image(image, image_max_pixels: int, image_min_pixels: int):
     ((3000, 4000), {"image_max_pixels": 512 * 512}),
     ((30, 30), {}),  # under the default image_min_pixels 32 * 32: scaled up to 32 x 32
     ((700, 500), {"image_max_pixels": 1 << 30, "image_min_pixels": 0}),  # not resized
+    ((20, 1000), {}),  # Qwen2VLPlugin: a side under 28 px raised to 28
+    ((30, 9000), {}),  # Qwen2VLPlugin: width / height 300 > 200, cut to 180 (smart_resize would refuse 300)
+    ((9000, 30), {}),  # the same, standing
 ])
 def test_llamafactory_image_pixels_give_the_processors_tokens(tmp_path, hw, keys):
     PIL = pytest.importorskip("PIL.Image")
@@ -153,11 +164,12 @@ def test_llamafactory_image_pixels_give_the_processors_tokens(tmp_path, hw, keys
     source = load_source(spec.model)
     image = _lf_preprocess_image(PIL.new("RGB", (hw[1], hw[0])), keys.get("image_max_pixels", 768 * 768),
                                  keys.get("image_min_pixels", 32 * 32))
-    assert spec.input_hw == (image.height, image.width)
+    facts = source.image_facts(1, spec.input_hw, **spec.vision_options)
+    assert facts["size"] == f"{image.height}x{image.width}"
     real = Qwen2VLImageProcessorPil()(images=[image], return_tensors="pt")
     tokens = int(real["image_grid_thw"][0].prod()) // 4
-    assert source.image_facts(1, spec.input_hw)["tokens_per_image"] == tokens
-    inputs = source.image_inputs(1, 8, 1, spec.input_hw)
+    assert facts["tokens_per_image"] == tokens
+    inputs = source.image_inputs(1, 8, 1, spec.input_hw, **spec.vision_options)
     assert (inputs["input_ids"] == source.build_model().config.image_token_id).sum() == tokens
 
 

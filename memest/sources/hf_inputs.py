@@ -37,6 +37,7 @@ from memest.sources.hf_qwen_vl import (
     QWEN_VL,
     QWEN_VL_DEFAULT_IMAGE,
     pixel_bounds,
+    plugin_resized,
     qwen_vl_grid,
     qwen_vl_inputs,
     video_grid,
@@ -369,13 +370,16 @@ def _llava_inputs(config, head: Head, batch: int, seq: int, images: int = 1) -> 
 
 # -- --images: N images per example, turned into tokens as the model's processor does ---------------
 def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tuple[int, int] | None,
-                 reals=None, *, min_pixels: int = 0, max_pixels: int = 0, video_frames: int = 0) -> dict[str, Any]:
+                 reals=None, *, min_pixels: int = 0, max_pixels: int = 0, video_frames: int = 0,
+                 pre_resized: bool = False) -> dict[str, Any]:
     """Inputs of ``batch`` examples of ``images`` images (``hw`` pixels each before the processor resizes them)
     and ``text`` text tokens: the image tokens are added, so the sequence is text + image tokens. Qwen2-VL and
     Qwen2.5-VL also take the processor's ``min_pixels`` / ``max_pixels`` (0: its default) and one video of
-    ``video_frames`` frames of ``hw`` pixels per example (hf_qwen_vl.py); other models refuse them."""
+    ``video_frames`` frames of ``hw`` pixels per example (hf_qwen_vl.py); other models refuse them.
+    ``pre_resized``: LLaMA-Factory resized ``hw`` (--pre-resize), so its Qwen2-VL plugin's own rules follow."""
     if head.name != VISION_LANGUAGE:
         raise ModelLoadError(f"--images: a {head.name} model takes no image tokens; memest builds them for {SUPPORTED}")
+    hw = _plugin_hw(config, hw, pre_resized)
     if config.model_type in QWEN_VL:
         return qwen_vl_inputs(config, batch, text, images, hw or QWEN_VL_DEFAULT_IMAGE, reals,
                               min_pixels=min_pixels, max_pixels=max_pixels, video_frames=video_frames)
@@ -385,6 +389,11 @@ def image_inputs(config, head: Head, batch: int, text: int, images: int, hw: tup
         return llava_next_inputs(config, llava_image_tokens(config), batch, text, images, hw or (side, side), reals)
     tokens = image_tokens(config, head, hw)
     return _llava_inputs(config, head, batch, text + images * tokens, images)
+
+
+def _plugin_hw(config, hw: tuple[int, int] | None, pre_resized: bool) -> tuple[int, int] | None:
+    """The size the processor gets after LLaMA-Factory's model plugin (Qwen2-VL's; LLaVA's plugins add no rule)."""
+    return plugin_resized(hw) if pre_resized and hw is not None and config.model_type in QWEN_VL else hw
 
 
 def check_vision_options(config, min_pixels: int, max_pixels: int, video_frames: int) -> None:
@@ -433,10 +442,11 @@ LLAVA_PROCESSOR = ("CLIPImageProcessor: shortest edge to the tower's image_size,
 
 
 def image_facts(config, head: Head, images: int, hw: tuple[int, int] | None, *, min_pixels: int = 0,
-                max_pixels: int = 0, video_frames: int = 0) -> dict[str, Any]:
+                max_pixels: int = 0, video_frames: int = 0, pre_resized: bool = False) -> dict[str, Any]:
     """What --images N --image-size HxW (and --video-frames F) become, per image, as the processor cuts them (for
     the report)."""
     check_vision_options(config, min_pixels, max_pixels, video_frames)
+    hw = _plugin_hw(config, hw, pre_resized)
     vision = config.vision_config
     bounds: tuple[int, int] | None = None
     video = None

@@ -42,6 +42,21 @@ def pixel_bounds(min_pixels: int = 0, max_pixels: int = 0, video: bool = False) 
     return min_pixels or lo, max_pixels or hi
 
 
+def plugin_resized(hw: tuple[int, int]) -> tuple[int, int]:
+    """LLaMA-Factory's Qwen2VLPlugin._preprocess_image after its common resize (--pre-resize), for images and video
+    frames alike (hiyouga/LLaMA-Factory src/llamafactory/data/mm_plugin.py lines 2260-2275 at
+    ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30; Qwen3VLPlugin, GLM4VPlugin and Qwen2OmniPlugin inherit it): a side
+    under 28 px raised to 28, then an aspect ratio over 200 cut to 180 (so smart_resize does not refuse it)."""
+    height, width = hw
+    if min(width, height) < 28:
+        width, height = max(width, 28), max(height, 28)
+    if width / height > 200:
+        width, height = height * 180, height
+    if height / width > 200:
+        width, height = width, width * 180
+    return height, width
+
+
 def qwen_vl_grid(config, hw: tuple[int, int], min_pixels: int = QWEN_VL_MIN_PIXELS,
                  max_pixels: int = QWEN_VL_MAX_PIXELS) -> tuple[int, int]:
     """Patches (rows, columns) of one image or frame of ``hw`` pixels: resized by transformers' own ``smart_resize``

@@ -185,7 +185,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("pre_resize", ("--pre-resize",), "--images / --video-frames: each --image-size image (image=MIN:MAX) or "
            "frame (video=MIN:MAX) resized before the processor as LLaMA-Factory does (image_min/max_pixels, "
            "video_min/max_pixels; mm_plugin.py _preprocess_image): above MAX pixels both sides scaled by "
-           "sqrt(MAX / pixels), below MIN by sqrt(MIN / pixels), int()-rounded; default none."),
+           "sqrt(MAX / pixels), below MIN by sqrt(MIN / pixels), int()-rounded; on Qwen2-VL then its plugin's rules (a "
+           "side under 28 px raised to 28, an aspect ratio over 200 cut to 180); default none."),
     Option("video_frames", ("--video-frames",), "Qwen2-VL, Qwen2.5-VL: one video of F frames per example "
            "(--image-size each), merged in pairs as Qwen2VLVideoProcessor does (pixel_values_videos, "
            "video_grid_thw), its tokens added to --seq; 0 = none."),

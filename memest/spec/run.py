@@ -503,7 +503,8 @@ class RunSpec:
     @property
     def vision_options(self) -> dict:
         """The Qwen2-VL processors' knobs a source's image_inputs / image_facts take (0: the processor's default)."""
-        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "video_frames": self.video_frames}
+        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "video_frames": self.video_frames,
+                "pre_resized": bool(self.pre_resize)}
 
     def _resolve_compile_scope(self) -> None:
         """--compile-scope blocks implies --compile (set before any check that reads it)."""
