@@ -41,8 +41,9 @@ from memest.errors import MemestError
 from memest.features.optim import make_optimizer
 from memest.features.preference_logits import MarkedStep
 from memest.spec import RunSpec
-from memest.spec.choices import Shard
+from memest.spec.choices import Precision, Shard
 
+MIXED = {Precision.BF16_MIXED: "bf16"}  # accelerate's mixed_precision for memest's --precision (fp32, bf16: "no")
 ACCELERATE_CONFIG = ("accelerate FSDP2 (fsdp_version 2, fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP, "
                      "fsdp_reshard_after_forward {reshard})")
 
@@ -55,7 +56,10 @@ def is_preference_step(model: nn.Module) -> bool:
 def _accelerator(spec: RunSpec, mesh):
     """What ``fsdp2_prepare_model`` and ``prepare_fsdp`` read of an Accelerator: its state's FSDP plugin (a real
     ``FullyShardedDataParallelPlugin``, as ``accelerate launch`` builds it from the config), ``mixed_precision``
-    ("no": memest's --precision fp32 / bf16, no autocast), ``is_main_process``, ``device``, and the mesh both index
+    ("no" for --precision fp32 / bf16; "bf16" for bf16-mixed, where AcceleratorState calls the plugin's
+    ``set_mixed_precision("bf16")``: MixedPrecisionPolicy(param_dtype, reduce_dtype and output_dtype bfloat16), for the
+    policy and the reference alike, and fsdp2_prepare_model upcasts trainable parameters to float32; no autocast:
+    features/preference_feature.py PreferenceFeature.autocast), ``is_main_process``, ``device``, and the mesh both index
     with ``torch_device_mesh[tuple(parallelism_config.fsdp_dim_names)]``: ``mesh``, memest's 1-D data-parallel mesh
     over every rank (parallel/dims.py build_mesh), the mesh fully_shard builds by default when accelerate has no
     parallelism_config (torch/distributed/fsdp/_fully_shard/_fsdp_init.py ``_init_default_mesh``), built here by
@@ -68,10 +72,13 @@ def _accelerator(spec: RunSpec, mesh):
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, reshard_after_forward=spec.shard == Shard.ZERO3, auto_wrap_policy="transformer_based_wrap",
         cpu_ram_efficient_loading=False)
+    mixed = MIXED.get(spec.precision, "no")
+    if mixed != "no":  # accelerate/state.py AcceleratorState.__init__: fsdp_plugin.set_mixed_precision(mixed_precision)
+        plugin.set_mixed_precision(mixed)
     state = types.SimpleNamespace(fsdp_plugin=plugin)
     device = torch.device("cpu")
     names = tuple(mesh.mesh_dim_names)
-    return types.SimpleNamespace(state=state, mixed_precision="no", is_main_process=True, device=device,
+    return types.SimpleNamespace(state=state, mixed_precision=mixed, is_main_process=True, device=device,
                                  torch_device_mesh={names: mesh},
                                  parallelism_config=types.SimpleNamespace(fsdp_dim_names=list(names)))
 

@@ -132,7 +132,7 @@ TRL_NUM_GENERATIONS = 8
 # in tests/test_preference_fsdp.py), and what the refusal of the rest says about them
 PREFERENCE_FSDP = (Preference.DPO, Preference.KTO, Preference.ORPO, Preference.CPO, Preference.SIMPO)
 PREFERENCE_RANKS = ("; over ranks memest traces plain DDP (--shard none) and, for dpo, kto, orpo, cpo and simpo, FSDP2 "
-                    "as trl and accelerate wrap it (--shard zero3 or zero2, --precision fp32 or bf16), with no --tp, "
+                    "as trl and accelerate wrap it (--shard zero3 or zero2, --precision fp32, bf16 or bf16-mixed), with no --tp, "
                     "--pp, --cp or --ep")
 
 
@@ -393,14 +393,14 @@ class RunSpec:
 
     def _preference_fsdp(self) -> bool:
         """--preference dpo|kto|orpo|cpo|simpo over FSDP2 (--shard zero3|zero2, no other parallel dimension,
-        --precision fp32 or bf16): the policy sharded by accelerate's fsdp2_prepare_model, the reference copy by trl's
-        prepare_fsdp (trl/models/utils.py: fully_shard on the whole reference, one unit), parallel/trl_fsdp.py. Each of
-        2 real gloo ranks matches (tests/test_preference_fsdp.py). Not measured, refused: grpo (generation on FSDP2
-        ranks), --precision mixed (accelerate's fp32 upcast of trainable parameters and the plugin's
-        MixedPrecisionPolicy), --shard zero1 (DDP + ZeroRedundancyOptimizer; trl under DeepSpeed ZeRO runs
-        prepare_deepspeed)."""
+        --precision fp32, bf16 or bf16-mixed): the policy sharded by accelerate's fsdp2_prepare_model, the reference
+        copy by trl's prepare_fsdp (trl/models/utils.py: fully_shard on the whole reference, one unit),
+        parallel/trl_fsdp.py. Each of 2 real gloo ranks matches (tests/test_preference_fsdp.py). Not measured, refused:
+        grpo (generation on FSDP2 ranks), --precision fp16-mixed (HF Trainer's gradient scaler), --shard zero1 (DDP +
+        ZeroRedundancyOptimizer; trl under DeepSpeed ZeRO runs prepare_deepspeed)."""
         return (self.preference in PREFERENCE_FSDP and self.shard in (Shard.ZERO3, Shard.ZERO2)
-                and not self.mixed and self.tp == 1 and self.pp == 1 and self.cp == 1 and self.ep == 1)
+                and self.precision != Precision.FP16_MIXED and self.tp == 1 and self.pp == 1 and self.cp == 1
+                and self.ep == 1)
 
     def _check_grpo(self) -> None:
         """--preference grpo (features/grpo.py): trl GRPOTrainer's checks on its batch, and what is not traced yet."""
