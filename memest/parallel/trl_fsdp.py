@@ -26,7 +26,11 @@ zero3, ``false`` for zero2) does to the two models of a preference step:
 
 memest runs accelerate's own ``fsdp2_prepare_model`` and trl's own ``prepare_fsdp`` with a stand-in accelerator that
 carries a real ``FullyShardedDataParallelPlugin`` (``_accelerator``); the trace (fake process group) and the gloo
-ground truth (validate/distributed_truth.py) both wrap through here. Each gloo rank's peak:
+ground truth (validate/distributed_truth.py) both wrap through here. Not trl's whole DPOTrainer: on CPU ranks
+accelerate never enables FSDP (accelerate/state.py, AcceleratorState.__init__: the fsdp_plugin is read only in the
+branch for MULTI_GPU / MULTI_XPU / ... distributed types, not MULTI_CPU), so a gloo run of the trainer would take its
+DDP path; the step itself is memest's transcription of trl's compute_loss (features/preference*.py, proven on one
+process in tests/test_preference.py and tests/test_preference_methods.py). Each gloo rank's peak:
 tests/test_preference_fsdp.py.
 """
 
