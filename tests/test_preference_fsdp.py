@@ -72,7 +72,8 @@ def test_every_gloo_rank_of_the_zero3_preference_step_matches_the_trace():
     _check([_spec(extra) for extra, _ in CASES], [saved for _, saved in CASES])
 
 
-ZERO2 = [CASES[0], CASES[2], CASES[5]]  # the reference copy, the adapter-disabled base, no reference
+# simpo's zero2 peak is not inside a reduce-scatter: nothing of gloo's on top
+ZERO2 = [case if case[0] != {"preference": "simpo"} else (case[0], 0) for case in CASES]
 
 
 def test_every_gloo_rank_of_the_zero2_preference_step_matches_the_trace():
