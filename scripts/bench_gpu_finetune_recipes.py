@@ -142,7 +142,8 @@ NOT_SCORABLE = [  # published figures for issue 24's recipes that cannot be scor
          figure="not stated (a comment)",
          missing="DeepSpeed ZeRO-3 is not modelled (memest traces FSDP2's per-layer rule); lengths are "
                  "data-dependent; padding-free packing is not offered with --preference; rpo_alpha's NLL term; "
-                 "memest traces --preference over several ranks over plain DDP only, not ZeRO-3/FSDP",
+                 "memest traces --preference over several ranks over plain DDP or FSDP2 as trl and accelerate wrap "
+                 "it (the reference one unit: trl's prepare_fsdp), not DeepSpeed ZeRO-3 (trl's prepare_deepspeed)",
          spec=dict(preference="dpo", precision="bf16", attention="flash", world_size=4, shard="zero3", batch=4,
                    seq=8192)),
     dict(recipe="vlm", source="https://github.com/QwenLM/Qwen3-VL/issues/938",

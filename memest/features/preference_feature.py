@@ -15,6 +15,7 @@ from memest.features.base import StepFeature
 from memest.features.preference import describe, no_padding, preference_batch, reference_note, wrap
 from memest.features.preference_logits import MarkedStep
 from memest.spec.choices import Preference
+from memest.spec.parallel_dims import FSDP_SHARDS
 from memest.trace.events import Phase
 
 
@@ -52,6 +53,16 @@ class PreferenceFeature(StepFeature):
         if spec.preference == Preference.KTO:
             return preference_kto.kto_batch(ids, spec)
         return preference_logits.logits_batch(ids)
+
+    def autocast(self, spec, device_type: str) -> contextlib.AbstractContextManager | None:
+        """--precision bf16-mixed over FSDP2 (parallel/trl_fsdp.py): no autocast. accelerate 1.15.0's
+        ``Accelerator._prepare_fsdp2`` (accelerate/accelerator.py) never hands the model to ``prepare_model``, whose
+        ``native_amp`` branch is what wraps the forward in autocast, and HF Trainer's ``autocast_smart_context_manager``
+        is a nullcontext (transformers 5.24, trainer.py: "We rely on accelerate for autocast"): the step computes in
+        the dtype the plugin's MixedPrecisionPolicy gathers the parameters in (bfloat16)."""
+        if spec.mixed and spec.world_size > 1 and spec.shard in FSDP_SHARDS:
+            return contextlib.nullcontext()
+        return None
 
     def contexts(self, step) -> list[contextlib.AbstractContextManager]:
         for module in step.model.modules():

@@ -44,7 +44,7 @@ from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
 from memest.features.optim import make_optimizer, optimizer_class
 from memest.parallel import context_parallel as cp
-from memest.parallel import expert_parallel, tensor_parallel
+from memest.parallel import expert_parallel, tensor_parallel, trl_fsdp
 from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.parallel.pipeline_parallel import PipelineStep, describe
 from memest.spec import RunSpec
@@ -130,6 +130,8 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         return _tensor_parallel(model, spec, meshes, fake)
     if dims.ep_enabled:
         return _expert_parallel(model, spec, meshes, fake)
+    if dims.fsdp_enabled and trl_fsdp.is_preference_step(model):  # --preference: trl + accelerate's FSDP2 wrap
+        return Parallel(model, model, *trl_fsdp.wrap(model, spec, meshes.fsdp))
     if dims.fsdp_enabled:
         return _fsdp(model, spec, meshes.fsdp)
     return _ddp(model, spec, fake)

@@ -128,6 +128,12 @@ def pre_resized(hw: tuple[int, int], min_pixels: int, max_pixels: int) -> tuple[
 # trl 1.16.0, trl/trainer/grpo_config.py: GRPOConfig.num_generations's default (features/grpo.py reads trl's own
 # GRPOConfig; tests/test_grpo.py checks this copy, which the spec layer keeps so it need not import trl)
 TRL_NUM_GENERATIONS = 8
+# --preference methods traced over FSDP2 ranks (RunSpec._preference_fsdp; parallel/trl_fsdp.py; each gloo rank proven
+# in tests/test_preference_fsdp.py), and what the refusal of the rest says about them
+PREFERENCE_FSDP = (Preference.DPO, Preference.KTO, Preference.ORPO, Preference.CPO, Preference.SIMPO)
+PREFERENCE_RANKS = ("; over ranks memest traces plain DDP (--shard none) and, for dpo, kto, orpo, cpo and simpo, FSDP2 "
+                    "as trl and accelerate wrap it (--shard zero3 or zero2, --precision fp32, bf16 or bf16-mixed), with no --tp, "
+                    "--pp, --cp or --ep")
 
 
 @dataclass(frozen=True)
@@ -333,14 +339,14 @@ class RunSpec:
             raise MemestError(f"--preference {self.preference} is a training step; drop --mode {self.mode}")
         other = [flag for flag, on in (
             ("--loss-head", LossHead.of(self.loss_head)[0] is not LossHead.STANDARD), ("--compile", bool(self.compile)),
-            ("--world-size > 1 beyond plain DDP", self.world_size > 1 and not self._preference_ddp()),
+            (self._preference_ranks_refused(), self.world_size > 1 and not self._preference_ddp()
+             and not self._preference_fsdp()),
             ("--offload", self.offload != Offload.NONE),
             ("--activation-offload", self.activation_offload != ActivationOffload.NONE),
             ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
         ) if on]
         if other:
-            ranks = ("; over ranks memest traces plain DDP only (--shard none, no --tp, --pp, --cp or --ep)"
-                     if "--world-size > 1 beyond plain DDP" in other else "")
+            ranks = PREFERENCE_RANKS if self._preference_ranks_refused() in other else ""
             raise MemestError(f"--preference {self.preference} with {', '.join(other)} is not traced yet "
                               f"(docs/limitations.md){ranks}; drop it")
         if self.preference == Preference.GRPO:
@@ -371,9 +377,30 @@ class RunSpec:
         (unwrap_model_for_generation) and gathers over the ranks (features/grpo.py's _Accelerator); with --rollout
         transformers and no --generation-batch only (_check_grpo). Each of 2 real gloo ranks matches
         (tests/test_preference_ddp.py). Under ZeRO / FSDP trl prepares the reference too (trl/models/utils.py
-        prepare_deepspeed / prepare_fsdp): not measured, refused."""
+        prepare_deepspeed / prepare_fsdp): FSDP2 in _preference_fsdp; ZeRO-1 and DeepSpeed are not measured, refused."""
         return (self.preference != Preference.NONE and self.shard == Shard.NONE and self.tp == 1
                 and self.pp == 1 and self.cp == 1 and self.ep == 1)
+
+    def _preference_ranks_refused(self) -> str:
+        """What of this --world-size > 1 preference run is beyond what memest traces over ranks (its refusal's words)."""
+        dims = [f"--{name} {n}" for name, n in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+                if n > 1]
+        if dims:
+            return f"--world-size {self.world_size} over {', '.join(dims)}"
+        if self.shard in (Shard.ZERO3, Shard.ZERO2) and self.preference in PREFERENCE_FSDP:
+            return f"--world-size {self.world_size} over FSDP2 (--shard {self.shard}) in --precision {self.precision}"
+        return f"--world-size {self.world_size} over --shard {self.shard}"
+
+    def _preference_fsdp(self) -> bool:
+        """--preference dpo|kto|orpo|cpo|simpo over FSDP2 (--shard zero3|zero2, no other parallel dimension,
+        --precision fp32, bf16 or bf16-mixed): the policy sharded by accelerate's fsdp2_prepare_model, the reference
+        copy by trl's prepare_fsdp (trl/models/utils.py: fully_shard on the whole reference, one unit),
+        parallel/trl_fsdp.py. Each of 2 real gloo ranks matches (tests/test_preference_fsdp.py). Not measured, refused:
+        grpo (generation on FSDP2 ranks), --precision fp16-mixed (HF Trainer's gradient scaler), --shard zero1 (DDP +
+        ZeroRedundancyOptimizer; trl under DeepSpeed ZeRO runs prepare_deepspeed)."""
+        return (self.preference in PREFERENCE_FSDP and self.shard in (Shard.ZERO3, Shard.ZERO2)
+                and self.precision != Precision.FP16_MIXED and self.tp == 1 and self.pp == 1 and self.cp == 1
+                and self.ep == 1)
 
     def _check_grpo(self) -> None:
         """--preference grpo (features/grpo.py): trl GRPOTrainer's checks on its batch, and what is not traced yet."""
