@@ -40,17 +40,21 @@ CASES = [
     ("mlp", 4, None, "tensorwise", "zero3", HP, 0),
     ("mlp", 4, None, "tensorwise", "zero3", F8, 12),
     ("mlp", 4, None, "tensorwise", "zero3", F8P, 12),
+    # FSDP2's MixedPrecisionPolicy (bf16 all-gather; torchao's post-all-gather hook takes its param_dtype) and AdamW
+    ("hf:llama-tiny", 2, 128, "tensorwise", "zero3", HP, 0, (("precision", "bf16-mixed"), ("optim", "adamw"))),
+    ("hf:llama-tiny", 2, 128, "tensorwise", "zero3", F8, 0, (("precision", "bf16-mixed"), ("optim", "adamw"))),
 ]
 
 
-def _spec(name, batch, seq, recipe, shard, all_gather, *_) -> RunSpec:
-    return RunSpec(model=model_ref(name), batch=batch, seq=seq, target="cpu", optim="sgd", fp8=recipe,
-                   fp8_all_gather=all_gather, world_size=2, shard=shard)
+def _spec(name, batch, seq, recipe, shard, all_gather, residual=0, more=()) -> RunSpec:
+    return RunSpec(model=model_ref(name), batch=batch, seq=seq, target="cpu", fp8=recipe, fp8_all_gather=all_gather,
+                   world_size=2, shard=shard, **{"optim": "sgd", **dict(more)})
 
 
 def _id(case) -> str:
-    name, _, _, recipe, shard, all_gather, _ = case
-    return f"{name.removeprefix('hf:')}-{recipe}-{shard}-{all_gather}"
+    name, _, _, recipe, shard, all_gather, *rest = case
+    more = dict(rest[1]) if len(rest) > 1 else {}
+    return "-".join([name.removeprefix("hf:"), recipe, shard, all_gather, *more.values()])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def _traced(spec: RunSpec):
 @needs_torchao
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_every_gloo_rank_reads_the_traced_peak(case, measured):
-    spec, residual = _spec(*case), case[-1]
+    spec, residual = _spec(*case), case[6]
     trace = _traced(spec)
     traced = trace.peak()[0]
     ranks = lowest_of_runs(spec, measured[case], traced=lambda r: traced + residual)

@@ -295,7 +295,9 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None,
     fully_shard(model, **kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(spec, params)
-    if spec.fp8_all_gather == Fp8AllGather.FLOAT8_PRECOMPUTED:  # torchtitan: after each optimizer step
+    # right after each optimizer.step(), where torchao 0.18's docstring (torchao/float8/fsdp_utils.py
+    # precompute_float8_dynamic_scale_for_fsdp) and torchtitan's trainer call it
+    if spec.fp8_all_gather == Fp8AllGather.FLOAT8_PRECOMPUTED:
         optimizer.register_step_post_hook(precompute_scales_hook(model))
     what = f"FSDP2 fully_shard(reshard_after_forward={reshard})"
     if spec.offload == Offload.PARAMS:

@@ -570,8 +570,8 @@ class RunSpec:
                 "H100, B200 or later'); drop --fp8"
             )
         if self.compile or self.lora or self.quant != Quant.NONE:
-            raise MemestError(f"--fp8 {self.fp8} with --compile, --lora or --quant is not traced yet (docs/fp8.md); "
-                              "drop one of them")
+            raise MemestError(f"--fp8 {self.fp8} with --compile, --lora or --quant is not traced yet (traced: one process, "
+                              "and FSDP2 alone over ranks, docs/fp8.md); drop one of them")
         if self.world_size > 1:
             other = [flag for flag, on in ((f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1),
                                            (f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}", self.ep > 1),
