@@ -118,7 +118,7 @@ class Fp8Feature(StepFeature):
 def _refuse_weights_read_outside_forward(model, where: str, all_gather: Fp8AllGather) -> None:
     """nn.MultiheadAttention reads its out_proj's weight with F.linear, not through out_proj's forward: under the
     float8 all-gather that weight is a Float8TrainingTensor, whose addmm torchao refuses (torchao 0.18
-    torchao/float8/float8_ops.py float8_addmm asserts; the real run fails the same way)."""
+    torchao/float8/float8_ops.py float8_addmm asserts; the real run fails the same way: seen on 2 gloo ranks, torch 2.13)."""
     import torch
     from torchao.float8.float8_linear import Float8Linear
 

@@ -575,7 +575,8 @@ class RunSpec:
         if self.world_size > 1:
             other = [flag for flag, on in ((f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1),
                                            (f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}", self.ep > 1),
-                                           (f"--offload {self.offload}", self.offload != Offload.NONE)) if on]
+                                           (f"--offload {self.offload}", self.offload != Offload.NONE),
+                                           ("--optim-in-backward", self.optim_in_backward)) if on]
             if self.shard not in (Shard.ZERO2, Shard.ZERO3) or other:
                 raise MemestError(
                     f"--fp8 {self.fp8} with --world-size {self.world_size} and "
