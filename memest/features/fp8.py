@@ -13,13 +13,30 @@ float32: one per tensor, tensorwise; one per row, rowwise), the transposed copie
 and what autograd saves (torchao saves the high-precision input and weight and re-casts them in backward) are the
 storages torchao allocates. ``torch._scaled_mm`` has a fake kernel in torch; its CUDA workspace (cuBLASLt's, the
 same pool as every matmul) is the CUDA target's matmul workspace, not a separate constant.
+
+Over FSDP2 ranks (``--world-size N --shard zero2|zero3``) the converted model is sharded by FSDP2 after
+checkpointing, torchtitan's order (parallel/distributed.py ``_fsdp``). ``--fp8-all-gather high-precision`` (the
+default) leaves the weights plain: FSDP2 all-gathers the high-precision shard and Float8Linear casts the gathered
+weight. ``--fp8-all-gather float8`` sets ``Float8LinearConfig.enable_fsdp_float8_all_gather`` (torchtitan's
+``float8.enable_fsdp_float8_all_gather``): torchao wraps each weight in ``WeightWithDynamicFloat8CastTensor``
+(torchao/float8/fsdp_utils.py), whose ``fsdp_pre_all_gather`` casts the local shard to float8 (its amax
+all-reduced over the mesh) and whose ``fsdp_post_all_gather`` wraps the gathered uint8 data and the scale as a
+Float8TrainingTensor; FSDP2 runs those hooks itself. ``float8-precomputed`` also runs torchao's
+``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (torchtitan's
+``float8.precompute_float8_dynamic_scale_for_fsdp``, an optimizer step post-hook): one all-reduce of every weight's
+amax, the scales kept on the weights for the next all-gather. The tracker follows the wrapper by its inner tensor
+(``rules``), as it follows DTensor's local one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.imports import quiet_library_import
+from memest.spec.choices import Fp8AllGather
+from memest.trace.tracker import TrackerRules
 
 SOURCES = (
     "https://github.com/pytorch/ao/blob/main/torchao/float8/README.md",
@@ -37,8 +54,10 @@ def fp8_filter(module, fqn: str) -> bool:
             and module.out_features % DIM_MULTIPLE == 0)
 
 
-def convert(model, recipe: str):
-    """``model`` with its eligible Linear layers converted to torchao's Float8Linear (in place); the count."""
+def convert(model, recipe: str, all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION):
+    """``model`` with its eligible Linear layers converted to torchao's Float8Linear (in place); the count.
+    ``all_gather`` other than high-precision: ``enable_fsdp_float8_all_gather`` (torchtitan sets it with
+    ``dataclasses.replace`` on the recipe's config, torchtitan/components/quantization/float8.py)."""
     try:
         # torchao 0.18 prints "Failed to load ... _C_mxfp8 ..." for its CUDA-only extensions on a CPU machine
         with quiet_library_import():
@@ -48,6 +67,8 @@ def convert(model, recipe: str):
         raise MemestError(f"--fp8 {recipe} traces torchao's float8 training and needs torchao: pip install torchao "
                           f"({exc})") from exc
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather != Fp8AllGather.HIGH_PRECISION:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 
@@ -60,18 +81,63 @@ class Fp8Feature(StepFeature):
     def __init__(self) -> None:
         self.converted = 0
         self.recipe = ""
+        self.all_gather = Fp8AllGather.HIGH_PRECISION
 
     def build(self, built, spec) -> None:
-        self.recipe = str(spec.fp8)
-        self.converted = convert(built.model, self.recipe)
+        self.recipe, self.all_gather = str(spec.fp8), spec.fp8_all_gather
+        self.converted = convert(built.model, self.recipe, self.all_gather)
         if not self.converted:
             raise MemestError(f"--fp8 {self.recipe}: {built.where} has no nn.Linear layer whose dimensions are "
                               f"multiples of {DIM_MULTIPLE}, so torchao converts none; drop --fp8")
+        if self.all_gather != Fp8AllGather.HIGH_PRECISION:
+            _refuse_weights_read_outside_forward(built.model, built.where, self.all_gather)
+
+    def rules(self, step) -> TrackerRules:
+        """Under the float8 all-gather, torchao's weight wrapper is tracked by its inner tensor (a wrapper subclass
+        owns no memory of its own; FSDP2's DTensor holds it as its local tensor)."""
+        if self.all_gather == Fp8AllGather.HIGH_PRECISION:
+            return TrackerRules()
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        return TrackerRules(subclass_types=(WeightWithDynamicFloat8CastTensor,))
 
     def finish(self, step) -> list[str]:
+        gather = "" if step.spec.world_size < 2 else (
+            "; FSDP2 all-gathers each weight in high precision" if self.all_gather == Fp8AllGather.HIGH_PRECISION else
+            "; FSDP2 all-gathers each weight in float8 (enable_fsdp_float8_all_gather"
+            + (", precompute_float8_dynamic_scale_for_fsdp after each optimizer step)"
+               if self.all_gather == Fp8AllGather.FLOAT8_PRECOMPUTED else ")"))
         return [
             f"--fp8 {self.recipe}: {self.converted} Linear layers traced as torchao Float8Linear "
             "(convert_to_float8_training, Float8LinearConfig.from_recipe_name; layers with dimensions that are not "
-            f"multiples of {DIM_MULTIPLE} stay high precision). torchao's float8 tensors and saved tensors are traced "
-            f"through torchao's own code; the figure is not measured on a GPU ({SOURCES[0]})"
+            f"multiples of {DIM_MULTIPLE} stay high precision{gather}). torchao's float8 tensors and saved tensors are "
+            f"traced through torchao's own code; the figure is not measured on a GPU ({SOURCES[0]})"
         ]
+
+
+def _refuse_weights_read_outside_forward(model, where: str, all_gather: Fp8AllGather) -> None:
+    """nn.MultiheadAttention reads its out_proj's weight with F.linear, not through out_proj's forward: under the
+    float8 all-gather that weight is a Float8TrainingTensor, whose addmm torchao refuses (torchao 0.18
+    torchao/float8/float8_ops.py float8_addmm asserts; the real run fails the same way: seen on 2 gloo ranks, torch 2.13)."""
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.MultiheadAttention) and isinstance(module.out_proj, Float8Linear):
+            raise MemestError(
+                f"--fp8-all-gather {all_gather}: {where}'s nn.MultiheadAttention {name or '(root)'} reads its "
+                "out_proj weight with F.linear outside Float8Linear's forward, and torchao's float8 addmm refuses the "
+                "all-gathered float8 weight there (the real run fails too); use --fp8-all-gather high-precision"
+            )
+
+
+def precompute_scales_hook(model):
+    """torchtitan's post-optimizer hook: torchao's ``precompute_float8_dynamic_scale_for_fsdp(model)`` after every
+    optimizer step (an ``Optimizer.register_step_post_hook`` callable), for --fp8-all-gather float8-precomputed."""
+    with quiet_library_import():
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    def hook(optimizer, args, kwargs) -> None:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+    return hook

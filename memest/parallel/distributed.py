@@ -42,13 +42,14 @@ from torch.utils._pytree import tree_flatten
 
 from memest.errors import MemestError
 from memest.features.checkpointing import repeated_blocks
+from memest.features.fp8 import precompute_scales_hook
 from memest.features.optim import make_optimizer, optimizer_class
 from memest.parallel import context_parallel as cp
 from memest.parallel import expert_parallel, tensor_parallel, trl_fsdp
 from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.parallel.pipeline_parallel import PipelineStep, describe
 from memest.spec import RunSpec
-from memest.spec.choices import Offload, Optimizer, Shard, Target
+from memest.spec.choices import Fp8AllGather, Offload, Optimizer, Shard, Target
 from memest.spec.parallel_dims import loss_parallel
 from memest.trace.dtype import HALF
 from memest.trace.events import Category, Phase, Trace
@@ -295,13 +296,18 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None,
         fully_shard(modules[name], **kwargs)
     fully_shard(model, **kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(spec, params)
+    # right after each optimizer.step(), where torchao 0.18's docstring (torchao/float8/fsdp_utils.py
+    # precompute_float8_dynamic_scale_for_fsdp) and torchtitan's trainer call it
+    if spec.fp8_all_gather == Fp8AllGather.FLOAT8_PRECOMPUTED:
+        optimizer.register_step_post_hook(precompute_scales_hook(model))
     what = f"FSDP2 fully_shard(reshard_after_forward={reshard})"
     if spec.offload == Offload.PARAMS:
         what += " + CPUOffloadPolicy"
     if spec.mixed:
         what += f" + MixedPrecisionPolicy(param_dtype={str(HALF[spec.precision]).removeprefix('torch.')}, reduce_dtype=float32)"
     n = len(units) + 1
-    return Parallel(model, model, make_optimizer(spec, params), f"{what}, {n} unit{'s' if n > 1 else ''}", units + [""])
+    return Parallel(model, model, optimizer, f"{what}, {n} unit{'s' if n > 1 else ''}", units + [""])
 
 
 def _ddp(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:

@@ -177,6 +177,16 @@ class Fp8(Choice):
     ROWWISE = "rowwise"  # Float8LinearConfig.from_recipe_name("rowwise"): one scale per row (axiswise)
 
 
+class Fp8AllGather(Choice):
+    """--fp8-all-gather: what FSDP2 all-gathers for a Float8Linear's weight (features/fp8.py), torchtitan's
+    float8.enable_fsdp_float8_all_gather and float8.precompute_float8_dynamic_scale_for_fsdp."""
+
+    HIGH_PRECISION = "high-precision"  # the sharded weight as it is (its dtype, or MixedPrecisionPolicy's)
+    FLOAT8 = "float8"  # Float8LinearConfig(enable_fsdp_float8_all_gather=True): float8 data + scale
+    # + torchao's precompute_float8_dynamic_scale_for_fsdp after each optimizer step (one all-reduce of every amax)
+    FLOAT8_PRECOMPUTED = "float8-precomputed"
+
+
 class Preference(Choice):
     """--preference: a preference-training step as trl's trainer runs it (features/preference.py)."""
 

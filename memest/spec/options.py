@@ -204,6 +204,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
            "capability 8.9+).", override="Override float8 training."),
+    Option("fp8_all_gather", ("--fp8-all-gather",), "With --fp8 tensorwise under --shard zero2/zero3: what FSDP2 "
+           "all-gathers for each float8 weight: high-precision (the sharded weight as it is) | float8 (torchao's "
+           "enable_fsdp_float8_all_gather: float8 data + scale, amax all-reduced per weight) | float8-precomputed (+ "
+           "precompute_float8_dynamic_scale_for_fsdp after each optimizer step).",
+           override="Override the float8 all-gather."),
     Option("preference", ("--preference",), "Preference training: none | dpo | orpo | kto | simpo | cpo | grpo "
            "(trl's trainers' steps. dpo: chosen and rejected in one 2x batch, per-token log-probs by trl's fused LM "
            "head, a frozen reference forward, sigmoid loss; kto: --batch unpaired examples plus a KL batch (no_grad), "

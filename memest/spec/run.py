@@ -16,6 +16,7 @@ from memest.spec.choices import (
     DataDependent,
     ExpertRouting,
     Fp8,
+    Fp8AllGather,
     LossHead,
     Mode,
     Offload,
@@ -51,6 +52,7 @@ _CHOICE_FIELDS = {
     "offload": (Offload, "--offload"),
     "activation_offload": (ActivationOffload, "--activation-offload"),
     "fp8": (Fp8, "--fp8"),
+    "fp8_all_gather": (Fp8AllGather, "--fp8-all-gather"),
     "outputs": (Outputs, "--outputs"),
     "preference": (Preference, "--preference"),
     "rollout": (Rollout, "--rollout"),
@@ -170,6 +172,8 @@ class RunSpec:
     # tensors saved for backward moved to host memory in the forward (features/activation_offload.py)
     activation_offload: ActivationOffload = ActivationOffload.NONE
     fp8: Fp8 = Fp8.NONE  # torchao convert_to_float8_training with this recipe (features/fp8.py)
+    # FSDP2's all-gather of the Float8Linear weights: high precision, or torchao's float8 all-gather (features/fp8.py)
+    fp8_all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
@@ -569,6 +573,19 @@ class RunSpec:
                               f"blocks; {supported}")
 
     def _check_fp8(self) -> None:
+        if self.fp8_all_gather != Fp8AllGather.HIGH_PRECISION:
+            flag = f"--fp8-all-gather {self.fp8_all_gather}"
+            if self.fp8 != Fp8.TENSORWISE:
+                # torchao 0.18 torchao/float8/config.py Float8LinearConfig.__post_init__ asserts tensorwise
+                raise MemestError(f"{flag} is torchao's float8 all-gather of tensorwise-scaled weights (torchao asserts "
+                                  f"'enable_fsdp_float8_all_gather only supports tensorwise scaling'); use --fp8 "
+                                  f"tensorwise, not --fp8 {self.fp8}")
+            if self.world_size < 2 or self.shard not in (Shard.ZERO2, Shard.ZERO3):
+                raise MemestError(f"{flag} changes what FSDP2 all-gathers; it needs --world-size 2 or more with --shard "
+                                  "zero2 or zero3")
+            if self.fp8_all_gather == Fp8AllGather.FLOAT8_PRECOMPUTED and self.optim_in_backward:
+                raise MemestError(f"{flag} runs after the optimizer step, which --optim-in-backward replaces by "
+                                  "per-parameter steps; use --fp8-all-gather float8, or drop --optim-in-backward")
         if self.fp8 == Fp8.NONE:
             return
         if not self.training:
@@ -580,9 +597,21 @@ class RunSpec:
                 "need 8.9 or later (Ada, Hopper, Blackwell; torchao's float8 README: 'Hardware requirements: NVIDIA "
                 "H100, B200 or later'); drop --fp8"
             )
-        if self.compile or self.world_size > 1 or self.lora or self.quant != Quant.NONE:
-            raise MemestError(f"--fp8 {self.fp8} with --compile, --world-size, --lora or --quant is not traced yet "
-                              "(docs/fp8.md); drop one of them")
+        if self.compile or self.lora or self.quant != Quant.NONE:
+            raise MemestError(f"--fp8 {self.fp8} with --compile, --lora or --quant is not traced yet (traced: one process, "
+                              "and FSDP2 alone over ranks, docs/fp8.md); drop one of them")
+        if self.world_size > 1:
+            other = [flag for flag, on in ((f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1),
+                                           (f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}", self.ep > 1),
+                                           (f"--offload {self.offload}", self.offload != Offload.NONE),
+                                           ("--optim-in-backward", self.optim_in_backward)) if on]
+            if self.shard not in (Shard.ZERO2, Shard.ZERO3) or other:
+                raise MemestError(
+                    f"--fp8 {self.fp8} with --world-size {self.world_size} and "
+                    f"{', '.join(other) if other else f'--shard {self.shard}'} is not traced (not checked against real "
+                    "gloo ranks); over ranks memest traces float8 under FSDP2 alone: --shard zero2 or zero3 "
+                    "(docs/fp8.md)"
+                )
 
     def _check_optim_in_backward(self) -> None:
         if not self.optim_in_backward:

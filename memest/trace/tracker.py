@@ -38,7 +38,7 @@ class TrackerRules:
     makes, recorded then as "(kernel output)", the others before.
     ``chained``: output fixes that run before the earlier rules' fix of the same op, which runs when they keep
     torch's output (fake_kernels.chained_outputs).
-    ``subclass_types``: wrapper subclasses (DTensor) whose local tensors are tracked.
+    ``subclass_types``: wrapper subclasses (DTensor, torchao's float8 weight wrapper) whose inner tensors are tracked.
     Rules merge in order: a later rule's op replaces an earlier one's."""
 
     scratch: dict = field(default_factory=dict)
@@ -157,15 +157,21 @@ class StorageTracker:
         self.iteration, self.phase = iteration, phase
         self.trace.phase_marks.append((len(self.trace.events), iteration, phase))
 
+    def _unwrapped(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or for a wrapper subclass of ``subclass_types`` the inner tensor that holds its memory (the first
+        of ``__tensor_flatten__``'s: DTensor's ``_local_tensor``, torchao's WeightWithDynamicFloat8CastTensor's
+        ``_tensor``), recursively: FSDP2 over --fp8-all-gather weights holds one inside the other."""
+        while self.subclass_types and isinstance(t, self.subclass_types):
+            t = getattr(t, t.__tensor_flatten__()[0][0])
+        return t
+
     def storage_id(self, t: torch.Tensor) -> int | None:
-        if self.subclass_types and isinstance(t, self.subclass_types):
-            t = t._local_tensor
+        t = self._unwrapped(t)
         return self._ids.get(id(t.untyped_storage()))
 
     def register(self, t: torch.Tensor, category: Category, op: str, module: str | None = None) -> int | None:
         """Record ``t``'s storage if it is new; return its id (None for empty storages)."""
-        if self.subclass_types and isinstance(t, self.subclass_types):
-            t = t._local_tensor
+        t = self._unwrapped(t)
         storage = t.untyped_storage()
         key = id(storage)
         sid = self._ids.get(key)
@@ -258,8 +264,7 @@ class StorageTracker:
     def move_to_host(self, t: torch.Tensor, op: str) -> None:
         """A device-to-host copy that replaces the device storage of ``t`` (FSDP's offloaded
         gradients): the device allocation ends, a host allocation of the same role begins."""
-        if self.subclass_types and isinstance(t, self.subclass_types):
-            t = t._local_tensor
+        t = self._unwrapped(t)
         storage = t.untyped_storage()
         key = id(storage)
         sid = self._ids.get(key)

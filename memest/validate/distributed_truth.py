@@ -201,7 +201,7 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     if parallel is not None and parallel.shard_inputs is not None:  # --cp: this rank's part of the sequence
         inputs = parallel.shard_inputs(inputs)
     # alive before profiling: parameters (this rank's shards under FSDP), buffers, inputs
-    held = [getattr(t, "_local_tensor", t) for t in model.parameters()] + list(model.buffers()) + tree_flatten(inputs)[0]
+    held = [*_plain(model.parameters()), *model.buffers(), *tree_flatten(inputs)[0]]
     baseline = _distinct_storage_bytes(held)
     del held
     gc.collect()  # the previous case's model and optimizer (FSDP and DDP keep reference cycles)
@@ -232,14 +232,27 @@ def _sharded_state_bytes(module, optimizer) -> dict[str, int]:
     """This rank's parameters, gradients and optimizer state (the local shards of FSDP's DTensors; a shard's
     storage is FSDP's padded one), in distinct storage bytes: what parallel.distributed.model_state_bytes
     counts in a trace, read from the real run's tensors. Reads sizes only: nothing is allocated."""
-    def local(t):
-        return getattr(t, "_local_tensor", t)
-
     params = list(module.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"parameters": _distinct_storage_bytes(local(p) for p in params),
-            "gradients": _distinct_storage_bytes(local(p.grad) for p in params if p.grad is not None),
-            "optimizer_state": _distinct_storage_bytes(local(v) for v in state)}
+    return {"parameters": _distinct_storage_bytes(_plain(params)),
+            "gradients": _distinct_storage_bytes(_plain(p.grad for p in params if p.grad is not None)),
+            "optimizer_state": _distinct_storage_bytes(_plain(state))}
+
+
+def _plain(tensors) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensors``' memory: a wrapper subclass (FSDP's DTensor, torchao's
+    WeightWithDynamicFloat8CastTensor inside it under --fp8-all-gather) owns no storage of its own, so each is
+    replaced by its inner tensors (``__tensor_flatten__``), recursively."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out, stack = [], list(tensors)[::-1]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            stack.extend(getattr(t, name) for name in reversed(t.__tensor_flatten__()[0]))
+        else:
+            out.append(t)
+    return out
 
 
 def _peak(events: list, baseline: int, rank: int) -> dict:
