@@ -1,8 +1,8 @@
 """The tracker's shortcuts (trace/tracker.py) record what the fake mode's full dispatch records, field for field:
 ``StorageTracker.empty_like`` against ``torch.empty_like`` dispatched into the mode, and the metadata queries
 (``prim.device``, sizes, strides) that ``TrackingFakeMode`` answers before the tracker against FakeTensorMode's own
-answer. The whole-trace check (every StorageRecord, event, FLOP count of 13 steps unchanged by these shortcuts) is in
-benchmarks/activation-offload.md."""
+answer. The whole-trace check (every StorageRecord, event, FLOP count of 13 steps unchanged by these shortcuts:
+scripts/trace_digest.py) is in benchmarks/trace-speed.md."""
 
 from __future__ import annotations
 

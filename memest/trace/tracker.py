@@ -327,8 +327,8 @@ class StorageTracker:
         (features/activation_offload.py: torchtune's host copies and the copies back). The output is made as
         FakeTensorMode's cache makes an op's output (a meta tensor of the op's sizes and strides in a FakeTensor,
         torch 2.13 torch/_subclasses/fake_tensor.py ``_get_output_tensor_from_cache_entry``) without the mode's
-        per-op dispatch (its cache key), which costs about 5 times more (benchmarks/activation-offload.md);
-        tests/test_tracker.py checks it against the op."""
+        per-op dispatch (its cache key), which costs 4.4 times more (benchmarks/trace-speed.md); tests/test_tracker.py
+        checks it against the op."""
         mode = self._fake_mode
         if mode.tracker is not self or mode._inside or not isinstance(t, FakeTensor) or EMPTY_LIKE in self._ruled:
             return torch.empty_like(t)  # not a tracked op of this step, or a rule of some feature prices it
