@@ -333,9 +333,11 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
                 copy.copy_(t)
             self.real_host_copies += 1
             return copy
-        copy = torch.empty_like(t, device="cpu")
-        if self._step is None:  # a real run; in a trace the copy's values are nothing (fake tensors), its bytes are
-            copy.copy_(t)  # the empty_like's: one op fewer per offloaded tensor (trace time)
+        if self._step is None:  # a real run
+            copy = torch.empty_like(t, device="cpu")
+            copy.copy_(t)
+        else:  # in a trace the copy's values are nothing (fake tensors), its bytes the empty_like's: one op fewer
+            copy = self._step.tracker.empty_like(t)  # per offloaded tensor, made without the fake mode's dispatch
         self.copied_bytes += copy.untyped_storage().nbytes()
         self.copies += 1
         if self._step is not None:
@@ -347,7 +349,7 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
             with unset_fake_temporarily():
                 return t.to("cpu", copy=True)
         if self._step is not None:  # .to("cuda") (l. 220, 275): a new device tensor of the same layout (a fake
-            return torch.empty_like(t)  # CPU tensor here: empty_like is that allocation, cheaper to trace than .to)
+            return self._step.tracker.empty_like(t)  # CPU tensor here: empty_like is that allocation, cheaper than .to)
         return t.to("cpu", copy=True)  # a real run on CPU: the move is a copy into a new buffer
 
     def pack_saved(self, t: torch.Tensor):

@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    _DISPATCH_META_HANDLERS,
+    FakeTensor,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+)
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
 
@@ -61,6 +66,9 @@ def merged(rules: Iterable[TrackerRules]) -> tuple[dict, dict, tuple[type, ...]]
     return scratch, outputs, types
 
 
+EMPTY_LIKE = torch.ops.aten.empty_like.default
+META = torch.device("meta")
+
 _COMPOSITE: dict = {}  # aten op -> whether it is CompositeImplicitAutograd (asked once per op)
 
 
@@ -79,6 +87,12 @@ def _composite(func) -> bool:
     return known and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.AutogradCPU)
 
 
+# FakeTensorMode's own __torch_dispatch__ under its dynamo-disabling wrapper (TorchDispatchMode.__init_subclass__,
+# torch/utils/_python_dispatch.py): TrackingFakeMode's override below is wrapped the same way, so calling the wrapped
+# one would run that wrapper twice per op
+_FAKE_TORCH_DISPATCH = getattr(FakeTensorMode.__torch_dispatch__, "__wrapped__", FakeTensorMode.__torch_dispatch__)
+
+
 class TrackingFakeMode(FakeTensorMode):
     """A FakeTensorMode that hands the ops called into it to a :class:`StorageTracker`.
 
@@ -91,6 +105,16 @@ class TrackingFakeMode(FakeTensorMode):
         super().__init__(*args, **kwargs)
         self.tracker: StorageTracker | None = None
         self._inside = False  # a tracked op is running in the fake kernels
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Metadata queries (prim.device above all: C++ asks a fake tensor's device that way, 3,212 of the 5,026
+        # ops called into the mode in a step of examples/transformer.py) allocate nothing and have no FLOPs:
+        # answered as FakeTensorMode.dispatch answers them first (_DISPATCH_META_HANDLERS, torch 2.13
+        # torch/_subclasses/fake_tensor.py), without the tracker's per-op work and torch's per-call wrappers.
+        handler = _DISPATCH_META_HANDLERS.get(func)
+        if handler is not None:
+            return handler(args)
+        return _FAKE_TORCH_DISPATCH(self, func, types, args, kwargs if kwargs is not None else {})
 
     def dispatch(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
@@ -126,6 +150,7 @@ class StorageTracker:
         self._fake_mode = fake_mode
         # the kernel rules of every feature, merged once (TrackerRules says what each table holds)
         self.scratch, self.outputs, self.subclass_types = merged(rules)
+        self._ruled = frozenset(self.scratch) | frozenset(self.outputs)  # the ops a kernel rule names
         self.trace = trace
         self.module_of = module_of  # returns the innermost running module's name
         self.phase = Phase.SETUP
@@ -317,10 +342,35 @@ class StorageTracker:
     def free_unseen(self, sid: int) -> None:
         self.trace.events.append((sid, -self.trace.storages[sid].nbytes))
 
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """``torch.empty_like(t)`` of a fake tensor, recorded as :meth:`dispatch` records that op (an ``empty_like``
+        temporary of the running module), for the allocations memest's own code makes where a library makes them
+        (features/activation_offload.py: torchtune's host copies and the copies back). The output is made as
+        FakeTensorMode's cache makes an op's output (a meta tensor of the op's sizes and strides in a FakeTensor,
+        torch 2.13 torch/_subclasses/fake_tensor.py ``_get_output_tensor_from_cache_entry``) without the mode's
+        per-op dispatch (its cache key), which costs 4.4 times more (benchmarks/trace-speed.md); tests/test_tracker.py
+        checks it against the op."""
+        mode = self._fake_mode
+        if mode.tracker is not self or mode._inside or not isinstance(t, FakeTensor) or EMPTY_LIKE in self._ruled:
+            return torch.empty_like(t)  # not a tracked op of this step, or a rule of some feature prices it
+        if t.layout == torch.strided and t.is_contiguous() and not t.is_contiguous(memory_format=torch.channels_last):
+            # the fake kernel (torch._refs.empty_like) gives a tensor contiguous and not also channels-last contiguous
+            # the identity permutation (torch._prims_common.compute_elementwise_output_logical_to_physical_perm's
+            # short-circuit): torch.empty of its shape (strides of size-1 dimensions made canonical too)
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                meta = torch.empty(t.shape, dtype=t.dtype, device=META)
+        else:  # the op's own meta kernel picks the strides
+            with in_kernel_invocation_manager(mode):
+                meta = EMPTY_LIKE(t)
+        out = FakeTensor(mode, meta, t.fake_device)
+        if not self.ignoring:
+            self.register(out, Category.TEMPORARIES, self._op_name(EMPTY_LIKE))
+        return out
+
     # -- dispatch ----------------------------------------------------------------------------
     def has_rule(self, func) -> bool:
         """Whether a feature's kernel rules (scratch or outputs) name ``func``: such an op is recorded whole."""
-        return func in self.scratch or func in self.outputs
+        return func in self._ruled
 
     def dispatch(self, func, types, args, kwargs, run):
         """One op called into the fake mode; ``run(func, types, args, kwargs)`` runs it there."""
@@ -329,13 +379,20 @@ class StorageTracker:
         if func is ITEM and self.phase is Phase.OPTIMIZER:
             # Adafactor reads param.norm().item() to scale its update: values cannot change memory
             return placeholder_scalar(args[0])
+        if func not in self._ruled:  # most ops: no kernel rule, their outputs recorded as the fake kernel makes them
+            out = run(func, types, args, kwargs)
+            if out is NotImplemented:
+                return out
+            self._register_outputs(out, self._op_name(func))
+            self._count_flops(func, args, kwargs, out)
+            return out
         sizes = list(self.scratch[func](args, kwargs or {})) if func in self.scratch else []
         late = [n for n in sizes if getattr(n, "after_outputs", False)]  # allocated by the kernel once its outputs exist
         scratch = self._scratch_alloc(func, [n for n in sizes if not getattr(n, "after_outputs", False)])
         out = run(func, types, args, kwargs)
         if out is NotImplemented:  # a wrapper subclass (DTensor) runs it as ops on its local tensors
             return out
-        name = func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
+        name = self._op_name(func)
         fix = self.outputs.get(func)
         late_positions = getattr(fix, "late", None)
         if fix is not None and late_positions is None:  # (a) replaced before they are recorded
@@ -348,6 +405,13 @@ class StorageTracker:
         if late_positions is not None:  # (b) made by the kernel after its scratch is freed
             out = fix(args, kwargs or {}, out, self._empty(run))
             self._register_outputs(out, f"{name} (kernel output)")
+        self._count_flops(func, args, kwargs, out)
+        return out
+
+    def _op_name(self, func) -> str:
+        return func.__name__ if self.label is None else f"{func.__name__} ({self.label})"
+
+    def _count_flops(self, func, args, kwargs, out) -> None:
         flop_fn = FLOP_REGISTRY.get(func._overloadpacket)
         if flop_fn is not None:
             key = (self.iteration, self.phase, self.module_of())
@@ -357,7 +421,6 @@ class StorageTracker:
                 flops = 0  # FLOPs only price time; memory never depends on them
                 self.trace.uncounted_flop_ops.add(str(func))
             self.trace.flops[key] = self.trace.flops.get(key, 0) + flops
-        return out
 
     def _register_outputs(self, out, name: str) -> None:
         if isinstance(out, torch.Tensor):  # most ops

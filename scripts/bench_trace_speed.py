@@ -1,0 +1,128 @@
+"""Trace time of a step with and without a technique, interleaved in one process (A B, B A, A B, ...), as Markdown rows
+for benchmarks/trace-speed.md: the medians of wall and CPU (process) time over PAIRS pairs, the ops the tracker
+traced per step (StorageTracker.dispatch calls) and the metadata queries answered before it (prim.device, sizes,
+strides), and CPU ms per traced op; the ratio of the CPU minima too (the
+least disturbed run of each, on a shared machine).
+
+Usage: python scripts/bench_trace_speed.py [PAIRS]   (default 7)"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memest.features.registry import trace_step  # noqa: E402
+from memest.sources import load_source  # noqa: E402
+from memest.spec import RunSpec  # noqa: E402
+from memest.trace import tracker as tracker_module  # noqa: E402
+
+# (label, model, without, with): each spec traced on --target cuda
+CASES = [
+    ("--activation-offload torchtune", "hf:tests/configs/llama-tiny.json",
+     {"batch": 2, "seq": 64}, {"activation_offload": "torchtune"}),
+    ("--activation-offload torchtune", "hf:tests/configs/gpt2-tiny.json",
+     {"batch": 4, "seq": 64}, {"activation_offload": "torchtune"}),
+    ("--fp8 tensorwise", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw"}, {"fp8": "tensorwise"}),
+]
+
+
+class _Counting(dict):
+    """_DISPATCH_META_HANDLERS, counting the queries TrackingFakeMode answers from it."""
+
+    hits = 0
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if found is not None:
+            _Counting.hits += 1
+        return found
+
+
+def op_counts(source, spec: RunSpec) -> tuple[int, int]:
+    """(ops the tracker traced: dispatched ones and StorageTracker.empty_like's, metadata queries answered before
+    it) in one traced step (not timed)."""
+    calls = 0
+    dispatch, empty_like = tracker_module.StorageTracker.dispatch, tracker_module.StorageTracker.empty_like
+
+    def counting(method):
+        def counted(self, *args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
+    handlers = tracker_module._DISPATCH_META_HANDLERS
+    tracker_module.StorageTracker.dispatch = counting(dispatch)
+    tracker_module.StorageTracker.empty_like = counting(empty_like)
+    tracker_module._DISPATCH_META_HANDLERS = _Counting(handlers)
+    _Counting.hits = 0
+    try:
+        trace_step(source, spec)
+    finally:
+        tracker_module.StorageTracker.dispatch, tracker_module.StorageTracker.empty_like = dispatch, empty_like
+        tracker_module._DISPATCH_META_HANDLERS = handlers
+    return calls, _Counting.hits
+
+
+def empty_like_cost(rounds: int, calls: int = 500) -> tuple[float, float]:
+    """Median CPU us per call of torch.empty_like dispatched into a tracked fake mode and of StorageTracker.empty_like
+    (the same record), on a contiguous 2 x 64 x 128 float32 fake tensor, interleaved."""
+    import torch
+
+    from memest.trace.events import Trace
+
+    mode = tracker_module.TrackingFakeMode()
+    times: dict[str, list[float]] = {"op": [], "shortcut": []}
+    with mode:
+        t = torch.randn(2, 64, 128)
+        with tracker_module.StorageTracker(Trace(), lambda: "", mode) as tracker:
+            makers = {"op": torch.empty_like, "shortcut": tracker.empty_like}
+            for _ in range(rounds):
+                for key, make in makers.items():
+                    start = time.process_time()
+                    for _ in range(calls):
+                        make(t)
+                    times[key].append(1e6 * (time.process_time() - start) / calls)
+    return statistics.median(times["op"]), statistics.median(times["shortcut"])
+
+
+def main(pairs: int) -> None:
+    op, shortcut = empty_like_cost(pairs)
+    print(f"torch.empty_like through the tracked fake mode: {op:.1f} CPU us per call; StorageTracker.empty_like: "
+          f"{shortcut:.1f} (median of {pairs} rounds of 500 calls each, interleaved)\n")
+    print("| technique | model | step | without: wall s / CPU s | with: wall s / CPU s | wall ratio | CPU ratio | CPU ratio of minima | "
+          "ops traced without / with | metadata queries without / with | CPU ms per op without / with |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, model, base, extra in CASES:
+        source = load_source(model)
+        specs = {"without": RunSpec(model=model, target="cuda", **base),
+                 "with": RunSpec(model=model, target="cuda", **base, **extra)}
+        for spec in specs.values():  # warm-up: imports, torchao's conversion, caches
+            trace_step(source, spec)
+        wall: dict[str, list[float]] = {k: [] for k in specs}
+        cpu: dict[str, list[float]] = {k: [] for k in specs}
+        for i in range(pairs):
+            for key, spec in sorted(specs.items(), reverse=i % 2 == 1):  # A B, B A, A B, ...
+                start, start_cpu = time.perf_counter(), time.process_time()
+                trace_step(source, spec)
+                wall[key].append(time.perf_counter() - start)
+                cpu[key].append(time.process_time() - start_cpu)
+        counts = {k: op_counts(source, spec) for k, spec in specs.items()}
+        w = {k: statistics.median(v) for k, v in wall.items()}
+        c = {k: statistics.median(v) for k, v in cpu.items()}
+        step = " ".join(f"{k}={v}" for k, v in base.items())
+        print(f"| {label} | {model} | {step} | {w['without']:.3f} / {c['without']:.3f} | {w['with']:.3f} / "
+              f"{c['with']:.3f} | {w['with'] / w['without'] - 1:+.1%} | {c['with'] / c['without'] - 1:+.1%} | "
+              f"{min(cpu['with']) / min(cpu['without']) - 1:+.1%} | "
+              f"{counts['without'][0]:,} / {counts['with'][0]:,} | {counts['without'][1]:,} / {counts['with'][1]:,} | "
+              f"{1000 * c['without'] / counts['without'][0]:.3f} / {1000 * c['with'] / counts['with'][0]:.3f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)

@@ -1,0 +1,49 @@
+"""A digest of every traced Trace (sha256 of dataclasses.asdict: every StorageRecord, event, phase mark, module
+record, FLOP count, note) for a set of steps, as JSON: run it on two checkouts and compare, to show that a change
+to the tracer changes no byte of any trace. Usage: PYTHONPATH=CHECKOUT python scripts/trace_digest.py OUT.json"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+
+from memest.features.registry import trace_step
+from memest.sources import load_source
+from memest.spec import RunSpec
+
+LLAMA, GPT2 = "hf:tests/configs/llama-tiny.json", "hf:tests/configs/gpt2-tiny.json"
+SPECS = [
+    dict(model=LLAMA, batch=2, seq=64, target="cuda"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", activation_offload="torchtune"),
+    dict(model=GPT2, batch=4, seq=64, target="cuda", activation_offload="torchtune"),
+    dict(model=LLAMA, batch=2, seq=64, target="cpu", optim="sgd", activation_offload="torchtune"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", activation_offload="torchtune", precision="bf16-mixed",
+         checkpointing="blocks"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", activation_offload="save-on-cpu"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw", fp8="tensorwise"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw", fp8="rowwise",
+         precision="bf16-mixed"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cpu", optim="sgd", fp8="tensorwise"),
+    dict(model=LLAMA, batch=2, seq=128, target="cuda", fp8="tensorwise", checkpointing="blocks"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", mode="inference"),
+    dict(model="hf:tests/configs/mixtral-tiny.json", batch=2, seq=64, target="cuda", shard="zero3", world_size=2),
+]
+
+
+def main(out: str) -> None:
+    digests = {}
+    for spec in SPECS:
+        key = json.dumps(spec, sort_keys=True)
+        trace = trace_step(load_source(spec["model"]), RunSpec(**spec))
+        text = repr(dataclasses.asdict(trace))
+        digests[key] = [hashlib.sha256(text.encode()).hexdigest(), len(trace.events), trace.peak()[0]]
+        print(key, digests[key], flush=True)
+    with open(out, "w") as f:
+        json.dump(digests, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
