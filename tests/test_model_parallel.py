@@ -14,6 +14,8 @@ other runs). A late free only ever lifts a measurement, so where the ranks read 
 for real again (up to four more runs) and each rank's lowest peak is compared (conftest.lowest_of_runs); a low estimate still fails.
 """
 
+import functools
+
 import pytest
 
 from memest.errors import MemestError
@@ -161,6 +163,16 @@ def _activation_peak(trace) -> int:
     return best
 
 
+@functools.cache
+def _stage_activation_peak(stage, schedule, pp, virtual, split) -> int:
+    """A traced llama-tiny-4l stage's activation peak (M = 8), traced once per stage and schedule in this file: the
+    GPipe middle stage is both the unit (one micro-batch of one layer) and a stage checked against the schedule."""
+    ref = model_ref("hf:llama-tiny-4l")
+    spec = RunSpec(model=ref, batch=1, seq=32, target="cpu", world_size=pp, pp=pp, pp_stage=stage, microbatches=8,
+                   pp_schedule=schedule, pp_virtual=virtual, pp_split=split)
+    return _activation_peak(trace_step(load_source(ref), spec))
+
+
 # interleaved: every rank of 2 x 2 stages holds the embedding or the head, whose activations differ
 # (rank 0: +32 KiB over 5 one-layer micro-batches); it is proven against its real run above
 @pytest.mark.parametrize(("schedule", "pp", "virtual", "ranks"), [("1f1b", 4, 0, (1, 2)), ("gpipe", 4, 0, (1,))])
@@ -170,14 +182,8 @@ def test_traced_activations_are_the_schedules_micro_batches_in_flight(schedule, 
     of one layer (measured on a GPipe middle stage)."""
     from memest.parallel.pipeline_schedule import in_flight
 
-    ref = model_ref("hf:llama-tiny-4l")
     split = ""
-
-    def trace(stage, schedule, pp, virtual, split):
-        spec = RunSpec(model=ref, batch=1, seq=32, target="cpu", world_size=pp, pp=pp, pp_stage=stage, microbatches=8,
-                       pp_schedule=schedule, pp_virtual=virtual, pp_split=split)
-        return _activation_peak(trace_step(load_source(ref), spec))
-
+    trace = _stage_activation_peak
     one = trace(1, "gpipe", 4, 0, "") / 8  # one micro-batch of one layer
     assert one > 0
     held = in_flight(schedule, pp, virtual or 1, 8)
@@ -246,15 +252,35 @@ PP_GLOO = {  # id -> (model, RunSpec changes)
 }
 
 
+def _pp_spec(case) -> RunSpec:
+    model, changes = PP_GLOO[case]
+    return RunSpec(model=model_ref(model), batch=2, seq=32, optim="adamw", target="cpu", pp=2, microbatches=4, **changes)
+
+
+@pytest.fixture(scope="module")
+def pp_measured():
+    """Case -> per-rank measurements of PP_GLOO's gloo cases: each world size's cases run in one launch (every rank
+    runs them one after another, as the ``measured`` fixture's cases do), on first use."""
+    cache: dict[int, dict] = {}
+
+    def get(case) -> list[dict]:
+        world_size = _pp_spec(case).world_size
+        if world_size not in cache:
+            cases = [c for c in PP_GLOO if _pp_spec(c).world_size == world_size]
+            cache[world_size] = dict(zip(cases, measure_distributed_peaks([_pp_spec(c) for c in cases]), strict=True))
+        return cache[world_size][case]
+
+    return get
+
+
 @pytest.mark.parametrize("case", list(PP_GLOO))
-def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case):
+def test_pipeline_x_data_or_tensor_parallel_matches_real_gloo_ranks(case, pp_measured):
     """Pipeline 2 x FSDP2 2, pipeline 2 x TP 2 (+ SP, and x FSDP2): real gloo processes, each running its stage with
     FSDP2's / TP's collectives on real gloo groups; the pipeline dimension's group is a fake one in all (its
     transfers move no data: pytorch#132644). Each stage's first rank traced against its measured peak."""
-    model, changes = PP_GLOO[case]
-    spec = RunSpec(model=model_ref(model), batch=2, seq=32, optim="adamw", target="cpu", pp=2, microbatches=4, **changes)
+    spec = _pp_spec(case)
     gloo = spec.world_size > spec.pp
-    real = measure_distributed_peaks([spec])[0] if gloo else measure_pipeline_stage_peaks(spec)
+    real = pp_measured(case) if gloo else measure_pipeline_stage_peaks(spec)
     for stage in range(spec.pp):
         one = RunSpec(**{**spec.to_dict(), "pp_stage": stage})
         trace = trace_step(load_source(spec.model), one)
