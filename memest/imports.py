@@ -9,6 +9,16 @@ import os
 import sys
 import tempfile
 
+# One forkserver serves a process, preloaded by whoever starts it first (multiprocessing's set_forkserver_preload):
+# the planner's pool (plan/parallel.py) and the gloo ground truth (validate/distributed_truth.py) both preload this
+# list, so either one's forkserver serves the other. transformers imports its modules lazily: ``import transformers``
+# alone leaves modeling_utils (and what it pulls in), the generation mixin, masks and processors to the first model
+# built in each child; preloaded, a 2-rank llama-tiny TP 2 + SP rank took 9-12 s instead of 37 s (2026-11-28, 2 cores,
+# load 6 to 7, the same peak to the byte).
+FORKSERVER_PRELOAD = ["memest.estimator", "memest.sources.hf", "transformers", "transformers.modeling_utils",
+                      "transformers.modeling_layers", "transformers.generation.utils", "transformers.masking_utils",
+                      "transformers.processing_utils"]
+
 
 @contextlib.contextmanager
 def imports_without_gc():

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memest.errors import MemestError
+from memest.imports import FORKSERVER_PRELOAD
 from memest.parallel.dims import ParallelDims
 from memest.plan import parallel_bounds
 from memest.spec import RunSpec
@@ -402,7 +403,7 @@ class _Tracer:
             import multiprocessing
 
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["memest.estimator", "memest.sources.hf"])  # imported once per process
+            context.set_forkserver_preload(FORKSERVER_PRELOAD)  # imported once per process (imports.py)
             self.pool = concurrent.futures.ProcessPoolExecutor(self.workers - 1, mp_context=context)
         return self.pool
 

@@ -16,7 +16,6 @@ import glob
 import json
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -29,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 from memest.features.registry import build, run_step
+from memest.imports import FORKSERVER_PRELOAD
 from memest.parallel.distributed import fake_process_group, wrap
 from memest.parallel.expert_parallel import route_as
 from memest.sources import load_source
@@ -37,14 +37,7 @@ from memest.spec.choices import CompileScope, Target
 from memest.trace.step import LoopState
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
 
-PRELOAD = ["memest.validate.distributed_truth"]
-# transformers imports its modules lazily: ``import transformers`` alone leaves modeling_utils (and what it pulls in:
-# quantizers, integrations), the generation mixin, masks and processors to the first model built, i.e. to every rank
-# of every launch, after the fork. Imported once in the forkserver instead: measured on a 2-rank llama-tiny TP 2 + SP
-# run (2026-11-28, 2 cores, load 6 to 7), each rank's time from 37 s to 9-12 s, the same peak to the byte; a rank
-# then imports only its model family's module. Nothing here runs inside the profiled step.
-HF_PRELOAD = ["transformers", "transformers.modeling_utils", "transformers.modeling_layers",
-              "transformers.generation.utils", "transformers.masking_utils", "transformers.processing_utils"]
+PRELOAD = ["memest.validate.distributed_truth", *FORKSERVER_PRELOAD]  # imports.FORKSERVER_PRELOAD says why
 
 
 def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int = 1) -> list[list[dict]]:
@@ -56,10 +49,7 @@ def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int 
     world_size = specs[0].world_size
     assert all(s.world_size == world_size and s.target == Target.CPU for s in specs), "one --world-size, --target cpu"
     ctx = mp.get_context("forkserver")
-    # the preload takes effect when the forkserver first starts, and that one serves this process's later launches:
-    # transformers' modules are preloaded where this launch builds one of its models or this process imported it
-    hf = any(s.model.startswith("hf:") for s in specs) or "transformers" in sys.modules
-    ctx.set_forkserver_preload(PRELOAD + (HF_PRELOAD if hf else []))
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process's forkserver first starts
     with tempfile.TemporaryDirectory(prefix="memest-dist-") as out_dir:
         mp.start_processes(
             _rank_main,
