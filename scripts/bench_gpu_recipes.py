@@ -264,8 +264,8 @@ SKIPPED = [  # published figures of these recipes not scored, and why (no number
          why="torch.compile and Float8 on in every row (AsyncTP too in 4-6)"),
     dict(source="https://github.com/pytorch/ao/pull/1629",
          runs="Llama 3 8B on 8 H100 (torchtitan), float8 rowwise: 67 -> 59 GiB with the FSDP workaround",
-         why="Float8 under FSDP2 (memest refuses --fp8 with --world-size); the toml, compile and AC settings of "
-             "the run are not stated"),
+         why="the toml, compile and activation-checkpointing settings of the run are not stated (memest traces "
+             "float8 under FSDP2 but refuses it with --compile)"),
     dict(source=scale.TT_H200, runs="Llama 3.1 8B FSDP on 32 / 64 H200: 47.96 / 46.97 GiB",
          why="torch.compile + Float8 with float8 all-gather"),
     dict(source="https://github.com/pytorch/torchtitan/pull/97",
@@ -284,15 +284,14 @@ SKIPPED = [  # published figures of these recipes not scored, and why (no number
 ]
 
 _TT_STREAMS = (
-    "Not isolated; memest reads below the run. Candidates, each sized from the row: (1) one caching-allocator pool "
-    "per CUDA stream is not modelled (memest/device/usage.py: 'the real allocator holds more, not less'): FSDP2 "
-    "all-gathers on its own stream (one 8B block's bf16 weights, 0.41 GiB, two in flight with prefetch) and "
-    "reduce-scatters on another (a block's fp32 unsharded gradients, 0.81 GiB), and those streams keep cached "
-    "segments memest's one-stream replay reuses; (2) torchtitan keeps the last block unsharded after forward "
-    "(+0.41 GiB at the loss, see the notes); (3) the peak op: memest's is the log-softmax backward of the loss (the "
-    "fp32 logits of 2 x 8192 tokens x 128256 are 7.83 GiB each), the run's is not stated. Ruled out by a trace: the "
-    "model code (transformers' Llama in place of torchtitan's): the Isolations table traces torchtitan 9dec370's own "
-    "Llama 3.1 8B for Table 1 and compares its reserved figure with this row's.")
+    "Until a81bcd4 memest read 2-8% below these four runs and outside its range: its caching-allocator replay kept "
+    "one pool for every CUDA stream, while FSDP2 all-gathers on its copy-in stream and reduce-scatters on another (the "
+    "fp32 gradient shards are views of the reduce-scatter output) and the real allocator re-uses a freed block only on "
+    "its own stream. Replayed per stream (memest/device/allocator.py), the four rows moved to within 0.8%. Other "
+    "candidates named before, none isolated: torchtitan keeps the last block unsharded after forward (+0.41 GiB at the "
+    "loss, see the notes); the peak op (memest's is the log-softmax backward of the loss, the fp32 logits of 2 x 8192 "
+    "tokens x 128256 are 7.83 GiB each; the run's is not stated). Ruled out by a trace: the model code (transformers' "
+    "Llama in place of torchtitan's), the Isolations table.")
 _TT_COMPILE = (
     "With compile: memest's compiled blocks hold 5.87 GiB less than its eager row at the same peak (the loss's "
     "log-softmax backward, iteration 2), on 8 and on 128 GPUs alike; the run's reserved figure drops {run} with "
