@@ -126,6 +126,10 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
         raise MemestError("--activation-offload torchtune with --target cpu: torchtune's OffloadActivations runs on CUDA "
                           "only (its __init__ calls torch.cuda.default_stream(), its unpack .to(\"cuda\")); use "
                           "--target cuda")
+    if spec.target == Target.CPU and spec.activation_offload == ActivationOffload.TRL:
+        raise MemestError("--activation-offload trl with --target cpu: trl's OffloadActivations needs an accelerator "
+                          "(trl/models/activation_offloading.py l. 151: torch.accelerator.current_accelerator() is None "
+                          "on a CPU, an AttributeError in __init__); use --target cuda")
     source = source or load_source(spec.model)
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it

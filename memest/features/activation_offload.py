@@ -179,6 +179,8 @@ TT_MAX_FWD_STASH_SIZE = 5  # OffloadActivations(max_fwd_stash_size=5), l. 70
 
 def rules_source(choice: ActivationOffload) -> str:
     """Whose rule the mode prices (the report's activation offload row, JSON ``activation_host.rules``)."""
+    if choice == ActivationOffload.TRL:
+        return trl_rules_source()
     if choice == ActivationOffload.TORCHTUNE:
         return (f"OffloadActivations(use_pin_memory=True, use_streams=True, max_fwd_stash_size="
                 f"{TT_MAX_FWD_STASH_SIZE}, min_offload_size={TT_MIN_OFFLOAD_SIZE}) + NoOpManager on the output head, "
@@ -412,3 +414,279 @@ class TorchtuneOffloadFeature(ActivationOffloadFeature):
                    else "no output head found: every layer offloads (torchtune warns the same)")
                 + "; the loss after the model saves on the device (the recipes' context holds the forward only); "
                 "the copies' timing is not modelled (streams synchronous here)"]
+
+
+# -- --activation-offload trl: trl's port of OffloadActivations ---------------------------------------------------
+TRL_FILE = "trl/models/activation_offloading.py"
+TRL_SOURCE = f"trl 1.16 {TRL_FILE} (a port of torchtune's, with its own rules)"
+TRL_FP8_CLASSES = ("Float8TrainingTensor", "ScaledMMConfig", "LinearMMConfig")  # kept on the device, l. 246
+
+
+def trl_rules_source() -> str:
+    return (f"OffloadActivations(use_pin_memory=True, use_streams=True, min_offload_size={TT_MIN_OFFLOAD_SIZE}, "
+            f"max_fwd_stash_size={TT_MAX_FWD_STASH_SIZE}) + NoOpManager on the output head, as "
+            "get_act_offloading_ctx_manager(model) sets it up for SFT/DPO/KTO/Reward trainers' "
+            f"activation_offloading=True, its context around the whole training_step ({TRL_SOURCE})")
+
+
+class TrlRules(TorchtuneRules):
+    """trl's OffloadActivations (``TRL_FILE``, line numbers of trl 1.16): torchtune's class (``TorchtuneRules``: the
+    same stashes, eviction and backward hooks) with trl's own pack rules, l. 200-340, in this order:
+
+    - l. 220-225: with streams, a tensor whose storage key (data_ptr + storage_offset, dtype; l. 53-80) is already
+      tracked (an offloaded tensor still in the fwd stash, or a tensor kept by this rule) stays on the device;
+    - l. 228: a tensor not on the accelerator stays (torchtune copies it);
+    - l. 233, 238: under ``min_offload_size`` bytes, a Parameter or Buffer: stays (as torchtune);
+    - l. 246: a torchao float8 tensor stays; l. 257: a tensor sharing a parameter's storage stays (torchtune
+      offloads a view of a weight);
+    - l. 267-278: a non-contiguous or offset view is first cloned contiguous on the device (a device allocation the
+      fwd stash then holds); a broadcast view (a 0 stride) copies its whole storage (l. 303-316).
+
+    ``storage_key(t)`` identifies a storage (its address on a GPU), ``is_device(t)`` says the tensor is in device
+    memory, ``param_storages`` the parameters' storages (``update_model_params``, l. 545-575)."""
+
+    def __init__(self, to_host, to_device, storage_key, is_device, param_storages, use_streams: bool = True) -> None:
+        super().__init__(to_host, to_device, use_streams=use_streams)
+        self.storage_key, self.is_device, self.param_storages = storage_key, is_device, param_storages
+        self.storage_to_tensor_id: dict = {}  # l. 141-142
+        self._storage_key_by_tensor_id: dict = {}
+        self.cloned = 0  # views cloned contiguous on the device before their copy (l. 273-278)
+
+    def enter(self) -> None:  # __enter__, l. 577-604: a step starts afresh
+        self.tracker.clear()
+        self.storage_to_tensor_id.clear()
+        self._storage_key_by_tensor_id.clear()
+        self.tensor_id = 0
+        self.is_first_forward_call = self.is_first_backward_call = True
+        self.bwd_tensor_stash.clear()
+        self.bwd_ev_stash.clear()
+        self.fwd_stash.clear()
+
+    def _track(self, key, tensor_id) -> None:  # track_storage_key, l. 190-192
+        self.storage_to_tensor_id[key] = tensor_id
+        self._storage_key_by_tensor_id[tensor_id] = key
+
+    def _release(self, tensor_id) -> None:  # release_storage_key, l. 194-197
+        key = self._storage_key_by_tensor_id.pop(tensor_id, None)
+        if key is not None and self.storage_to_tensor_id.get(key) == tensor_id:
+            del self.storage_to_tensor_id[key]
+
+    def _keep(self, activation, tensor_id) -> int:
+        self.tracker[tensor_id] = (activation, False, None, None, None)
+        return tensor_id
+
+    def pack(self, activation: torch.Tensor) -> int:  # pack_tensor, l. 200-340
+        if self.is_first_forward_call:  # l. 202-211
+            self.is_first_forward_call, self.is_first_backward_call = False, True
+            self.storage_to_tensor_id, self._storage_key_by_tensor_id = {}, {}
+        num_bytes = activation.element_size() * activation.nelement()  # l. 186-188
+        self.tensor_id += 1
+        tensor_id = self.tensor_id
+        key = (self.storage_key(activation), activation.storage_offset(), activation.dtype)  # l. 220, 53-80
+        if self.use_streams and key in self.storage_to_tensor_id:  # l. 221-225
+            self._keep(activation, tensor_id)
+            self._track(key, tensor_id)
+            return tensor_id
+        if (not self.is_device(activation) or num_bytes < self.min_tensor_size_bytes  # l. 228, 233
+                or isinstance(activation, torch.nn.Parameter | torch.nn.Buffer)  # l. 238
+                or type(activation).__name__ in TRL_FP8_CLASSES  # l. 246
+                or self.storage_key(activation) in self.param_storages):  # l. 251-262
+            return self._keep(activation, tensor_id)
+        has_broadcast = 0 in activation.stride()  # l. 267
+        if not has_broadcast and (not activation.is_contiguous() or activation.storage_offset() != 0):  # l. 273-278
+            self.cloned += 1
+            activation = (activation.clone(memory_format=torch.contiguous_format) if activation.storage_offset() != 0
+                          else activation.contiguous())
+        evicted = None
+        if self.use_streams:  # l. 280-291, as torchtune: ``_, ev = ...`` holds the last evicted tensor till return
+            for id_ in list(self.fwd_stash):
+                if id_ <= tensor_id - self.max_fwd_stash_size:
+                    evicted = self.fwd_stash.pop(id_)
+                    self._release(id_)
+                else:
+                    break
+        stride, offset, shape = activation.stride(), activation.storage_offset(), activation.size()  # l. 294-296
+        if has_broadcast:  # l. 303-316: the whole storage, as a 1-d tensor of its elements
+            flat = torch.as_strided(activation, size=(activation.untyped_storage().nbytes() // activation.element_size(),),
+                                    stride=(1,), storage_offset=0)
+            cpu_tensor = self.to_host(flat)
+        else:  # l. 318-320
+            cpu_tensor = self.to_host(activation)
+        self.tracker[tensor_id] = (cpu_tensor, True, stride, offset, shape)  # l. 323-329
+        del evicted
+        if self.use_streams:  # l. 331-338
+            self.fwd_stash[tensor_id] = activation
+            self._track(key, tensor_id)
+        return tensor_id
+
+    def _back(self, entry) -> torch.Tensor:  # l. 364-375, 436-447: .to(accelerator) + as_strided to the saved layout
+        tensor, _, stride, offset, shape = entry
+        tensor = self.to_device(tensor)
+        return torch.as_strided(tensor, size=shape, stride=stride, storage_offset=offset) if stride is not None \
+            else tensor
+
+    def _unpack_single(self, unpack_tensor_id: int) -> torch.Tensor:  # unpack_tensor_single_stream, l. 342-383
+        if self.is_first_backward_call:
+            self.is_first_backward_call = False
+        entry = self.tracker[unpack_tensor_id]
+        tensor = self._back(entry) if entry[1] else entry[0]
+        del self.tracker[unpack_tensor_id]
+        self._release(unpack_tensor_id)
+        if not self.tracker:  # l. 381-382
+            self.is_first_forward_call = True
+        return tensor
+
+    def _unpack_streams(self, unpack_tensor_id: int) -> torch.Tensor:  # unpack_tensor_with_streams, l. 385-535
+        if self.is_first_backward_call:
+            self.curr_graph_id = torch._C._current_graph_task_id()
+
+            def wait_and_del_remaining_references() -> None:  # l. 391-397
+                for id_ in list(self.bwd_tensor_stash):
+                    del self.bwd_tensor_stash[id_]
+
+            torch.autograd.variable.Variable._execution_engine.queue_callback(wait_and_del_remaining_references)
+            self.is_first_backward_call = False
+        entry = self.tracker[unpack_tensor_id]
+        tensor = entry[0]
+        if entry[1]:
+            graph_id = torch._C._current_graph_task_id()
+            node = torch._C._current_autograd_node()
+            prev_node_ids = []
+            if graph_id == self.curr_graph_id and self.curr_autograd_node != node:  # l. 424-426
+                self.curr_autograd_node = node
+                prev_node_ids = list(self.bwd_tensor_stash)
+            brought_back = unpack_tensor_id not in self.fwd_stash
+            if not brought_back:  # l. 429-431
+                tensor = self.fwd_stash[unpack_tensor_id]
+            else:  # l. 432-471
+                tensor = self._back(entry)
+                self.bwd_tensor_stash[unpack_tensor_id] = tensor
+                storage_refcount = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+            def hook(outputs, inputs):  # l. 473-524
+                if brought_back and unpack_tensor_id in self.bwd_tensor_stash:  # l. 492: trl's guard
+                    unpacked = self.bwd_tensor_stash[unpack_tensor_id]
+                    if torch._C._storage_Use_Count(unpacked.untyped_storage()._cdata) > storage_refcount:
+                        del self.bwd_tensor_stash[unpack_tensor_id]  # record_stream(s0), l. 500-502
+                        self.record_streams += 1
+                    else:
+                        self.bwd_ev_stash[unpack_tensor_id] = True
+                for id_ in list(self.fwd_stash):  # l. 508-512
+                    del self.fwd_stash[id_]
+                    self._release(id_)
+                for id_ in prev_node_ids:  # l. 515-522: trl's guards, no KeyError
+                    self.bwd_ev_stash.pop(id_, None)
+                    self.bwd_tensor_stash.pop(id_, None)
+                return outputs
+
+            node.register_hook(hook)
+        del self.tracker[unpack_tensor_id]  # l. 529-534
+        self._release(unpack_tensor_id)
+        if not self.tracker:
+            self.is_first_forward_call = True
+        return tensor
+
+
+def trl_output_heads(model) -> list[torch.nn.Module]:
+    """The modules get_act_offloading_ctx_manager puts under its NoOpManager (l. 697-760): the first of ``output``
+    (or ``output.linear``), ``lm_head``, ``decoder.output`` / ``decoder.lm_head``, ``final_layer_norm`` / ``ln_f``,
+    ``head``, on the model unwrapped from ``.module`` and a PEFT model's ``base_model``; then every module whose
+    name contains "liger"."""
+    if model is None:
+        return []
+    base = getattr(model, "module", model)  # l. 698-700
+    if hasattr(base, "base_model") and hasattr(base, "peft_config"):  # l. 702-703
+        base = base.base_model
+    head = None
+    if hasattr(base, "output"):  # l. 706-714
+        out = base.output
+        head = out if isinstance(out, torch.nn.Module) else getattr(out, "linear", None)
+    elif hasattr(base, "lm_head"):  # l. 717-720
+        head = base.lm_head
+    elif hasattr(base, "decoder"):  # l. 723-733
+        head = getattr(base.decoder, "output", None) or getattr(base.decoder, "lm_head", None)
+    elif hasattr(base, "final_layer_norm") or hasattr(base, "ln_f"):  # l. 736-740
+        head = getattr(base, "final_layer_norm", None) or base.ln_f
+    elif isinstance(getattr(base, "head", None), torch.nn.Module):  # l. 743-746
+        head = base.head
+    heads = [head] if isinstance(head, torch.nn.Module) else []
+    return heads + [m for name, m in base.named_modules() if "liger" in name.lower()]  # l. 757-760
+
+
+class TrlOffloadFeature(TorchtuneOffloadFeature):
+    """--activation-offload trl: trl's OffloadActivations rules (``TrlRules``) on every tensor the training step
+    saves (trl's trainers enter the context around ``training_step``: the model's forward, the loss and backward),
+    none of the output head's (its NoOpManager, ``trl_output_heads``). Each model forward with nothing left
+    unpacked starts a step (``__enter__`` clears the class's state)."""
+
+    def __init__(self, choice: ActivationOffload, moves: bool) -> None:
+        super().__init__(choice, moves)
+        self.params: set = set()
+        self.heads: list[str] = []  # the NoOpManager's modules' classes (the trace releases its model before finish)
+
+    def _key(self, t: torch.Tensor):
+        if self._step is not None:
+            sid = self._step.tracker.storage_id(t)
+            if sid is not None:
+                return sid
+        return ("storage", t.untyped_storage()._cdata)  # a real run: the storage itself (its address on a GPU)
+
+    def _is_device(self, t: torch.Tensor) -> bool:
+        if self._step is not None:
+            return isinstance(t, FakeTensor)  # a real tensor in a trace is host memory (the CPU RNG state)
+        return True  # the real runs this loop serves keep the step's tensors in the device's place
+
+    def pack_saved(self, t: torch.Tensor):
+        if not self.in_model or self.in_head:
+            return t
+        if self.offload_rules is None:
+            self.offload_rules = TrlRules(self._to_host, self._to_device, self._key, self._is_device, self.params,
+                                          use_streams=self.use_streams)
+        before = self.copies
+        packed = self.offload_rules.pack(t)
+        if self.copies == before:
+            self.kept += 1
+        else:
+            self.offloaded += 1
+        return packed
+
+    @contextlib.contextmanager
+    def _scopes(self, model):
+        self.params.clear()
+        self.params.update(self._key(p) for p in model.parameters())  # update_model_params, l. 545-575
+
+        def start(*args):
+            self.in_model = True
+            if self.offload_rules is not None and not self.offload_rules.tracker:
+                self.offload_rules.enter()
+
+        def flag(value):
+            return lambda *args: setattr(self, "in_head", value)
+
+        handles = [model.register_forward_pre_hook(start)]
+        self.heads = [type(head).__name__ for head in trl_output_heads(model)]
+        for head in trl_output_heads(model):
+            handles += [head.register_forward_pre_hook(flag(True)),
+                        head.register_forward_hook(flag(False), always_call=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.in_model = self.in_head = False
+
+    def finish(self, step) -> list[str]:
+        heads = self.heads
+        peak = saved_copies_peak(step.trace)
+        return [f"--activation-offload trl: {trl_rules_source()}: every tensor the training step saves of at least "
+                f"{TT_MIN_OFFLOAD_SIZE} B that is not a parameter, a view of one's storage, or a second save of a "
+                f"storage still in the fwd stash is copied to pinned host memory ({self.offloaded} offloaded, "
+                f"{self.kept} kept on the device per traced step; views are cloned contiguous on the device first); "
+                f"the last {TT_MAX_FWD_STASH_SIZE} offloaded stay on the device until the next offload past them, "
+                f"backward keeps each tensor it brings back until the next node that brings one back has run; "
+                f"{format_bytes(peak)} peak in host memory; "
+                + (f"the output head ({heads[0]}) saves on the device (its NoOpManager)" if heads
+                   else "no output head found: every layer offloads (trl warns the same)")
+                + "; the loss offloads too (the context holds the whole training_step); the copies' timing is not "
+                "modelled (streams synchronous here); a freed storage's address reused within the fwd stash (which "
+                "trl would take for the same storage) is not modelled"]

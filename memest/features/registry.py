@@ -5,7 +5,7 @@ Adding a technique: a StepFeature (features/base.py) in its own module, one line
 
 from __future__ import annotations
 
-from memest.features.activation_offload import ActivationOffloadFeature, TorchtuneOffloadFeature
+from memest.features.activation_offload import ActivationOffloadFeature, TorchtuneOffloadFeature, TrlOffloadFeature
 from memest.features.base import StepFeature
 from memest.features.checkpointing import CheckpointingFeature
 from memest.features.compiled import CompileFeature
@@ -39,8 +39,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
     if spec.checkpointing != "none":
         features.append(CheckpointingFeature())
     if spec.activation_offload != ActivationOffload.NONE:  # saved tensors to host memory (save_on_cpu's hooks)
-        kind = TorchtuneOffloadFeature if spec.activation_offload == ActivationOffload.TORCHTUNE else \
-            ActivationOffloadFeature  # torchtune's OffloadActivations rules, or save_on_cpu's hooks
+        kind = {ActivationOffload.TORCHTUNE: TorchtuneOffloadFeature, ActivationOffload.TRL: TrlOffloadFeature}.get(
+            spec.activation_offload, ActivationOffloadFeature)  # torchtune's or trl's OffloadActivations, or save_on_cpu
         features.append(kind(spec.activation_offload, ActivationOffloadFeature.moves_for(spec)))
     if spec.preference == Preference.GRPO:  # trl GRPOTrainer's generation + training step (features/grpo.py)
         features.append(GRPOFeature(spec))

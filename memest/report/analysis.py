@@ -226,7 +226,8 @@ def _activation_host(trace: Trace, spec: RunSpec) -> dict | None:
     if spec.activation_offload == ActivationOffload.NONE:
         return None
     return {"mode": spec.activation_offload.value,
-            "pinned": spec.activation_offload in (ActivationOffload.SAVE_ON_CPU_PINNED, ActivationOffload.TORCHTUNE),
+            "pinned": spec.activation_offload in (ActivationOffload.SAVE_ON_CPU_PINNED, ActivationOffload.TORCHTUNE,
+                                                 ActivationOffload.TRL),
             "host_peak_bytes": trace.host_peak(saved=True), "rules": rules_source(spec.activation_offload)}
 
 

@@ -166,6 +166,7 @@ class ActivationOffload(Choice):
     SAVE_ON_CPU = "save-on-cpu"  # torch.autograd.graph.save_on_cpu(pin_memory=False)
     SAVE_ON_CPU_PINNED = "save-on-cpu-pinned"  # torch.autograd.graph.save_on_cpu(pin_memory=True)
     TORCHTUNE = "torchtune"  # torchtune 0.6.1's OffloadActivations (use_streams=True) + NoOpManager on the output head
+    TRL = "trl"  # trl 1.16's port of it (trl/models/activation_offloading.py), around the whole training_step
 
 
 class Fp8(Choice):
