@@ -296,6 +296,22 @@ def test_training_args_fsdp_and_deepspeed(tmp_path):
     assert cfg.unknown == []
 
 
+def test_trl_activation_offloading_maps_to_the_trl_rules(tmp_path):
+    """trl's SFTConfig(activation_offloading=True), dumped as trl writes it: memest's --activation-offload trl."""
+    trl = pytest.importorskip("trl")
+    on = json.loads(trl.SFTConfig(output_dir=str(tmp_path), bf16=False, activation_offloading=True).to_json_string())
+    off = json.loads(trl.SFTConfig(output_dir=str(tmp_path), bf16=False).to_json_string())
+    cfg = training_args.read(tmp_path / "a.json", on)
+    assert cfg.keys["activation_offload"] == "trl"
+    assert not any("activation_offloading" in u for u in cfg.unknown)
+    assert any("activation_offloading = True" in src and "trl" in meaning for src, meaning in cfg.mapping)
+    assert "activation_offload" not in training_args.read(tmp_path / "a.json", off).keys
+    assert config_from_dict({**cfg.keys, "model": f"hf:{TINY}"}, tmp_path / "a.json").values["activation_offload"] \
+        == "trl"
+    with pytest.raises(memest.MemestError, match="expected true or false"):
+        training_args.read(tmp_path / "a.json", {**on, "activation_offloading": "yes"})
+
+
 # --- accelerate ------------------------------------------------------------------------------------------------
 
 

@@ -200,7 +200,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
            "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu) | "
            "torchtune (torchtune 0.6.1's OffloadActivations: its size threshold, stream stashes and output head "
-           "kept; --target cuda); pinned host memory counted in the host column.", override="Override activation offloading."),
+           "kept; --target cuda) | trl (trl 1.16's port of it, activation_offloading=True: around the whole "
+           "training step, its own keep rules; --target cuda); pinned host memory counted in the host column.", override="Override activation offloading."),
     Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
            "capability 8.9+).", override="Override float8 training."),

@@ -13,6 +13,9 @@ https://github.com/huggingface/trl). What Trainer does with them:
   every decoder layer, ``use_reentrant=False`` unless ``gradient_checkpointing_kwargs`` says otherwise
   (transformers 5.24.0 modeling_utils.py ``_activation_checkpointing_enable``).
 - Trainer drops the model's output before backward (memest ``outputs: freed``).
+- trl's ``activation_offloading: true`` (SFTConfig, DPOConfig, KTOConfig, RewardConfig): the trainer wraps each
+  ``training_step`` in ``get_act_offloading_ctx_manager(model)`` (trl/trainer/sft_trainer.py l. 1190-1193,
+  1690-1693, trl 1.16): memest ``activation_offload: trl``.
 
 The model itself is not in the dump: give it beside the file.
 """
@@ -71,7 +74,7 @@ NEUTRAL = {
 }
 # keys whose default (None / False / 0) is memory-neutral; any other value is listed as unknown
 OFF_BY_DEFAULT = ("ddp_bucket_cap_mb", "label_smoothing_factor", "neftune_noise_alpha", "auto_find_batch_size",
-                  "optim_target_modules", "parallelism_config", "liger_kernel_config", "activation_offloading",
+                  "optim_target_modules", "parallelism_config", "liger_kernel_config",
                   "use_cache")
 
 
@@ -113,6 +116,9 @@ def read(path, data) -> TrainerConfig:
             "RMSNorm/RoPE/SwiGLU kernels are not modelled)")
     if get("use_cpu", False):
         put("target", "use_cpu", "cpu")
+    if common.switch(get("activation_offloading", False), path, "activation_offloading"):
+        put("activation_offload", "activation_offloading", "trl", "activation_offload: trl (trl's OffloadActivations "
+            "around each training_step, trl/models/activation_offloading.py)")
     _deepspeed(cfg, get, where)
     _fsdp(cfg, get, put)
     for key in OFF_BY_DEFAULT:
