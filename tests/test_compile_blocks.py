@@ -77,28 +77,32 @@ def test_fsdp2_over_compiled_blocks_matches_each_gloo_rank():
     each of 2 real gloo ranks (validate/distributed_truth.py: the blocks compiled in place before fully_shard) against
     the traced rank. Measured: 4,240,540 B traced, 4,240,540 B on both real ranks (exact); without checkpointing
     (not run here, it doubles the time) 5,158,172 B traced, 5,158,684 B real (-512 B, as in one process)."""
-    from memest.validate.distributed_truth import measure_distributed_peaks
-
-    spec = RunSpec(model=LLAMA, batch=2, seq=64, optim="adamw", target="cpu", checkpointing="blocks",
-                   compile_scope="blocks", world_size=2, shard="zero3")
+    spec, ranks = _llama_gloo_ranks()["blocks", "zero3"]
     trace = trace_step(load_source(LLAMA), spec)
     assert any("compiled each repeated block" in n for n in trace.notes), trace.notes
-    for rank in measure_distributed_peaks([spec])[0]:
+    for rank in ranks:
         _assert_close(f"llama-tiny, FSDP2 over compiled blocks, rank {rank['rank']}", trace.peak()[0], rank["peak_bytes"])
 
 
 DDP_AND_ZERO12 = ("none", "zero1", "zero2")
+# every llama-tiny 2-rank gloo layout of this module, (checkpointing, shard), run in one set of processes
+LLAMA_GLOO = (*(("blocks", s) for s in (*DDP_AND_ZERO12, "zero3")), *(("none", s) for s in DDP_AND_ZERO12))
 
 
 @functools.cache
-def _ddp_and_zero12_ranks(checkpointing: str = "blocks") -> dict:
-    """--shard none (DDP), zero1 (DDP + ZeroRedundancyOptimizer) and zero2 (FSDP2, reshard_after_forward=False) over
-    the compiled blocks, checkpointed or not: the three real 2-rank gloo runs in one set of processes."""
+def _llama_gloo_ranks() -> dict:
+    """--shard none (DDP), zero1 (DDP + ZeroRedundancyOptimizer), zero2 (FSDP2, reshard_after_forward=False) over the
+    compiled blocks, checkpointed or not, and zero3 (FSDP2) over the checkpointed ones: the seven real 2-rank gloo
+    runs in one set of processes (one launch instead of three; each spec is still measured on its own)."""
     from memest.validate.distributed_truth import measure_distributed_peaks
 
     specs = [RunSpec(model=LLAMA, batch=2, seq=64, optim="adamw", target="cpu", checkpointing=checkpointing,
-                     compile_scope="blocks", world_size=2, shard=shard) for shard in DDP_AND_ZERO12]
-    return dict(zip(DDP_AND_ZERO12, zip(specs, measure_distributed_peaks(specs), strict=True), strict=True))
+                     compile_scope="blocks", world_size=2, shard=shard) for checkpointing, shard in LLAMA_GLOO]
+    return dict(zip(LLAMA_GLOO, zip(specs, measure_distributed_peaks(specs), strict=True), strict=True))
+
+
+def _ddp_and_zero12_ranks(checkpointing: str = "blocks") -> dict:
+    return {shard: _llama_gloo_ranks()[checkpointing, shard] for shard in DDP_AND_ZERO12}
 
 
 @pytest.mark.parametrize("shard", DDP_AND_ZERO12)

@@ -12,6 +12,7 @@ flag. The recipe's context holds the model's forward only; the output head runs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import types
 
@@ -87,6 +88,14 @@ def _real_with_torchtune(source, spec, use_streams, monkeypatch):
 CASES = [(m, streams) for m in MODELS for streams in (True, False)]
 
 
+@functools.cache
+def _plain(model, batch, seq):
+    """The step without offloading, traced and run for real: once per model, shared by its streams and single-stream
+    cases (no offload feature takes part in it, so neither case's patches of TorchtuneOffloadFeature reach it)."""
+    source, plain_spec = load_source(model), _spec(model, batch, seq, "none")
+    return registry.trace_step(source, plain_spec), measure_cpu_peak(source, plain_spec)["peak_bytes"]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{m[0].split('/')[-1]}-{'streams' if s else 'single-stream'}"
                                               for m, s in CASES])
 def test_trace_matches_torchtunes_class_on_a_real_step(case, monkeypatch):
@@ -94,9 +103,8 @@ def test_trace_matches_torchtunes_class_on_a_real_step(case, monkeypatch):
     monkeypatch.setattr(TorchtuneOffloadFeature, "moves_for", staticmethod(lambda spec: True))
     monkeypatch.setattr(TorchtuneOffloadFeature, "use_streams", use_streams)
     source = load_source(model)
-    plain_spec, spec = _spec(model, batch, seq, "none"), _spec(model, batch, seq, "torchtune")
-    plain = registry.trace_step(source, plain_spec)
-    plain_real = measure_cpu_peak(source, plain_spec)["peak_bytes"]
+    spec = _spec(model, batch, seq, "torchtune")
+    plain, plain_real = _plain(model, batch, seq)
     trace, feature = _traced(source, spec)
     real, copied = _real_with_torchtune(source, spec, use_streams, monkeypatch)
 
