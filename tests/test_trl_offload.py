@@ -17,6 +17,14 @@ The class needs an accelerator; on this CPU-only torch the minimum is patched, n
    of a CPU tensor would return the host copy itself, where on a GPU the move is a new device buffer.
 4. ``use_pin_memory`` -> False after the class is made: a CPU-only torch cannot pin (``torch.empty_like(...,
    pin_memory=True)`` raises "no pinned memory allocator"); pinning changes no byte count.
+5. ``torch.cpu.empty_cache`` (absent) -> a no-op: ``__enter__`` empties the device cache when bitsandbytes is imported
+   (l. 602-603), which another test of the suite does first in the same process; the CPU allocator has no cache.
+
+trl keys its duplicate rule on the storage's address and dtype (``_get_unique_tensor_key``, l. 53-70; l. 217-224):
+where the CPU's malloc hands a freed storage's address to a later saved tensor, trl keeps that tensor on the device
+as a "duplicate" (llama-tiny: 2,064 B less copied, 1 run in 8 on this machine; docs/limitations.md says memest does
+not model it). The wrapper around trl's pack counts such collisions (the address seen before for a storage that is
+not this one); a real run with any is measured again, up to four times, and one without must match.
 
 The saved tensors are put in another memory than the host, as on --target cuda (``moves_for`` patched, as
 tests/test_torchtune_offload.py does): the real step's peak must equal the trace's device + host total with exactly
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 
 import pytest
 import torch
@@ -61,6 +70,7 @@ def _real_with_trl(source, spec, monkeypatch):
     """The real CPU step with trl's class: made once per model (the trainer's __init__), entered at each step's
     forward (nothing is saved in training_step before it) and left at the next step's, or after the last."""
     copied: list[int] = []
+    collisions: list[int] = [0]
     made: dict[int, trl_offload.OffloadActivations] = {}
 
     def context(model):
@@ -70,8 +80,13 @@ def _real_with_trl(source, spec, monkeypatch):
         assert isinstance(ctx, trl_offload.OffloadActivations) and ctx.use_streams and ctx.accelerator_type == "cpu"
         ctx.use_pin_memory = False  # patch 4
         pack, unpack = ctx.pack_hook, ctx.unpack_hook
+        seen: dict[tuple, weakref.ref] = {}
 
         def counting(t):
+            key, storage = trl_offload._get_unique_tensor_key(t), t.untyped_storage()
+            if key in ctx.storage_to_tensor_id and key in seen and seen[key]() is not storage:
+                collisions[0] += 1  # an address reused by another storage, taken by trl for the same one
+            seen[key] = weakref.ref(storage)
             tensor_id = pack(t)
             entry = ctx.tracker[tensor_id]
             if entry[1]:
@@ -109,9 +124,10 @@ def _real_with_trl(source, spec, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)  # patch 2
         patch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        patch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # patch 5
         patch.setattr(TrlOffloadFeature, "loop", loop)
         peak = measure_cpu_peak(source, spec)["peak_bytes"]
-    return peak, copied
+    return peak, copied, collisions[0]
 
 
 @pytest.mark.parametrize("case", MODELS, ids=[m[0].split("/")[-1] for m in MODELS])
@@ -125,7 +141,12 @@ def test_trace_matches_trls_class_on_a_real_step(case, monkeypatch):
     features = registry.features_for(spec)
     trace = registry.core.trace_step(source, spec, features=features)
     feature = next(f for f in features if isinstance(f, TrlOffloadFeature))
-    real, copied = _real_with_trl(source, spec, monkeypatch)
+    real, copied, collisions = _real_with_trl(source, spec, monkeypatch)
+    for _ in range(4):  # trl's address-keyed duplicates (docstring): measured again; a run without must match
+        if not collisions:
+            break
+        real, copied, collisions = _real_with_trl(source, spec, monkeypatch)
+    assert not collisions
 
     assert trace.combined_peak() - real == plain.combined_peak() - plain_real
     assert abs(plain.combined_peak() - plain_real) <= 64
