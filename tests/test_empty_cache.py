@@ -237,3 +237,26 @@ def test_trl_offload_empties_the_cache_at_each_step_when_bitsandbytes_is_importe
     assert all("bitsandbytes imported, --optim adam8bit" in c.by for c in trace.empty_caches)
     assert "replayed" in note and "not replayed" not in note
     assert any("empties the CUDA cache" in b for b in result.report.device.range_basis)
+
+
+def test_the_trainer_callback_reads_torch_empty_cache_steps(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from memest.integrations.transformers import trainer_settings
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(TINY))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_empty_cache_steps=3, report_to="none")
+    assert trainer_settings(args, model)["empty_cache_steps"] == 3
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert "empty_cache_steps" not in trainer_settings(args, model)
+
+
+def test_a_compiled_forward_records_each_call_where_it_runs(tmp_path):
+    """Under torch.compile the recorder is never traced into a graph (dynamo would replay the recording once, at the
+    graph's end): each call breaks the graph and lands in event order, the second after the middle graph's output."""
+    result = estimate(RunSpec(model=_model(tmp_path, "torch.cuda.empty_cache()"), batch=256, compile=True))
+    calls = result.trace.empty_caches
+    assert [c.iteration for c in calls] == [1, 1, 2, 2]
+    first, second = calls[0].event, calls[1].event
+    assert second > first
+    assert all(delta > 0 for _, delta in result.trace.events[first:second])  # `second`, made between the calls
+    assert not torch.cuda.is_initialized()

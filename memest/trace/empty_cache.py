@@ -26,6 +26,8 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 
+import torch
+
 from memest.trace.events import Trace
 
 # (module, attribute, the call as model code writes it)
@@ -43,7 +45,10 @@ def _recorder(trace: Trace, where: Callable[[], tuple[int, str]], name: str):
         trace.empty_cache(iteration, f"{name}() in {place}")
 
     empty_cache.__name__ = empty_cache.__qualname__ = "empty_cache"
-    return empty_cache
+    # recorded at each call in event order, never traced into a compiled graph (dynamo would replay the recording at
+    # the graph's end): a graph break here. torch 2.13's dynamo lists torch.cuda.memory.empty_cache among its in-graph
+    # functions (torch/_dynamo/trace_rules.py); where a real compiled graph runs it among its kernels is not checked
+    return torch.compiler.disable(empty_cache)
 
 
 @contextlib.contextmanager
