@@ -258,10 +258,10 @@ def device_usage(
     streams = trace.streams()
     # the run's step pairs (one, unless the cache is emptied one step in N): the highest reserved of them is the
     # run's high-water mark, and the step runs in a budget only if every pair does
-    runs = [(why, events, replay(events, conf, streams=streams)) for why, calls in empty_cache_schedules(trace)
-            for events in [allocator_events(trace, costs, calls)]]
-    pair, events, result = max(runs, key=lambda run: run[2].peak_reserved)
-    limit = max(min_device_limit(e, conf, unconstrained=r, streams=streams) for _, e, r in runs)
+    pairs = [(why, calls, events, replay(events, conf, streams=streams)) for why, calls in empty_cache_schedules(trace)
+             for events in [allocator_events(trace, costs, calls)]]
+    _, _, events, result = max(pairs, key=lambda run: run[3].peak_reserved)
+    limit = max(min_device_limit(e, conf, unconstrained=r, streams=streams) for _, _, e, r in pairs)
     outside = outside_allocator(costs)
     band = slack_band(cudnn) if evidence_runs is None else slack_band(cudnn, evidence_runs)
     allocated = result.peak_allocated
@@ -320,7 +320,7 @@ def device_usage(
         range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis]
         + allocator_basis(var, conf_text, floor, limit, expandable)
         + streams_basis(trace, events, conf, streams, result)
-        + empty_cache_basis(trace, costs, conf, streams, result, pair)
+        + empty_cache_basis(trace, costs, conf, streams, pairs)
         + (workspaces.unbounded if workspaces is not None else []),
         workspaces=workspaces,
         allocator_floor_bytes=floor,
@@ -356,28 +356,33 @@ def streams_basis(trace: Trace, events: list[tuple[int, int]], conf, streams: di
             "one pool for every stream"]
 
 
-def empty_cache_basis(trace: Trace, costs: list[FixedCost], conf, streams: dict[int, int], result, pair: str) -> list[str]:
-    """The report line for a step that empties the CUDA cache: who calls it where, how often, and what it saves of
-    max_memory_reserved (one replay without the calls, for the difference)."""
+def empty_cache_basis(trace: Trace, costs: list[FixedCost], conf, streams: dict[int, int], pairs: list) -> list[str]:
+    """The report line for a step that empties the CUDA cache: who calls it where, and what the calls change of
+    max_memory_reserved (one replay without them, for the difference). ``pairs``: the run's pairs of steps as
+    device_usage replayed them, (what, calls, events, ReplayResult); the figure is the highest."""
     if not trace.empty_caches:
         return []
     mib = 2**20
     without = replay(allocator_events(trace, costs, []), conf, streams=streams)
-    counts: dict[str, int] = {}
-    for call in trace.empty_caches:
-        counts[call.by] = counts.get(call.by, 0) + 1
+    pair, calls, _, result = max(pairs, key=lambda run: run[3].peak_reserved)
     every = max(c.every for c in trace.empty_caches)
-    steps = " and ".join(str(i) for i in sorted({c.iteration for c in trace.empty_caches}))
-    calls = "; ".join(f"{by} ({n} call{'s' * (n > 1)})" for by, n in counts.items())
-    line = (f"the step empties the CUDA cache (traced step {steps}): {calls}; the allocator replay releases every cached whole segment "
-            "there (free pages of expandable segments), as DeviceCachingAllocator::emptyCache's release_cached_blocks "
-            f"does (c10/cuda/CUDACachingAllocator.cpp): max_memory_reserved {result.peak_reserved / mib:.0f} MiB against "
-            f"{without.peak_reserved / mib:.0f} MiB without the calls "
-            f"({(result.peak_reserved - without.peak_reserved) / mib:+.0f} MiB: a segment released is not there for a "
-            f"later request to reuse); {result.empty_cache_released / mib:.0f} MiB returned to the driver by the calls")
+    shown = calls if every == 1 else [c for c in trace.empty_caches if c.every > 1 and c.iteration == 1]
+    counts: dict[str, int] = {}
+    for call in shown:
+        counts[call.by] = counts.get(call.by, 0) + 1
+    steps = " and ".join(str(i) for i in sorted({c.iteration for c in shown}))
+    made = "; ".join(f"{by} ({n} call{'s' * (n > 1)})" for by, n in counts.items())
+    line = (f"the step empties the CUDA cache (traced step{'s' * (' and ' in steps)} {steps}): {made}; the allocator "
+            "replay releases every cached whole segment there (free pages of expandable segments), as "
+            "DeviceCachingAllocator::emptyCache's release_cached_blocks does (c10/cuda/CUDACachingAllocator.cpp): "
+            f"max_memory_reserved {result.peak_reserved / mib:.0f} MiB against {without.peak_reserved / mib:.0f} MiB "
+            f"without the calls ({(result.peak_reserved - without.peak_reserved) / mib:+.0f} MiB; emptying can also "
+            f"raise it: a released segment is not there for a later request to reuse); "
+            f"{result.empty_cache_released / mib:.0f} MiB returned to the driver by the calls")
     if every > 1:
-        line += (f"; one step in {every} empties it, so the figure is the highest of the run's step pairs "
-                 f"({pair})")
+        each = ", ".join(f"{why}: {r.peak_reserved / mib:.0f} MiB" for why, _, _, r in pairs)
+        line += (f"; one step in {every} empties it (steps 0, {every}, {2 * every}...), so the figure is the highest "
+                 f"of the run's pairs of steps ({each}; the highest: {pair})")
     return [line]
 
 
