@@ -219,6 +219,8 @@ def test_empty_cache_steps_is_a_training_option():
         RunSpec(model="examples/mlp.py", mode="inference", empty_cache_steps=2)
     with pytest.raises(MemestError, match="--empty-cache-steps"):
         RunSpec(model="examples/mlp.py", empty_cache_steps=-1)
+    with pytest.raises(MemestError, match="--empty-cache-steps 1 .* --pp"):
+        RunSpec(model="examples/mlp.py", empty_cache_steps=1, world_size=2, pp=2)
 
 
 # --- trl's OffloadActivations under bitsandbytes --------------------------------------------------------------

@@ -327,6 +327,9 @@ class RunSpec:
         if self.empty_cache_steps and not self.training:
             raise MemestError(f"--empty-cache-steps {self.empty_cache_steps} is Trainer's training_step "
                               f"(torch_empty_cache_steps); drop it with --mode {self.mode}")
+        if self.empty_cache_steps and self.pp > 1:
+            raise MemestError(f"--empty-cache-steps {self.empty_cache_steps} is Trainer's training_step, which runs no "
+                              "pipeline schedule: not traced with --pp; drop one of them")
         if self.activation_offload != ActivationOffload.NONE and not self.training:
             raise MemestError(f"--activation-offload {self.activation_offload} moves tensors saved for backward; "
                               f"--mode {self.mode} saves none: drop it")
