@@ -25,6 +25,15 @@ the stream it was allocated on: the pools order free blocks by (stream, size, ad
 ``release_cached_blocks`` (the OOM retry, ``empty_cache``) and ``garbage_collect_cached_blocks`` take free
 segments of every stream. A replay is told each storage's stream (``streams``; default: stream 0).
 
+``torch.cuda.empty_cache()`` in the step: an ``EMPTY_CACHE`` event. torch/cuda/memory.py ``empty_cache`` calls
+``torch._C._cuda_emptyCache`` (``torch.accelerator.empty_cache``, torch/accelerator/memory.py, reaches the same
+allocator through ``_accelerator_emptyCache``), which is ``DeviceCachingAllocator::emptyCache``:
+``release_cached_blocks(context, mempool_id)`` under the allocator's lock, the same release the OOM retry runs:
+every cached block with no neighbour (a whole free segment, of any stream) is cudaFree'd (``release_blocks``); a
+segment with a live block keeps its free parts; an expandable segment unmaps the whole free pages inside each free
+block and is released once nothing of it stays mapped. Nothing live moves; the peaks are high-water marks, so
+max_memory_reserved keeps what was reserved before the call.
+
 Scope: one device, no CUDA graphs/private pools, no cross-stream ``record_stream`` (so every free is
 immediate), no free-memory callbacks, no cudaMallocAsync backend. Fragmentation of physical GPU
 memory is not modelled: cudaMalloc succeeds whenever the bytes fit under ``device_limit_bytes``. Other
@@ -322,6 +331,11 @@ _ADDR_MASK = (1 << _SHIFT) - 1
 _NO_LIMIT = 1 << 80  # larger than any total the driver is asked for
 _VA_ALIGN = 2 * MIB  # SIMPLIFICATION: each new segment gets a fresh address above all earlier ones
 
+# The event ``(EMPTY_CACHE_ID, 0)`` in a replay's events: torch.cuda.empty_cache() at that point (module docstring).
+# No storage has a negative id (device/usage.py's cuBLAS workspaces are -1 and -2).
+EMPTY_CACHE_ID = -(1 << 40)
+EMPTY_CACHE = (EMPTY_CACHE_ID, 0)
+
 
 class _Segment:
     """One cudaMalloc'd segment, or one ExpandableSegment (a VA range with pages mapped on demand)."""
@@ -387,8 +401,10 @@ class ReplayResult:
     peak_allocated_event: int = -1  # index of the event that first reached the peak
     peak_reserved_event: int = -1
     num_device_allocs: int = 0  # cudaMalloc + cuMemMap calls (stats.num_device_alloc)
-    num_device_frees: int = 0  # cudaFree + unmap calls after OOM retries
+    num_device_frees: int = 0  # cudaFree + unmap calls (OOM retries, empty_cache)
     num_alloc_retries: int = 0
+    empty_cache_calls: int = 0  # EMPTY_CACHE events replayed
+    empty_cache_released: int = 0  # reserved bytes they returned to the driver, all calls together
     oom: bool = False  # the replay stopped: this request would raise OutOfMemoryError
     oom_event_index: int | None = None
     oom_request_bytes: int | None = None
@@ -684,8 +700,11 @@ class CachingAllocator:
         self._release_blocks(self.small)
         return True
 
-    def empty_cache(self) -> None:
+    def empty_cache(self) -> int:
+        """DeviceCachingAllocator::emptyCache: release_cached_blocks. Returns the reserved bytes released."""
+        before = self.reserved
         self._release_cached_blocks()
+        return before - self.reserved
 
     def _release_blocks(self, pool: _Pool) -> None:
         """release_blocks: cudaFree every unsplit cached block; unmap free pages of expandable ones."""
@@ -899,7 +918,7 @@ def replay(
     """Replay ``(storage_id, delta)`` events (memest Trace.events) through the caching allocator.
 
     delta > 0 allocates ``delta`` bytes for the storage (on stream ``streams[storage_id]``, 0 when absent),
-    delta < 0 frees its block. With
+    delta < 0 frees its block, ``EMPTY_CACHE`` empties the cache (torch.cuda.empty_cache()). With
     ``device_limit_bytes`` the allocator runs its OOM recovery (free oversize / all unsplit cached
     blocks, then retry) and the replay stops at the first request that would raise OutOfMemoryError.
     """
@@ -908,6 +927,7 @@ def replay(
     oom_at = oom_bytes = None
     malloc, free = alloc.malloc, alloc.free
     streams = streams or {}
+    emptied = released = 0
     for i, (sid, delta) in enumerate(events):
         alloc.event = i
         if delta > 0:
@@ -923,6 +943,9 @@ def replay(
             if block is None:
                 raise ValueError(f"storage {sid} freed but not allocated (event {i})")
             free(block)
+        elif sid == EMPTY_CACHE_ID:
+            emptied += 1
+            released += alloc.empty_cache()
     sizes = alloc.segment_sizes()
     return ReplayResult(
         same_replay_limits=alloc.same_replay_limits(),
@@ -937,6 +960,8 @@ def replay(
         num_device_allocs=alloc.num_device_alloc,
         num_device_frees=alloc.num_device_free,
         num_alloc_retries=alloc.num_alloc_retries,
+        empty_cache_calls=emptied,
+        empty_cache_released=released,
         oom=oom_at is not None,
         oom_event_index=oom_at,
         oom_request_bytes=oom_bytes,

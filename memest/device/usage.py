@@ -44,6 +44,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from memest.device.allocator import (
+    EMPTY_CACHE,
     alloc_conf_from_env,
     alloc_conf_text,
     allocator_floor,
@@ -57,7 +58,7 @@ from memest.device.reservation import reservation_spread
 from memest.device.slack import slack_band
 from memest.errors import MemestError
 from memest.spec.parallel_dims import ParallelDims
-from memest.trace.events import Phase, Trace
+from memest.trace.events import EmptyCache, Phase, Trace
 
 _EXPANDABLE = "expandable_segments:True"
 _WORKSPACE_IDS = (-1, -2)  # synthetic storage ids for the cuBLAS workspaces (forward and backward threads)
@@ -135,24 +136,56 @@ class DeviceUsage:
         return asdict(self)
 
 
-def allocator_events(trace: Trace, costs: list[FixedCost]) -> list[tuple[int, int]]:
+def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[EmptyCache] | None = None
+                     ) -> list[tuple[int, int]]:
     """The trace's events with the cuBLAS workspaces allocated where a CUDA run first needs them:
     the first forward matmul (forward thread) and the first backward op (autograd's device thread).
-    Both live to the end of the process."""
+    Both live to the end of the process. An ``EMPTY_CACHE`` event where the step empties the CUDA cache
+    (``empty_caches``; default: the calls the run's first two steps make, ``first_steps(trace)``)."""
+    calls = first_steps(trace) if empty_caches is None else empty_caches
     workspace = next((c for c in costs if c.name == "cublas_workspaces"), None)
-    if workspace is None or workspace.bytes <= 0 or not trace.events:
+    if (workspace is None or workspace.bytes <= 0 or not trace.events) and not calls:
         return list(trace.events)
-    starts = {phase: index for index, _, phase in reversed(trace.phase_marks)}  # first mark of each phase
-    per_handle = workspace.bytes // 2
-    inserts = {starts.get(Phase.FORWARD, 0): (_WORKSPACE_IDS[0], per_handle)}
-    if Phase.BACKWARD in starts:
-        inserts[starts[Phase.BACKWARD]] = (_WORKSPACE_IDS[1], workspace.bytes - per_handle)
+    inserts: dict[int, list[tuple[int, int]]] = {}
+    for call in calls:  # before a workspace at the same point: that one comes with the phase's first kernel
+        inserts.setdefault(call.event, []).append(EMPTY_CACHE)
+    if workspace is not None and workspace.bytes > 0 and trace.events:
+        starts = {phase: index for index, _, phase in reversed(trace.phase_marks)}  # first mark of each phase
+        per_handle = workspace.bytes // 2
+        inserts.setdefault(starts.get(Phase.FORWARD, 0), []).append((_WORKSPACE_IDS[0], per_handle))
+        if Phase.BACKWARD in starts:
+            inserts.setdefault(starts[Phase.BACKWARD], []).append((_WORKSPACE_IDS[1], workspace.bytes - per_handle))
     events: list[tuple[int, int]] = []
     for i, event in enumerate(trace.events):
         if i in inserts:
-            events.append(inserts[i])
+            events.extend(inserts[i])
         events.append(event)
+    events.extend(inserts.get(len(trace.events), ()))
     return events
+
+
+def first_steps(trace: Trace) -> list[EmptyCache]:
+    """The calls that empty the cache in the run's first two steps: every call of the first traced step, and of the
+    second those made at every step (a call made one step in N > 1 is made at step 0, not step 1)."""
+    return [c for c in trace.empty_caches if c.every == 1 or c.iteration == 1]
+
+
+def empty_cache_schedules(trace: Trace) -> list[tuple[str, list[EmptyCache]]]:
+    """The pairs of consecutive steps the run has, as the calls each pair makes (what it is, the calls). Calls made
+    at every step: one pair. Calls made one step in N (transformers' ``torch_empty_cache_steps``): the first two
+    steps (step 0 empties, step 1 does not), a step that empties after one that does not (steps N-1, N), and for
+    N >= 3 two steps that do not (steps 1, 2), which replay as a run without the calls."""
+    every = max((c.every for c in trace.empty_caches), default=1)
+    if every == 1:
+        return [("", list(trace.empty_caches))]
+    always = [c for c in trace.empty_caches if c.every == 1]
+    periodic = [c for c in trace.empty_caches if c.every > 1]
+    schedules = [("steps 0-1 (0 empties the cache)", always + [c for c in periodic if c.iteration == 1]),
+                 (f"steps {every - 1}-{every} ({every} empties the cache)",
+                  always + [c for c in periodic if c.iteration == 2])]
+    if every >= 3:
+        schedules.append(("steps 1-2 (neither empties the cache)", always))
+    return schedules
 
 
 CUDNN_OPS = ("convolution", "batch_norm", "rnn", "lstm", "gru")  # aten ops whose CUDA kernels are cuDNN's
@@ -222,10 +255,13 @@ def device_usage(
         conf = parse_alloc_conf(conf_text)
     except ValueError as exc:  # torch would refuse to start the run with the same setting
         raise MemestError(f"{var}={conf_text!r}: {exc}; torch rejects this setting too (fix or unset it)") from None
-    events = allocator_events(trace, costs)
     streams = trace.streams()
-    result = replay(events, conf, streams=streams)
-    limit = min_device_limit(events, conf, unconstrained=result, streams=streams)
+    # the run's step pairs (one, unless the cache is emptied one step in N): the highest reserved of them is the
+    # run's high-water mark, and the step runs in a budget only if every pair does
+    pairs = [(why, calls, events, replay(events, conf, streams=streams)) for why, calls in empty_cache_schedules(trace)
+             for events in [allocator_events(trace, costs, calls)]]
+    _, _, events, result = max(pairs, key=lambda run: run[3].peak_reserved)
+    limit = max(min_device_limit(e, conf, unconstrained=r, streams=streams) for _, _, e, r in pairs)
     outside = outside_allocator(costs)
     band = slack_band(cudnn) if evidence_runs is None else slack_band(cudnn, evidence_runs)
     allocated = result.peak_allocated
@@ -284,6 +320,7 @@ def device_usage(
         range_basis=[c.source for c in costs if not c.in_allocator and c.low != c.high] + [band.basis]
         + allocator_basis(var, conf_text, floor, limit, expandable)
         + streams_basis(trace, events, conf, streams, result)
+        + empty_cache_basis(trace, costs, conf, streams, pairs)
         + (workspaces.unbounded if workspaces is not None else []),
         workspaces=workspaces,
         allocator_floor_bytes=floor,
@@ -317,6 +354,36 @@ def streams_basis(trace: Trace, events: list[tuple[int, int]], conf, streams: di
             "only on its own stream (c10/cuda/CUDACachingAllocator.cpp), which the replay follows: "
             f"{(result.peak_reserved - one_pool.peak_reserved) / mib:+.0f} MiB of max_memory_reserved over "
             "one pool for every stream"]
+
+
+def empty_cache_basis(trace: Trace, costs: list[FixedCost], conf, streams: dict[int, int], pairs: list) -> list[str]:
+    """The report line for a step that empties the CUDA cache: who calls it where, and what the calls change of
+    max_memory_reserved (one replay without them, for the difference). ``pairs``: the run's pairs of steps as
+    device_usage replayed them, (what, calls, events, ReplayResult); the figure is the highest."""
+    if not trace.empty_caches:
+        return []
+    mib = 2**20
+    without = replay(allocator_events(trace, costs, []), conf, streams=streams)
+    pair, calls, _, result = max(pairs, key=lambda run: run[3].peak_reserved)
+    every = max(c.every for c in trace.empty_caches)
+    shown = calls if every == 1 else [c for c in trace.empty_caches if c.every > 1 and c.iteration == 1]
+    counts: dict[str, int] = {}
+    for call in shown:
+        counts[call.by] = counts.get(call.by, 0) + 1
+    steps = " and ".join(str(i) for i in sorted({c.iteration for c in shown}))
+    made = "; ".join(f"{by} ({n} call{'s' * (n > 1)})" for by, n in counts.items())
+    line = (f"the step empties the CUDA cache (traced step{'s' * (' and ' in steps)} {steps}): {made}; the allocator "
+            "replay releases every cached whole segment there (free pages of expandable segments), as "
+            "DeviceCachingAllocator::emptyCache's release_cached_blocks does (c10/cuda/CUDACachingAllocator.cpp): "
+            f"max_memory_reserved {result.peak_reserved / mib:.0f} MiB against {without.peak_reserved / mib:.0f} MiB "
+            f"without the calls ({(result.peak_reserved - without.peak_reserved) / mib:+.0f} MiB; emptying can also "
+            f"raise it: a released segment is not there for a later request to reuse); "
+            f"{result.empty_cache_released / mib:.0f} MiB returned to the driver by the calls")
+    if every > 1:
+        each = ", ".join(f"{why}: {r.peak_reserved / mib:.0f} MiB" for why, _, _, r in pairs)
+        line += (f"; one step in {every} empties it (steps 0, {every}, {2 * every}...), so the figure is the highest "
+                 f"of the run's pairs of steps ({each}; the highest: {pair})")
+    return [line]
 
 
 def allocator_basis(var: str, conf_text: str, floor: int, limit: int, expandable: int | None) -> list[str]:

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from memest.features.base import StepFeature
+from memest.features.empty_cache import bitsandbytes_imported
 from memest.spec.choices import ActivationOffload, Target
 from memest.trace.events import Category
 from memest.units import format_bytes
@@ -623,6 +624,7 @@ class TrlOffloadFeature(TorchtuneOffloadFeature):
         super().__init__(choice, moves)
         self.params: set = set()
         self.heads: list[str] = []  # the NoOpManager's modules' classes (the trace releases its model before finish)
+        self.bitsandbytes = ""  # why the run imports bitsandbytes ('' : not known to): __enter__ empties the cache
 
     def _key(self, t: torch.Tensor):
         if self._step is not None:
@@ -657,8 +659,13 @@ class TrlOffloadFeature(TorchtuneOffloadFeature):
 
         def start(*args):
             self.in_model = True
+            fresh = self.offload_rules is None or not self.offload_rules.tracker  # a training_step begins
             if self.offload_rules is not None and not self.offload_rules.tracker:
                 self.offload_rules.enter()
+            if fresh and self.bitsandbytes and self._step is not None:
+                # l. 602-603: if "bitsandbytes" in sys.modules: self.device_module.empty_cache()
+                self._step.trace.empty_cache(self._step.tracker.iteration, "trl's OffloadActivations.__enter__ "
+                                             f"(l. 602-603: bitsandbytes imported, {self.bitsandbytes})")
 
         def flag(value):
             return lambda *args: setattr(self, "in_head", value)
@@ -675,6 +682,10 @@ class TrlOffloadFeature(TorchtuneOffloadFeature):
                 handle.remove()
             self.in_model = self.in_head = False
 
+    def contexts(self, step) -> list:
+        self.bitsandbytes = bitsandbytes_imported(step.spec)
+        return super().contexts(step)
+
     def finish(self, step) -> list[str]:
         heads = self.heads
         peak = saved_copies_peak(step.trace)
@@ -689,4 +700,9 @@ class TrlOffloadFeature(TorchtuneOffloadFeature):
                    else "no output head found: every layer offloads (trl warns the same)")
                 + "; the loss offloads too (the context holds the whole training_step); the copies' timing is not "
                 "modelled (streams synchronous here); a freed storage's address reused within the fwd stash (which "
-                "trl would take for the same storage) is not modelled"]
+                "trl would take for the same storage) is not modelled; "
+                + (f"its __enter__ empties the device cache at each training_step ({self.bitsandbytes} imports "
+                   "bitsandbytes; l. 602-603), replayed" if self.bitsandbytes else
+                   "its __enter__ empties the device cache at each training_step only where bitsandbytes is imported "
+                   "(l. 602-603), which this run's options do not say (peft's LoRA imports it wherever it is "
+                   "installed): not replayed")]

@@ -9,6 +9,7 @@ from memest.features.activation_offload import ActivationOffloadFeature, Torchtu
 from memest.features.base import StepFeature
 from memest.features.checkpointing import CheckpointingFeature
 from memest.features.compiled import CompileFeature
+from memest.features.empty_cache import EmptyCacheStepsFeature
 from memest.features.finetune import FinetuneFeature
 from memest.features.fp8 import Fp8Feature
 from memest.features.grpo import GRPOFeature
@@ -46,6 +47,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
         features.append(GRPOFeature(spec))
     elif spec.preference != Preference.NONE:  # the policy + reference step of trl's trainer, after LoRA and checkpointing
         features.append(PreferenceFeature(spec))
+    if spec.empty_cache_steps:  # Trainer's torch_empty_cache_steps: the cache emptied after the loss
+        features.append(EmptyCacheStepsFeature(spec.empty_cache_steps))
     if LossHead.of(spec.loss_head)[0] is not LossHead.STANDARD:
         features.append(LossHeadFeature())
     features.append(CudaTarget() if spec.target == Target.CUDA else CpuTarget())

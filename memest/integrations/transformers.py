@@ -83,6 +83,8 @@ def trainer_settings(args, model) -> dict:
         settings["fused"] = True
     if prepared is not None:
         settings["prepare_kbit"] = True
+    if getattr(args, "torch_empty_cache_steps", None):  # training_step empties the cache (features/empty_cache.py)
+        settings["empty_cache_steps"] = args.torch_empty_cache_steps
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         settings["checkpointing"] = "blocks"  # transformers' own switch on an hf: model (features/checkpointing.py)
     settings.update(checkpointing_settings(base))  # what the live model has: the Trainer's switch, or peft's

@@ -83,7 +83,8 @@ def _design(values: list, count: int) -> list:
 
 
 def _structure(trace: Trace) -> tuple:
-    return len(trace.storages), tuple((sid, delta > 0) for sid, delta in trace.events), tuple(m[:2] for m in trace.phase_marks)
+    return (len(trace.storages), tuple((sid, delta > 0) for sid, delta in trace.events),
+            tuple(m[:2] for m in trace.phase_marks), tuple((c.event, c.every) for c in trace.empty_caches))
 
 
 class SizeModel:

@@ -144,6 +144,10 @@ OPTIONS: tuple[Option, ...] = (
            override="Override cuDNN's benchmark mode."),
     Option("outputs", ("--outputs",), "Your loop: kept (out = model(x) held through backward, the plain loop) | freed "
            "(dropped before backward: HF Trainer, Lightning).", override="Override the loop: kept | freed."),
+    Option("empty_cache_steps", ("--empty-cache-steps",), "Your loop empties the device cache as transformers' "
+           "Trainer does with torch_empty_cache_steps N: torch.cuda.empty_cache() after the loss of every micro-step "
+           "of each step whose number is a multiple of N (steps 0, N, 2N...); 0 = never. Calls the model code makes "
+           "itself are traced without it.", override="Override the loop's empty_cache steps."),
     Option("loss_head", ("--loss-head",), "hf: causal LMs: standard | chunked[:N] (torchtune, N chunks) | "
            "chunked-output[:N] (torchtune's CEWithChunkedOutputLoss) | fused (Liger-Kernel).",
            override="Override the loss head."),

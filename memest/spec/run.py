@@ -177,6 +177,9 @@ class RunSpec:
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
+    # transformers Trainer's torch_empty_cache_steps: the device cache emptied after the loss of every micro-step of
+    # each step whose number is a multiple of N (features/empty_cache.py); 0 = never
+    empty_cache_steps: int = 0
     preference: Preference = Preference.NONE  # dpo, orpo, kto, simpo, cpo: trl's trainer step (features/preference*.py)
     reference: Reference = Reference.AUTO  # --preference: copy | adapter | precomputed reference log-probs
     # --preference grpo (features/grpo.py): completions sampled per prompt (trl num_generations; 0 = trl's default)
@@ -319,6 +322,14 @@ class RunSpec:
         return self.parallel.expert_copies
 
     def _check_training_only(self) -> None:
+        if self.empty_cache_steps < 0:
+            raise MemestError(f"--empty-cache-steps must be 0 (never) or more, got {self.empty_cache_steps}")
+        if self.empty_cache_steps and not self.training:
+            raise MemestError(f"--empty-cache-steps {self.empty_cache_steps} is Trainer's training_step "
+                              f"(torch_empty_cache_steps); drop it with --mode {self.mode}")
+        if self.empty_cache_steps and self.pp > 1:
+            raise MemestError(f"--empty-cache-steps {self.empty_cache_steps} is Trainer's training_step, which runs no "
+                              "pipeline schedule: not traced with --pp; drop one of them")
         if self.activation_offload != ActivationOffload.NONE and not self.training:
             raise MemestError(f"--activation-offload {self.activation_offload} moves tensors saved for backward; "
                               f"--mode {self.mode} saves none: drop it")

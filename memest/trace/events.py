@@ -7,6 +7,7 @@ gradient from birth); module, phase and op describe where it was allocated.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -56,6 +57,19 @@ class StorageRecord:
     def classify(self, category: Category) -> None:
         if CATEGORY_PRIORITY.index(category) < CATEGORY_PRIORITY.index(self.category):
             self.category = category
+
+
+@dataclass(frozen=True)
+class EmptyCache:
+    """A call that empties the CUDA caching allocator's cache during the step (torch.cuda.empty_cache()): the
+    allocator replay releases its cached whole segments there (device/allocator.py ``EMPTY_CACHE``)."""
+
+    event: int  # device events before the call (the replay empties the cache between events[event - 1] and events[event])
+    iteration: int  # the traced step (1, 2)
+    by: str  # who calls it, for the report: "torch.cuda.empty_cache() in the forward of 'blocks.1'"
+    # 1: the run calls it at this point in every step; N > 1: in one step of N (the step whose 0-based number is a
+    # multiple of N: transformers' torch_empty_cache_steps), so the run also has steps that do not
+    every: int = 1
 
 
 @dataclass
@@ -111,6 +125,12 @@ class Trace:
     # --outputs kept: per micro-step, (index of the first event after the loss, where a loop that frees
     # outputs drops them; storage ids of the output the loop keeps from there on)
     held_outputs: list[tuple[int, list[int]]] = field(default_factory=list)
+    # the step's calls that empty the CUDA cache, in event order (trace/empty_cache.py, features/empty_cache.py)
+    empty_caches: list[EmptyCache] = field(default_factory=list)
+
+    def empty_cache(self, iteration: int, by: str, every: int = 1) -> None:
+        """Record a call that empties the CUDA cache now (after the events so far)."""
+        self.empty_caches.append(EmptyCache(len(self.events), iteration, by, every))
 
     def streams(self) -> dict[int, int]:
         """Storage id -> the stream it was allocated on, for storages not on the default stream."""
@@ -164,6 +184,7 @@ class Trace:
         self.events = device
         self.host_marks = [new_index[i][1] for i, _, _ in self.phase_marks]
         self.phase_marks = [(new_index[i][0], it, phase) for i, it, phase in self.phase_marks]
+        self.empty_caches = [dataclasses.replace(c, event=new_index[c.event][0]) for c in self.empty_caches]
 
     def host_peak(self, saved: bool | None = None) -> int:
         """Peak bytes held in host memory (0 without offloading). ``saved``: True counts only the saved tensors'

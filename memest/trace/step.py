@@ -42,6 +42,7 @@ with imports_without_gc():
     from memest.trace.data_dependent import explain
     from memest.trace.devices import DeviceRequests, traced_device
     from memest.trace.dtype import HALF, cast_floating
+    from memest.trace.empty_cache import recording as recording_empty_cache
     from memest.trace.events import Category, Phase, Trace
     from memest.trace.fake_kernels import OUTPUTS as FAKE_KERNEL_OUTPUTS
     from memest.trace.fake_kernels import real_fake_kernels
@@ -514,7 +515,8 @@ def _step_errors(step: _Step):
 @contextlib.contextmanager
 def _instrumented(step: _Step):
     """Stage 6: while the step runs: the source's context (transformers' mask branches, also for a
-    transformers model that a model file builds), the module stack, the tracker, the features' contexts
+    transformers model that a model file builds), the module stack, the tracker, the model code's
+    torch.cuda.empty_cache() calls recorded (trace/empty_cache.py), the features' contexts
     (--target cuda: SDPA backends, autocast rules also in backward, where checkpointing replays the forward;
     data-parallel instrumentation), and the saved-tensor hook that marks activations."""
     spec, tracker = step.spec, step.tracker
@@ -538,6 +540,8 @@ def _instrumented(step: _Step):
             hooks.enter_context(real_mask_branches())
         hooks.enter_context(step.stack)
         hooks.enter_context(tracker)
+        # torch.cuda.empty_cache() in model code: recorded for the allocator replay, no device touched
+        hooks.enter_context(recording_empty_cache(step.trace, lambda: (tracker.iteration, _where(step.stack, tracker))))
         for feature in step.features:
             for context in feature.contexts(step):
                 hooks.enter_context(context)

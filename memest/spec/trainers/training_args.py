@@ -13,6 +13,8 @@ https://github.com/huggingface/trl). What Trainer does with them:
   every decoder layer, ``use_reentrant=False`` unless ``gradient_checkpointing_kwargs`` says otherwise
   (transformers 5.24.0 modeling_utils.py ``_activation_checkpointing_enable``).
 - Trainer drops the model's output before backward (memest ``outputs: freed``).
+- ``torch_empty_cache_steps`` N: ``training_step`` calls accelerate's ``clear_device_cache()`` (torch.cuda.empty_cache)
+  after the loss when ``state.global_step % N == 0`` (trainer.py l. 2092-2098): memest ``empty_cache_steps: N``.
 - trl's ``activation_offloading: true`` (SFTConfig, DPOConfig, KTOConfig, RewardConfig): the trainer wraps each
   ``training_step`` in ``get_act_offloading_ctx_manager(model)`` (trl/trainer/sft_trainer.py l. 1190-1193,
   1690-1693, trl 1.16): memest ``activation_offload: trl``.
@@ -66,7 +68,7 @@ NEUTRAL = {
     "average_tokens_across_devices", "accelerator_config",
     # process group set-up
     "local_rank", "ddp_backend", "ddp_timeout", "ddp_find_unused_parameters", "ddp_broadcast_buffers",
-    "ddp_static_graph", "tf32", "torch_compile_backend", "torch_compile_mode", "torch_empty_cache_steps",
+    "ddp_static_graph", "tf32", "torch_compile_backend", "torch_compile_mode",
     # trl SFTConfig: dataset preparation
     "dataset_text_field", "dataset_kwargs", "dataset_num_proc", "eos_token", "pad_token", "chat_template_path",
     "completion_only_loss", "assistant_only_loss", "padding_free", "pad_to_multiple_of", "packing_strategy",
@@ -114,6 +116,9 @@ def read(path, data) -> TrainerConfig:
     if get("use_liger_kernel", False):
         put("loss_head", "use_liger_kernel", "fused", "loss_head: fused (Liger's fused linear cross entropy; its "
             "RMSNorm/RoPE/SwiGLU kernels are not modelled)")
+    if (steps := get("torch_empty_cache_steps")) is not None:
+        put("empty_cache_steps", "torch_empty_cache_steps", steps, f"empty_cache_steps: {steps} (Trainer's training_step "
+            f"empties the device cache after the loss of every micro-step of the steps 0, {steps}, {2 * steps}...)")
     if get("use_cpu", False):
         put("target", "use_cpu", "cpu")
     if common.switch(get("activation_offloading", False), path, "activation_offloading"):
