@@ -15,7 +15,7 @@ GRPOTrainer.__init__) prepares its reference with prepare_model(evaluation_mode=
 unwrapped (unwrap_model_for_generation), and gathers over the ranks (num_items_in_batch, the rewards whose advantages
 it slices, the metrics of _compute_loss): memest's stand-in accelerator runs those as accelerate does
 (features/grpo.py). FSDP2 (--shard zero3 / zero2), where trl shards the reference too (prepare_fsdp):
-tests/test_preference_fsdp.py; --shard zero1 and GRPO over FSDP2 stay refused."""
+tests/test_preference_fsdp.py and, for GRPO, tests/test_grpo_fsdp.py; --shard zero1 stays refused."""
 
 import pytest
 
@@ -88,7 +88,7 @@ def test_ddp_adds_the_gradient_buckets_of_the_policy_only(extra, copies):
     ({"preference": "dpo", "world_size": 2, "shard": "zero1"}, "not traced yet"),
     ({"preference": "kto", "world_size": 2, "shard": "zero1"}, "not traced yet"),
     ({"preference": "dpo", "world_size": 2, "tp": 2}, "not traced yet"),
-    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "shard": "zero2"}, "not traced yet"),
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "shard": "zero1"}, "not traced yet"),
     ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "rollout": "vllm"},
      "--rollout transformers"),
     ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "generation_batch": 8},
