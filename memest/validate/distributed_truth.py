@@ -229,7 +229,8 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     dist.barrier()
     # a step that marks its phases (features/grpo.py: record_function("memest.grpo." + phase)): each phase's peak in
     # the last iteration, counted as cpu_truth.measure_cpu_phase_peaks counts them (the baseline added)
-    phases = {name: peak + baseline for name, peak in profiled_phase_peaks(prof, PHASE_PREFIX, spec.iterations).items()}
+    phases = profiled_phase_peaks(prof, PHASE_PREFIX, spec.iterations, allocator_totals=True)
+    phases = {name: peak + baseline for name, peak in phases.items()}
     return {**_peak(_allocation_events(prof), baseline, rank), **({"state_bytes": state} if state else {}),
             **({"phase_peaks": phases} if phases else {})}
 
