@@ -15,14 +15,16 @@ GRPOTrainer.__init__) prepares its reference with prepare_model(evaluation_mode=
 unwrapped (unwrap_model_for_generation), and gathers over the ranks (num_items_in_batch, the rewards whose advantages
 it slices, the metrics of _compute_loss): memest's stand-in accelerator runs those as accelerate does
 (features/grpo.py). FSDP2 (--shard zero3 / zero2), where trl shards the reference too (prepare_fsdp):
-tests/test_preference_fsdp.py; --shard zero1 and GRPO over FSDP2 stay refused."""
+tests/test_preference_fsdp.py and, for GRPO, tests/test_grpo_fsdp.py; --shard zero1 stays refused."""
 
 import pytest
 
 from memest.errors import MemestError
-from memest.features.registry import trace_step
+from memest.features import grpo
+from memest.features.registry import features_for, trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.trace import step as core
 from memest.validate.distributed_truth import measure_distributed_peaks
 
 from .conftest import model_ref
@@ -88,7 +90,7 @@ def test_ddp_adds_the_gradient_buckets_of_the_policy_only(extra, copies):
     ({"preference": "dpo", "world_size": 2, "shard": "zero1"}, "not traced yet"),
     ({"preference": "kto", "world_size": 2, "shard": "zero1"}, "not traced yet"),
     ({"preference": "dpo", "world_size": 2, "tp": 2}, "not traced yet"),
-    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "shard": "zero2"}, "not traced yet"),
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "shard": "zero1"}, "not traced yet"),
     ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "rollout": "vllm"},
      "--rollout transformers"),
     ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "generation_batch": 8},
@@ -97,3 +99,22 @@ def test_ddp_adds_the_gradient_buckets_of_the_policy_only(extra, copies):
 def test_what_is_not_proven_at_world_size_above_one_stays_refused(fields, match):
     with pytest.raises(MemestError, match=match):
         RunSpec(model="hf:gpt2", batch=4, **fields)
+
+
+def test_each_grpo_phase_of_every_ddp_rank_matches_the_trace():
+    """GRPO over DDP, phase by phase (the gloo truth's per-phase peaks from features/grpo.py's record_function marks):
+    generation and the reference log-probs to the byte, the training step less peft's saved floats."""
+    cases = [case for case in CASES if case[0].get("preference") == "grpo"]
+    specs = [_spec(extra) for extra, _ in cases]
+    measured = measure_distributed_peaks(specs)
+    for spec, (extra, scalars), ranks in zip(specs, cases, measured, strict=True):
+        features = features_for(spec)
+        trace = core.trace_step(load_source(spec.model), spec, features=features)
+        step = next(f for f in features if isinstance(f, grpo.GRPOFeature)).step_module
+        traced = grpo.phase_peaks(trace, step.phase_starts, spec.iterations)
+        for rank in ranks:
+            real = rank["phase_peaks"]
+            assert set(real) == set(traced) == set(grpo.PHASES), (extra, traced, real)
+            assert traced["generation"] == real["generation"], (extra, rank["rank"], traced, real)
+            assert traced["reference log-probs"] == real["reference log-probs"], (extra, rank["rank"], traced, real)
+            assert traced["training step"] == real["training step"] - scalars * SAVED_SCALAR, (extra, traced, real)

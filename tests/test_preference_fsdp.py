@@ -9,7 +9,7 @@ no auto-wrap) with a real ``FullyShardedDataParallelPlugin``; trl's DPOTrainer._
 (trl/trainer/dpo_trainer.py line 988), KTOTrainer.__init__ likewise (kto_trainer.py line 996). With a peft policy
 trl keeps no ref_model (dpo_trainer.py line 909): the reference is the sharded policy with its adapter disabled.
 ORPO/CPO/SimPO have no reference. --reference precomputed: trl shards a reference to precompute, then drops it
-(line 1033): the step holds none.
+(line 1033): the step holds none. GRPO over FSDP2, each rank and each phase: tests/test_grpo_fsdp.py.
 """
 
 import pytest
@@ -132,7 +132,13 @@ def test_the_whole_reference_is_gathered_at_once_and_the_policy_a_layer_at_a_tim
     ({"preference": "dpo", "shard": "zero1"}, "not traced yet"),  # DDP + ZeroRedundancyOptimizer: not measured
     ({"preference": "dpo", "shard": "zero3", "tp": 2}, "not traced yet"),
     ({"preference": "dpo", "shard": "zero3", "precision": "fp16-mixed"}, "not traced yet"),  # GradScaler, not measured
-    ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero3"}, "not traced yet"),
+    # GRPO over FSDP2 is traced (tests/test_grpo_fsdp.py) but for fp16-mixed, vLLM rollouts and a generation batch
+    ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero3", "precision": "fp16-mixed"},
+     "not traced yet"),
+    ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero3", "rollout": "vllm"},
+     "--rollout transformers"),
+    ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero2", "generation_batch": 8},
+     "--rollout transformers"),
 ])
 def test_what_is_not_proven_over_fsdp_stays_refused(fields, match):
     with pytest.raises(MemestError, match=match):

@@ -45,9 +45,15 @@ policy with ``accelerator.prepare`` (DDP) and the reference with ``prepare_model
 gathers run as accelerate 1.15.0 runs them over the ranks (``_Accelerator``: ``num_items_in_batch =
 gather(loss_mask.sum()).sum()``, the metrics' gathers and ``reduce`` in ``_compute_loss``), and the advantages are this
 rank's ``process_slice`` of the gathered vector. Each of 2 real gloo ranks matches (tests/test_preference_ddp.py).
+Over FSDP2 (``--shard zero3|zero2``, RunSpec._preference_fsdp): the policy and the reference copy wrapped by
+parallel/trl_fsdp.py (accelerate's fsdp2_prepare_model, trl's prepare_fsdp); ``generate`` runs on the sharded policy
+(trl's unwrap hands back the FSDP2 module; HF Trainer registers ``generate`` as a root forward method), the same
+gathers. Each of 2 real gloo ranks and each phase match (tests/test_grpo_fsdp.py).
 
 The rewards (user reward functions) are not traced: memest's advantages are trl's float32 ``(batch,)`` vector.
-In the trace, scalar reads (the stop check of ``generate``, the metrics' ``.item()``) get placeholders
+In the trace, scalar reads (the stop check of ``generate``, the metrics' ``.item()``, and ``generate``'s test for an
+all-ones attention mask, which a real run with unpadded prompts drops: the trace keeps it, as with padded prompts,
+one (completions, tokens) int64 tensor) get placeholders
 (trace/values.py) and ``generate``'s loop runs exactly ``--completion-len`` times, as a real run does when no
 sequence samples an EOS.
 """

@@ -23,6 +23,16 @@ zero3, ``false`` for zero2) does to the two models of a preference step:
   loads and shards a reference to precompute the log-probs, then drops it (``self.ref_model = None``, line 1033):
   the training step holds no reference.
 - ORPO / CPO / SimPO (trl.experimental): no reference; HF Trainer prepares the policy alone.
+- GRPO (trl/trainer/grpo_trainer.py): the reference copy (beta != 0) by the same ``prepare_fsdp`` (GRPOTrainer.__init__,
+  lines 1183-1186); generation runs on the SHARDED policy: ``unwrap_model_for_generation`` (trl/models/utils.py) returns
+  ``accelerator.unwrap_model(model)``, the FSDP2 module itself (its parameter gather is DeepSpeed ZeRO-3's only), and
+  ``self._dist.summon_full_params`` is a no-op for FSDP2 (trl/distributed.py lines 74-91). HF Trainer registers
+  ``generate`` as a forward method of the root (transformers 5.24.0 trainer.py lines 1798-1801,
+  ``register_fsdp_forward_method``), so generate's root pre-forward gathers the root unit's own parameters and every
+  decoding step's forward gathers the units one at a time: nothing unshards the whole policy for generate (zero3:
+  one decoder layer at a time, freed after its forward, in every decoding step; zero2: every unit stays gathered
+  after the prefill, until the training step's backward reshards it). trl's gathers over the ranks:
+  features/grpo.py's ``_Accelerator``. Each gloo rank and each phase: tests/test_grpo_fsdp.py.
 
 memest runs accelerate's own ``fsdp2_prepare_model`` and trl's own ``prepare_fsdp`` with a stand-in accelerator that
 carries a real ``FullyShardedDataParallelPlugin`` (``_accelerator``); the trace (fake process group) and the gloo
@@ -42,6 +52,7 @@ import torch
 from torch import nn
 
 from memest.errors import MemestError
+from memest.features.grpo import GRPOStep
 from memest.features.optim import make_optimizer
 from memest.features.preference_logits import MarkedStep
 from memest.spec import RunSpec
@@ -92,21 +103,29 @@ def wrap(step: nn.Module, spec: RunSpec, mesh):
     the optimizer over the policy's sharded trainable parameters, a description, and the FSDP units' names (for
     ``distributed.Parallel``; the step module is called as is)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
     from trl.models.utils import prepare_fsdp
 
     accelerator = _accelerator(spec, mesh)
     policy = fsdp2_prepare_model(accelerator, step.policy)
     if policy is not step.policy:  # in place (cpu_ram_efficient_loading is off): the step keeps calling it
         raise MemestError("accelerate's fsdp2_prepare_model returned another module")
+    if hasattr(policy, "generate"):  # HF Trainer's _inner_training_loop under FSDP (transformers 5.24.0
+        # trainer.py lines 1798-1801, "Fix `got mixed torch.Tensor and DTensor` error in model.generate() for FSDP2 with
+        # LoRA"): generate becomes one of the root's forward methods, its pre-forward all-gathers the root unit's
+        # parameters (a peft policy's final norm: accelerate's _find_final_norm does not find it under PeftModel)
+        register_fsdp_forward_method(policy, "generate")
     reference = getattr(step, "reference", None)
     if reference is not None:
         prepare_fsdp(reference, accelerator)  # fully_shard in place, then .eval()
     units = [name for name, module in step.named_modules() if isinstance(module, FSDPModule)]
+    generates = isinstance(step, GRPOStep)
     params = [p for p in step.policy.parameters() if p.requires_grad]
     reshard = spec.shard == Shard.ZERO3
     what = (f"trl + {ACCELERATE_CONFIG.format(reshard=str(reshard).lower())}: the policy by accelerate's "
             f"fsdp2_prepare_model ({sum(u.startswith('policy') for u in units)} units)")
     if reference is not None:
         what += f", the reference copy by trl's prepare_fsdp (one unit, reshard_after_forward={reshard})"
+    if generates:
+        what += "; generate on the sharded policy (registered as a root forward method, as HF Trainer does)"
     return make_optimizer(spec, params), what, units

@@ -131,10 +131,10 @@ def pre_resized(hw: tuple[int, int], min_pixels: int, max_pixels: int) -> tuple[
 # GRPOConfig; tests/test_grpo.py checks this copy, which the spec layer keeps so it need not import trl)
 TRL_NUM_GENERATIONS = 8
 # --preference methods traced over FSDP2 ranks (RunSpec._preference_fsdp; parallel/trl_fsdp.py; each gloo rank proven
-# in tests/test_preference_fsdp.py), and what the refusal of the rest says about them
-PREFERENCE_FSDP = (Preference.DPO, Preference.KTO, Preference.ORPO, Preference.CPO, Preference.SIMPO)
-PREFERENCE_RANKS = ("; over ranks memest traces plain DDP (--shard none) and, for dpo, kto, orpo, cpo and simpo, FSDP2 "
-                    "as trl and accelerate wrap it (--shard zero3 or zero2, --precision fp32, bf16 or bf16-mixed), with no --tp, "
+# in tests/test_preference_fsdp.py, GRPO's in tests/test_grpo_fsdp.py), and what the refusal of the rest says about them
+PREFERENCE_FSDP = (Preference.DPO, Preference.KTO, Preference.ORPO, Preference.CPO, Preference.SIMPO, Preference.GRPO)
+PREFERENCE_RANKS = ("; over ranks memest traces plain DDP (--shard none) and, for dpo, kto, orpo, cpo, simpo and grpo, "
+                    "FSDP2 as trl and accelerate wrap it (--shard zero3 or zero2, --precision fp32, bf16 or bf16-mixed), with no --tp, "
                     "--pp, --cp or --ep")
 
 
@@ -407,11 +407,14 @@ class RunSpec:
         return f"--world-size {self.world_size} over --shard {self.shard}"
 
     def _preference_fsdp(self) -> bool:
-        """--preference dpo|kto|orpo|cpo|simpo over FSDP2 (--shard zero3|zero2, no other parallel dimension,
+        """--preference dpo|kto|orpo|cpo|simpo|grpo over FSDP2 (--shard zero3|zero2, no other parallel dimension,
         --precision fp32, bf16 or bf16-mixed): the policy sharded by accelerate's fsdp2_prepare_model, the reference
-        copy by trl's prepare_fsdp (trl/models/utils.py: fully_shard on the whole reference, one unit),
-        parallel/trl_fsdp.py. Each of 2 real gloo ranks matches (tests/test_preference_fsdp.py). Not measured, refused:
-        grpo (generation on FSDP2 ranks), --precision fp16-mixed (HF Trainer's gradient scaler), --shard zero1 (DDP +
+        copy by trl's prepare_fsdp (trl/models/utils.py: fully_shard on the whole reference, one unit; GRPOTrainer.__init__
+        calls it too, trl/trainer/grpo_trainer.py lines 1183-1186), parallel/trl_fsdp.py. GRPO generates on the
+        sharded policy (unwrap_model_for_generation hands back the FSDP2 module; HF Trainer registers ``generate`` as
+        a root forward method), with --rollout transformers and no --generation-batch (_check_grpo). Each of 2 real
+        gloo ranks matches (tests/test_preference_fsdp.py; GRPO's step and each phase: tests/test_grpo_fsdp.py). Not
+        measured, refused: --precision fp16-mixed (HF Trainer's gradient scaler), --shard zero1 (DDP +
         ZeroRedundancyOptimizer; trl under DeepSpeed ZeRO runs prepare_deepspeed)."""
         return (self.preference in PREFERENCE_FSDP and self.shard in (Shard.ZERO3, Shard.ZERO2)
                 and self.precision != Precision.FP16_MIXED and self.tp == 1 and self.pp == 1 and self.cp == 1

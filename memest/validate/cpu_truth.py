@@ -114,10 +114,13 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
     return {name: peak + baseline for name, peak in profiled_phase_peaks(prof, prefix, spec.iterations).items()}
 
 
-def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
+def profiled_phase_peaks(prof, prefix: str, iterations: int, allocator_totals: bool = False) -> dict[str, int]:
     """Each ``prefix``-marked phase's peak bytes in the last of ``iterations`` profiled steps (the last that starts
     with the first phase), above the level the
-    profile started at (a step run by other code than memest's build: tests/test_grpo_recipes.py's bitsandbytes)."""
+    profile started at (a step run by other code than memest's build: tests/test_grpo_recipes.py's bitsandbytes).
+    ``allocator_totals``: the level read from each event's ``total_allocated`` (the allocator's own count, as
+    distributed_truth's whole-step peak reads it) rather than summed from the events' pointers: with gloo's threads
+    a free can sort before the allocation it frees (a pointer reused across threads), which the sum would keep."""
     marks, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
@@ -133,7 +136,9 @@ def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
     peaks: dict[str, int] = {}
     live: dict[int, int] = {}
     running, k = 0, -1
-    for e in _allocation_events(prof):
+    events = _allocation_events(prof)
+    start_total = events[0].extra_fields.total_allocated - events[0].extra_fields.alloc_size if events else 0
+    for e in events:
         while k + 1 < len(last) and e.start_time_ns >= last[k + 1][0]:
             k += 1
             # the level the phase starts at; a phase marked again (each micro-step's training step) keeps its max
@@ -144,6 +149,8 @@ def profiled_phase_peaks(prof, prefix: str, iterations: int) -> dict[str, int]:
             running += fields.alloc_size
         elif fields.ptr in live:
             running -= live.pop(fields.ptr)
+        if allocator_totals:
+            running = fields.total_allocated - start_total
         if k >= 0:
             peaks[last[k][1]] = max(peaks[last[k][1]], running)
     return peaks

@@ -35,15 +35,17 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import CompileScope, Target
 from memest.trace.step import LoopState
-from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes
+from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes, profiled_phase_peaks
 
+PHASE_PREFIX = "memest.grpo."  # features/grpo.py GRPOStep.mark
 PRELOAD = ["memest.validate.distributed_truth", *FORKSERVER_PRELOAD]  # imports.FORKSERVER_PRELOAD says why
 
 
 def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int = 1) -> list[list[dict]]:
     """Run each spec (all with the same --world-size) for real; for each spec, every rank's
     ``{"rank", "peak_bytes", "op_at_peak", "baseline_bytes"}`` (under FSDP also ``state_bytes``: parameters,
-    gradients and optimizer state as the last optimizer step begins). CPU only (``--target cpu``)."""
+    gradients and optimizer state as the last optimizer step begins; for --preference grpo ``phase_peaks``: each
+    phase's peak in the last iteration). CPU only (``--target cpu``)."""
     if not specs:
         return []
     world_size = specs[0].world_size
@@ -225,7 +227,12 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
             for _ in range(spec.iterations):
                 run_step(module, inputs, optimizer, source.compute_loss, spec, loop=loop)
     dist.barrier()
-    return {**_peak(_allocation_events(prof), baseline, rank), **({"state_bytes": state} if state else {})}
+    # a step that marks its phases (features/grpo.py: record_function("memest.grpo." + phase)): each phase's peak in
+    # the last iteration, counted as cpu_truth.measure_cpu_phase_peaks counts them (the baseline added)
+    phases = profiled_phase_peaks(prof, PHASE_PREFIX, spec.iterations, allocator_totals=True)
+    phases = {name: peak + baseline for name, peak in phases.items()}
+    return {**_peak(_allocation_events(prof), baseline, rank), **({"state_bytes": state} if state else {}),
+            **({"phase_peaks": phases} if phases else {})}
 
 
 def _sharded_state_bytes(module, optimizer) -> dict[str, int]:
