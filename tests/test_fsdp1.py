@@ -32,6 +32,10 @@ CASES = [
     # FSDP-QLoRA as fsdp_qlora's train.py runs it: bf16, the 4-bit stand-in's packed weights stored as bf16
     ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "quant": "nf4"}),
     ("hf:llama-tiny-wide", 16, "bf16", "zero2", {"lora": LORA, "quant": "nf4", "double_quant": True}),
+    # + activation checkpointing of every block (fsdp_qlora's default), non-reentrant and reentrant
+    ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "quant": "nf4", "checkpointing": "blocks"}),
+    ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "checkpointing": "blocks-reentrant"}),
+    ("transformer", 64, "fp32", "zero3", {"checkpointing": "blocks"}),
 ]
 
 
