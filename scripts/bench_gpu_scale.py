@@ -118,14 +118,13 @@ def _fq(label, card, train, batch, seq, measured_gib, *, figure="reserved", offl
         spec.update(quant="nf4", double_quant=True)
     if offload:
         spec["offload"] = "params"
-    elif not ddp:  # FSDP1's CPUOffload is not traced (it pins its host shards): the offload rows stay FSDP2's trace
+    if not ddp:
         spec["fsdp_version"] = "1"
     notes = list(FQ_NOTES)
     if ddp:
         notes[2] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (the source's footnote), traced as DDP (--world-size 2, "
                     "no sharding): DDP's gradient buckets are not FSDP NO_SHARD's flat gradient")
     if offload:
-        notes[2] = "FSDP1 flat parameters (use_orig_params False for LoRA) traced as FSDP2 per-parameter sharding (--shard zero3)"
         notes.append("FSDP1 CPUOffload(offload_params=True) traced as --offload params: parameters, gradients and AdamW "
                      "state on the CPU, each layer's parameters copied in when used")
     return Row(group, label, source, f"{card[0]}; {FQ_SETUP}", spec, card, figure,

@@ -36,7 +36,13 @@ CASES = [
     ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "quant": "nf4", "checkpointing": "blocks"}),
     ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "checkpointing": "blocks-reentrant"}),
     ("transformer", 64, "fp32", "zero3", {"checkpointing": "blocks"}),
+    # CPUOffload(offload_params=True): on a CPU offloading moves nothing, so device + host together (as
+    # tests/test_fsdp_qlora.py); its pinned copies run as plain copies in both (fsdp1.cpu_offload_without_a_gpu)
+    ("transformer", 64, "fp32", "zero3", {"offload": "params"}),
+    ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "quant": "nf4", "offload": "params",
+                                                  "checkpointing": "blocks"}),
 ]
+OFFLOAD = [k for k, case in enumerate(CASES) if case[4].get("offload")]
 
 
 def _spec(case) -> RunSpec:
@@ -69,7 +75,7 @@ def test_fsdp1_rank_peak_matches_real_gloo_ranks(k, measured):
     spec = _spec(CASES[k])
     trace = trace_step(load_source(spec.model), spec)
     assert trace.parallel.startswith("FSDP1 FullyShardedDataParallel(")
-    traced = trace.peak()[0]
+    traced = trace.combined_peak() if spec.offload != "none" else trace.peak()[0]
     for rank in measured[k]:
         missing = rank["peak_bytes"] - traced
         if not spec.lora:
@@ -106,11 +112,46 @@ def test_unsharded_flat_parameter_and_gradient_are_the_unit_s():
         assert shards and all(rec.stream not in (0, gathered[0].stream) for rec in shards)
 
 
+@pytest.mark.parametrize("k", OFFLOAD, ids=[_id(CASES[k]) for k in OFFLOAD])
+def test_cpu_offload_host_column_is_the_real_ranks_sharded_state(k, measured):
+    """Under CPUOffload the pinned host shards, the host gradients and the optimizer state are the host column, equal
+    byte for byte to what each real rank holds (its FlatParameters, their host gradient buffers ``_cpu_grad``, which
+    FSDP1 allocates for frozen flat parameters too, AdamW's state) as the last optimizer step begins; nothing of the
+    model state stays on the device but, with a frozen root (QLoRA: embedding, norm and head), the root's unsharded
+    flat parameter: FULL_SHARD keeps the root gathered after forward, a frozen flat parameter has no post-backward
+    hook to free it, and ``_catch_all_reshard`` finds it already pointing at its shard (real ranks and trace alike:
+    their device + host peaks are equal, test above)."""
+    from memest.parallel.distributed import model_state_bytes
+
+    spec = _spec(CASES[k])
+    trace = trace_step(load_source(spec.model), spec)
+    state = model_state_bytes(trace)
+    for rank in measured[k]:
+        assert state["host"] == rank["state_bytes"], f"rank {rank['rank']}"
+    root = max((r.nbytes for sid, r in enumerate(trace.storages) if trace.owner_module.get(sid) == ""
+                and r.category is Category.PARAMETERS and r.op.endswith("(resize_)")), default=0)
+    frozen_root = bool(spec.lora)
+    assert state["device"] == {"parameters": root if frozen_root else 0, "gradients": 0, "optimizer_state": 0}
+
+
+def test_cpu_offload_on_a_gpu_copies_each_unit_s_shard_in():
+    """--target cuda: before each all-gather the unit's host shard is copied to the device (pre_unshard's
+    flat_param_to), freed once the unsharded parameter replaces it; the device peak is below the plain run's."""
+    case = ("transformer", 64, "fp32", "zero3", {"offload": "params"})
+    spec = RunSpec(**{**_spec(case).to_dict(), "target": "cuda", "compute_capability": (9, 0)})
+    trace = trace_step(load_source(spec.model), spec)
+    copies = [r for r in trace.storages if r.op == "host-to-device copy of the offloaded shard"]
+    # each iteration: every unit's shard in forward, and again in backward (the root too: FULL_SHARD keeps the root
+    # gathered after forward but points its flat parameter back at the host shard, which pre_unshard copies again)
+    assert len(copies) == 2 * 2 * (4 + 1) and all(not r.host for r in copies)
+    plain = trace_step(load_source(spec.model), RunSpec(**{**spec.to_dict(), "offload": "none"}))
+    assert trace.peak()[0] < plain.peak()[0]
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--shard", "zero1"], "--shard zero1"),
     (["--shard", "zero3", "--tp", "2", "--world-size", "4"], "--tp 2"),
     (["--shard", "zero3", "--offload", "optimizer"], "--offload optimizer"),
-    (["--shard", "zero3", "--offload", "params"], "--offload params"),
     (["--shard", "zero3", "--precision", "fp16-mixed"], "--precision fp16-mixed"),
 ])
 def test_untraced_combinations_are_refused(flags, named):

@@ -323,15 +323,18 @@ def test_accelerate_fsdp(tmp_path):
 
 
 def test_accelerate_fsdp1_flat_parameters_read_as_fsdp_version_1(tmp_path):
-    """accelerate's FSDP1 default, use_orig_params False (peft's FSDP guide's config), is --fsdp-version 1; with
-    use_orig_params True or CPU offload it stays FSDP2's trace, with a note saying so."""
+    """accelerate's FSDP1 default, use_orig_params False (peft's FSDP guide's config), is --fsdp-version 1, with CPU
+    offload too; with use_orig_params True or HYBRID_SHARD it stays FSDP2's trace, with a note saying so."""
     data = {"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
             "fsdp_config": {"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_use_orig_params": False}}
     cfg = accelerate_config.read(tmp_path / "c.yaml", data)
     assert cfg.keys == {"world_size": 2, "precision": "bf16-mixed", "shard": "zero2", "fsdp_version": "1"}
     assert config_from_dict({**cfg.keys, "model": f"hf:{TINY}", "target": "cpu"}, tmp_path / "c.yaml").values[
         "fsdp_version"] == "1"
-    for extra in ({"fsdp_use_orig_params": True}, {"fsdp_offload_params": True}):
+    offload = accelerate_config.read(tmp_path / "c.yaml", {**data, "fsdp_config": {
+        "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_offload_params": True}})
+    assert offload.keys["fsdp_version"] == "1" and offload.keys["offload"] == "params"
+    for extra in ({"fsdp_use_orig_params": True}, {"fsdp_sharding_strategy": "HYBRID_SHARD"}):
         cfg = accelerate_config.read(tmp_path / "c.yaml", {**data, "fsdp_config": {**data["fsdp_config"], **extra}})
         assert "fsdp_version" not in cfg.keys and any("traced as FSDP2" in n for n in cfg.notes)
 

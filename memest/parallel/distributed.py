@@ -276,7 +276,10 @@ def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None,
     if spec.fsdp_version == FsdpVersion.V1:  # FullyShardedDataParallel, flat parameters (parallel/fsdp1.py)
         root, what, names = fsdp1.wrap(model, spec, repeated_blocks(model) if units is None else units)
         params = [p for p in root.parameters() if p.requires_grad]
-        return Parallel(root, model, make_optimizer(spec, params), what, names)
+        parallel = Parallel(root, model, make_optimizer(spec, params), what, names)
+        if spec.offload == Offload.PARAMS:  # its pinned host copies, as plain copies (fsdp1.cpu_offload_without_a_gpu)
+            parallel.step_context = fsdp1.cpu_offload_without_a_gpu
+        return parallel
     if spec.optim == Optimizer.ADAFACTOR:  # the real run fails the same way
         raise MemestError(
             f"--optim adafactor does not run on FSDP's sharded (DTensor) parameters: its in-place ops on "

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from memest.spec import RunSpec
-from memest.spec.choices import Offload, Shard
+from memest.spec.choices import Offload, Shard, Target
 from memest.trace.dtype import HALF
 from memest.trace.events import Category
 
@@ -70,6 +70,32 @@ def wrap(model: nn.Module, spec: RunSpec, units: list[str]) -> tuple[nn.Module, 
     return root, f"{what}, {n} units{extra}", names + [""]
 
 
+@contextlib.contextmanager
+def cpu_offload_without_a_gpu() -> Iterator[None]:
+    """CPUOffload(offload_params=True) pins its host shards and gradients (``_local_shard.pin_memory()``,
+    ``torch.zeros_like(...).pin_memory()``, _flat_param.py ``init_flat_param_attributes``); pinning needs an
+    accelerator ("Cannot access accelerator device when none is available"). On a GPU ``pin_memory()`` returns a
+    pinned copy of the same bytes, so the trace and the CPU ground truth both run it as a plain copy
+    (``clone``): the bytes held are the same; pinned pages' speed is not memory. Its post-backward callback also
+    waits for the offloaded gradients' copies with ``current_stream().synchronize()``, which ``torch.cpu.Stream``
+    lacks; CPU work is synchronous, so there it returns at once."""
+    original = torch.Tensor.pin_memory
+    had_sync = hasattr(torch.cpu.Stream, "synchronize")
+
+    def pin_memory(self, *args, **kwargs):
+        return self.clone()
+
+    torch.Tensor.pin_memory = pin_memory
+    if not had_sync:
+        torch.cpu.Stream.synchronize = lambda self: None
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory = original
+        if not had_sync:
+            del torch.cpu.Stream.synchronize
+
+
 def flat_params(root: nn.Module) -> list[nn.Parameter]:
     """Every unit's FlatParameter (this rank's shard)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -91,18 +117,43 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
     from torch.distributed.fsdp import _runtime_utils as runtime
 
     saved = {"unshard": flat_mod.FlatParamHandle.unshard, "post_backward": runtime._post_backward_hook,
-             "pre_unshard": flat_mod.FlatParamHandle.pre_unshard}
+             "pre_unshard": flat_mod.FlatParamHandle.pre_unshard,
+             "init": flat_mod.FlatParamHandle.init_flat_param_attributes}
+    offload = spec.offload == Offload.PARAMS
+    # --target cuda: the offloaded shard is copied to the device before the all-gather (pre_unshard's
+    # ``flat_param_to(self.device)``; with MixedPrecision its low-precision ``_mp_shard`` is that copy, allocated on
+    # the device in the trace too); on a CPU the shard is already where FSDP computes, as in the trace
+    h2d = offload and spec.target == Target.CUDA and not spec.mixed
+    copies: dict[int, int] = {}  # id(handle) -> the unseen device copy of its shard
 
     def owner(flat_param) -> str:
         return owner_of_param.get(id(flat_param), "")
 
+    def init(handle):
+        out = saved["init"](handle)
+        if offload:  # the pinned host shard and host gradient: the unit's, in host memory
+            flat = handle.flat_param
+            for t, category in ((flat._local_shard, Category.PARAMETERS), (flat._cpu_grad, Category.GRADIENTS)):
+                _own_lineage(tracker, t, category, owner(flat), host=True)
+        return out
+
     def pre_unshard(handle):
+        flat = handle.flat_param
+        # pre_unshard copies whenever the flat parameter is a host shard (``flat_param.device != self.device`` on a
+        # GPU), i.e. not the unsharded parameter: also for the root in backward, which FULL_SHARD keeps gathered
+        # after forward but points back at its host shard (``reshard(free_unsharded_flat_param=False)``)
+        if h2d and handle.uses_sharded_strategy and not _same_storage(flat, flat._full_param_padded):
+            nbytes = flat._local_shard.untyped_storage().nbytes()
+            copies[id(handle)] = tracker.allocate_unseen(nbytes, Category.TEMPORARIES,
+                                                         "host-to-device copy of the offloaded shard")
         with tracker.labelled("FSDP1 low-precision shard"):
             return saved["pre_unshard"](handle)
 
     def unshard(handle):
         with tracker.labelled("FSDP1 all-gather"):
             out = saved["unshard"](handle)
+        if id(handle) in copies:  # flat_param.data is the unsharded parameter now: the copy's last reference went
+            tracker.free_unseen(copies.pop(id(handle)))
         flat = handle.flat_param
         full = getattr(flat, "_full_param_padded", None)
         if full is not None and handle.uses_sharded_strategy:
@@ -118,25 +169,31 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         shard = getattr(flat, "_saved_grad_shard", None)
         if shard is not None:
             _own_lineage(tracker, shard, Category.GRADIENTS, owner(flat))
-        if spec.offload == Offload.PARAMS and getattr(flat, "_cpu_grad", None) is not None:
-            _own_lineage(tracker, flat._cpu_grad, Category.GRADIENTS, owner(flat))
         return out
 
     flat_mod.FlatParamHandle.unshard = unshard
     flat_mod.FlatParamHandle.pre_unshard = pre_unshard
+    flat_mod.FlatParamHandle.init_flat_param_attributes = init
     runtime._post_backward_hook = post_backward
     try:
         yield
     finally:
         flat_mod.FlatParamHandle.unshard = saved["unshard"]
         flat_mod.FlatParamHandle.pre_unshard = saved["pre_unshard"]
+        flat_mod.FlatParamHandle.init_flat_param_attributes = saved["init"]
         runtime._post_backward_hook = saved["post_backward"]
 
 
-def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str) -> None:
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str, host: bool = False) -> None:
     sid = tracker.storage_id(t)
     if sid is None:
         return
     for s in tracker.lineage(sid):
         tracker.trace.storages[s].classify(category)
         tracker.trace.owner_module[s] = module
+        if host:
+            tracker.trace.storages[s].host = True

@@ -555,7 +555,7 @@ class RunSpec:
         if self.fsdp_version == FsdpVersion.V2:
             return
         supported = ("traced: --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), pure data parallel, --precision "
-                     "fp32, bf16 or bf16-mixed, LoRA and a 4-bit base")
+                     "fp32, bf16 or bf16-mixed, LoRA and a 4-bit base, --offload params (CPUOffload(offload_params=True))")
         if self.shard not in (Shard.ZERO3, Shard.ZERO2):
             raise MemestError(
                 f"--fsdp-version 1 with --shard {self.shard}: FSDP1 is traced as FULL_SHARD (--shard zero3) or "
@@ -567,8 +567,7 @@ class RunSpec:
             (f"--ep {self.ep}", self.ep > 1), (f"--fp8 {self.fp8}", self.fp8 != Fp8.NONE),
             ("--compile", bool(self.compile)), (f"--preference {self.preference}", self.preference != Preference.NONE),
             ("--optim-in-backward", self.optim_in_backward),
-            # CPUOffload(offload_params=True) pins its host shards (pin_memory needs an accelerator): no CPU run checks it
-            (f"--offload {self.offload}", self.offload != Offload.NONE),
+            (f"--offload {self.offload}", self.offload == Offload.OPTIMIZER),
             (f"--precision {self.precision}", self.precision == Precision.FP16_MIXED),
             (f"--activation-offload {self.activation_offload}", self.activation_offload != ActivationOffload.NONE),
         ) if on]
