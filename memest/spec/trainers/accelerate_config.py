@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.choices import Shard
 from memest.spec.trainers import common
 from memest.spec.trainers.base import TrainerConfig
 
@@ -117,7 +118,7 @@ def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:
             f"world_size: {world // machines} (HYBRID_SHARD shards within a machine; one replica estimated)")
         cfg.notes.append("HYBRID_SHARD: each rank holds what FSDP over its machine's ranks holds; the all-reduce "
                          "across machines is not traced")
-    if version != 2 and shard != "none":
+    if version != 2 and shard != Shard.NONE:
         # accelerate 1.x FullyShardedDataParallelPlugin (utils/dataclasses.py): FSDP1's use_orig_params defaults to False
         orig = str(conf.get("use_orig_params", False)).lower() == "true"
         hybrid = strategy.startswith("HYBRID") or strategy in ("4", "5")
