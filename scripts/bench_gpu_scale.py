@@ -90,7 +90,8 @@ FQ_NOTES = [
     f"autocast_adapter_dtype, came in 0.12.0: {PEFT_UPCAST}); traced as the run held them: --lora ...,dtype=base "
     "(get_peft_model(..., autocast_adapter_dtype=False))",
     "checkpointing: the run used reentrant checkpointing; memest's --checkpointing blocks is non-reentrant",
-    "FSDP1 flat parameters (use_orig_params False for LoRA) traced as FSDP2 per-parameter sharding (--shard zero3)",
+    "FSDP1 FULL_SHARD with use_orig_params False, traced as FSDP1 (--fsdp-version 1: torch's FullyShardedDataParallel, "
+    "one flat parameter per decoder layer and per LoRA Linear, train.py's llama-recipes wrap policy)",
 ]
 
 
@@ -117,6 +118,8 @@ def _fq(label, card, train, batch, seq, measured_gib, *, figure="reserved", offl
         spec.update(quant="nf4", double_quant=True)
     if offload:
         spec["offload"] = "params"
+    if not ddp:
+        spec["fsdp_version"] = "1"
     notes = list(FQ_NOTES)
     if ddp:
         notes[2] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (the source's footnote), traced as DDP (--world-size 2, "

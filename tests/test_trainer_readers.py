@@ -322,6 +322,32 @@ def test_accelerate_fsdp(tmp_path):
     assert cfg.unknown == ["fsdp_config.fsdp_limit_all_gathers = True"]
 
 
+def test_accelerate_fsdp1_flat_parameters_read_as_fsdp_version_1(tmp_path):
+    """accelerate's FSDP1 default, use_orig_params False (peft's FSDP guide's config), is --fsdp-version 1, with CPU
+    offload too; with use_orig_params True or HYBRID_SHARD it stays FSDP2's trace, with a note saying so."""
+    data = {"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+            "fsdp_config": {"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_use_orig_params": False}}
+    cfg = accelerate_config.read(tmp_path / "c.yaml", data)
+    assert cfg.keys == {"world_size": 2, "precision": "bf16-mixed", "shard": "zero2", "fsdp_version": "1"}
+    assert config_from_dict({**cfg.keys, "model": f"hf:{TINY}", "target": "cpu"}, tmp_path / "c.yaml").values[
+        "fsdp_version"] == "1"
+    offload = accelerate_config.read(tmp_path / "c.yaml", {**data, "fsdp_config": {
+        "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_offload_params": True}})
+    assert offload.keys["fsdp_version"] == "1" and offload.keys["offload"] == "params"
+    for extra in ({"fsdp_use_orig_params": True}, {"fsdp_sharding_strategy": "HYBRID_SHARD"}):
+        cfg = accelerate_config.read(tmp_path / "c.yaml", {**data, "fsdp_config": {**data["fsdp_config"], **extra}})
+        assert "fsdp_version" not in cfg.keys and any("traced as FSDP2" in n for n in cfg.notes)
+
+
+def test_training_args_fsdp1_without_orig_params_is_fsdp_version_1(tmp_path):
+    data = {"per_device_train_batch_size": 1, "fsdp": "full_shard auto_wrap",
+            "fsdp_config": {"use_orig_params": False, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+    cfg = training_args.read(tmp_path / "a.json", data)
+    assert cfg.keys["shard"] == "zero3" and cfg.keys["fsdp_version"] == "1"
+    default = training_args.read(tmp_path / "a.json", {**data, "fsdp_config": {}})
+    assert "fsdp_version" not in default.keys and any("use_orig_params=True" in n for n in default.notes)
+
+
 def test_accelerate_every_cluster_config_field_is_known():
     """Every field of accelerate's ClusterConfig (and BaseConfig) is mapped, a plugin reported when set, or
     documented as memory-neutral: a field accelerate adds or renames fails here, not in a user's report."""

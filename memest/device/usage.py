@@ -349,8 +349,10 @@ def streams_basis(trace: Trace, events: list[tuple[int, int]], conf, streams: di
     mib = 2**20
     side = {trace.storages[sid].stream for sid in streams}
     largest = max((trace.storages[sid].nbytes for sid in streams), default=0)
+    which = ("FSDP1's unshard and post-backward streams" if (trace.parallel or "").startswith("FSDP1")
+             else "FSDP2's all-gather copy-in and reduce-scatter streams")
     return [f"{len(streams)} blocks allocated on {len(side)} side stream(s) (largest {largest / mib:.1f} MiB; "
-            "FSDP2's all-gather copy-in and reduce-scatter streams): the caching allocator re-uses a freed block "
+            f"{which}): the caching allocator re-uses a freed block "
             "only on its own stream (c10/cuda/CUDACachingAllocator.cpp), which the replay follows: "
             f"{(result.peak_reserved - one_pool.peak_reserved) / mib:+.0f} MiB of max_memory_reserved over "
             "one pool for every stream"]

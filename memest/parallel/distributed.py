@@ -45,11 +45,11 @@ from memest.features.checkpointing import repeated_blocks
 from memest.features.fp8 import precompute_scales_hook
 from memest.features.optim import make_optimizer, optimizer_class
 from memest.parallel import context_parallel as cp
-from memest.parallel import expert_parallel, tensor_parallel, trl_fsdp
+from memest.parallel import expert_parallel, fsdp1, tensor_parallel, trl_fsdp
 from memest.parallel.dims import Meshes, build_mesh, real_values
 from memest.parallel.pipeline_parallel import PipelineStep, describe
 from memest.spec import RunSpec
-from memest.spec.choices import Fp8AllGather, Offload, Optimizer, Shard, Target
+from memest.spec.choices import Fp8AllGather, FsdpVersion, Offload, Optimizer, Shard, Target
 from memest.spec.parallel_dims import loss_parallel
 from memest.trace.dtype import HALF
 from memest.trace.events import Category, Phase, Trace
@@ -273,6 +273,13 @@ def _real_mesh_concatenation() -> Iterator[None]:
 def _fsdp(model: nn.Module, spec: RunSpec, mesh, units: list[str] | None = None, experts=None) -> Parallel:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if spec.fsdp_version == FsdpVersion.V1:  # FullyShardedDataParallel, flat parameters (parallel/fsdp1.py)
+        root, what, names = fsdp1.wrap(model, spec, repeated_blocks(model) if units is None else units)
+        params = [p for p in root.parameters() if p.requires_grad]
+        parallel = Parallel(root, model, make_optimizer(spec, params), what, names)
+        if spec.offload == Offload.PARAMS:  # its pinned host copies, as plain copies (fsdp1.cpu_offload_without_a_gpu)
+            parallel.step_context = fsdp1.cpu_offload_without_a_gpu
+        return parallel
     if spec.optim == Optimizer.ADAFACTOR:  # the real run fails the same way
         raise MemestError(
             f"--optim adafactor does not run on FSDP's sharded (DTensor) parameters: its in-place ops on "
@@ -514,7 +521,8 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
     group_mod.foreach_all_gather_copy_out = foreach_all_gather_copy_out
     group_mod.foreach_reduce = foreach_reduce
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), (fsdp1.instrument(tracker, spec, owner_of_param)
+                                         if spec.fsdp_version == FsdpVersion.V1 else contextlib.nullcontext()):
             # FSDP warns that a wrapped module returned a view (an in-place op on it would skip the
             # all-gather); transformers' outputs are views and nothing writes to them in place
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")

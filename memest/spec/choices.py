@@ -125,6 +125,16 @@ class Shard(Choice):
     ZERO3 = "zero3"  # + parameters (FSDP full shard)
 
 
+class FsdpVersion(Choice):
+    """--fsdp-version: which of torch's FSDP implementations shards the model under --shard zero2/zero3
+    (parallel/distributed.py)."""
+
+    V2 = "2"  # fully_shard: per-parameter DTensor shards (torchtitan, accelerate's fsdp_version 2)
+    # FullyShardedDataParallel with use_orig_params=False: one flat parameter per wrapped unit (fsdp_qlora's train.py,
+    # accelerate's and TrainingArguments' fsdp_version 1, their default)
+    V1 = "1"
+
+
 class PipelineSchedule(Choice):
     """--pp-schedule: torch.distributed.pipelining's schedules (parallel/pipeline_schedule.py); how many
     micro-batches each stage holds comes from walking the schedule's own action order."""

@@ -200,6 +200,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache", ("--cache",), "--mode generate: dynamic | static KV cache."),
     Option("world_size", ("--world-size",), "Data-parallel ranks (estimates are per rank).", searched=True),
     Option("shard", ("--shard",), "none | zero1 | zero2 | zero3 (FSDP full shard).", searched=True),
+    Option("fsdp_version", ("--fsdp-version",), "With --shard zero3 or zero2: which torch FSDP shards the model: 2 "
+           "(fully_shard, per-parameter shards) | 1 (FullyShardedDataParallel with use_orig_params=False: one flat "
+           "parameter per unit, zero3 = FULL_SHARD, zero2 = SHARD_GRAD_OP; the FSDP of fsdp_qlora, and of accelerate "
+           "and TrainingArguments unless fsdp_version: 2). Units: each repeated block and the root, and with frozen "
+           "parameters each leaf module whose weight trains (peft's fsdp_auto_wrap_policy)."),
     Option("offload", ("--offload",), "none | optimizer | params (params: --shard zero3)."),
     Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
            "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu) | "

@@ -17,6 +17,7 @@ from memest.spec.choices import (
     ExpertRouting,
     Fp8,
     Fp8AllGather,
+    FsdpVersion,
     LossHead,
     Mode,
     Offload,
@@ -49,6 +50,7 @@ _CHOICE_FIELDS = {
     "mode": (Mode, "--mode"),
     "cache": (Cache, "--cache"),
     "shard": (Shard, "--shard"),
+    "fsdp_version": (FsdpVersion, "--fsdp-version"),
     "offload": (Offload, "--offload"),
     "activation_offload": (ActivationOffload, "--activation-offload"),
     "fp8": (Fp8, "--fp8"),
@@ -168,6 +170,7 @@ class RunSpec:
     cache: Cache = Cache.DYNAMIC  # --mode generate: dynamic (grows) or static (preallocated) KV cache
     world_size: int = 1  # data-parallel ranks; estimates are per rank
     shard: Shard = Shard.NONE  # zero1: optimizer state, zero2: + gradients, zero3 (FSDP full shard): + parameters
+    fsdp_version: FsdpVersion = FsdpVersion.V2  # --shard zero2/zero3: FSDP2 fully_shard, or FSDP1's flat parameters
     offload: Offload = Offload.NONE  # optimizer: state (and step) on the CPU; params: params+grads+optimizer on the CPU
     # tensors saved for backward moved to host memory in the forward (features/activation_offload.py)
     activation_offload: ActivationOffload = ActivationOffload.NONE
@@ -284,6 +287,7 @@ class RunSpec:
         if self.offload == Offload.PARAMS and self.shard != Shard.ZERO3:
             raise MemestError("--offload params needs --shard zero3 (FSDP's CPU offload); use --offload optimizer otherwise")
         validate(self.parallel, self)
+        self._check_fsdp_version()
         self._check_quant_layout()
         self._check_compile()
         self._check_optim_in_backward()
@@ -557,6 +561,36 @@ class RunSpec:
             if self.compile is False:
                 raise MemestError("--compile-scope blocks with --no-compile: drop one (blocks compiles each block)")
             object.__setattr__(self, "compile", True)
+
+    def _check_fsdp_version(self) -> None:
+        """--fsdp-version 1: torch's FullyShardedDataParallel (use_orig_params=False) is traced for pure data
+        parallelism under --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), each checked against real gloo ranks
+        (tests/test_fsdp1.py); what it is not traced with is refused here."""
+        if self.fsdp_version == FsdpVersion.V2:
+            return
+        supported = ("traced: --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), pure data parallel, --precision "
+                     "fp32, bf16 or bf16-mixed, LoRA and a 4-bit base, --offload params (CPUOffload(offload_params=True))")
+        if self.shard not in (Shard.ZERO3, Shard.ZERO2):
+            raise MemestError(
+                f"--fsdp-version 1 with --shard {self.shard}: FSDP1 is traced as FULL_SHARD (--shard zero3) or "
+                "SHARD_GRAD_OP (--shard zero2); its NO_SHARD is not traced (--shard none traces DDP, which keeps the "
+                f"same full replicas); {supported}"
+            )
+        other = [flag for flag, on in (
+            (f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1), (f"--cp {self.cp}", self.cp > 1),
+            (f"--ep {self.ep}", self.ep > 1), (f"--fp8 {self.fp8}", self.fp8 != Fp8.NONE),
+            ("--compile", bool(self.compile)), (f"--preference {self.preference}", self.preference != Preference.NONE),
+            ("--optim-in-backward", self.optim_in_backward),
+            (f"--offload {self.offload}", self.offload == Offload.OPTIMIZER),
+            (f"--precision {self.precision}", self.precision == Precision.FP16_MIXED),
+            (f"--activation-offload {self.activation_offload}", self.activation_offload != ActivationOffload.NONE),
+        ) if on]
+        if other:
+            raise MemestError(
+                f"--fsdp-version 1 with {', '.join(other)} is not traced (FSDP1 is modelled for pure data parallelism, "
+                f"checked against real gloo ranks); drop {'them' if len(other) > 1 else 'it'}, or use --fsdp-version 2; "
+                f"{supported}"
+            )
 
     def _check_compile(self) -> None:
         if self.compile and self.world_size > 1:

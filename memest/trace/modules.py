@@ -159,8 +159,9 @@ class ModuleStack:
         self.trace = trace
         self._tracker = _ModTracker()
         self._root = type(model).__name__
-        if wrapper is not None:  # the step calls a wrapper (DDP) whose .module is ``model``
-            self._root = f"{type(wrapper).__name__}.module"
+        if wrapper is not None:  # the step calls a wrapper (DDP: its .module; FSDP1: _fsdp_wrapped_module) of ``model``
+            child = next((name for name, m in wrapper.named_children() if m is model), "module")
+            self._root = f"{type(wrapper).__name__}.{child}"
             self._wrapper = type(wrapper).__name__
         self._cache_key: frozenset | None = None
         self._cache_val = ""

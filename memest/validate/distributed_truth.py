@@ -241,8 +241,12 @@ def _sharded_state_bytes(module, optimizer) -> dict[str, int]:
     counts in a trace, read from the real run's tensors. Reads sizes only: nothing is allocated."""
     params = list(module.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    grads = [p.grad for p in params if p.grad is not None]
+    # FSDP1's CPUOffload keeps a host gradient buffer (``_cpu_grad``) for every FlatParameter, frozen ones too (its
+    # .grad for trainable ones); FSDP2 has none
+    grads += [g for p in params if isinstance(g := getattr(p, "_cpu_grad", None), torch.Tensor)]
     return {"parameters": _distinct_storage_bytes(_plain(params)),
-            "gradients": _distinct_storage_bytes(_plain(p.grad for p in params if p.grad is not None)),
+            "gradients": _distinct_storage_bytes(_plain(grads)),
             "optimizer_state": _distinct_storage_bytes(_plain(state))}
 
 

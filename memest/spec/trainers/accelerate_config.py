@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.choices import Shard
 from memest.spec.trainers import common
 from memest.spec.trainers.base import TrainerConfig
 
@@ -117,8 +118,17 @@ def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:
             f"world_size: {world // machines} (HYBRID_SHARD shards within a machine; one replica estimated)")
         cfg.notes.append("HYBRID_SHARD: each rank holds what FSDP over its machine's ranks holds; the all-reduce "
                          "across machines is not traced")
-    if version != 2:
-        cfg.notes.append("FSDP1: memest traces FSDP2's per-parameter sharding of the same bytes")
+    if version != 2 and shard != Shard.NONE:
+        # accelerate 1.x FullyShardedDataParallelPlugin (utils/dataclasses.py): FSDP1's use_orig_params defaults to False
+        orig = str(conf.get("use_orig_params", False)).lower() == "true"
+        hybrid = strategy.startswith("HYBRID") or strategy in ("4", "5")
+        if not (orig or hybrid):
+            put("fsdp_version", f"fsdp_config.fsdp_use_orig_params = {conf.get('use_orig_params', False)!r}", "1",
+                "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
+        else:
+            why = "use_orig_params=True" if orig else "HYBRID_SHARD"
+            cfg.notes.append(f"FSDP1 with {why}: traced as FSDP2's per-parameter sharding of the same bytes "
+                             "(--fsdp-version 1 traces FSDP1 with use_orig_params=False, no HYBRID_SHARD)")
     if conf.get("offload_params"):
         put("offload", f"fsdp_config.fsdp_offload_params = {conf['offload_params']!r}", "params")
     if conf.get("activation_checkpointing"):

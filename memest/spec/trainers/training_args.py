@@ -280,8 +280,16 @@ def _fsdp(cfg, get, put) -> None:
             shard = "zero2"
         put("shard", "fsdp", shard, f"shard: {shard} (FSDP; world size from the launcher: give --world-size)")
         if str(conf.get("version", 1)) != "2":
-            cfg.notes.append("FSDP1 (fsdp_config version 1): memest traces FSDP2's per-parameter sharding; FSDP1's "
-                             "flat parameters shard the same bytes")
+            # transformers' TrainingArguments passes use_orig_params to accelerate's plugin, default "true"
+            # (training_args.py: fsdp_config.get("use_orig_params", "true"))
+            orig = str(conf.get("use_orig_params", "true")).lower() == "true"
+            if not orig:
+                put("fsdp_version", "fsdp_config", "1",
+                    "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
+            else:
+                cfg.notes.append("FSDP1 (fsdp_config version 1) with use_orig_params=True (transformers' default): "
+                                 "traced as FSDP2's per-parameter sharding of the same bytes (--fsdp-version 1 traces "
+                                 "FSDP1 with use_orig_params=False)")
     if "offload" in words or conf.get("offload_params") or conf.get("cpu_offload"):
         put("offload", "fsdp", "params", "offload: params (FSDP CPU offload)")
     if str(conf.get("activation_checkpointing", "false")).lower() == "true":
