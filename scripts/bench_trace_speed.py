@@ -2,7 +2,9 @@
 for benchmarks/trace-speed.md: the medians of wall and CPU (process) time over PAIRS pairs, the ops the tracker
 traced per step (StorageTracker.dispatch calls) and the metadata queries answered before it (prim.device, sizes,
 strides), and CPU ms per traced op; the ratio of the CPU minima too (the
-least disturbed run of each, on a shared machine).
+least disturbed run of each, on a shared machine). Then, for each step, its CPU time with TrackingFakeMode's
+FakeTensorMode shortcuts (the dispatch cache key and the output rebuilt from the cache entry, trace/tracker.py) and
+with torch's own two methods in their place, interleaved the same way in the same process.
 
 Usage: python scripts/bench_trace_speed.py [PAIRS]   (default 7)"""
 
@@ -91,6 +93,30 @@ def empty_like_cost(rounds: int, calls: int = 500) -> tuple[float, float]:
     return statistics.median(times["op"]), statistics.median(times["shortcut"])
 
 
+def shortcut_cost(source, specs: dict, pairs: int) -> dict[str, tuple[float, float]]:
+    """Per spec: median CPU s of a traced step with torch's FakeTensorMode._prep_args_for_hash and
+    _get_output_tensor_from_cache_entry on TrackingFakeMode, and with memest's (the class's own), interleaved."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = tracker_module.TrackingFakeMode
+    names = ("_prep_args_for_hash", "_get_output_tensor_from_cache_entry")
+    methods = {"torch": [getattr(FakeTensorMode, n) for n in names], "memest": [mode.__dict__[n] for n in names]}
+    cpu: dict = {(v, k): [] for v in methods for k in specs}
+    try:
+        for i in range(pairs):
+            for variant in sorted(methods, reverse=i % 2 == 1):
+                for name, method in zip(names, methods[variant], strict=True):
+                    setattr(mode, name, method)
+                for key, spec in sorted(specs.items(), reverse=i % 2 == 1):
+                    start = time.process_time()
+                    trace_step(source, spec)
+                    cpu[variant, key].append(time.process_time() - start)
+    finally:
+        for name, method in zip(names, methods["memest"], strict=True):
+            setattr(mode, name, method)
+    return {k: (statistics.median(cpu["torch", k]), statistics.median(cpu["memest", k])) for k in specs}
+
+
 def main(pairs: int) -> None:
     op, shortcut = empty_like_cost(pairs)
     print(f"torch.empty_like through the tracked fake mode: {op:.1f} CPU us per call; StorageTracker.empty_like: "
@@ -98,6 +124,7 @@ def main(pairs: int) -> None:
     print("| technique | model | step | without: wall s / CPU s | with: wall s / CPU s | wall ratio | CPU ratio | CPU ratio of minima | "
           "ops traced without / with | metadata queries without / with | CPU ms per op without / with |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    shortcut_rows = []
     for label, model, base, extra in CASES:
         source = load_source(model)
         specs = {"without": RunSpec(model=model, target="cuda", **base),
@@ -122,6 +149,14 @@ def main(pairs: int) -> None:
               f"{counts['without'][0]:,} / {counts['with'][0]:,} | {counts['without'][1]:,} / {counts['with'][1]:,} | "
               f"{1000 * c['without'] / counts['without'][0]:.3f} / {1000 * c['with'] / counts['with'][0]:.3f} |",
               flush=True)
+        shortcut_rows.append((label, model, shortcut_cost(source, specs, pairs)))
+    print(f"\nTrackingFakeMode's cache-key and cached-output shortcuts: median CPU s per traced step over {pairs} "
+          "interleaved rounds, torch's two methods in their place against memest's\n")
+    print("| technique | model | step | torch's: CPU s | memest's: CPU s | change |")
+    print("|---|---|---|---|---|---|")
+    for label, model, costs in shortcut_rows:
+        for key, (theirs, ours) in costs.items():
+            print(f"| {label} | {model} | {key} | {theirs:.3f} | {ours:.3f} | {ours / theirs - 1:+.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The tracker's shortcuts (trace/tracker.py) record what the fake mode's full dispatch records, field for field:
 ``StorageTracker.empty_like`` against ``torch.empty_like`` dispatched into the mode, and the metadata queries
 (``prim.device``, sizes, strides) that ``TrackingFakeMode`` answers before the tracker against FakeTensorMode's own
-answer. The whole-trace check (every StorageRecord, event, FLOP count of 13 steps unchanged by these shortcuts:
+answer, and TrackingFakeMode's dispatch cache key and output rebuilt from the cache against FakeTensorMode's. The
+whole-trace check (every StorageRecord, event, FLOP count of 13 steps unchanged by these shortcuts:
 scripts/trace_digest.py) is in benchmarks/trace-speed.md."""
 
 from __future__ import annotations
@@ -98,3 +99,88 @@ def test_metadata_queries_answered_as_the_fake_mode_answers_them():
     assert answers[1] == answers[0] == [torch.device("cpu"), [3, 4], [5, 1], 1]
     assert not [f for f in seen if f in queries]
     assert seen == [torch.ops.aten.add.Tensor]
+
+
+def _key(prep, mode, args) -> tuple[list, str | None]:
+    """The cache-key values ``prep`` appends for ``args`` (or the bypass it raises)."""
+    from torch._subclasses.fake_tensor import _CacheKeyState
+
+    result: list = []
+    try:
+        prep(mode, result, args, _CacheKeyState(None), [])
+    except Exception as exc:  # torch's _BypassDispatchCache: the same reason from both
+        return result, repr(exc)
+    return result, None
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cache_key_is_the_fake_modes(layout):
+    """TrackingFakeMode._prep_args_for_hash appends the values FakeTensorMode's does, of the same types (1 and 1.0,
+    True and 1 differ only by type), for a fake tensor of every layout with the argument kinds ops take (numbers,
+    None, lists, tuples, a dict of kwargs, dtypes, devices, a memory format), plus requires_grad, inference, float8,
+    conjugate and constant tensors."""
+    mode = TrackingFakeMode()
+    with mode:
+        t = LAYOUTS[layout](torch.randn(2, 64, 128, requires_grad=True))
+        others = [t.detach().to(torch.float8_e4m3fn), torch.randn(2, 2, dtype=torch.complex64).conj(),
+                  torch.tensor(2.0)]  # the last holds a constant: torch bypasses its cache
+        with torch.inference_mode():
+            others.append(torch.randn(3, 3))
+    for arg in (t, *others):
+        args = (arg, 1, 1.0, True, None, [1, 2], (3, (4,)), {"dim": 1, "keepdim": False}, torch.float16,
+                torch.device("cpu"), "name", torch.channels_last, torch.strided)
+        fast, torchs = _key(TrackingFakeMode._prep_args_for_hash, mode, args), _key(
+            FakeTensorMode._prep_args_for_hash, mode, args)
+        assert fast == torchs
+        assert [type(v) for v in fast[0]] == [type(v) for v in torchs[0]]
+
+
+OPS = {
+    "mul": lambda x, w: x * 2,
+    "t (view)": lambda x, w: x.t(),
+    "view": lambda x, w: x.view(4, 16),
+    "offset slice (view)": lambda x, w: x[1:],
+    "detach (view)": lambda x, w: x.detach(),
+    "mm": lambda x, w: x @ w,
+    "max.dim (two outputs)": lambda x, w: torch.max(x, 1),
+    "amax": lambda x, w: x.abs().max(),
+    "float8 cast": lambda x, w: w.to(torch.float8_e4m3fn),
+    "clamp reciprocal": lambda x, w: w.clamp(min=1e-12).reciprocal(),
+    "channels_last add": lambda x, w: x.reshape(2, 2, 2, 8).to(memory_format=torch.channels_last) + 1,
+    "split (views)": lambda x, w: torch.split(w, 4, 1),
+    "in-place": lambda x, w: w.detach().mul_(2),
+}
+
+
+def _output_facts(out) -> list:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [(*_facts(t), t.is_leaf, t.is_inference(), str(torch._C._dispatch_keys(t)),
+             sorted((k, repr(v)) for k, v in t.__dict__.items())) for t in outs]
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_cached_output_is_the_fake_modes(op):
+    """An op's output rebuilt from FakeTensorMode's cache by TrackingFakeMode (its own
+    _get_output_tensor_from_cache_entry and fake-tensor constructor) equals torch's rebuild: type, sizes, strides,
+    offset, dtype, device, requires_grad, leaf, dispatch keys, every attribute of the FakeTensor; a view's output
+    holds its input's storage."""
+    mode = TrackingFakeMode()
+    outs = []
+    with mode:
+        x = torch.randn(8, 8, requires_grad=True)
+        w = torch.randn(8, 16)
+        OPS[op](x, w)  # fills the cache entry
+        for rebuild in (FakeTensorMode._get_output_tensor_from_cache_entry, None):
+            hits = FakeTensorMode.cache_hits
+            with pytest.MonkeyPatch.context() as patch:
+                if rebuild is not None:
+                    patch.setattr(TrackingFakeMode, "_get_output_tensor_from_cache_entry", rebuild)
+                outs.append(OPS[op](x, w))
+            assert FakeTensorMode.cache_hits > hits  # rebuilt from the cache
+    torchs, fast = outs
+    assert _output_facts(fast) == _output_facts(torchs)
+    inputs = {"x": x.untyped_storage()._cdata, "w": w.untyped_storage()._cdata}
+    for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in outs), strict=True):
+        assert [k for k, s in inputs.items() if a.untyped_storage()._cdata == s] == [
+            k for k, s in inputs.items() if b.untyped_storage()._cdata == s]
+        assert (a._base is None) == (b._base is None)

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (
     _DISPATCH_META_HANDLERS,
     FakeTensor,
+    FakeTensorConfig,
     FakeTensorMode,
     in_kernel_invocation_manager,
 )
@@ -93,6 +95,69 @@ def _composite(func) -> bool:
 _FAKE_TORCH_DISPATCH = getattr(FakeTensorMode.__torch_dispatch__, "__wrapped__", FakeTensorMode.__torch_dispatch__)
 
 
+# argument types that reach the last branch of FakeTensorMode._prep_args_for_hash (no earlier isinstance matches them)
+_PLAIN_KEY_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                              torch.memory_format})
+_STRIDED = torch.strided
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _plain_fake(t: FakeTensor, mode: FakeTensorMode) -> bool:
+    """Whether ``t`` is a fake tensor whose cache key :func:`_flatten_fake` writes: this mode's, strided, no
+    constant, static sizes (torch's method raises its cache bypasses or converts symbols for the others)."""
+    return t.fake_mode is mode and t.constant is None and t.layout == _STRIDED and not t._has_symbolic_sizes_strides
+
+
+def _flatten_fake(result: list, t: FakeTensor) -> None:
+    """``extract_tensor_metadata(t)._flatten_into(result, ...)`` for a tensor :func:`_plain_fake` accepts: the
+    TensorMetadata fields in order, shape (a torch.Size) and strides (a tuple) flattened as
+    ``_prep_args_for_hash`` flattens a sequence (its type, ``length_N``, then type and value of each int), the
+    sparse-only fields None (torch 2.13 torch/_subclasses/fake_tensor.py)."""
+    shape = t.shape
+    stride = t.stride()
+    ndim = len(shape)
+    memory_format = suggest_memory_format(t) if ndim == 4 or ndim == 5 else _CONTIGUOUS
+    if not t.is_contiguous(memory_format=memory_format):
+        memory_format = None
+    sizes = [int, 0] * ndim  # each int as (type, value)
+    sizes[1::2] = shape
+    steps = [int, 0] * len(stride)
+    steps[1::2] = stride
+    result += (t.dtype, torch.Size, f"length_{ndim}")
+    result += sizes
+    result += (tuple, f"length_{len(stride)}")
+    result += steps
+    result += (t.device, _STRIDED, memory_format, t.storage_offset(), t.untyped_storage().nbytes(), t.requires_grad,
+               t.is_quantized, t.is_conj(), t.is_neg(), t.is_inference(), False, None, None, None)
+
+
+def _new_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+    """``FakeTensor(mode, meta, device)`` for a CPU fake device: the same subclass made by the same
+    ``Tensor._make_subclass`` call and the same mutable-data-pointer guard, its attributes (``_fake_device``,
+    ``fake_mode``, and the Nones: constant, real tensor, pytype, dispatch keys, each memo's value, version and
+    epoch) copied from one FakeTensor made by torch's constructor for this mode, without that constructor's
+    argument checks, device normalisation (the identity on "cpu") and per-memo descriptors (torch 2.13
+    torch/_subclasses/fake_tensor.py ``FakeTensor.__new__``). Anything else is made by the constructor."""
+    if device.type != "cpu" or FakeTensorConfig.debug:
+        return FakeTensor(mode, meta, device)
+    state = mode.__dict__.get("_memest_fake_state")
+    if state is None or state["_fake_device"] != device:
+        with torch._C._DisableTorchDispatch():
+            model = FakeTensor(mode, torch.empty(0, device=META), device)
+        state = dict(model.__dict__)
+        if any(v is not None for k, v in state.items() if k not in ("_fake_device", "fake_mode")):
+            return FakeTensor(mode, meta, device)  # a torch whose fresh fake tensors hold more: its own constructor
+        mode.__dict__["_memest_fake_state"] = state
+    out = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+                                      device_for_backend_keys=device)
+    if not mode._allow_unsafe_data_ptr_access:
+        torch._C._set_throw_on_mutable_data_ptr(out)
+    else:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+    out.__dict__.update(state)
+    return out
+
+
 class TrackingFakeMode(FakeTensorMode):
     """A FakeTensorMode that hands the ops called into it to a :class:`StorageTracker`.
 
@@ -115,6 +180,53 @@ class TrackingFakeMode(FakeTensorMode):
         if handler is not None:
             return handler(args)
         return _FAKE_TORCH_DISPATCH(self, func, types, args, kwargs if kwargs is not None else {})
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
+        """FakeTensorMode's dispatch cache key of ``args`` (torch 2.13 torch/_subclasses/fake_tensor.py
+        ``_prep_args_for_hash``): the same values appended in the same order, without its per-argument chain of
+        isinstance checks and, for a plain fake tensor (strided, static shape, this mode's, no constant), without
+        ``extract_tensor_metadata`` and ``TensorMetadata._flatten_into`` (a dataclass walked field by field, the
+        shape and strides re-entering this method). That key was the largest part of a traced op (benchmarks/
+        trace-speed.md); anything else is handed to torch's own method, one argument at a time.
+        tests/test_tracker.py compares the keys with torch's on many layouts."""
+        if isinstance(args, (list, tuple, dict)):
+            result.append(type(args))
+            result.append(f"length_{len(args)}")
+            if isinstance(args, dict):
+                self._prep_args_for_hash(result, args.keys(), state, id_hashed_objects)
+                self._prep_args_for_hash(result, args.values(), state, id_hashed_objects)
+                return
+        append = result.append
+        for arg in args:
+            kind = type(arg)
+            if kind in _PLAIN_KEY_TYPES:  # torch's last branch: the type, then the value
+                append(kind)
+                append(arg)
+            elif kind is FakeTensor and _plain_fake(arg, self):
+                _flatten_fake(result, arg)
+            elif kind is list or kind is tuple:
+                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+            else:  # torch's own branches (symbolic ints, subclasses, bypasses), this argument alone
+                super()._prep_args_for_hash(result, iter((arg,)), state, id_hashed_objects)
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        """An op's output rebuilt from FakeTensorMode's cache entry as torch 2.13 rebuilds it
+        (torch/_subclasses/fake_tensor.py ``_get_output_tensor_from_cache_entry``: a meta ``empty_strided`` of the
+        cached sizes, strides, dtype and requires_grad, set onto the input's storage for a view op, in a FakeTensor)
+        for the common entry: a new strided tensor, no shape environment, not conjugate or negative; its fake
+        tensor made by :func:`_new_fake`. Other entries (in-place, constants, symbolic sizes) go to torch's."""
+        metadata = entry.metadata
+        if (metadata is None or entry.inplace_idx is not None or self.shape_env is not None
+                or metadata.layout != _STRIDED or metadata.is_conj or metadata.is_neg):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            meta = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, device=META,
+                                       requires_grad=metadata.requires_grad)
+        if isinstance(func, torch._ops.OpOverload) and func.is_view:  # the input's storage, as torch sets it
+            storage = args[entry.view_idx].untyped_storage()
+            with in_kernel_invocation_manager(self):
+                meta.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+        return _new_fake(self, meta, metadata.device)
 
     def dispatch(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
@@ -362,7 +474,7 @@ class StorageTracker:
         else:  # the op's own meta kernel picks the strides
             with in_kernel_invocation_manager(mode):
                 meta = EMPTY_LIKE(t)
-        out = FakeTensor(mode, meta, t.fake_device)
+        out = _new_fake(mode, meta, t.fake_device)
         if not self.ignoring:
             self.register(out, Category.TEMPORARIES, self._op_name(EMPTY_LIKE))
         return out
