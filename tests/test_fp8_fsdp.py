@@ -142,7 +142,6 @@ def test_multihead_attention_is_refused_under_the_float8_all_gather():
     ({"world_size": 2, "shard": "zero3", "offload": "params"}, "--offload params"),
     ({"world_size": 2, "shard": "zero3", "optim_in_backward": True}, "--optim-in-backward"),
     ({"world_size": 2, "shard": "zero3", "compile": True, "compile_scope": "blocks"}, "--compile"),
-    ({"compile": True}, "--compile"),
     ({"lora": "r=8"}, "--lora"),
     ({"quant": "nf4", "lora": "r=8"}, "--quant"),
 ])

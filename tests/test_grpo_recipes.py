@@ -172,7 +172,9 @@ def test_accumulation_generates_once_for_the_whole_generation_batch():
 @pytest.mark.parametrize("fields, match", [
     ({"checkpointing": "every:2"}, "blocks or blocks-reentrant"),
     ({"checkpointing": "selective"}, "blocks or blocks-reentrant"),
-    ({"world_size": 2, "shard": "zero3"}, "not traced yet"),  # plain DDP is traced (tests/test_preference_ddp.py)
+    # plain DDP (tests/test_preference_ddp.py) and FSDP2 zero3/zero2 (tests/test_grpo_fsdp.py) are traced
+    ({"world_size": 2, "shard": "zero1"}, "not traced yet"),
+    ({"world_size": 2, "shard": "zero3", "generation_batch": 16}, "no --generation-batch"),
 ])
 def test_what_trl_s_grpo_has_no_switch_for_is_refused(fields, match):
     with pytest.raises(MemestError, match=match):
