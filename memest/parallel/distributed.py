@@ -502,7 +502,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
             out = saved["copy_out"](result, fsdp_params, *args, **kwargs)
         for p in fsdp_params:  # the unsharded parameters
             for t in p.all_gather_outputs:
-                _own_lineage(tracker, t, Category.PARAMETERS, owner_of_param.get(id(p.sharded_param), ""))
+                tracker.own_lineage(t, Category.PARAMETERS, owner_of_param.get(id(p.sharded_param), ""))
         return out
 
     def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
@@ -539,16 +539,9 @@ def _own_gradients(tracker, fsdp_params, unsharded_grads, owner_of_param: dict[i
     """FSDP's unsharded gradients as gradients of their parameters' owners. A function of its own, so no local of
     the wrapper keeps the last gradient alive: FSDP frees them after copying them into the reduce-scatter input."""
     for p, g in zip(fsdp_params, unsharded_grads, strict=True):
-        _own_lineage(tracker, g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
+        tracker.own_lineage(g, Category.GRADIENTS, owner_of_param.get(id(p.sharded_param), ""))
 
 
-def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str) -> None:
-    sid = tracker.storage_id(t)
-    if sid is None:
-        return
-    for s in tracker.lineage(sid):
-        tracker.trace.storages[s].classify(category)
-        tracker.trace.owner_module[s] = module
 
 
 # -- host memory ---------------------------------------------------------------------------------

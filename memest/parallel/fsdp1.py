@@ -134,7 +134,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         if offload:  # the pinned host shard and host gradient: the unit's, in host memory
             flat = handle.flat_param
             for t, category in ((flat._local_shard, Category.PARAMETERS), (flat._cpu_grad, Category.GRADIENTS)):
-                _own_lineage(tracker, t, category, owner(flat), host=True)
+                tracker.own_lineage(t, category, owner(flat), host=True)
         return out
 
     def pre_unshard(handle):
@@ -157,18 +157,18 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         flat = handle.flat_param
         full = getattr(flat, "_full_param_padded", None)
         if full is not None and handle.uses_sharded_strategy:
-            _own_lineage(tracker, full, Category.PARAMETERS, owner(flat))
+            tracker.own_lineage(full, Category.PARAMETERS, owner(flat))
         return out
 
     def post_backward(state, handle, flat_param, *unused):
         flat = handle.flat_param
         if flat.grad is not None:
-            _own_lineage(tracker, flat.grad, Category.GRADIENTS, owner(flat))
+            tracker.own_lineage(flat.grad, Category.GRADIENTS, owner(flat))
         with tracker.labelled("FSDP1 reduce-scatter"):
             out = saved["post_backward"](state, handle, flat_param, *unused)
         shard = getattr(flat, "_saved_grad_shard", None)
         if shard is not None:
-            _own_lineage(tracker, shard, Category.GRADIENTS, owner(flat))
+            tracker.own_lineage(shard, Category.GRADIENTS, owner(flat))
         return out
 
     flat_mod.FlatParamHandle.unshard = unshard
@@ -188,12 +188,3 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
-def _own_lineage(tracker, t: torch.Tensor, category: Category, module: str, host: bool = False) -> None:
-    sid = tracker.storage_id(t)
-    if sid is None:
-        return
-    for s in tracker.lineage(sid):
-        tracker.trace.storages[s].classify(category)
-        tracker.trace.owner_module[s] = module
-        if host:
-            tracker.trace.storages[s].host = True

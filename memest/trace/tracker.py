@@ -380,6 +380,18 @@ class StorageTracker:
         """Every storage id of the storage that ``sid`` is (several when resize_ re-allocated it)."""
         return self._lineage.get(sid, [sid])
 
+    def own_lineage(self, t: torch.Tensor, category: Category, module: str, host: bool = False) -> None:
+        """Every storage of ``t``'s lineage classified as ``category``, owned by ``module`` (and host memory
+        with ``host``); a tensor the tracker has not seen is left alone."""
+        sid = self.storage_id(t)
+        if sid is None:
+            return
+        for s in self.lineage(sid):
+            self.trace.storages[s].classify(category)
+            self.trace.owner_module[s] = module
+            if host:
+                self.trace.storages[s].host = True
+
     def resized(self, storage, old_nbytes: int, new_nbytes: int) -> None:
         """``storage.resize_`` ran (FSDP frees and re-allocates unsharded parameters this way): the
         old allocation ends, a new one (same role) begins."""
