@@ -91,7 +91,10 @@ FQ_NOTES = [
     "(get_peft_model(..., autocast_adapter_dtype=False))",
     "checkpointing: the run used reentrant checkpointing; memest's --checkpointing blocks is non-reentrant",
     "FSDP1 FULL_SHARD with use_orig_params False, traced as FSDP1 (--fsdp-version 1: torch's FullyShardedDataParallel, "
-    "one flat parameter per decoder layer and per LoRA Linear, train.py's llama-recipes wrap policy)",
+    "one flat parameter per decoder layer and per LoRA Linear, train.py's llama-recipes wrap policy); the wrap "
+    "traced before the step as train.py runs it (--fsdp-sync-module-states: low_memory, its default, passes "
+    "sync_module_states=True, device_id=the GPU; no empty_cache after the wrap, reset_peak_memory_stats before "
+    "the first step)",
 ]
 
 
@@ -120,6 +123,7 @@ def _fq(label, card, train, batch, seq, measured_gib, *, figure="reserved", offl
         spec["offload"] = "params"
     if not ddp:
         spec["fsdp_version"] = "1"
+        spec["fsdp_sync_module_states"] = True  # train.py: sync_module_states=args["low_memory"] (default True)
     notes = list(FQ_NOTES)
     if ddp:
         notes[2] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (the source's footnote), traced as DDP (--world-size 2, "
@@ -184,20 +188,28 @@ PEFT_NOTES = [
 ]
 
 
+# peft's examples/sft/configs/fsdp_config_qlora.yaml (huggingface/peft@1948110): fsdp_use_orig_params false,
+# fsdp_sync_module_states true, fsdp_cpu_ram_efficient_loading true: FSDP1, flat parameters, rank 0's states broadcast
+PEFT_FSDP1 = dict(fsdp_version="1", fsdp_sync_module_states=True)
+PEFT_FSDP1_NOTE = ("FSDP1 as peft's fsdp_config_qlora.yaml sets it (fsdp_use_orig_params false, fsdp_sync_module_states "
+                   "true, fsdp_cpu_ram_efficient_loading true): --fsdp-version 1 --fsdp-sync-module-states, the wrap "
+                   "replayed before the step")
+
+
 def peft_rows() -> list[Row]:
     """peft's docs (accelerate/fsdp.md, accelerate/deepspeed.md): Llama-2 70B QLoRA per-GPU memory."""
     return [
         Row("peft docs llama-2-70b", "FSDP QLoRA 2 GPUs, no CPU offload", PEFT_FSDP,
             f"GPU not stated (2 GPUs; 24 GB cards for the offload run); {PEFT_SETUP}; FSDP1 FULL_SHARD, "
             "use_orig_params False, BACKWARD_PRE prefetch; 'When disabling CPU offloading, the GPU memory usage is "
-            "35.6 GB/GPU'", PEFT_QLORA_70B, ("not stated", None, (8, 0)), "device", round(35.6 * GiB),
-            PEFT_NOTES + ["card not stated: no verdict scored; compute capability taken as 8.0 (A100) for the "
+            "35.6 GB/GPU'", {**PEFT_QLORA_70B, **PEFT_FSDP1}, ("not stated", None, (8, 0)), "device",
+            round(35.6 * GiB), PEFT_NOTES + [PEFT_FSDP1_NOTE, "card not stated: no verdict scored; compute capability taken as 8.0 (A100) for the "
                           "context cost"], measured_alt_bytes=round(35.6e9)),
         Row("peft docs llama-2-70b", "FSDP QLoRA 2x24GB, CPU offload", PEFT_FSDP,
             f"2x24GB GPUs (model not stated); {PEFT_SETUP}; FSDP1 FULL_SHARD with fsdp_offload_params true; "
-            "'the memory consumed per GPU is 19.6 GB'", {**PEFT_QLORA_70B, "offload": "params"},
+            "'the memory consumed per GPU is 19.6 GB'", {**PEFT_QLORA_70B, **PEFT_FSDP1, "offload": "params"},
             ("24GB (model not stated)", 24 * 1000**3, (8, 6)), "device", round(19.6 * GiB),
-            PEFT_NOTES + ["24 GB card, model not stated: capacity taken as 24e9 B, compute capability 8.6",
+            PEFT_NOTES + [PEFT_FSDP1_NOTE, "24 GB card, model not stated: capacity taken as 24e9 B, compute capability 8.6",
                           "FSDP1 CPU offload as --offload params"], measured_alt_bytes=round(19.6e9)),
         Row("peft docs llama-2-70b", "DeepSpeed ZeRO-3 QLoRA 2x A100 40GB", PEFT_DS,
             f"2x40GB GPUs; {PEFT_SETUP}; DeepSpeed ZeRO-3 (accelerate deepspeed_config_z3_qlora.yaml, no offload, "

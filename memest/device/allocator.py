@@ -335,6 +335,13 @@ _VA_ALIGN = 2 * MIB  # SIMPLIFICATION: each new segment gets a fresh address abo
 # No storage has a negative id (device/usage.py's cuBLAS workspaces are -1 and -2).
 EMPTY_CACHE_ID = -(1 << 40)
 EMPTY_CACHE = (EMPTY_CACHE_ID, 0)
+# The event ``(RESET_PEAK_ID, 0)``: torch.cuda.reset_peak_memory_stats() at that point: the peaks restart from the
+# current allocated / reserved / requested bytes (DeviceCachingAllocator::resetPeakStats). The replay puts one after
+# the events before the step (device/usage.py allocator_events: FSDP1's wrap), so its peaks are the step's, as a
+# loop that resets them after the wrap (fsdp_qlora's train.py) reads them; reserved memory never shrinks without
+# an empty_cache or an OOM retry, so the peak reserved after it also holds what the wrap left cached.
+RESET_PEAK_ID = -(1 << 40) - 1
+RESET_PEAK = (RESET_PEAK_ID, 0)
 
 
 class _Segment:
@@ -463,6 +470,11 @@ class CachingAllocator:
         self.limit_refused_min = _NO_LIMIT
 
     # --- stats -------------------------------------------------------------------------------------
+    def reset_peaks(self) -> None:
+        """resetPeakStats: every peak restarts from its current value."""
+        self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
+        self.peak_allocated_event = self.peak_reserved_event = self.event
+
     def _add_reserved(self, n: int) -> None:
         self.total_allocated_memory += n
         self.reserved += n
@@ -918,7 +930,8 @@ def replay(
     """Replay ``(storage_id, delta)`` events (memest Trace.events) through the caching allocator.
 
     delta > 0 allocates ``delta`` bytes for the storage (on stream ``streams[storage_id]``, 0 when absent),
-    delta < 0 frees its block, ``EMPTY_CACHE`` empties the cache (torch.cuda.empty_cache()). With
+    delta < 0 frees its block, ``EMPTY_CACHE`` empties the cache (torch.cuda.empty_cache()), ``RESET_PEAK`` restarts
+    the peaks (torch.cuda.reset_peak_memory_stats()). With
     ``device_limit_bytes`` the allocator runs its OOM recovery (free oversize / all unsplit cached
     blocks, then retry) and the replay stops at the first request that would raise OutOfMemoryError.
     """
@@ -946,6 +959,8 @@ def replay(
         elif sid == EMPTY_CACHE_ID:
             emptied += 1
             released += alloc.empty_cache()
+        elif sid == RESET_PEAK_ID:
+            alloc.reset_peaks()
     sizes = alloc.segment_sizes()
     return ReplayResult(
         same_replay_limits=alloc.same_replay_limits(),

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 from memest.device.allocator import (
     EMPTY_CACHE,
+    RESET_PEAK,
     alloc_conf_from_env,
     alloc_conf_text,
     allocator_floor,
@@ -145,7 +146,7 @@ def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[Em
     calls = first_steps(trace) if empty_caches is None else empty_caches
     workspace = next((c for c in costs if c.name == "cublas_workspaces"), None)
     if (workspace is None or workspace.bytes <= 0 or not trace.events) and not calls:
-        return list(trace.events)
+        return with_load(trace, list(trace.events))
     inserts: dict[int, list[tuple[int, int]]] = {}
     for call in calls:  # before a workspace at the same point: that one comes with the phase's first kernel
         inserts.setdefault(call.event, []).append(EMPTY_CACHE)
@@ -161,7 +162,23 @@ def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[Em
             events.extend(inserts[i])
         events.append(event)
     events.extend(inserts.get(len(trace.events), ()))
-    return events
+    return with_load(trace, events)
+
+
+def with_load(trace: Trace, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``events`` after the device allocations made before the step (``trace.load_events``: FSDP1's wrap) and a
+    reset of the peaks (allocator.RESET_PEAK): what the wrap left cached stays reserved into the step. A step
+    storage the wrap allocated (a unit's shard) loses its setup allocation, which the wrap's stands for."""
+    if not trace.load_events:
+        return events
+    loaded = {sid for sid, delta in trace.load_events if delta > 0 and sid >= 0}
+    rest, seen = [], set()
+    for sid, delta in events:
+        if delta > 0 and sid in loaded and sid not in seen:
+            seen.add(sid)
+            continue
+        rest.append((sid, delta))
+    return list(trace.load_events) + [RESET_PEAK] + rest
 
 
 def first_steps(trace: Trace) -> list[EmptyCache]:

@@ -9,8 +9,8 @@ import contextlib
 
 from memest.errors import MemestError, TraceError
 from memest.features.base import StepFeature
-from memest.parallel import distributed
-from memest.spec.choices import Shard
+from memest.parallel import distributed, fsdp1
+from memest.spec.choices import FsdpVersion, Shard
 from memest.trace.tracker import TrackerRules
 
 
@@ -67,6 +67,10 @@ class ParallelFeature(StepFeature):
     def contexts(self, step) -> list:
         if self.parallel is None:
             return []
+        if step.spec.fsdp_version == FsdpVersion.V1 and step.spec.shard in (Shard.ZERO3, Shard.ZERO2):
+            # the wrap's device allocations, rebuilt now that the shards have their storage ids
+            step.trace.load_events, what = fsdp1.load_events(self.parallel.module, step.spec, step.tracker.storage_id)
+            step.trace.notes.append(what)
         contexts = [distributed.instrument(step.tracker, step.spec, step.owner_of_param)]
         if self.parallel.step_context is not None:  # --cp: the ring attention
             contexts.append(self.parallel.step_context())

@@ -15,6 +15,30 @@ peft's ``fsdp_auto_wrap_policy`` and fsdp_qlora's ``lambda_policy_fn`` (train.py
 The trace runs torch's own FSDP1 under the fake process group; ``instrument`` names its buffers (the all-gather into
 the unsharded flat parameter, the low-precision shard, the reduce-scatter) and classifies the unsharded flat
 parameter and gradient as their unit's parameters and gradients.
+
+The wrap itself (``load_events``): ``FullyShardedDataParallel(model, device_id=...)`` over a model on the host (CPU
+or meta, as fsdp_qlora's train.py, accelerate and TrainingArguments build it for FSDP1) materialises each unit on
+the GPU, flattens it and keeps this rank's shard, unit after unit; the blocks it frees stay in the caching
+allocator's cache (no ``empty_cache`` follows the wrap in those loops), so the step starts with them reserved. The
+trace wraps on the fake CPU, where no move happens and the wrap is not tracked, so its device allocations are
+rebuilt here from each unit's FlatParameter, in torch's order (torch 2.13, torch/distributed/fsdp/_init_utils.py
+``_init_param_handle_from_module`` and ``_init_param_handle_from_params``; _flat_param.py ``FlatParamHandle``):
+1. ``_move_module_to_device``: each of the unit's parameters moved to the device (``param.data = param.to(device)``);
+   a meta module's ``param_init_fn`` (``to_empty``) allocates the same bytes.
+2. ``sync_module_states=True``: ``_sync_module_params_and_buffers`` -> ``_sync_params_and_buffers`` ->
+   c10d ``broadcast_coalesced`` (torch/csrc/distributed/c10d/comm.cpp): the states bucketed by
+   ``compute_bucket_assignment_by_size`` up to ``PARAM_BROADCAST_BUCKET_SIZE`` (250 MiB; a bucket closes once it
+   reaches the limit), each bucket flattened into one new tensor (``flatten_dense_tensors``), at most 2 in flight.
+3. ``FlatParamHandle.__init__``: ``flatten_tensors`` = ``torch.cat`` of the parameters (with alignment padding)
+   into the unsharded flat parameter.
+4. ``shard()``: ``_get_shard`` clones this rank's chunk (and ``F.pad``s it to the first chunk's size where it is
+   shorter), then frees the unsharded flat parameter (``_typed_storage()._resize_(0)``).
+5. ``CPUOffload(offload_params=True)``: ``flat_param_to(cpu)``: the device shard freed.
+6. The moved parameters are freed when ``_init_param_handle_from_module`` returns (its ``managed_params`` list held
+   them).
+Units initialise inner first (``_recursive_wrap`` wraps children before their parent), the root last.
+SIMPLIFICATION: buffers (moved and broadcast too; allocated at the step's setup here), the few-element padding
+tensors of step 3, and bitsandbytes' quant_state tensors are left out.
 """
 
 from __future__ import annotations
@@ -31,6 +55,12 @@ from memest.spec.choices import Offload, Shard, Target
 from memest.trace.dtype import HALF
 from memest.trace.events import Category
 
+PARAM_BROADCAST_BUCKET_SIZE = 250 * 1024 * 1024  # torch/distributed/fsdp/_init_utils.py (torch 2.13), line 60
+BROADCASTS_IN_FLIGHT = 2  # torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced: ``max_in_flight = 2``
+# ids of the wrap's device allocations that are not the step's storages (the replay's ids; the step's are >= 0,
+# device/usage.py's cuBLAS workspaces -1 and -2, allocator.EMPTY_CACHE_ID -(1 << 40))
+LOAD_ID_BASE = -(1 << 42)
+
 
 def _trainable_leaf(module: nn.Module) -> bool:
     """peft's fsdp_auto_wrap_policy ``lambda_policy_fn`` (peft/utils/other.py), fsdp_qlora's train.py the same."""
@@ -46,8 +76,10 @@ def wrap(model: nn.Module, spec: RunSpec, units: list[str]) -> tuple[nn.Module, 
 
     modules = dict(model.named_modules())
     blocks = {id(modules[name]) for name in units}
-    params = list(model.parameters())
-    mixed_grad = any(p.requires_grad for p in params) and not all(p.requires_grad for p in params)
+    # not a list of the parameters: held across the FSDP call it would keep every unit's original parameters alive
+    # until the root is wrapped, which FSDP1 does not (each unit's are released once it is flattened)
+    trains = {p.requires_grad for p in model.parameters()}
+    mixed_grad = trains == {True, False}
     leaves = [name for name, m in modules.items() if mixed_grad and name and id(m) not in blocks and _trainable_leaf(m)]
     chosen = blocks | {id(modules[name]) for name in leaves}
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in chosen)
@@ -57,17 +89,37 @@ def wrap(model: nn.Module, spec: RunSpec, units: list[str]) -> tuple[nn.Module, 
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=HALF[spec.precision], reduce_dtype=torch.float32)
     if spec.offload == Offload.PARAMS:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-    root = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_id=torch.device("cpu"),
-                use_orig_params=False, limit_all_gathers=True, **kwargs)
+    with _sync_on_a_cpu():
+        root = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_id=torch.device("cpu"),
+                    use_orig_params=False, limit_all_gathers=True, sync_module_states=spec.fsdp_sync_module_states,
+                    **kwargs)
     what = f"FSDP1 FullyShardedDataParallel({strategy.name}, use_orig_params=False)"
     if spec.offload == Offload.PARAMS:
         what += " + CPUOffload(offload_params=True)"
+    if spec.fsdp_sync_module_states:
+        what += " + sync_module_states"
     if spec.mixed:
         what += f" + MixedPrecision(param_dtype={str(HALF[spec.precision]).removeprefix('torch.')}, reduce_dtype=float32)"
     names = [name for name in modules if id(modules[name]) in chosen]
     n = len(names) + 1
     extra = f" ({len(leaves)} of them trainable leaves)" if leaves else ""
     return root, f"{what}, {n} units{extra}", names + [""]
+
+
+@contextlib.contextmanager
+def _sync_on_a_cpu() -> Iterator[None]:
+    """``sync_module_states=True`` refuses module states on the CPU (_init_utils.py
+    ``_check_module_states_for_sync_module_states``: NCCL broadcasts device tensors); memest wraps on the CPU (fake
+    process group in the trace, gloo for the ground truth, which broadcasts CPU tensors), so the check is skipped
+    while it wraps: the broadcast itself runs as torch runs it."""
+    from torch.distributed.fsdp import _init_utils
+
+    original = _init_utils._check_module_states_for_sync_module_states
+    _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+    try:
+        yield
+    finally:
+        _init_utils._check_module_states_for_sync_module_states = original
 
 
 @contextlib.contextmanager
@@ -182,6 +234,122 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         flat_mod.FlatParamHandle.pre_unshard = saved["pre_unshard"]
         flat_mod.FlatParamHandle.init_flat_param_attributes = saved["init"]
         runtime._post_backward_hook = saved["post_backward"]
+
+
+def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None = None,
+                on_device: bool = False) -> tuple[list[tuple[int, int]], str]:
+    """The device allocations of the FSDP1 wrap, as allocator events before the step (module docstring): each
+    unit's shard under its own storage id (``storage_id(flat_param)``, the step's registered parameter) unless
+    offloaded, every other buffer under a fresh negative id; and a line for the report. ``rank``: whose shard
+    (default: the traced rank). ``on_device``: the model was on the device before the wrap (every unit's parameters
+    allocated first, nothing moved; how the wrap runs on a CPU, tests/test_fsdp1_load.py)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank = spec.rank if rank is None else rank
+    events: list[tuple[int, int]] = []
+    next_id = [LOAD_ID_BASE]
+
+    def fresh(nbytes: int) -> int:
+        next_id[0] -= 1
+        events.append((next_id[0], nbytes))
+        return next_id[0]
+
+    def free(sid: int, nbytes: int) -> None:
+        events.append((sid, -nbytes))
+
+    units = 0
+    synced: set[int] = set()
+    order = [unit for unit in _init_order(root, FSDP) if unit._handle is not None]
+
+    def allocate_params(flat) -> list[tuple[int, int]]:
+        return [(fresh(nbytes), nbytes) for n in flat._numels if (nbytes := n * flat.element_size())]
+
+    resident = {id(unit): allocate_params(unit._handle.flat_param) for unit in order} if on_device else {}
+    for unit in order:
+        flat = unit._handle.flat_param
+        size = flat.element_size()
+        units += 1
+        moved = resident[id(unit)] if on_device else allocate_params(flat)  # 1. to the device
+        if spec.fsdp_sync_module_states:  # 2. broadcast_coalesced: flattened buckets, 2 in flight
+            # the unit's buffers not synced by an inner unit (FSDP_SYNCED), then its parameters
+            buffers = [b for b in unit.buffers() if id(b) not in synced and b.numel()]
+            synced.update(id(b) for b in buffers)
+            states = [(b.dtype, b.numel() * b.element_size()) for b in buffers]
+            states += [(flat.dtype, n * size) for n in flat._numels if n]
+            in_flight: list[tuple[int, int]] = []
+            for nbytes in _buckets(states):
+                if len(in_flight) >= BROADCASTS_IN_FLIGHT:
+                    free(*in_flight.pop(0))
+                in_flight.append((fresh(nbytes), nbytes))
+            for sid, nbytes in in_flight:
+                free(sid, nbytes)
+        full = flat._unpadded_unsharded_size.numel() * size  # 3. torch.cat into the flat parameter
+        full_id = fresh(full)
+        shard = flat._sharded_size.numel() * size  # 4. this rank's chunk, cloned (and padded)
+        chunk = _chunk_numel(flat._unpadded_unsharded_size.numel(), spec.world_size, rank) * size
+        offloaded = spec.offload == Offload.PARAMS
+        sid = storage_id(flat)
+        if offloaded or sid is None:
+            sid = None
+        if chunk != shard:  # F.pad: a padded copy of the clone (of nothing where this rank has no chunk)
+            clone_id = fresh(chunk) if chunk else None
+            shard_id = fresh(shard) if sid is None else _append(events, sid, shard)
+            if clone_id is not None:
+                free(clone_id, chunk)
+        else:
+            shard_id = fresh(shard) if sid is None else _append(events, sid, shard)
+        free(full_id, full)
+        if offloaded:  # 5. flat_param_to(cpu)
+            free(shard_id, shard)
+        for moved_id, nbytes in moved:  # 6. managed_params released
+            free(moved_id, nbytes)
+    what = (f"FSDP1's wrap before the step: {units} units "
+            + ("flattened and sharded on the device" if on_device else "moved to the device one by one, flattened and "
+               "sharded")
+            + (" (sync_module_states: broadcast in 250 MiB buckets)" if spec.fsdp_sync_module_states else "")
+            + "; the blocks it freed stay cached into the step (torch/distributed/fsdp/_init_utils.py)")
+    return events, what
+
+
+def _init_order(root: nn.Module, fsdp_type) -> list[nn.Module]:
+    """FSDP1 units in the order their ``__init__`` ran: children before parents (``_recursive_wrap``), the root last."""
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if isinstance(module, fsdp_type):
+            out.append(module)
+
+    visit(root)
+    return out
+
+
+def _buckets(states: list[tuple[torch.dtype, int]]) -> list[int]:
+    """c10d ``compute_bucket_assignment_by_size`` with one limit (torch/csrc/distributed/c10d/reducer.cpp), the bytes
+    of each bucket: tensors in order into their dtype's open bucket, a bucket closed once its bytes reach the limit,
+    the open ones closed at the end; the buckets ordered by their first tensor."""
+    done: list[tuple[int, int]] = []  # (first tensor's index, bytes)
+    open_: dict[torch.dtype, list[int]] = {}
+    for k, (dtype, nbytes) in enumerate(states):
+        bucket = open_.setdefault(dtype, [k, 0])
+        bucket[1] += nbytes
+        if bucket[1] >= PARAM_BROADCAST_BUCKET_SIZE:
+            done.append((bucket[0], bucket[1]))
+            del open_[dtype]
+    done += [(first, nbytes) for first, nbytes in open_.values()]
+    return [nbytes for _, nbytes in sorted(done)]
+
+
+def _chunk_numel(numel: int, world_size: int, rank: int) -> int:
+    """``torch.flatten(t).chunk(world_size)[rank].numel()`` (0 where there are fewer chunks than ranks)."""
+    per = -(-numel // world_size)
+    return max(0, min(per, numel - rank * per))
+
+
+def _append(events: list[tuple[int, int]], sid: int, nbytes: int) -> int:
+    events.append((sid, nbytes))
+    return sid
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

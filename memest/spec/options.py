@@ -205,6 +205,10 @@ OPTIONS: tuple[Option, ...] = (
            "parameter per unit, zero3 = FULL_SHARD, zero2 = SHARD_GRAD_OP; the FSDP of fsdp_qlora, and of accelerate "
            "and TrainingArguments unless fsdp_version: 2). Units: each repeated block and the root, and with frozen "
            "parameters each leaf module whose weight trains (peft's fsdp_auto_wrap_policy)."),
+    Option("fsdp_sync_module_states", ("--fsdp-sync-module-states/--no-fsdp-sync-module-states",), "--fsdp-version "
+           "1: the wrap runs FullyShardedDataParallel(sync_module_states=True), broadcasting rank 0's parameters in "
+           "250 MiB buckets while each unit moves to the GPU (fsdp_qlora's --low_memory, its default; accelerate's "
+           "fsdp_cpu_ram_efficient_loading). The wrap's cached blocks stay reserved into the step."),
     Option("offload", ("--offload",), "none | optimizer | params (params: --shard zero3)."),
     Option("activation_offload", ("--activation-offload",), "Tensors saved for backward moved to host memory in the "
            "forward, back in backward: none | save-on-cpu | save-on-cpu-pinned (torch.autograd.graph.save_on_cpu) | "

@@ -171,6 +171,8 @@ class RunSpec:
     world_size: int = 1  # data-parallel ranks; estimates are per rank
     shard: Shard = Shard.NONE  # zero1: optimizer state, zero2: + gradients, zero3 (FSDP full shard): + parameters
     fsdp_version: FsdpVersion = FsdpVersion.V2  # --shard zero2/zero3: FSDP2 fully_shard, or FSDP1's flat parameters
+    # --fsdp-version 1: FullyShardedDataParallel(sync_module_states=True): rank 0's states broadcast while wrapping
+    fsdp_sync_module_states: bool = False
     offload: Offload = Offload.NONE  # optimizer: state (and step) on the CPU; params: params+grads+optimizer on the CPU
     # tensors saved for backward moved to host memory in the forward (features/activation_offload.py)
     activation_offload: ActivationOffload = ActivationOffload.NONE
@@ -567,6 +569,9 @@ class RunSpec:
         parallelism under --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), each checked against real gloo ranks
         (tests/test_fsdp1.py); what it is not traced with is refused here."""
         if self.fsdp_version == FsdpVersion.V2:
+            if self.fsdp_sync_module_states:
+                raise MemestError("--fsdp-sync-module-states is FSDP1's FullyShardedDataParallel argument: add "
+                                  "--fsdp-version 1 (FSDP2's fully_shard has no such argument)")
             return
         supported = ("traced: --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), pure data parallel, --precision "
                      "fp32, bf16 or bf16-mixed, LoRA and a 4-bit base, --offload params (CPUOffload(offload_params=True))")

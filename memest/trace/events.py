@@ -127,6 +127,10 @@ class Trace:
     held_outputs: list[tuple[int, list[int]]] = field(default_factory=list)
     # the step's calls that empty the CUDA cache, in event order (trace/empty_cache.py, features/empty_cache.py)
     empty_caches: list[EmptyCache] = field(default_factory=list)
+    # device allocations before the step that the step's events do not hold: FSDP1's wrap (parallel/fsdp1.py
+    # load_events), ``(storage_id, delta_bytes)``; a step storage allocated here (a unit's shard) is not allocated
+    # again at the step's setup. The allocator replay runs them first, then resets its peaks (device/usage.py).
+    load_events: list[tuple[int, int]] = field(default_factory=list)
 
     def empty_cache(self, iteration: int, by: str, every: int = 1) -> None:
         """Record a call that empties the CUDA cache now (after the events so far)."""

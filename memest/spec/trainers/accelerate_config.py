@@ -125,6 +125,13 @@ def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:
         if not (orig or hybrid):
             put("fsdp_version", f"fsdp_config.fsdp_use_orig_params = {conf.get('use_orig_params', False)!r}", "1",
                 "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
+            # accelerate 1.15 FullyShardedDataParallelPlugin.__post_init__ (utils/dataclasses.py): sync_module_states
+            # defaults to False for FSDP1 and is set True with cpu_ram_efficient_loading
+            key = next((k for k in ("sync_module_states", "cpu_ram_efficient_loading")
+                        if str(conf.get(k, False)).lower() == "true"), None)
+            if key:
+                put("fsdp_sync_module_states", f"fsdp_config.fsdp_{key} = {conf[key]!r}", True,
+                    "fsdp_sync_module_states: true (FSDP1 broadcasts rank 0's states while it wraps)")
         else:
             why = "use_orig_params=True" if orig else "HYBRID_SHARD"
             cfg.notes.append(f"FSDP1 with {why}: traced as FSDP2's per-parameter sharding of the same bytes "

@@ -286,6 +286,11 @@ def _fsdp(cfg, get, put) -> None:
             if not orig:
                 put("fsdp_version", "fsdp_config", "1",
                     "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
+                # transformers' TrainingArguments passes sync_module_states to accelerate's plugin, default "true"
+                # (training_args.py: fsdp_config.get("sync_module_states", "true"))
+                if str(conf.get("sync_module_states", "true")).lower() == "true":
+                    put("fsdp_sync_module_states", "fsdp_config", True,
+                        "fsdp_sync_module_states: true (FSDP1 broadcasts rank 0's states while it wraps)")
             else:
                 cfg.notes.append("FSDP1 (fsdp_config version 1) with use_orig_params=True (transformers' default): "
                                  "traced as FSDP2's per-parameter sharding of the same bytes (--fsdp-version 1 traces "

@@ -1,0 +1,175 @@
+"""FSDP1's wrap before the step (parallel/fsdp1.py ``load_events``, issue 21): the device allocations that
+``FullyShardedDataParallel(...)`` makes while it wraps, rebuilt from each unit's FlatParameter in torch's order, against
+the real wrap on 2 gloo ranks measured with torch.profiler memory events.
+
+On a CPU the model is already where FSDP computes, so the real wrap moves nothing: it is compared with
+``load_events(..., on_device=True)`` (every unit's parameters resident first). Measured per rank, from the wrap's
+start: the highest bytes above that start and the bytes left when it returns, both to the byte; with and without
+``sync_module_states`` (gloo broadcasts CPU tensors: c10d ``broadcast_coalesced``'s flattened buckets are real
+allocations), FULL_SHARD and SHARD_GRAD_OP, a LoRA model whose trainable leaves are units of their own. The move to
+the GPU (``_move_module_to_device``) is not measurable here; its allocations are the parameters' own bytes."""
+
+import json
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+
+from memest.device.allocator import RESET_PEAK, replay
+from memest.device.usage import allocator_events
+from memest.features.registry import trace_step
+from memest.sources import load_source
+from memest.spec import RunSpec
+
+from .conftest import model_ref
+
+LORA = "r=8,targets=all-linear"
+CASES = [  # (shard, precision, extra RunSpec fields)
+    ("zero3", "bf16", {"fsdp_sync_module_states": True}),
+    ("zero3", "fp32", {}),
+    ("zero2", "bf16", {"lora": LORA, "fsdp_sync_module_states": True}),
+    ("zero3", "bf16-mixed", {"fsdp_sync_module_states": True}),
+]
+MARK = 7_654_321  # a marker allocation: the wrap starts after its free
+
+
+def _spec(case, model="hf:llama-tiny-wide") -> RunSpec:
+    shard, precision, extra = case
+    return RunSpec(model=model_ref(model), batch=2, seq=16, precision=precision, target="cpu", world_size=2,
+                   shard=shard, fsdp_version="1", **extra)
+
+
+def _levels(deltas: list[int], start: int = 0) -> tuple[int, int]:
+    """(highest level above the start, level at the end) of a running sum of ``deltas``."""
+    level = top = 0
+    for d in deltas[start:]:
+        level += d
+        top = max(top, level)
+    return top, level
+
+
+def _rank(rank: int, world_size: int, port: int, specs: list[dict], out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from memest.features.checkpointing import repeated_blocks
+    from memest.features.registry import build
+    from memest.parallel import fsdp1
+    from memest.validate.cpu_truth import _allocation_events
+    from memest.validate.distributed_truth import _count_frees_on_every_thread, _other_threads_idle
+
+    def settle() -> None:
+        """gloo's worker thread drops its reference to a broadcast's flat bucket after the broadcast completes (see
+        distributed_truth._gloo_workers_settle_after_each_wait, for Work.wait from Python; c10d's
+        broadcast_coalesced waits in C++): wait for it, as NCCL's stream-ordered free would not outlive the op."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and _other_threads_idle() is False:
+            time.sleep(0.0001)
+
+    from torch.distributed.fsdp import _init_utils
+
+    sync = _init_utils._sync_params_and_buffers
+
+    def synced(*args, **kwargs):
+        out = sync(*args, **kwargs)
+        settle()
+        return out
+
+    _init_utils._sync_params_and_buffers = synced
+
+    torch.set_num_threads(1)  # a forked child of an OpenMP process: one thread (tests/test_fsdp_qlora.py)
+    _count_frees_on_every_thread()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    rows = []
+    try:
+        for d in specs:
+            spec = RunSpec(**{**d, "compute_capability": tuple(d["compute_capability"])})
+            torch.manual_seed(0)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                model = build(load_source(spec.model), spec).model  # allocated while profiling: its frees are seen
+                marker = torch.empty(MARK, dtype=torch.uint8)
+                del marker
+                root, _, _ = fsdp1.wrap(model, spec, repeated_blocks(model))  # as parallel/distributed.py's _fsdp
+                settle()
+                end = torch.empty(MARK, dtype=torch.uint8)
+                del end
+            events = [e.extra_fields for e in _allocation_events(prof)]
+            start = next(i for i, e in enumerate(events) if e.alloc_size == -MARK) + 1
+            stop = next(i for i, e in enumerate(events) if i >= start and e.alloc_size == MARK)
+            base = events[start - 1].total_allocated
+            wrap_events = events[start:stop]
+            measured = (max([0] + [e.total_allocated - base for e in wrap_events]),
+                        (wrap_events[-1].total_allocated - base) if wrap_events else 0)
+            modelled, _ = fsdp1.load_events(root, spec, lambda t: None, rank=rank, on_device=True)
+            resident = sum(1 for u in fsdp1._init_order(root, type(root))
+                           if u._handle is not None for n in u._handle.flat_param._numels if n)
+            moved, _ = fsdp1.load_events(root, spec, lambda t: None, rank=rank)
+            rows.append({"measured": list(measured), "modelled": list(_levels([d for _, d in modelled], resident)),
+                         "moved": [d for _, d in moved]})
+            del root, model
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(rows, f)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Every case wrapped for real on 2 gloo ranks, in one pair of processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    specs = [_spec(c).to_dict() for c in CASES]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank, args=(2, port, specs, out_dir), nprocs=2, join=True, start_method="fork")
+        return [json.loads(open(f"{out_dir}/rank{r}.json").read()) for r in range(2)]
+
+
+@pytest.mark.parametrize("k", range(len(CASES)), ids=["-".join(map(str, c[:2])) + ("-sync" if c[2].get(
+    "fsdp_sync_module_states") else "") + ("-lora" if "lora" in c[2] else "") for c in CASES])
+def test_wrap_allocations_match_the_real_wrap_on_each_rank(k, measured):
+    for rank in (0, 1):
+        row = measured[rank][k]
+        assert row["measured"] == row["modelled"], f"rank {rank}: real (peak, end) {row['measured']}, modelled " \
+            f"{row['modelled']}"
+        assert row["measured"][0] > 0  # the wrap allocates (the flat parameters, the shards)
+
+
+@pytest.mark.parametrize("k", range(len(CASES)), ids=[str(k) for k in range(len(CASES))])
+def test_traced_wrap_is_the_real_ranks_wrap(k, measured):
+    """The trace's wrap (FSDP1 under the fake process group) gives the events the real rank 0's FlatParameters give."""
+    spec = _spec(CASES[k])
+    trace = trace_step(load_source(spec.model), spec)
+    assert [d for _, d in trace.load_events] == measured[0][k]["moved"]
+    assert any("FSDP1's wrap before the step" in n for n in trace.notes)
+
+
+def test_replay_starts_the_step_after_the_wrap_with_its_cache():
+    """The allocator replay runs the wrap first, then resets its peaks (as fsdp_qlora's train.py does before the
+    first step): the wrap's shards are not allocated twice, and the reserved peak is at least what the wrap left
+    reserved."""
+    spec = _spec(CASES[0])
+    trace = trace_step(load_source(spec.model), spec)
+    events = allocator_events(trace, [])
+    cut = events.index(RESET_PEAK)
+    assert events[:cut] == trace.load_events
+    wrap_only = replay(trace.load_events)
+    whole = replay(events)
+    assert whole.peak_reserved >= wrap_only.final_reserved
+    shards = {sid for sid, d in trace.load_events if d > 0 and sid >= 0}
+    assert shards and all(sum(1 for sid, d in events if sid == s and d > 0) == 1 for s in shards)
+
+
+def test_sync_module_states_needs_fsdp1():
+    from memest.errors import MemestError
+
+    with pytest.raises(MemestError, match="--fsdp-version 1"):
+        RunSpec(model=model_ref("hf:llama-tiny"), world_size=2, shard="zero3", target="cpu",
+                fsdp_sync_module_states=True)
