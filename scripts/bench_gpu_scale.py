@@ -495,13 +495,14 @@ def misses(scored: list[dict], causes: dict[str, str] | None = None) -> list[str
 
 
 CAUSES: dict[str, str] = {
-    "QLoRA bs1 ctx512": "Load-time state, inferred: the source states 3.72 GiB reserved right after the FSDP wrap, "
-                        "before any step (it names parameters kept in full precision, the adapters and 'memory "
-                        "reservation overhead'), about twice the ~1.8 GiB per rank of sharded 4-bit weights and bf16 "
-                        "embeddings; from 512 to 2048 tokens the run's reserved grows only 0.23 GiB, so at batch 1 x "
-                        "512 what the load left reserved likely sets the peak; memest traces the step, not the load.",
-    "QLoRA bs1 ctx2048": "The run's reserved grew 0.23 GiB from 512 to 2048 tokens where memest's allocated grows 0.88 "
-                         "GiB: at batch 1 the step likely fits inside what the load left reserved (see ctx512).",
+    "QLoRA bs1 ctx512": "Not isolated. The load-time state this row pointed at is replayed now: FSDP1's wrap before the "
+                        "step (fsdp1.load_events) leaves 3.38 GiB reserved for the parameters alone "
+                        "(allocator.replay(trace.load_events).final_reserved of this row's trace), where the source "
+                        "states 3.72 GiB reserved right after the wrap on rank 0, which also holds the buffers and "
+                        "bitsandbytes' quantization state the replay allocates at the step's setup; with the wrap the "
+                        "row moved from -23.6% (FSDP1, the step alone) to -5.2%.",
+    "QLoRA bs1 ctx2048": "Not isolated. From 512 to 2048 tokens memest's reserved now grows 0.24 GiB, the run's 0.23 GiB "
+                         "(both at batch 1 grow inside what the wrap left cached); both rows read about 5% low.",
     "LoRA bs1 ctx512 (allocated)": "The rest is not isolated.",
     "LoRA bs1 ctx2048 (allocated)": "The rest is not isolated.",
     "QLoRA CPU offload bs12 ctx2048": "Not isolated. Near the card's limit: memest's unconstrained replay (24.25 GiB "
@@ -509,10 +510,11 @@ CAUSES: dict[str, str] = {
         "the allocator does before an OOM; the run kept 1.06 GiB more reserved than that capped replay, and no "
         "allocated peak is published for the row to tell the allocator's cache from the step's tensors. Offloading "
         "leaves 0.49 GiB of parameters on the device at the peak (iteration 1, the loss's backward).",
-    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The 2.6 GiB more the run reserved fits the load-time "
-        "state of the 7B batch-1 rows (inferred): with --low_memory (the default) train.py quantizes each layer on the GPU before "
-        "placing it on the CPU (its help text), and an 80-layer 70B layer is ~1.6 GiB of bf16 weights before "
-        "quantization; memest traces the step only. The adapters are offloaded here, so their dtype does not count.",
+    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The wrap is replayed (each 70B unit moved, flattened "
+        "and sharded on the GPU, then offloaded); the run reserved 2.2 GiB more. train.py's --low_memory load (its "
+        "default) quantizes each layer on the GPU on rank 0 before placing it on the CPU and then calls empty_cache, "
+        "which returns only whole free segments: what that load leaves reserved is not modelled (inferred, not "
+        "established). The adapters are offloaded here, so their dtype does not count.",
     "Mistral 7B v0.2 QLoRA CPU offload bs12 ctx2048": "Both Mistral rows read exactly 22.54 GiB, the most the 24 GB "
         "card leaves the allocator once the context is in: the runs ran at the card's limit, and memest's "
         "unconstrained replay (25.12 GiB reserved) is above the card too; its replay capped at the card reads 0.35 GiB "
@@ -520,9 +522,10 @@ CAUSES: dict[str, str] = {
         "activations (--use_activation_cpu_offload is not stated for these rows). Not isolated by a trace.",
     "Mistral 7B v0.2 QLoRA CPU offload bs1 ctx24576": "Same tokens per step as the bs12 x 2048 row and the same "
         "reading, in the run and in memest (see that row).",
-    "FSDP QLoRA 2 GPUs, no CPU offload": "Not isolated; the unit alone makes the measured 6.9% smaller (above). FSDP1 "
-        "with use_orig_params False gathers whole wrapped units (peft's fsdp_auto_wrap_policy wraps the LoRA layers "
-        "apart from the decoder layers) and prefetches the next (BACKWARD_PRE); memest gathers one decoder layer.",
+    "FSDP QLoRA 2 GPUs, no CPU offload": "Not isolated; the unit alone makes the measured 6.9% smaller (above). Traced "
+        "as FSDP1 as peft's config runs it (whole wrapped units, the wrap with sync_module_states replayed before the "
+        "step); the figure is the GPU monitor's over the whole run (load, training, evaluation, the final save), "
+        "memest's is the training step's.",
     "DeepSpeed ZeRO-3 QLoRA 2x A100 40GB": "Not isolated; the unit alone makes the measured 6.9% smaller (above). "
         "DeepSpeed ZeRO-3 keeps up to stage3_max_live_parameters (1e9 by default) gathered and prefetches "
         "stage3_prefetch_bucket_size elements; memest gathers one decoder layer at a time (FSDP2's rule).",
@@ -530,8 +533,8 @@ CAUSES: dict[str, str] = {
         "training, evaluation each epoch, the final save); memest's device figure is the training step's. With "
         "fsdp_cpu_ram_efficient_loading rank 0 loads the weights and FSDP broadcasts them (sync_module_states), which "
         "passes whole unsharded units through the GPU at load time. What offloading saves reads as the page states "
-        "it: the same run without offload measured 35.6 GB, 16.0 GiB more; memest's two figures differ by 16.8 GiB "
-        "(29.38 and 12.58 GiB, gpu-scale.md), so of the 7.0 GiB miss, 6.2 GiB is the no-offload row's own gap.",
+        "it: the same run without offload measured 35.6 GB, 16.0 GiB more; memest's two figures differ by 16.5 GiB "
+        "(29.26 and 12.80 GiB, gpu-scale.md), so of the 6.8 GiB miss, 6.3 GiB is the no-offload row's own gap.",
     "DeepSpeed ZeRO-3 LoRA 8x H100 80GB": "Not isolated. DeepSpeed ZeRO-3's gathered-parameter budget "
         "(stage3_max_live_parameters 1e9, prefetch buckets) and its contiguous gradient partitions are not FSDP2's "
         "per-layer rule memest traces.",
