@@ -1,7 +1,8 @@
 """The tracker's shortcuts (trace/tracker.py) record what the fake mode's full dispatch records, field for field:
 ``StorageTracker.empty_like`` against ``torch.empty_like`` dispatched into the mode, and the metadata queries
 (``prim.device``, sizes, strides) that ``TrackingFakeMode`` answers before the tracker against FakeTensorMode's own
-answer, and TrackingFakeMode's dispatch cache key and output rebuilt from the cache against FakeTensorMode's. The
+answer, TrackingFakeMode's dispatch cache key and output rebuilt from the cache against FakeTensorMode's, and its
+answers to aten.contiguous and to ops on unrecognised tensor subclasses against torch's path. The
 whole-trace check (every StorageRecord, event, FLOP count of 13 steps unchanged by these shortcuts:
 scripts/trace_digest.py) is in benchmarks/trace-speed.md."""
 
