@@ -3,7 +3,8 @@ subclass/composite fast paths (trace/tracker.py ``_declines``: ops on torchao's 
 NotImplemented before FakeTensorMode's cache key; ``_plain_contiguous``: aten.contiguous answered as its
 CompositeImplicitAutograd kernel answers it) on and forced off (torch's path), the four variants interleaved in one
 process, the order reversed every round; medians of wall and CPU (process) time over ROUNDS rounds, as a Markdown
-table for benchmarks/fp8-trace-speed.md.
+table for benchmarks/fp8-trace-speed.md. Then the CPU time of the calls the fast paths answer, in the fp8 step, both
+variants interleaved (a difference too small for the whole step's noise on a shared machine).
 
 Usage: PYTHONPATH=$PWD python scripts/bench_fp8_trace_speed.py [ROUNDS]   (default 9)"""
 
@@ -24,6 +25,46 @@ from memest.trace.tracker import TrackingFakeMode  # noqa: E402
 MODEL = "examples/transformer.py"
 BASE = {"model": MODEL, "target": "cuda", "batch": 2, "seq": 64, "optim": "adamw"}
 FAST_PATHS = ("_declines", "_plain_contiguous")
+
+
+def affected_ops(source, spec: RunSpec, rounds: int) -> dict[str, tuple[int, float]]:
+    """Per variant: (calls per step, median CPU s per step) of the calls into TrackingFakeMode.__torch_dispatch__
+    that the fast paths answer (aten.contiguous, and the ops answered NotImplemented), timed by a wrapper (its own
+    cost is in both variants), the variants interleaved."""
+    import torch
+
+    own = {name: TrackingFakeMode.__dict__[name] for name in FAST_PATHS}
+    entry = TrackingFakeMode.__torch_dispatch__
+    spent = {"calls": 0, "cpu": 0.0}
+    depth = [0]
+
+    def timed(self, func, types, args=(), kwargs=None):
+        depth[0] += 1
+        start = time.process_time()
+        try:
+            out = entry(self, func, types, args, kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0 and (out is NotImplemented or func is torch.ops.aten.contiguous.default):
+            spent["calls"] += 1
+            spent["cpu"] += time.process_time() - start
+        return out
+
+    result: dict = {"torch's path": [], "fast paths": []}
+    TrackingFakeMode.__torch_dispatch__ = timed
+    try:
+        for i in range(rounds):
+            for variant in sorted(result, reverse=i % 2 == 1):
+                for name in FAST_PATHS:
+                    setattr(TrackingFakeMode, name, own[name] if variant == "fast paths" else lambda self, *a: False)
+                spent.update(calls=0, cpu=0.0)
+                trace_step(source, spec)
+                result[variant].append((spent["calls"], spent["cpu"]))
+    finally:
+        TrackingFakeMode.__torch_dispatch__ = entry
+        for name, method in own.items():
+            setattr(TrackingFakeMode, name, method)
+    return {v: (runs[0][0], statistics.median(c for _, c in runs)) for v, runs in result.items()}
 
 
 def main(rounds: int) -> None:
@@ -63,6 +104,10 @@ def main(rounds: int) -> None:
         print(f"\n{k}: CPU {before:.3f} s with torch's path, {after:.3f} s with the fast paths ({after / before - 1:+.1%})",
               end="")
     print()
+    ops = affected_ops(source, specs["--fp8 tensorwise"], rounds)
+    print("\n--fp8 tensorwise, the calls the fast paths answer (aten.contiguous; ops answered NotImplemented for a tensor "
+          "subclass), per step, median of the same rounds: " + "; ".join(
+              f"{v}: {n} calls, {1000 * c:.1f} CPU ms ({1e6 * c / n:.0f} us each)" for v, (n, c) in ops.items()))
 
 
 if __name__ == "__main__":
