@@ -30,6 +30,9 @@ SPECS = [
     dict(model=LLAMA, batch=2, seq=128, target="cuda", fp8="tensorwise", checkpointing="blocks"),
     dict(model=LLAMA, batch=2, seq=64, target="cuda", mode="inference"),
     dict(model="hf:tests/configs/mixtral-tiny.json", batch=2, seq=64, target="cuda", shard="zero3", world_size=2),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw", fp8="rowwise"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", shard="zero3", world_size=2,
+         fp8_all_gather="float8-precomputed"),
 ]
 
 

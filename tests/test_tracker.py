@@ -1,7 +1,8 @@
 """The tracker's shortcuts (trace/tracker.py) record what the fake mode's full dispatch records, field for field:
 ``StorageTracker.empty_like`` against ``torch.empty_like`` dispatched into the mode, and the metadata queries
 (``prim.device``, sizes, strides) that ``TrackingFakeMode`` answers before the tracker against FakeTensorMode's own
-answer, and TrackingFakeMode's dispatch cache key and output rebuilt from the cache against FakeTensorMode's. The
+answer, TrackingFakeMode's dispatch cache key and output rebuilt from the cache against FakeTensorMode's, and its
+answers to aten.contiguous and to ops on unrecognised tensor subclasses against torch's path. The
 whole-trace check (every StorageRecord, event, FLOP count of 13 steps unchanged by these shortcuts:
 scripts/trace_digest.py) is in benchmarks/trace-speed.md."""
 
@@ -15,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memest.trace.events import Trace
-from memest.trace.tracker import StorageTracker, TrackingFakeMode
+from memest.trace.tracker import StorageTracker, TrackerRules, TrackingFakeMode
 
 LAYOUTS = {
     "contiguous": lambda x: x,
@@ -184,3 +185,82 @@ def test_cached_output_is_the_fake_modes(op):
         assert [k for k, s in inputs.items() if a.untyped_storage()._cdata == s] == [
             k for k, s in inputs.items() if b.untyped_storage()._cdata == s]
         assert (a._base is None) == (b._base is None)
+
+
+def _traced(mode: TrackingFakeMode, op, fast: bool, fast_path: str, result: bool):
+    """``op()`` dispatched in a tracked step of ``mode``, with TrackingFakeMode's ``fast_path`` on, or forced to
+    ``result`` (torch's own path); the output and the trace."""
+    trace = Trace()
+    with pytest.MonkeyPatch.context() as patch:
+        if not fast:
+            patch.setattr(TrackingFakeMode, fast_path, lambda self, *a: result)
+        with StorageTracker(trace, lambda: "block.0", mode):
+            out = op()
+    return out, trace
+
+
+def _same_trace(a: Trace, b: Trace) -> None:
+    assert [dataclasses.asdict(r) for r in a.storages] == [dataclasses.asdict(r) for r in b.storages]
+    assert a.events == b.events
+    assert a.flops == b.flops
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_contiguous_is_the_fake_modes(layout):
+    """aten.contiguous below autograd (as torchao's float8 mm calls it) answered by TrackingFakeMode (the input
+    itself, or its clone) equals FakeTensorMode's decomposition: the same tensor object where the input is
+    contiguous, else the same output facts and the same trace record."""
+    mode = TrackingFakeMode()
+    with mode:
+        t = LAYOUTS[layout](torch.randn(2, 64, 128, requires_grad=True))
+        assert mode._plain_contiguous((t,), {})
+
+        def op():
+            with torch._C._AutoDispatchBelowAutograd():
+                return torch.ops.aten.contiguous.default(t)
+
+        (torchs, torch_trace), (fast, fast_trace) = (
+            _traced(mode, op, fast, "_plain_contiguous", False) for fast in (False, True))
+    assert (fast is t) == (torchs is t)
+    assert _output_facts(fast) == _output_facts(torchs)
+    _same_trace(fast_trace, torch_trace)
+
+
+def test_contiguous_of_other_formats_runs_the_op():
+    """A memory format other than contiguous_format, or a tensor that is not this mode's plain fake tensor: the op."""
+    mode = TrackingFakeMode()
+    with mode:
+        t = torch.randn(2, 4, 8, 8)
+    assert not mode._plain_contiguous((t,), {"memory_format": torch.channels_last})
+    assert not mode._plain_contiguous((torch.randn(2, 4),), {})
+    assert not TrackingFakeMode()._plain_contiguous((t,), {})
+
+
+def test_subclass_ops_declined_as_the_fake_mode_declines_them():
+    """An op on a tensor subclass the fake mode does not know (torch's TwoTensor here; torchao's Float8TrainingTensor
+    in an fp8 step) is answered NotImplemented before FakeTensorMode's cache key, so the subclass runs it on its
+    inner fake tensors: the same outputs and the same trace as through torch's path; not for an op a kernel rule
+    names."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    mode = TrackingFakeMode()
+    with mode:
+        pair = TwoTensor(torch.randn(8, 16), torch.randn(8, 16))
+        w = torch.randn(16, 4)
+        assert mode._declines(torch.ops.aten.mm.default, (pair, w), {})
+        assert not mode._declines(torch.ops.aten.mm.default, (w.t(), w), {})
+
+        def op():
+            return [pair.t(), pair.view(16, 8), pair @ w, pair * 2]
+
+        (torchs, torch_trace), (fast, fast_trace) = (
+            _traced(mode, op, fast, "_declines", False) for fast in (False, True))
+        for a, b in zip(torchs, fast, strict=True):
+            assert type(a) is type(b) is TwoTensor
+            assert _output_facts([a.a, a.b]) == _output_facts([b.a, b.b])
+        _same_trace(fast_trace, torch_trace)
+        # the inner tensors' ops, two each (t's: the inputs' storages, made before the step, first seen there)
+        assert [r.op for r in fast_trace.storages] == ["t.default"] * 2 + ["mm.default"] * 2 + ["mul.Tensor"] * 2
+        ruled = StorageTracker(Trace(), lambda: "", mode, rules=[TrackerRules(scratch={torch.ops.aten.mm.default: None})])
+        with ruled:
+            assert not mode._declines(torch.ops.aten.mm.default, (pair, w), {})

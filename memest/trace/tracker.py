@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (
+    _DISPATCH_HANDLE_DIRECTLY,
     _DISPATCH_META_HANDLERS,
     FakeTensor,
     FakeTensorConfig,
     FakeTensorMode,
+    _check_for_subclass,
     in_kernel_invocation_manager,
 )
 from torch.utils._pytree import tree_flatten
@@ -69,6 +71,8 @@ def merged(rules: Iterable[TrackerRules]) -> tuple[dict, dict, tuple[type, ...]]
 
 
 EMPTY_LIKE = torch.ops.aten.empty_like.default
+CONTIGUOUS = torch.ops.aten.contiguous.default
+CLONE = torch.ops.aten.clone.default
 META = torch.device("meta")
 
 _COMPOSITE: dict = {}  # aten op -> whether it is CompositeImplicitAutograd (asked once per op)
@@ -179,7 +183,41 @@ class TrackingFakeMode(FakeTensorMode):
         handler = _DISPATCH_META_HANDLERS.get(func)
         if handler is not None:
             return handler(args)
+        for kind in types:
+            if kind is not FakeTensor and self._declines(func, args, kwargs):
+                return NotImplemented
+            break
         return _FAKE_TORCH_DISPATCH(self, func, types, args, kwargs if kwargs is not None else {})
+
+    def _declines(self, func, args, kwargs) -> bool:
+        """Whether FakeTensorMode answers ``func`` NotImplemented, so that torch hands it to a tensor subclass's own
+        ``__torch_dispatch__`` (torchao's Float8TrainingTensor mm, t, view: 108 ops of an fp8 step of
+        examples/transformer.py), with nothing recorded on the way: an argument of an unrecognised subclass
+        (``_check_for_subclass``, the first test of torch 2.13 ``FakeTensorMode._dispatch_impl``, reached after the
+        cache key's "non-fake tensor" bypass and a walk of the arguments), an OpOverload, and no branch of
+        :meth:`dispatch` or ``StorageTracker.dispatch`` that acts before running it (inference-mode
+        decomposition, Adafactor's item, a kernel rule's scratch). Answered without that key and walk."""
+        if not isinstance(func, torch._ops.OpOverload) or func in _DISPATCH_HANDLE_DIRECTLY:
+            return False
+        tracker = self.tracker
+        if tracker is not None and not self._inside and (
+                func is ITEM or tracker.has_rule(func) or torch.is_inference_mode_enabled()):
+            return False
+        return _check_for_subclass(tree_flatten((args, kwargs or {}))[0])
+
+    def _plain_contiguous(self, args, kwargs) -> bool:
+        """Whether ``aten.contiguous(*args, **kwargs)`` is asked of a plain fake tensor (:func:`_plain_fake`, no
+        memory format but torch.contiguous_format, no real-tensor propagation). Its CompositeImplicitAutograd
+        kernel returns the input itself where it is contiguous, else ``self.clone(memory_format)``
+        (aten/src/ATen/native/TensorProperties.cpp ``contiguous``), which FakeTensorMode reaches only after its cache
+        key, the "CompositeImplicitAutograd" bypass, ``_dispatch_impl``'s checks and ``func.decompose``, that clone
+        then dispatched into the mode again with ``memory_format=torch.contiguous_format`` (torch 2.13
+        torch/_subclasses/fake_tensor.py). :meth:`_run_tracked` answers the same directly: the input, or that clone
+        (54 calls in an fp8 step of examples/transformer.py, torchao's float8 mm making a column-major operand).
+        tests/test_tracker.py compares the outputs with torch's."""
+        t = args[0] if len(args) == 1 else None
+        return (type(t) is FakeTensor and (not kwargs or kwargs == {"memory_format": _CONTIGUOUS})
+                and _plain_fake(t, self) and not self.propagate_real_tensors)
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         """FakeTensorMode's dispatch cache key of ``args`` (torch 2.13 torch/_subclasses/fake_tensor.py
@@ -245,6 +283,10 @@ class TrackingFakeMode(FakeTensorMode):
         return tracker.dispatch(func, types, args, kwargs, self._run_tracked)
 
     def _run_tracked(self, func, types, args, kwargs):
+        if func is CONTIGUOUS and self._plain_contiguous(args, kwargs):
+            if args[0].is_contiguous():
+                return args[0]
+            func, args, kwargs = CLONE, args, {"memory_format": _CONTIGUOUS}
         self._inside = True
         try:
             return super().dispatch(func, types, args, kwargs)
