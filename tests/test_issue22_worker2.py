@@ -22,8 +22,21 @@ from .test_issue22_worker import error_line, memest, model_file
 TINY_HF = f"hf:{CONFIGS / 'gpt2-tiny.json'}"
 
 # the pre-worker path: the same CLI with `run_command` given no worker, so each command's View is built and
-# emitted in memest's own process, exactly as before the worker
-IN_PROCESS = "import sys, memest.cli as c; c.InWorker = lambda *args: None; sys.argv[0] = 'memest'; c.main()"
+# emitted in memest's own process, exactly as before the worker. One fresh process runs every compared command
+# this way, one after another (argv[1]: a JSON list of argument lists; argv[2]: where to write each one's exit code,
+# stdout and stderr), so the file pays one interpreter start and one import of memest's stack for them, not one
+# each; the worker side (`memest(...)`) stays one real CLI process per command.
+IN_PROCESS = """
+import json, sys
+from typer.testing import CliRunner
+import memest.cli as c
+c.InWorker = lambda *args: None
+runs = []
+for args in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(c.app, args, prog_name="memest")
+    runs.append({"returncode": r.exit_code, "stdout": r.stdout, "stderr": r.stderr})
+open(sys.argv[2], "w").write(json.dumps(runs))
+"""
 
 # the only figures that differ between two runs of the same command: how long the trace took
 _TIMINGS = [(re.compile(r"(traced in[*:\s]+)[0-9.]+ s"), r"\1<t> s"),
@@ -36,23 +49,36 @@ def _masked(text: str) -> str:
     return text
 
 
-def _in_process(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+_COMPARED = {
+    "mlp-text": ("estimate", "examples/mlp.py"),
+    "mlp-json": ("estimate", "examples/mlp.py", "--json"),
+    "mlp-markdown": ("estimate", "examples/mlp.py", "--markdown", "--gpu", "11GB"),
+    "hf-text": ("estimate", TINY_HF, "--seq", "32"),
+    "hf-json-does-not-fit": ("estimate", TINY_HF, "--seq", "32", "--json", "--gpu", "1MB", "--fail-if-not-fits"),
+    "whatif": ("whatif", "examples/mlp.py", "--batch", "1,2", "--target", "cpu"),
+    "advise-json": ("advise", "examples/mlp.py", "--gpu", "5MB", "--target", "cpu", "--json"),
+    "plan-parallel": ("plan-parallel", f"hf:{CONFIGS / 'llama-tiny.json'}", "--gpus", "2", "--gpu", "1GB", "--seq",
+                      "32", "--batch", "2", "--target", "cpu", "--json"),
+}
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory) -> dict[tuple, subprocess.CompletedProcess]:
+    """Every compared command's pre-worker output, from one fresh process (IN_PROCESS)."""
+    out = tmp_path_factory.mktemp("in_process") / "runs.json"
+    argv = [list(map(str, args)) for args in _COMPARED.values()]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-c", IN_PROCESS, *map(str, args)], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", IN_PROCESS, json.dumps(argv), str(out)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {args: subprocess.CompletedProcess(list(args), **run)
+            for args, run in zip(_COMPARED.values(), json.loads(out.read_text()), strict=True)}
 
 
-@pytest.mark.parametrize("args", [
-    ("estimate", "examples/mlp.py"),
-    ("estimate", "examples/mlp.py", "--json"),
-    ("estimate", "examples/mlp.py", "--markdown", "--gpu", "11GB"),
-    ("estimate", TINY_HF, "--seq", "32"),
-    ("estimate", TINY_HF, "--seq", "32", "--json", "--gpu", "1MB", "--fail-if-not-fits"),
-    ("whatif", "examples/mlp.py", "--batch", "1,2", "--target", "cpu"),
-    ("advise", "examples/mlp.py", "--gpu", "5MB", "--target", "cpu", "--json"),
-], ids=["mlp-text", "mlp-json", "mlp-markdown", "hf-text", "hf-json-does-not-fit", "whatif", "advise-json"])
-def test_worker_output_is_byte_identical_to_the_in_process_output(args):
-    before, after = _in_process(*args), memest(*args)
+@pytest.mark.parametrize("args", [v for k, v in _COMPARED.items() if k != "plan-parallel"],
+                         ids=[k for k in _COMPARED if k != "plan-parallel"])
+def test_worker_output_is_byte_identical_to_the_in_process_output(args, in_process):
+    before, after = in_process[args], memest(*args)
     assert before.returncode == after.returncode, (before.stderr[-2000:], after.stderr[-2000:])
     assert before.stdout.strip() and after.returncode in (0, 1), after.stderr[-2000:]
     assert _masked(after.stdout) == _masked(before.stdout)
@@ -188,10 +214,9 @@ def test_a_worker_forked_after_real_parallel_kernels_does_not_hang(tmp_path):
     assert worker.modelled_threads(7) == 7  # this process is no worker
 
 
-def test_plan_parallel_in_a_worker_gives_the_in_process_document():
-    args = ("plan-parallel", f"hf:{CONFIGS / 'llama-tiny.json'}", "--gpus", "2", "--gpu", "1GB", "--seq", "32",
-            "--batch", "2", "--target", "cpu", "--json")
-    before, after = _in_process(*args), memest(*args, timeout=600)
+def test_plan_parallel_in_a_worker_gives_the_in_process_document(in_process):
+    args = _COMPARED["plan-parallel"]
+    before, after = in_process[args], memest(*args, timeout=600)
     assert before.returncode == after.returncode == 0, (before.stderr[-2000:], after.stderr[-2000:])
     assert _masked(after.stdout) == _masked(before.stdout)
 
