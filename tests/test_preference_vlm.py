@@ -74,3 +74,16 @@ def test_precomputed_reference_on_a_vlm_is_refused_as_trl_does():
     with pytest.raises(MemestError, match="precompute_ref_log_probs"):
         trace_step(load_source(ref), RunSpec(model=ref, batch=1, seq=16, target="cpu", preference="dpo",
                                              reference="precomputed", images=1, image_size="56x56"))
+
+
+@pytest.mark.parametrize("name, extra, named", [
+    ("hf:llava-tiny", {"seq": 200}, "pixel_values"),  # LLaVA: pixel_values without a grid, not measured
+    ("hf:llava-next-tiny", {"seq": 200}, "image_sizes"),
+    (QWEN, {"seq": 16, "video_frames": 2, "image_size": "56x56"}, "video"),
+    (QWEN, {"seq": 16, "world_size": 2, "images": 1, "image_size": "56x56"}, "--images"),
+])
+def test_the_unmeasured_vision_batches_stay_refused(name, extra, named):
+    ref = model_ref(name)
+    with pytest.raises(MemestError, match=named):
+        RunSpec(model=ref, batch=1, target="cpu", preference="dpo", **extra)
+        trace_step(load_source(ref), RunSpec(model=ref, batch=1, target="cpu", preference="dpo", **extra))
