@@ -134,9 +134,12 @@ def estimate(spec: RunSpec, calibration: dict | None = None, source=None, notes:
     if spec.seq is None and source.default_seq is not None:
         # the sequence length the step runs with, resolved once: the report and JSON show it
         spec = dataclasses.replace(spec, seq=source.default_seq)
-    if spec.preference != Preference.NONE and source.image_facts is not None:
-        # the preference batches are built from input_ids alone (features/preference*.py, grpo.py): a vision-language
-        # model's images would be dropped (was: dpo exit 0 without the vision tower; grpo an AttributeError, battery 30)
+    if spec.preference != Preference.NONE and source.image_facts is not None and (
+            spec.preference != Preference.DPO or spec.world_size > 1):
+        # these preference batches are built from input_ids alone (features/preference*.py, grpo.py): a vision-language
+        # model's images would be dropped (was: dpo exit 0 without the vision tower; grpo an AttributeError, battery 30);
+        # dpo on one process carries trl's vision batch (features/preference.py VISION_KEYS,
+        # preference_feature.refuse_images); over ranks it is not measured
         raise MemestError(f"--preference {spec.preference} on a vision-language model ({source.name}) is not traced "
                           "yet: trl's batch would carry its images (pixel_values), memest's preference batch does not "
                           "(docs/limitations.md)")

@@ -110,11 +110,21 @@ def test_max_batch_under_grpo_searches_multiples_of_generations():
 
 @pytest.mark.parametrize("extra", [["--images", "1"], []], ids=["images", "default-inputs"])
 def test_preference_on_a_vision_language_model_is_refused_not_traced_without_its_images(extra):
-    # was: exit 0, the DPO batch built from input_ids alone: pixel_values dropped, the vision tower never run
+    # was: exit 0, the DPO batch built from input_ids alone: pixel_values dropped, the vision tower never run.
+    # dpo now traces trl's vision batch (tests/test_preference_vlm.py); orpo's batch is still text only
     qwen = "hf:" + str(ROOT / "tests" / "configs" / "qwen2.5-vl-tiny.json")
-    line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "8", "--batch", "1", "--preference", "dpo",
+    line = error_line(runner.invoke(app, ["estimate", qwen, "--seq", "8", "--batch", "1", "--preference", "orpo",
                                           *extra]))  # (progress lines: the default inputs are built first)
-    assert "--preference dpo" in line and ("--images" in line if extra else "pixel_values" in line), line
+    assert "--preference orpo" in line and ("--images" in line if extra else "pixel_values" in line), line
+
+
+def test_dpo_on_a_vision_language_model_traces_its_images_and_refuses_precomputed():
+    qwen = "hf:" + str(ROOT / "tests" / "configs" / "qwen2.5-vl-tiny.json")
+    args = ["estimate", qwen, "--seq", "8", "--batch", "1", "--preference", "dpo", "--images", "1", "--target", "cpu"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    line = error_line(runner.invoke(app, [*args, "--reference", "precomputed"]))
+    assert "precompute_ref_log_probs" in line, line
 
 
 @pytest.mark.parametrize("completion, named", [("100000", "--completion-len 100000"), ("0", "max_completion_length 512")])

@@ -42,6 +42,9 @@ TRL_SOURCE = "trl 1.16.0, trl/trainer/dpo_trainer.py (DPOTrainer._compute_loss) 
 BETA = 0.1  # trl DPOConfig.beta default
 # DPOTrainer.__init__: the policy's fused head computes these fields (use_weighting off: no log_sum_sq_probs)
 POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+# the vision-language inputs DataCollatorForVisionPreference hands on (trl 1.16.0, dpo_trainer.py:211-395, Qwen2-VL's
+# processor): each row-stacked, so the chosen + rejected batch holds them twice
+VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}  # _compute_loss's _non_model_keys
 
 
@@ -181,12 +184,19 @@ def preference_batch(inputs, spec) -> dict:
     ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise MemestError("--preference dpo needs a causal LM's input_ids (hf: models): the source's inputs have none")
-    input_ids = torch.cat([ids, ids])  # chosen rows, then rejected rows
+    vision = [key for key in VISION_KEYS if key in inputs]
+    # chosen rows, then rejected rows; a vision-language model's inputs come with both (trace/step.py _inputs)
+    input_ids = ids if vision else torch.cat([ids, ids])
     batch = {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids, dtype=torch.long),
         "completion_mask": torch.ones_like(input_ids, dtype=torch.long),
     }
+    for key in vision:
+        # DataCollatorForVisionPreference (trl 1.16.0, dpo_trainer.py:306, :321): the images repeated for chosen and
+        # rejected and processed with the 2B prompts: pixel_values' patch rows and image_grid_thw's rows for both;
+        # mm_token_type_ids (dpo_trainer.py:364) the prompt's, zeros on the completion
+        batch[key] = inputs[key]
     if reference_of(spec) == Reference.PRECOMPUTED:
         # torch.tensor([example["ref_chosen_logps"] ...]): Python floats -> float32
         batch["ref_chosen_logps"] = torch.zeros(ids.size(0), dtype=torch.float32)

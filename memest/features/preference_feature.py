@@ -12,9 +12,17 @@ import torch
 from memest.errors import MemestError
 from memest.features import preference_kto, preference_logits
 from memest.features.base import StepFeature
-from memest.features.preference import describe, no_padding, preference_batch, reference_note, wrap
+from memest.features.preference import (
+    VISION_KEYS,
+    describe,
+    no_padding,
+    preference_batch,
+    reference_note,
+    reference_of,
+    wrap,
+)
 from memest.features.preference_logits import MarkedStep
-from memest.spec.choices import Preference
+from memest.spec.choices import Preference, Reference
 from memest.spec.parallel_dims import FSDP_SHARDS
 from memest.trace.events import Phase
 
@@ -79,12 +87,24 @@ IMAGE_KEYS = ("pixel", "image", "video")  # a vision-language model's inputs: pi
 
 
 def refuse_images(inputs: dict, spec) -> None:
-    """The preference batches are built from input_ids alone: a vision-language model's image inputs would be dropped
-    and its vision tower never run (was: exit 0 with the tower left out, battery 30)."""
+    """--preference dpo traces a vision-language model's images as trl's DataCollatorForVisionPreference batches
+    them (features/preference.py VISION_KEYS); every other method, videos, and precomputed reference log-probs
+    (which trl refuses for vision data) are refused: their batches would drop the image inputs and the vision tower
+    never run (was: exit 0 with the tower left out, battery 30)."""
     kept = sorted(k for k in inputs if any(word in k for word in IMAGE_KEYS))
-    if kept:
-        raise MemestError(f"--preference {spec.preference} on a vision-language model is not traced yet: trl's batch "
-                          f"would carry {', '.join(kept)}, which memest's preference batch does not (docs/limitations.md)")
+    if not kept:
+        return
+    if spec.preference == Preference.DPO:
+        if reference_of(spec) == Reference.PRECOMPUTED:
+            # trl 1.16.0 dpo_trainer.py:764: "precompute_ref_log_probs=True is not supported for vision datasets"
+            raise MemestError("--preference dpo --reference precomputed on a vision-language model: trl's DPOTrainer "
+                              "refuses precompute_ref_log_probs for vision datasets; use --reference copy or adapter")
+        other = [k for k in kept if k not in VISION_KEYS]
+        if not other and "image_grid_thw" in inputs:  # Qwen2(.5)-VL's images (tests/test_preference_vlm.py)
+            return
+        kept = other or kept  # LLaVA(-NeXT): pixel_values without a grid, not measured
+    raise MemestError(f"--preference {spec.preference} on a vision-language model is not traced yet: trl's batch "
+                      f"would carry {', '.join(kept)}, which memest's preference batch does not (docs/limitations.md)")
 
 
 def peak_part(trace, marks: list[tuple[int, str]]) -> str:

@@ -364,7 +364,9 @@ class RunSpec:
              and not self._preference_fsdp()),
             ("--offload", self.offload != Offload.NONE),
             ("--activation-offload", self.activation_offload != ActivationOffload.NONE),
-            ("--images", self.images > 0),  # the preference batches are text only (was: images dropped, battery 30)
+            # DPO on one process traces trl's vision batch (features/preference.py VISION_KEYS); the other methods'
+            # batches are text only (was: images dropped, battery 30); DPO's over ranks is not proven yet
+            ("--images", self.images > 0 and (self.preference != Preference.DPO or self.world_size > 1)),
         ) if on]
         if other:
             ranks = PREFERENCE_RANKS if self._preference_ranks_refused() in other else ""

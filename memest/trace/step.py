@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memest.imports import imports_without_gc
-from memest.spec.choices import Mode, Shard, ZeroGrad
+from memest.spec.choices import Mode, Preference, Shard, ZeroGrad
 from memest.units import format_count
 
 with imports_without_gc():
@@ -154,8 +154,11 @@ def build(source: ModelSource, spec: RunSpec, features: Sequence) -> Built:
             "evaluation step does (a causal LM's batch x seq x vocab log-softmax counts); a serving forward "
             "without labels holds less (--mode generate, memest serve)"
         )
-    for feature in features:
-        inputs = feature.inputs(inputs, spec)
+    # under the source's trace context: the values it follows (a VLM's ids and image grid, sources/hf_values.py)
+    # follow into the batch a feature builds (--preference dpo's attention and completion masks)
+    with source.trace_context(spec) if source.trace_context else contextlib.nullcontext():
+        for feature in features:
+            inputs = feature.inputs(inputs, spec)
     built.inputs = inputs
     return built
 
@@ -714,9 +717,13 @@ def _first_line(exc: Exception) -> str:
 
 
 def _inputs(source, spec, seq):
-    """The step's inputs: the source's example_inputs, or with --images its vision-language inputs."""
+    """The step's inputs: the source's example_inputs, or with --images its vision-language inputs. --preference dpo
+    on a vision-language model: its 2 x --batch rows (chosen, then rejected), built as one batch so the image grid's
+    real values follow (sources/hf_values.py); trl's DataCollatorForVisionPreference processes the images and prompts
+    twice (trl 1.16.0, dpo_trainer.py:306, :317), and features/preference.py's batch keeps them."""
+    batch = spec.batch * (2 if spec.preference == Preference.DPO and source.image_facts is not None else 1)
     if not (spec.images or spec.video_frames):
-        return source.example_inputs(spec.batch, seq)
+        return source.example_inputs(batch, seq)
     flag = "--images" if spec.images else "--video-frames"
     if source.image_inputs is None:
         raise TraceError(
@@ -724,4 +731,4 @@ def _inputs(source, spec, seq):
             f"(hf: LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL configs); its inputs are its own (drop {flag})"
         )
     hw = spec.input_hw
-    return source.image_inputs(spec.batch, seq, spec.images, hw, **spec.vision_options)
+    return source.image_inputs(batch, seq, spec.images, hw, **spec.vision_options)
