@@ -673,7 +673,7 @@ def run_plan_parallel(spec_args: dict, gpus: int, gpu: str, progress: Progress |
     if spec.preference != Preference.NONE and gpus > 1:  # was: every layout 'not traceable', exit 0 (battery 30)
         raise MemestError(f"--preference {spec.preference}: plan-parallel's layouts run on {gpus} ranks, and a "
                           "preference step with --world-size > 1 is traced over plain DDP and FSDP2 only (grpo with "
-                          "--rollout transformers and no --generation-batch), not over the planner's other layouts "
+                          "--rollout transformers), not over the planner's other layouts "
                           "(estimate --world-size N [--shard zero3], docs/limitations.md); drop --preference, or plan "
                           "with --gpus 1")
     with user_code(spec.model), ticker("plan-parallel", progress):

@@ -174,7 +174,8 @@ def test_accumulation_generates_once_for_the_whole_generation_batch():
     ({"checkpointing": "selective"}, "blocks or blocks-reentrant"),
     # plain DDP (tests/test_preference_ddp.py) and FSDP2 zero3/zero2 (tests/test_grpo_fsdp.py) are traced
     ({"world_size": 2, "shard": "zero1"}, "not traced yet"),
-    ({"world_size": 2, "shard": "zero3", "generation_batch": 16}, "no --generation-batch"),
+    # trl's generation_batch_size is global: a multiple of per_device x num_processes (grpo_config.py line 1103)
+    ({"world_size": 2, "shard": "zero3", "generation_batch": 8}, "divisible by the global batch size"),
 ])
 def test_what_trl_s_grpo_has_no_switch_for_is_refused(fields, match):
     with pytest.raises(MemestError, match=match):

@@ -93,8 +93,9 @@ def test_ddp_adds_the_gradient_buckets_of_the_policy_only(extra, copies):
     ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "shard": "zero1"}, "not traced yet"),
     ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "rollout": "vllm"},
      "--rollout transformers"),
-    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "generation_batch": 8},
-     "--rollout transformers"),
+    # --generation-batch is traced over ranks (tests/test_grpo_ranks_generation_batch.py): trl's global rule refuses 4
+    ({"preference": "grpo", "world_size": 2, "generations": 2, "completion_len": 4, "generation_batch": 4},
+     "divisible by the global batch size \\(8\\)"),
 ])
 def test_what_is_not_proven_at_world_size_above_one_stays_refused(fields, match):
     with pytest.raises(MemestError, match=match):

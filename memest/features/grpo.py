@@ -28,7 +28,9 @@ generation until that one's buffer replaces it. With ``gradient_accumulation_ste
 default), no old log-probs are computed.
 
 Generation batch (``--generation-batch N``, trl's ``generation_batch_size``; grpo_config.py ``__post_init__``):
-``steps_per_generation`` S = N / ``--batch`` apart from K. trl generates when ``self._step % S == 0`` (``_step``
+``steps_per_generation`` S = N / (``--batch`` x ``--world-size``) apart from K (N is global: per_device x
+num_processes x S). Each rank's dataloader batch is S x ``--batch`` prompts' completions (grpo_trainer.py line 1275);
+it gathers every rank's rewards and keeps its ``process_slice`` of the advantages. trl generates when ``self._step % S == 0`` (``_step``
 counts micro-steps; ``num_iterations`` 1), for S x ``--batch`` completions split into S slices, and takes slice
 ``_step % S``; when ``K % S != 0`` ``_generate_and_score_completions`` also runs the policy's no-grad log-probs of the
 whole generation batch (``old_per_token_logps``, in chunks of ``--batch``) before the reference's.
@@ -124,9 +126,9 @@ def completion_len_of(spec) -> int:
 
 
 def steps_per_generation_of(spec) -> int:
-    """trl's steps_per_generation with one process: --generation-batch / --batch, or --grad-accum (GRPOConfig's
-    default, generation_batch_size None)."""
-    return spec.generation_batch // spec.batch if spec.generation_batch else spec.grad_accum
+    """trl's steps_per_generation: --generation-batch / (--batch x --world-size) (generation_batch_size is global,
+    trl/trainer/grpo_config.py lines 1108-1110), or --grad-accum (GRPOConfig's default, generation_batch_size None)."""
+    return spec.generation_batch // (spec.batch * spec.world_size) if spec.generation_batch else spec.grad_accum
 
 
 def reference_of(spec) -> Reference | None:
@@ -238,7 +240,7 @@ class GRPOStep(ReferenceStep):
         self.completion_len = completion_len
         self.batch = batch
         self.accumulation = accumulation  # gradient_accumulation_steps
-        # trl's steps_per_generation: generation_batch_size / per_device_train_batch_size (default: accumulation)
+        # trl's steps_per_generation: generation_batch_size / (per_device x processes) (default: accumulation)
         self.steps_per_generation = steps_per_generation or accumulation
         # trl's args.gradient_checkpointing_kwargs, re-applied when checkpointing is turned back on
         self.checkpointing_kwargs = checkpointing_kwargs
@@ -266,11 +268,12 @@ class GRPOStep(ReferenceStep):
         args = config_defaults()
         args.beta = self.beta
         args.max_completion_length = self.completion_len
-        # GRPOConfig.__post_init__ with one process: steps_per_generation = gradient_accumulation_steps unless
-        # generation_batch_size is given (then generation_batch_size / per_device_train_batch_size)
+        # GRPOConfig.__post_init__ (grpo_config.py lines 1096-1112): steps_per_generation = gradient_accumulation_steps
+        # unless generation_batch_size is given (then generation_batch_size / (per_device x num_processes)); the
+        # generation_batch_size is global: per_device_train_batch_size x num_processes x steps_per_generation
         args.gradient_accumulation_steps = self.accumulation
         args.steps_per_generation = self.steps_per_generation
-        args.generation_batch_size = self.batch * self.steps_per_generation
+        args.generation_batch_size = self.batch * world_size() * self.steps_per_generation
         trainer = stand_in_trainer(self.policy, self.reference, args, gloo=self.gloo)
         trainer.use_vllm = self.vllm
         fake = _is_fake(input_ids)
@@ -515,8 +518,8 @@ def describe(spec) -> str:
                     f"buffered (trl steps_per_generation {k}) and held through the {k} micro-steps"
                     if k > 1 and s == k else "")
     if s != k:
-        accumulation = (f"; --generation-batch {s * spec.batch} (trl generation_batch_size): one generation of {s} x "
-                        f"{spec.batch} completions every {s} micro-steps (trl steps_per_generation {s}, --grad-accum "
+        accumulation = (f"; --generation-batch {spec.generation_batch} (trl generation_batch_size), over "
+                        f"{spec.world_size} rank(s): one generation of {s} x {spec.batch} completions per rank every {s} micro-steps (trl steps_per_generation {s}, --grad-accum "
                         f"{k}), buffered and held until the next generation replaces it"
                         + (", with the policy's no-grad old log-probs (generation misaligned with the optimizer step)"
                            if k % s and spec.rollout != Rollout.VLLM else ""))

@@ -241,8 +241,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("completion_len", ("--completion-len",), "--preference grpo: tokens generated after the --seq prompt "
            "tokens (trl max_completion_length; 0 = trl's default 512)."),
     Option("generation_batch", ("--generation-batch",), "--preference grpo: completions generated at once (trl "
-           "generation_batch_size, a multiple of --batch; 0 = trl's default --batch x --grad-accum): one generation "
-           "every generation-batch / --batch micro-steps (trl steps_per_generation), buffered until the next; "
+           "generation_batch_size, global over the ranks: a multiple of --batch x --world-size; 0 = trl's default "
+           "--batch x --world-size x --grad-accum): each rank generates generation-batch / --world-size completions "
+           "every generation-batch / (--batch x --world-size) micro-steps (trl steps_per_generation), buffered "
+           "until the next; "
            "misaligned with the optimizer step, trl adds the policy's no-grad old log-probs."),
     Option("tp", ("--tp",), "Tensor-parallel ranks (--world-size = dp x tp).", searched=True),
     Option("sp", ("--sp",), "Sequence parallel with --tp (torchtitan's plan).", searched=True),

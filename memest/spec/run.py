@@ -398,7 +398,7 @@ class RunSpec:
         have no reference: HF Trainer's accelerator.prepare wraps the policy alone. GRPOTrainer.__init__
         (trl/trainer/grpo_trainer.py) prepares its reference as DPO's, generates on the unwrapped policy
         (unwrap_model_for_generation) and gathers over the ranks (features/grpo.py's _Accelerator); with --rollout
-        transformers and no --generation-batch only (_check_grpo). Each of 2 real gloo ranks matches
+        transformers only, --generation-batch global as trl's (_check_grpo). Each of 2 real gloo ranks matches
         (tests/test_preference_ddp.py). Under ZeRO / FSDP trl prepares the reference too (trl/models/utils.py
         prepare_deepspeed / prepare_fsdp): FSDP2 in _preference_fsdp; ZeRO-1 and DeepSpeed are not measured, refused."""
         return (self.preference != Preference.NONE and self.shard == Shard.NONE and self.tp == 1
@@ -420,7 +420,7 @@ class RunSpec:
         copy by trl's prepare_fsdp (trl/models/utils.py: fully_shard on the whole reference, one unit; GRPOTrainer.__init__
         calls it too, trl/trainer/grpo_trainer.py lines 1183-1186), parallel/trl_fsdp.py. GRPO generates on the
         sharded policy (unwrap_model_for_generation hands back the FSDP2 module; HF Trainer registers ``generate`` as
-        a root forward method), with --rollout transformers and no --generation-batch (_check_grpo). Each of 2 real
+        a root forward method), with --rollout transformers (_check_grpo; --generation-batch global). Each of 2 real
         gloo ranks matches (tests/test_preference_fsdp.py; GRPO's step and each phase: tests/test_grpo_fsdp.py). Not
         measured, refused: --precision fp16-mixed (HF Trainer's gradient scaler), --shard zero1 (DDP +
         ZeroRedundancyOptimizer; trl under DeepSpeed ZeRO runs prepare_deepspeed)."""
@@ -439,12 +439,11 @@ class RunSpec:
                               f"it must be a multiple of --generations {generations} (trl's check on the generation "
                               f"batch), got --batch {self.batch}")
         self._check_generation_batch(generations)
-        if self.world_size > 1 and (self.generation_batch or self.rollout != Rollout.TRANSFORMERS):
-            # trl's generation_batch_size is global (per_device x processes x steps_per_generation) and its vLLM
-            # rollouts gather the prompts to one engine (server) or run one per rank (colocate): neither measured
-            raise MemestError("--preference grpo with --world-size > 1 is traced with --rollout transformers and no "
-                              "--generation-batch (trl's default steps_per_generation = --grad-accum); drop "
-                              "--generation-batch / --rollout vllm")
+        if self.world_size > 1 and self.rollout != Rollout.TRANSFORMERS:
+            # trl's vLLM rollouts gather the prompts to one engine (server) or run one per rank (colocate): not measured
+            raise MemestError("--preference grpo with --world-size > 1 is traced with --rollout transformers only "
+                              "(trl's vLLM rollouts over ranks, server or colocate, are not measured); drop "
+                              "--rollout vllm")
         if self.reference == Reference.PRECOMPUTED:
             raise MemestError("--reference precomputed is DPO's; GRPO's reference log-probs are of the sampled "
                               "completions: use --reference auto (trl's beta 0.0: none), copy or adapter")
@@ -455,18 +454,24 @@ class RunSpec:
                               "use_reentrant kwarg only: use --checkpointing blocks or blocks-reentrant")
 
     def _check_generation_batch(self, generations: int) -> None:
-        """--generation-batch (trl generation_batch_size, GRPOConfig.__post_init__'s checks with one process): a
-        multiple of --batch; steps_per_generation S = it / --batch. Traced: S a multiple of --grad-accum K (one
+        """--generation-batch (trl generation_batch_size, GRPOConfig.__post_init__'s checks,
+        trl/trainer/grpo_config.py lines 1101-1109): global, a multiple of the global batch --batch x --world-size;
+        steps_per_generation S = it / (--batch x --world-size). Each rank generates for S x --batch completions (its
+        dataloader's batch, grpo_trainer.py line 1275), gathers the rewards, keeps its slice of the advantages and
+        splits its buffer into S micro-steps (features/grpo.py). Traced: S a multiple of --grad-accum K (one
         generation every S / K optimizer steps; the trace runs S / K + 1 of them, so that one generation runs with the
         optimizer state held) or S = 1; other S < K generate at a micro-step past the two the trace runs."""
         if not self.generation_batch:
             return
-        if self.generation_batch < 0 or self.generation_batch % self.batch:
-            raise MemestError(f"--generation-batch must be a multiple of --batch {self.batch} (trl's check: "
-                              f"generation_batch_size divisible by the global batch), got {self.generation_batch}")
+        world_batch = self.batch * self.world_size
+        if self.generation_batch < 0 or self.generation_batch % world_batch:
+            raise MemestError(f"--generation-batch must be a multiple of --batch {self.batch} x --world-size "
+                              f"{self.world_size} (trl's check: \"generation_batch_size ({self.generation_batch}) "
+                              f"must be divisible by the global batch size ({world_batch})\"), got "
+                              f"{self.generation_batch}")
         if self.generation_batch % generations:  # implied by --batch's check; trl checks it apart
             raise MemestError(f"--generation-batch must be a multiple of --generations {generations}")
-        steps = self.generation_batch // self.batch
+        steps = self.generation_batch // world_batch
         if steps % self.grad_accum and steps != 1:
             raise MemestError(f"--generation-batch {self.generation_batch} generates every {steps} micro-steps, not a "
                               f"multiple of --grad-accum {self.grad_accum} (nor 1): not traced yet (docs/limitations.md)")
