@@ -39,3 +39,10 @@ def test_oom_retry_synchronizes_the_pending_blocks():
     assert replay(events).peak_reserved == 2 * BIG
     result = replay(events, device_limit_bytes=2 * BIG - MIB)
     assert not result.oom and result.num_alloc_retries == 1 and result.peak_reserved == BIG
+
+
+def test_a_pending_neighbour_does_not_merge():
+    # two small blocks of one 2 MiB segment; the first pending, the second freed: they stay apart until the sync
+    events = [(1, 4096), (2, 4096), (RECORD_STREAM_ID, 1), (1, -4096), (2, -4096), (FREE_EVENT_ID, 0),
+              (GPU_PASSED_ID, 0), (3, 8192)]
+    assert replay(events).num_device_allocs == 1  # after the sync both merge: 3 fits in the one segment

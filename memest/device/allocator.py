@@ -377,11 +377,12 @@ class _Segment:
 
 class _Block:
     __slots__ = ("addr", "size", "requested", "allocated", "mapped", "prev", "next", "pool", "seg",
-                 "gc_base", "stream")
+                 "gc_base", "stream", "pending")
 
     def __init__(self, addr: int, size: int, pool: _Pool, seg: _Segment, mapped: bool = True, stream: int = 0):
         self.addr, self.size, self.pool, self.seg, self.mapped = addr, size, pool, seg, mapped
         self.stream = stream
+        self.pending = False  # freed with stream uses, its events not complete (record_stream, module docstring)
         self.requested = 0
         self.allocated = False
         self.prev: _Block | None = None
@@ -430,6 +431,7 @@ class ReplayResult:
     num_alloc_retries: int = 0
     empty_cache_calls: int = 0  # EMPTY_CACHE events replayed
     empty_cache_released: int = 0  # reserved bytes they returned to the driver, all calls together
+    peak_reserved_pending: int = 0  # record_stream'd blocks pending (freed, not reusable) at the reserved peak
     oom: bool = False  # the replay stopped: this request would raise OutOfMemoryError
     oom_event_index: int | None = None
     oom_request_bytes: int | None = None
@@ -476,6 +478,7 @@ class CachingAllocator:
         self.unmapped_blocks: dict[int, _Block] = {}  # addr -> unmapped block
         self.segments: set[_Segment] = set()
         self.pending: list[tuple[int, _Block]] = []  # (event freed at, block): record_stream'd, events not complete
+        self.pending_bytes = self.peak_reserved_pending = 0  # their bytes; and at the reserved peak
         self.next_va = 1 << 32
         self.event = -1  # set by replay so peaks can be located
         # DeviceStats (aggregate)
@@ -493,6 +496,7 @@ class CachingAllocator:
         """resetPeakStats: every peak restarts from its current value."""
         self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
         self.peak_allocated_event = self.peak_reserved_event = self.event
+        self.peak_reserved_pending = self.pending_bytes
 
     def _add_reserved(self, n: int) -> None:
         self.total_allocated_memory += n
@@ -500,6 +504,7 @@ class CachingAllocator:
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
             self.peak_reserved_event = self.event
+            self.peak_reserved_pending = self.pending_bytes
 
     def _sub_reserved(self, n: int) -> None:
         self.total_allocated_memory -= n
@@ -561,7 +566,9 @@ class CachingAllocator:
         self.requested -= block.requested
         block.allocated = False
         if recorded:
+            block.pending = True
             self.pending.append((self.event, block))
+            self.pending_bytes += block.size
         else:
             self._free_block(block)
 
@@ -571,6 +578,8 @@ class CachingAllocator:
         done = [b for i, b in self.pending if before is None or i < before]
         self.pending = [(i, b) for i, b in self.pending if before is not None and i >= before]
         for b in done:
+            b.pending = False
+            self.pending_bytes -= b.size
             self._free_block(b)
         return sum(b.size for b in done)
 
@@ -656,7 +665,8 @@ class CachingAllocator:
 
     def _try_merge(self, dst: _Block, src: _Block | None) -> int:
         """try_merge_blocks: dst (not in a pool) absorbs its free neighbour src of the same mapped state."""
-        if src is None or src.allocated or dst.mapped != src.mapped:
+        # a pending src (stream uses, events outstanding) does not merge either: try_merge_blocks' test
+        if src is None or src.allocated or src.pending or dst.mapped != src.mapped:
             return 0
         if src.mapped:
             self._erase(src)
@@ -800,7 +810,7 @@ class CachingAllocator:
 
         def has_available_address_space(b: _Block | None) -> bool:
             total = 0
-            while total < size and b is not None and not b.allocated:
+            while total < size and b is not None and not b.allocated and not b.pending:
                 total += b.size
                 b = b.next
             return total >= size
@@ -808,7 +818,7 @@ class CachingAllocator:
         lo, hi = _stream_range(pool.unmapped, stream)
         for key in pool.unmapped[lo:hi]:
             c = self.unmapped_blocks[key & _ADDR_MASK]
-            if c.prev is not None and not c.prev.allocated:
+            if c.prev is not None and not c.prev.allocated and not c.prev.pending:
                 c = c.prev  # a free mapped block just before the unmapped range can grow into it
             if has_available_address_space(c):
                 return c
@@ -931,7 +941,6 @@ class CachingAllocator:
         """Debug check: every segment is tiled by its blocks and the stats add up. O(blocks)."""
         blocks = (list(self.free_blocks.values()) + list(self.unmapped_blocks.values()) + list(live)
                   + [b for _, b in self.pending])
-        pending = {id(b) for _, b in self.pending}
         by_seg: dict[_Segment, list[_Block]] = {}
         for b in blocks:
             by_seg.setdefault(b.seg, []).append(b)
@@ -944,7 +953,7 @@ class CachingAllocator:
             assert len({b.stream for b in chain}) == 1, "a segment belongs to one stream"
             for a, b in zip(chain, chain[1:], strict=False):
                 assert a.addr + a.size == b.addr and a.next is b and b.prev is a
-                assert a.allocated or b.allocated or a.mapped != b.mapped or pending & {id(a), id(b)}, "free neighbours merge"
+                assert a.allocated or b.allocated or a.pending or b.pending or a.mapped != b.mapped, "free neighbours merge"
             assert sum(b.size for b in chain) == seg.size
             if seg.expandable:
                 assert seg.mapped == sum(b.size for b in chain if b.mapped)
@@ -1024,6 +1033,7 @@ def replay(
         num_alloc_retries=alloc.num_alloc_retries,
         empty_cache_calls=emptied,
         empty_cache_released=released,
+        peak_reserved_pending=alloc.peak_reserved_pending,
         oom=oom_at is not None,
         oom_event_index=oom_at,
         oom_request_bytes=oom_bytes,
