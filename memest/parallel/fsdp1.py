@@ -50,6 +50,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from memest.device.allocator import FREE_EVENT_ID, GPU_PASSED_ID, RECORD_STREAM_ID
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Shard, Target
 from memest.trace.dtype import HALF
@@ -250,8 +251,6 @@ def _stream_marks(tracker) -> Iterator[None]:
     from torch.distributed.fsdp import _flat_param as flat_mod
     from torch.distributed.fsdp import _limiter_utils as limiter
     from torch.distributed.fsdp import _runtime_utils as runtime
-
-    from memest.device.allocator import FREE_EVENT_ID, GPU_PASSED_ID, RECORD_STREAM_ID
 
     trace = tracker.trace
     original = flat_mod._no_dispatch_record_stream
