@@ -34,8 +34,19 @@ segment with a live block keeps its free parts; an expandable segment unmaps the
 block and is released once nothing of it stays mapped. Nothing live moves; the peaks are high-water marks, so
 max_memory_reserved keeps what was reserved before the call.
 
-Scope: one device, no CUDA graphs/private pools, no cross-stream ``record_stream`` (so every free is
-immediate), no free-memory callbacks, no cudaMallocAsync backend. Fragmentation of physical GPU
+``record_stream`` (FSDP1 frees its unsharded/low-precision/offloaded flat params after
+``_no_dispatch_record_stream``): a replay given ``recorded`` storages models the worst case, a GPU far behind the
+CPU. DeviceCachingAllocator::free (CUDACachingAllocator.cpp) sets ``block->allocated = false`` and decreases the
+allocated/requested stats first, then, for a block with ``stream_uses``, calls ``insert_events`` instead of
+``free_block``: the block leaves ``allocated`` at once (max_memory_allocated unchanged) but stays out of the pools,
+still reserved, until ``process_events`` (run at every malloc) finds its events complete. Worst case: none completes
+until the CPU waits for the GPU: a ``GPU_PASSED`` event (FSDP1's rate limiter, torch/distributed/fsdp/
+_runtime_utils.py ``_unshard``: ``_free_event_queue.dequeue_if_needed()`` then ``event.synchronize()`` on the free
+event ``_reshard`` recorded; _limiter_utils.py keeps 2 in flight) returns every block freed before that event's
+record; ``release_cached_blocks`` (OOM retry, empty_cache) first runs ``synchronize_and_free_events`` (all pending
+blocks return); the trace's end returns the rest. Without ``recorded`` every free is immediate (the best case).
+
+Scope: one device, no CUDA graphs/private pools, no free-memory callbacks, no cudaMallocAsync backend. Fragmentation of physical GPU
 memory is not modelled: cudaMalloc succeeds whenever the bytes fit under ``device_limit_bytes``. Other
 simplifications are marked ``SIMPLIFICATION``.
 """
@@ -342,6 +353,13 @@ EMPTY_CACHE = (EMPTY_CACHE_ID, 0)
 # an empty_cache or an OOM retry, so the peak reserved after it also holds what the wrap left cached.
 RESET_PEAK_ID = -(1 << 40) - 1
 RESET_PEAK = (RESET_PEAK_ID, 0)
+# record_stream (module docstring). ``(RECORD_STREAM_ID, sid)``: storage ``sid`` was used on another stream, its next
+# free leaves its block pending. ``(FREE_EVENT_ID, k)``: a CUDA event ``k`` recorded here (FSDP1's ``_reshard``).
+# ``(GPU_PASSED_ID, k)``: the CPU synchronised on event ``k`` (FSDP1's rate limiter): the pending blocks freed before
+# that event return to their pools.
+RECORD_STREAM_ID = -(1 << 40) - 2
+FREE_EVENT_ID = -(1 << 40) - 3
+GPU_PASSED_ID = -(1 << 40) - 4
 
 
 class _Segment:
@@ -359,11 +377,12 @@ class _Segment:
 
 class _Block:
     __slots__ = ("addr", "size", "requested", "allocated", "mapped", "prev", "next", "pool", "seg",
-                 "gc_base", "stream")
+                 "gc_base", "stream", "pending")
 
     def __init__(self, addr: int, size: int, pool: _Pool, seg: _Segment, mapped: bool = True, stream: int = 0):
         self.addr, self.size, self.pool, self.seg, self.mapped = addr, size, pool, seg, mapped
         self.stream = stream
+        self.pending = False  # freed with stream uses, its events not complete (record_stream, module docstring)
         self.requested = 0
         self.allocated = False
         self.prev: _Block | None = None
@@ -412,6 +431,7 @@ class ReplayResult:
     num_alloc_retries: int = 0
     empty_cache_calls: int = 0  # EMPTY_CACHE events replayed
     empty_cache_released: int = 0  # reserved bytes they returned to the driver, all calls together
+    peak_reserved_pending: int = 0  # record_stream'd blocks pending (freed, not reusable) at the reserved peak
     oom: bool = False  # the replay stopped: this request would raise OutOfMemoryError
     oom_event_index: int | None = None
     oom_request_bytes: int | None = None
@@ -457,6 +477,8 @@ class CachingAllocator:
         self.free_blocks: dict[int, _Block] = {}  # addr -> free mapped block in some pool's keys
         self.unmapped_blocks: dict[int, _Block] = {}  # addr -> unmapped block
         self.segments: set[_Segment] = set()
+        self.pending: list[tuple[int, _Block]] = []  # (event freed at, block): record_stream'd, events not complete
+        self.pending_bytes = self.peak_reserved_pending = 0  # their bytes; and at the reserved peak
         self.next_va = 1 << 32
         self.event = -1  # set by replay so peaks can be located
         # DeviceStats (aggregate)
@@ -474,6 +496,7 @@ class CachingAllocator:
         """resetPeakStats: every peak restarts from its current value."""
         self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
         self.peak_allocated_event = self.peak_reserved_event = self.event
+        self.peak_reserved_pending = self.pending_bytes
 
     def _add_reserved(self, n: int) -> None:
         self.total_allocated_memory += n
@@ -481,6 +504,7 @@ class CachingAllocator:
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
             self.peak_reserved_event = self.event
+            self.peak_reserved_pending = self.pending_bytes
 
     def _sub_reserved(self, n: int) -> None:
         self.total_allocated_memory -= n
@@ -535,12 +559,29 @@ class CachingAllocator:
                 raise OutOfMemory(orig_size, alloc_size, self.reserved, self.allocated)
         return self._alloc_found_block(block, size, orig_size, self._should_split(block, size))
 
-    def free(self, block: _Block) -> None:
-        """DeviceCachingAllocator::free; no stream uses, so straight to free_block."""
+    def free(self, block: _Block, recorded: bool = False) -> None:
+        """DeviceCachingAllocator::free: the stats first; no stream uses: straight to free_block; ``recorded``
+        (record_stream'd): ``insert_events``, the block pending (not in a pool) until :meth:`return_pending`."""
         self.allocated -= block.size
         self.requested -= block.requested
         block.allocated = False
-        self._free_block(block)
+        if recorded:
+            block.pending = True
+            self.pending.append((self.event, block))
+            self.pending_bytes += block.size
+        else:
+            self._free_block(block)
+
+    def return_pending(self, before: int | None = None) -> int:
+        """process_events finding complete the events of the pending blocks freed before event ``before`` (all:
+        None): free_block each. Returns their bytes."""
+        done = [b for i, b in self.pending if before is None or i < before]
+        self.pending = [(i, b) for i, b in self.pending if before is not None and i >= before]
+        for b in done:
+            b.pending = False
+            self.pending_bytes -= b.size
+            self._free_block(b)
+        return sum(b.size for b in done)
 
     def _get_free_block(self, pool: _Pool, size: int, stream: int = 0) -> _Block | None:
         """get_free_block: best fit = the smallest cached block >= size of the request's stream (lower_bound
@@ -624,7 +665,8 @@ class CachingAllocator:
 
     def _try_merge(self, dst: _Block, src: _Block | None) -> int:
         """try_merge_blocks: dst (not in a pool) absorbs its free neighbour src of the same mapped state."""
-        if src is None or src.allocated or dst.mapped != src.mapped:
+        # a pending src (stream uses, events outstanding) does not merge either: try_merge_blocks' test
+        if src is None or src.allocated or src.pending or dst.mapped != src.mapped:
             return 0
         if src.mapped:
             self._erase(src)
@@ -707,7 +749,8 @@ class CachingAllocator:
         return True
 
     def _release_cached_blocks(self) -> bool:
-        """release_cached_blocks (also what torch.cuda.empty_cache() does)."""
+        """release_cached_blocks (also what torch.cuda.empty_cache() does): synchronize_and_free_events first."""
+        self.return_pending()
         self._release_blocks(self.large)
         self._release_blocks(self.small)
         return True
@@ -767,7 +810,7 @@ class CachingAllocator:
 
         def has_available_address_space(b: _Block | None) -> bool:
             total = 0
-            while total < size and b is not None and not b.allocated:
+            while total < size and b is not None and not b.allocated and not b.pending:
                 total += b.size
                 b = b.next
             return total >= size
@@ -775,7 +818,7 @@ class CachingAllocator:
         lo, hi = _stream_range(pool.unmapped, stream)
         for key in pool.unmapped[lo:hi]:
             c = self.unmapped_blocks[key & _ADDR_MASK]
-            if c.prev is not None and not c.prev.allocated:
+            if c.prev is not None and not c.prev.allocated and not c.prev.pending:
                 c = c.prev  # a free mapped block just before the unmapped range can grow into it
             if has_available_address_space(c):
                 return c
@@ -896,7 +939,8 @@ class CachingAllocator:
 
     def check_invariants(self, live: Iterable[_Block] = ()) -> None:
         """Debug check: every segment is tiled by its blocks and the stats add up. O(blocks)."""
-        blocks = list(self.free_blocks.values()) + list(self.unmapped_blocks.values()) + list(live)
+        blocks = (list(self.free_blocks.values()) + list(self.unmapped_blocks.values()) + list(live)
+                  + [b for _, b in self.pending])
         by_seg: dict[_Segment, list[_Block]] = {}
         for b in blocks:
             by_seg.setdefault(b.seg, []).append(b)
@@ -909,7 +953,7 @@ class CachingAllocator:
             assert len({b.stream for b in chain}) == 1, "a segment belongs to one stream"
             for a, b in zip(chain, chain[1:], strict=False):
                 assert a.addr + a.size == b.addr and a.next is b and b.prev is a
-                assert a.allocated or b.allocated or a.mapped != b.mapped, "free neighbours merge"
+                assert a.allocated or b.allocated or a.pending or b.pending or a.mapped != b.mapped, "free neighbours merge"
             assert sum(b.size for b in chain) == seg.size
             if seg.expandable:
                 assert seg.mapped == sum(b.size for b in chain if b.mapped)
@@ -931,7 +975,8 @@ def replay(
 
     delta > 0 allocates ``delta`` bytes for the storage (on stream ``streams[storage_id]``, 0 when absent),
     delta < 0 frees its block, ``EMPTY_CACHE`` empties the cache (torch.cuda.empty_cache()), ``RESET_PEAK`` restarts
-    the peaks (torch.cuda.reset_peak_memory_stats()). With
+    the peaks (torch.cuda.reset_peak_memory_stats()); ``RECORD_STREAM_ID`` / ``FREE_EVENT_ID`` / ``GPU_PASSED_ID``
+    events model record_stream's deferred frees (module docstring). With
     ``device_limit_bytes`` the allocator runs its OOM recovery (free oversize / all unsplit cached
     blocks, then retry) and the replay stops at the first request that would raise OutOfMemoryError.
     """
@@ -941,9 +986,17 @@ def replay(
     malloc, free = alloc.malloc, alloc.free
     streams = streams or {}
     emptied = released = 0
+    recorded: set[int] = set()  # storages whose next free is pending
+    event_at: dict[int, int] = {}  # CUDA event -> the replay's event index it was recorded at
     for i, (sid, delta) in enumerate(events):
         alloc.event = i
-        if delta > 0:
+        if sid == RECORD_STREAM_ID:
+            recorded.add(delta)
+        elif sid == FREE_EVENT_ID:
+            event_at[delta] = i
+        elif sid == GPU_PASSED_ID:
+            alloc.return_pending(event_at[delta])
+        elif delta > 0:
             if sid in live:
                 raise ValueError(f"storage {sid} allocated twice without a free (event {i})")
             try:
@@ -955,12 +1008,15 @@ def replay(
             block = live.pop(sid, None)
             if block is None:
                 raise ValueError(f"storage {sid} freed but not allocated (event {i})")
-            free(block)
+            free(block, sid in recorded)
+            recorded.discard(sid)
         elif sid == EMPTY_CACHE_ID:
             emptied += 1
             released += alloc.empty_cache()
         elif sid == RESET_PEAK_ID:
             alloc.reset_peaks()
+    if oom_at is None:
+        alloc.return_pending()  # the trace's end: the GPU catches up (no peak moves)
     sizes = alloc.segment_sizes()
     return ReplayResult(
         same_replay_limits=alloc.same_replay_limits(),
@@ -977,6 +1033,7 @@ def replay(
         num_alloc_retries=alloc.num_alloc_retries,
         empty_cache_calls=emptied,
         empty_cache_released=released,
+        peak_reserved_pending=alloc.peak_reserved_pending,
         oom=oom_at is not None,
         oom_event_index=oom_at,
         oom_request_bytes=oom_bytes,

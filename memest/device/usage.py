@@ -30,8 +30,13 @@ the stream each storage was allocated on (trace/tracker.py: FSDP2 selects its FS
 all-gather output on the copy-in stream, the reduce-scatter output, which the sharded gradients are views
 of, on the reduce-scatter stream; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), and the
 replay keeps each stream's freed blocks for that stream (``streams_basis`` says how much that adds).
-Not modelled (the real allocator holds more, not less): record_stream'ed blocks, whose free waits for the
-other stream's work (FSDP1's, NCCL's on DDP buckets); the high end does not include it.
+record_stream'ed blocks, whose free waits for the other stream's work: FSDP1's (parallel/fsdp1.py records each
+``_no_dispatch_record_stream`` and its rate limiter's free events and syncs) are in the HIGH end of reserved and of
+the needed range: the replay keeps each such block pending until the CPU waits on a free event recorded after it
+(torch/distributed/fsdp/_runtime_utils.py ``_unshard``/``_reshard``, _limiter_utils.py: 2 all-gathers in flight),
+an OOM retry or the step's end (allocator.py's docstring), the worst case of a GPU far behind the CPU. The expected
+value and the low end free at once (a GPU keeping up), so the verdict is no harsher. NCCL's on DDP buckets are not
+modelled.
 
 Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
 targets/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
@@ -45,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 
 from memest.device.allocator import (
     EMPTY_CACHE,
+    MIB,
     RESET_PEAK,
     alloc_conf_from_env,
     alloc_conf_text,
@@ -137,17 +143,21 @@ class DeviceUsage:
         return asdict(self)
 
 
-def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[EmptyCache] | None = None
-                     ) -> list[tuple[int, int]]:
+def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[EmptyCache] | None = None,
+                     deferred: bool = False) -> list[tuple[int, int]]:
     """The trace's events with the cuBLAS workspaces allocated where a CUDA run first needs them:
     the first forward matmul (forward thread) and the first backward op (autograd's device thread).
     Both live to the end of the process. An ``EMPTY_CACHE`` event where the step empties the CUDA cache
-    (``empty_caches``; default: the calls the run's first two steps make, ``first_steps(trace)``)."""
+    (``empty_caches``; default: the calls the run's first two steps make, ``first_steps(trace)``). ``deferred``: with
+    the trace's record_stream marks (``trace.stream_marks``), the worst case of the high end (module docstring)."""
     calls = first_steps(trace) if empty_caches is None else empty_caches
     workspace = next((c for c in costs if c.name == "cublas_workspaces"), None)
-    if (workspace is None or workspace.bytes <= 0 or not trace.events) and not calls:
+    marks = trace.stream_marks if deferred else []
+    if (workspace is None or workspace.bytes <= 0 or not trace.events) and not calls and not marks:
         return with_load(trace, list(trace.events))
     inserts: dict[int, list[tuple[int, int]]] = {}
+    for at, mark in marks:
+        inserts.setdefault(at, []).append(mark)
     for call in calls:  # before a workspace at the same point: that one comes with the phase's first kernel
         inserts.setdefault(call.event, []).append(EMPTY_CACHE)
     if workspace is not None and workspace.bytes > 0 and trace.events:
@@ -279,6 +289,12 @@ def device_usage(
              for events in [allocator_events(trace, costs, calls)]]
     _, _, events, result = max(pairs, key=lambda run: run[3].peak_reserved)
     limit = max(min_device_limit(e, conf, unconstrained=r, streams=streams) for _, _, e, r in pairs)
+    deferred = [replay(e, conf, streams=streams) for _, calls, _, _ in pairs if trace.stream_marks
+                for e in [allocator_events(trace, costs, calls, deferred=True)]]
+    if deferred:  # record_stream's worst case (module docstring): the high end of reserved and of the need
+        worst = max(deferred, key=lambda r: r.peak_reserved)
+        worst_limit = max(min_device_limit(e, conf, unconstrained=r, streams=streams) for (_, calls, _, _), r in
+                          zip(pairs, deferred, strict=True) for e in [allocator_events(trace, costs, calls, True)])
     outside = outside_allocator(costs)
     band = slack_band(cudnn) if evidence_runs is None else slack_band(cudnn, evidence_runs)
     allocated = result.peak_allocated
@@ -289,6 +305,9 @@ def device_usage(
     # freed before an OOM, expandable segments): the needed range and max_memory_reserved reach down to the
     # floor. Unconstrained device use (bytes_low, room to spare, no OOM recovery) keeps the measured band.
     limit_low = min(limit_low, floor)
+    if deferred:
+        reserved_high = max(reserved_high, band.bounds(allocated, worst.peak_reserved, floor=allocated)[1])
+        limit_high = max(limit_high, band.bounds(allocated, worst_limit, floor=min(worst_limit, allocated))[1])
     expandable = None if conf.expandable_segments else _expandable_limit(events, conf_text, streams)
     workspaces = workspace_range(trace, events, conf, result, streams)
     if workspaces is not None:  # cuDNN's run-time workspace choices widen the range (None: unbounded)
@@ -338,6 +357,7 @@ def device_usage(
         + allocator_basis(var, conf_text, floor, limit, expandable)
         + streams_basis(trace, events, conf, streams, result)
         + empty_cache_basis(trace, costs, conf, streams, pairs)
+        + (record_stream_basis(result, worst, worst_limit, limit) if deferred else [])
         + (workspaces.unbounded if workspaces is not None else []),
         workspaces=workspaces,
         allocator_floor_bytes=floor,
@@ -422,6 +442,16 @@ def allocator_basis(var: str, conf_text: str, floor: int, limit: int, expandable
                      f"({(expandable - limit) / mib:+.0f} MiB; pages mapped on demand, free pages unmapped "
                      "before an OOM)")
     return lines
+
+
+def record_stream_basis(result, worst, worst_limit: int, limit: int) -> list[str]:
+    """What the high end's record_stream worst case adds (module docstring)."""
+    return [f"record_stream (FSDP1): the high end frees each record_stream'd block only when the CPU waits for the "
+            f"GPU (the rate limiter's event.synchronize, torch/distributed/fsdp/_runtime_utils.py _unshard; an OOM "
+            f"retry or empty_cache: synchronize_and_free_events, c10/cuda/CUDACachingAllocator.cpp), a GPU far "
+            f"behind the CPU: reserved {result.peak_reserved / MIB:.1f} -> {worst.peak_reserved / MIB:.1f} MiB, "
+            f"need {limit / MIB:.1f} -> {worst_limit / MIB:.1f} MiB; the expected value frees at once (a GPU keeping "
+            "up)"]
 
 
 def fits_in(trace: Trace, usage: DeviceUsage, capacity_bytes: int, env: dict | None = None) -> bool:

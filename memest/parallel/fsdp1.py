@@ -50,6 +50,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from memest.device.allocator import FREE_EVENT_ID, GPU_PASSED_ID, RECORD_STREAM_ID
 from memest.spec import RunSpec
 from memest.spec.choices import Offload, Shard, Target
 from memest.trace.dtype import HALF
@@ -177,6 +178,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
     # the device in the trace too); on a CPU the shard is already where FSDP computes, as in the trace
     h2d = offload and spec.target == Target.CUDA and not spec.mixed
     copies: dict[int, int] = {}  # id(handle) -> the unseen device copy of its shard
+    stack = contextlib.ExitStack()
 
     def owner(flat_param) -> str:
         return owner_of_param.get(id(flat_param), "")
@@ -225,15 +227,60 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
 
     flat_mod.FlatParamHandle.unshard = unshard
     flat_mod.FlatParamHandle.pre_unshard = pre_unshard
+    stack.enter_context(_stream_marks(tracker))
     flat_mod.FlatParamHandle.init_flat_param_attributes = init
     runtime._post_backward_hook = post_backward
     try:
         yield
     finally:
+        stack.close()
         flat_mod.FlatParamHandle.unshard = saved["unshard"]
         flat_mod.FlatParamHandle.pre_unshard = saved["pre_unshard"]
         flat_mod.FlatParamHandle.init_flat_param_attributes = saved["init"]
         runtime._post_backward_hook = saved["post_backward"]
+
+
+@contextlib.contextmanager
+def _stream_marks(tracker) -> Iterator[None]:
+    """record_stream and the rate limiter as replay events (device/allocator.py docstring): each
+    ``_no_dispatch_record_stream(tensor, stream)`` (torch/distributed/fsdp/_flat_param.py l.1486, 1543, 1818;
+    _runtime_utils.py l.772, 871, 991, 1054; a no-op on a CPU tensor, still called) as RECORD_STREAM on its storage;
+    each free event ``_reshard`` enqueues after freeing the unsharded parameter (_runtime_utils.py l.320-326,
+    ``_FreeEventQueue.enqueue``) as FREE_EVENT; each ``dequeue_if_needed`` that returns one, which ``_unshard``
+    synchronises on at once (l.297-303), as GPU_PASSED on that event."""
+    from torch.distributed.fsdp import _flat_param as flat_mod
+    from torch.distributed.fsdp import _limiter_utils as limiter
+    from torch.distributed.fsdp import _runtime_utils as runtime
+
+    trace = tracker.trace
+    original = flat_mod._no_dispatch_record_stream
+    enqueue, dequeue = limiter._FreeEventQueue.enqueue, limiter._FreeEventQueue.dequeue_if_needed
+    numbers: dict[int, int] = {}  # id(free event) -> its number (the queue holds the event until it is dequeued)
+
+    def record_stream(tensor, stream):
+        sid = tracker.storage_id(tensor)
+        if sid is not None:
+            trace.stream_mark((RECORD_STREAM_ID, sid))
+        return original(tensor, stream)
+
+    def enqueue_event(queue, free_event):
+        numbers[id(free_event)] = len(numbers)
+        trace.stream_mark((FREE_EVENT_ID, numbers[id(free_event)]))
+        return enqueue(queue, free_event)
+
+    def dequeue_event(queue):
+        event = dequeue(queue)
+        if event is not None and id(event) in numbers:  # one enqueued before the step: nothing of the trace waits
+            trace.stream_mark((GPU_PASSED_ID, numbers.pop(id(event))))
+        return event
+
+    flat_mod._no_dispatch_record_stream = runtime._no_dispatch_record_stream = record_stream
+    limiter._FreeEventQueue.enqueue, limiter._FreeEventQueue.dequeue_if_needed = enqueue_event, dequeue_event
+    try:
+        yield
+    finally:
+        flat_mod._no_dispatch_record_stream = runtime._no_dispatch_record_stream = original
+        limiter._FreeEventQueue.enqueue, limiter._FreeEventQueue.dequeue_if_needed = enqueue, dequeue
 
 
 def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None = None,

@@ -132,6 +132,15 @@ class Trace:
     # again at the step's setup. The allocator replay runs them first, then resets its peaks (device/usage.py).
     load_events: list[tuple[int, int]] = field(default_factory=list)
 
+    # record_stream and FSDP1's rate-limiter syncs, in event order (parallel/fsdp1.py instrument): (events before it,
+    # the allocator replay's event: RECORD_STREAM_ID / FREE_EVENT_ID / GPU_PASSED_ID, device/allocator.py). The
+    # replay of the high end inserts them (device/usage.py); the point estimate frees at once.
+    stream_marks: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
+
+    def stream_mark(self, event: tuple[int, int]) -> None:
+        """Record a replay event for the record_stream rule now (after the events so far)."""
+        self.stream_marks.append((len(self.events), event))
+
     def empty_cache(self, iteration: int, by: str, every: int = 1) -> None:
         """Record a call that empties the CUDA cache now (after the events so far)."""
         self.empty_caches.append(EmptyCache(len(self.events), iteration, by, every))
@@ -189,6 +198,7 @@ class Trace:
         self.host_marks = [new_index[i][1] for i, _, _ in self.phase_marks]
         self.phase_marks = [(new_index[i][0], it, phase) for i, it, phase in self.phase_marks]
         self.empty_caches = [dataclasses.replace(c, event=new_index[c.event][0]) for c in self.empty_caches]
+        self.stream_marks = [(new_index[i][0], event) for i, event in self.stream_marks]
 
     def host_peak(self, saved: bool | None = None) -> int:
         """Peak bytes held in host memory (0 without offloading). ``saved``: True counts only the saved tensors'
