@@ -9,6 +9,7 @@ start: the highest bytes above that start and the bytes left when it returns, bo
 allocations), FULL_SHARD and SHARD_GRAD_OP, a LoRA model whose trainable leaves are units of their own. The move to
 the GPU (``_move_module_to_device``) is not measurable here; its allocations are the parameters' own bytes."""
 
+import gc
 import json
 import socket
 import tempfile
@@ -89,6 +90,8 @@ def _rank(rank: int, world_size: int, port: int, specs: list[dict], out_dir: str
     try:
         for d in specs:
             spec = RunSpec(**{**d, "compute_capability": tuple(d["compute_capability"])})
+            gc.collect()  # the previous case's model and wrapper, then whatever gloo's threads still hold of them
+            settle()
             torch.manual_seed(0)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 model = build(load_source(spec.model), spec).model  # allocated while profiling: its frees are seen
