@@ -132,13 +132,15 @@ def test_the_whole_reference_is_gathered_at_once_and_the_policy_a_layer_at_a_tim
     ({"preference": "dpo", "shard": "zero1"}, "not traced yet"),  # DDP + ZeroRedundancyOptimizer: not measured
     ({"preference": "dpo", "shard": "zero3", "tp": 2}, "not traced yet"),
     ({"preference": "dpo", "shard": "zero3", "precision": "fp16-mixed"}, "not traced yet"),  # GradScaler, not measured
-    # GRPO over FSDP2 is traced (tests/test_grpo_fsdp.py) but for fp16-mixed, vLLM rollouts and a generation batch
+    # GRPO over FSDP2 is traced (tests/test_grpo_fsdp.py; a generation batch over ranks:
+    # tests/test_grpo_ranks_generation_batch.py) but for fp16-mixed, vLLM rollouts and a generation batch that trl
+    # refuses (not a multiple of --batch x --world-size)
     ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero3", "precision": "fp16-mixed"},
      "not traced yet"),
     ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero3", "rollout": "vllm"},
      "--rollout transformers"),
-    ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero2", "generation_batch": 8},
-     "--rollout transformers"),
+    ({"preference": "grpo", "generations": 2, "completion_len": 4, "shard": "zero2", "generation_batch": 6},
+     "divisible by the global batch size"),
 ])
 def test_what_is_not_proven_over_fsdp_stays_refused(fields, match):
     with pytest.raises(MemestError, match=match):
