@@ -335,16 +335,12 @@ def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None 
         shard = flat._sharded_size.numel() * size  # 4. this rank's chunk, cloned (and padded)
         chunk = _chunk_numel(flat._unpadded_unsharded_size.numel(), spec.world_size, rank) * size
         offloaded = spec.offload == Offload.PARAMS
-        sid = storage_id(flat)
-        if offloaded or sid is None:
-            sid = None
-        if chunk != shard:  # F.pad: a padded copy of the clone (of nothing where this rank has no chunk)
-            clone_id = fresh(chunk) if chunk else None
-            shard_id = fresh(shard) if sid is None else _append(events, sid, shard)
-            if clone_id is not None:
-                free(clone_id, chunk)
-        else:
-            shard_id = fresh(shard) if sid is None else _append(events, sid, shard)
+        sid = None if offloaded else storage_id(flat)
+        # where the chunk is short, F.pad makes the shard a padded copy of the clone (of nothing without a chunk)
+        clone_id = fresh(chunk) if chunk != shard and chunk else None
+        shard_id = fresh(shard) if sid is None else _append(events, sid, shard)
+        if clone_id is not None:
+            free(clone_id, chunk)
         free(full_id, full)
         if offloaded:  # 5. flat_param_to(cpu)
             free(shard_id, shard)
