@@ -121,13 +121,14 @@ def _fq(label, card, train, batch, seq, measured_gib, *, figure="reserved", offl
         spec.update(quant="nf4", double_quant=True)
     if offload:
         spec["offload"] = "params"
-    if not ddp:
-        spec["fsdp_version"] = "1"
-        spec["fsdp_sync_module_states"] = True  # train.py: sync_module_states=args["low_memory"] (default True)
+    spec["fsdp_version"] = "1"  # train.py wraps every strategy with FullyShardedDataParallel(use_orig_params=False)
+    spec["fsdp_sync_module_states"] = True  # train.py: sync_module_states=args["low_memory"] (default True)
     notes = list(FQ_NOTES)
     if ddp:
-        notes[2] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (the source's footnote), traced as DDP (--world-size 2, "
-                    "no sharding): DDP's gradient buckets are not FSDP NO_SHARD's flat gradient")
+        notes[2] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (train.py: ``elif args['sharding_strategy'] == 'ddp': "
+                    "sharding_strategy = ShardingStrategy.NO_SHARD``), traced as FSDP1 NO_SHARD (--shard none "
+                    "--fsdp-version 1: every rank keeps each unit's whole flat parameter, flat gradients all-reduced; "
+                    "the wrap with sync_module_states before the step)")
     if offload:
         notes.append("FSDP1 CPUOffload(offload_params=True) traced as --offload params: parameters, gradients and AdamW "
                      "state on the CPU, each layer's parameters copied in when used")

@@ -1,5 +1,5 @@
 """--fsdp-version 1 (issues 21 and 24): torch's FullyShardedDataParallel with use_orig_params=False, FULL_SHARD
-(--shard zero3) and SHARD_GRAD_OP (--shard zero2), traced under memest's fake process group, against the same step
+(--shard zero3), SHARD_GRAD_OP (--shard zero2) and NO_SHARD (--shard none), traced under memest's fake process group, against the same step
 run for real on 2 gloo ranks (memest/validate/distributed_truth.py wraps the real ranks with the same
 ``parallel.distributed.wrap``): every rank's allocated peak, to the byte; with LoRA (peft), the real ranks hold 8 B
 more per LoRA module whose forward has run and whose backward has not: the Python float ``scaling`` that autograd
@@ -41,8 +41,18 @@ CASES = [
     ("transformer", 64, "fp32", "zero3", {"offload": "params"}),
     ("hf:llama-tiny-wide", 16, "bf16", "zero3", {"lora": LORA, "quant": "nf4", "offload": "params",
                                                   "checkpointing": "blocks"}),
+    # NO_SHARD (--shard none): full flat parameters on every rank, flat gradients all-reduced in place; fsdp_qlora's
+    # --sharding_strategy ddp (QLoRA, checkpointed blocks) and a plain model in bf16-mixed
+    ("hf:llama-tiny-wide", 16, "bf16", "none", {"lora": LORA, "quant": "nf4", "checkpointing": "blocks"}),
+    ("transformer", 64, "bf16-mixed", "none", {}),
 ]
 OFFLOAD = [k for k, case in enumerate(CASES) if case[4].get("offload")]
+# Where a rank's peak is single-tensor Adam's ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` (NO_SHARD's whole flat
+# parameters put the peak in the optimizer step), the real CPU kernel holds a wrapped Python float (8 B, made outside
+# the dispatcher) and a 4 B float32 copy of it (aten::empty_strided inside the kernel), which a fake trace cannot see:
+# listed from rank 0's profiler events of the transformer bf16-mixed NO_SHARD case on 2026-11-28 (the same 12 B
+# tests/test_optim_in_backward.py's FSDP_TOL note names); a CPU kernel's scalars, not device memory.
+ADAM_DIV_SCALARS = 12
 
 
 def _spec(case) -> RunSpec:
@@ -78,8 +88,10 @@ def test_fsdp1_rank_peak_matches_real_gloo_ranks(k, measured):
     traced = trace.combined_peak() if spec.offload != "none" else trace.peak()[0]
     for rank in measured[k]:
         missing = rank["peak_bytes"] - traced
-        if not spec.lora:
-            assert missing == 0, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
+        if not spec.lora:  # exact, or the CPU kernel's scalars where the peak is single-tensor Adam's division
+            scalars = missing == ADAM_DIV_SCALARS and rank["op_at_peak"] == "aten::div"
+            assert missing == 0 or scalars, (f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B "
+                                             f"at {rank['op_at_peak']}")
         else:  # the saved scalings: 8 B each, at most one per LoRA module alive at the peak
             assert 0 <= missing <= 8 * _lora_modules(spec) and missing % 8 == 0, (
                 f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B")
@@ -165,5 +177,16 @@ def test_fsdp_version_2_is_the_default_and_unchanged():
     spec = RunSpec(model=model_ref("hf:llama-tiny"), world_size=2, shard="zero3", target="cpu")
     assert spec.fsdp_version == "2"
     assert trace_step(load_source(spec.model), spec).parallel.startswith("FSDP2")
-    with pytest.raises(MemestError, match="NO_SHARD is not traced"):
-        RunSpec(model=model_ref("hf:llama-tiny"), world_size=2, fsdp_version="1", target="cpu")
+    with pytest.raises(MemestError, match="needs --world-size 2 or more"):
+        RunSpec(model=model_ref("hf:llama-tiny"), fsdp_version="1", target="cpu")
+
+
+def test_no_shard_is_fsdp1_not_ddp():
+    """--shard none --fsdp-version 1 wraps FSDP1's NO_SHARD (full flat parameters, no DDP buckets); --shard none alone
+    stays DDP."""
+    spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=16, world_size=2, fsdp_version="1", target="cpu")
+    trace = trace_step(load_source(spec.model), spec)
+    assert trace.parallel.startswith("FSDP1 FullyShardedDataParallel(NO_SHARD")
+    assert not any(r.op == "DDP gradient bucket" for r in trace.storages)
+    ddp = trace_step(load_source(spec.model), RunSpec(**{**spec.to_dict(), "fsdp_version": "2"}))
+    assert ddp.parallel.startswith("DDP")

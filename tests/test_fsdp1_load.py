@@ -32,6 +32,7 @@ CASES = [  # (shard, precision, extra RunSpec fields)
     ("zero3", "fp32", {}),
     ("zero2", "bf16", {"lora": LORA, "fsdp_sync_module_states": True}),
     ("zero3", "bf16-mixed", {"fsdp_sync_module_states": True}),
+    ("none", "bf16", {"lora": LORA, "fsdp_sync_module_states": True}),  # NO_SHARD: the flat parameters kept whole
 ]
 MARK = 7_654_321  # a marker allocation: the wrap starts after its free
 

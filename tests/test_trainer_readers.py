@@ -348,6 +348,28 @@ def test_training_args_fsdp1_without_orig_params_is_fsdp_version_1(tmp_path):
     assert "fsdp_version" not in default.keys and any("use_orig_params=True" in n for n in default.notes)
 
 
+def test_fsdp1_no_shard_reads_as_fsdp_version_1_not_ddp(tmp_path):
+    """FSDP1's NO_SHARD keeps full replicas as one flat parameter per unit (fsdp_qlora's --sharding_strategy ddp,
+    accelerate's NO_SHARD, TrainingArguments' no_shard): --shard none --fsdp-version 1, not DDP's buckets; with
+    use_orig_params True it stays DDP's trace, with a note; under FSDP2 transformers refuses no_shard."""
+    data = {"distributed_type": "FSDP", "mixed_precision": "no", "num_processes": 2,
+            "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD", "fsdp_use_orig_params": False,
+                            "fsdp_sync_module_states": True}}
+    cfg = accelerate_config.read(tmp_path / "c.yaml", data)
+    assert cfg.keys == {"world_size": 2, "precision": "fp32", "shard": "none", "fsdp_version": "1",
+                        "fsdp_sync_module_states": True}
+    values = config_from_dict({**cfg.keys, "model": f"hf:{TINY}", "target": "cpu"}, tmp_path / "c.yaml").values
+    assert values["shard"] == "none" and values["fsdp_version"] == "1"
+    orig = accelerate_config.read(tmp_path / "c.yaml", {**data, "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD",
+                                                                                "fsdp_use_orig_params": True}})
+    assert "fsdp_version" not in orig.keys and any("traced as DDP" in n for n in orig.notes)
+    args = {"per_device_train_batch_size": 1, "fsdp": "no_shard auto_wrap", "fsdp_config": {"use_orig_params": False}}
+    cfg = training_args.read(tmp_path / "a.json", args)
+    assert cfg.keys["shard"] == "none" and cfg.keys["fsdp_version"] == "1" and cfg.keys["fsdp_sync_module_states"]
+    v2 = training_args.read(tmp_path / "a.json", {**args, "fsdp_config": {"version": 2}})
+    assert "shard" not in v2.keys and any("no_shard" in u for u in v2.unknown)
+
+
 def test_accelerate_every_cluster_config_field_is_known():
     """Every field of accelerate's ClusterConfig (and BaseConfig) is mapped, a plugin reported when set, or
     documented as memory-neutral: a field accelerate adds or renames fails here, not in a user's report."""

@@ -67,7 +67,7 @@ class ParallelFeature(StepFeature):
     def contexts(self, step) -> list:
         if self.parallel is None:
             return []
-        if step.spec.fsdp_version == FsdpVersion.V1 and step.spec.shard in (Shard.ZERO3, Shard.ZERO2):
+        if step.spec.fsdp_version == FsdpVersion.V1:
             # the wrap's device allocations, rebuilt now that the shards have their storage ids
             step.trace.load_events, what = fsdp1.load_events(self.parallel.module, step.spec, step.tracker.storage_id)
             step.trace.notes.append(what)

@@ -5,7 +5,9 @@ Each wrapped unit's parameters become one ``FlatParameter`` (torch/distributed/f
 rank's padded shard; FSDP1 all-gathers the whole unit into ``_full_param_padded`` (a storage it grows and frees with
 ``_typed_storage()._resize_``) on its unshard stream, computes with views of it, and reduce-scatters the unit's
 whole unsharded flat gradient on its post-backward stream. So a unit's parameters, gathered or not, are one
-allocation, not one per parameter as under FSDP2's ``fully_shard``.
+allocation, not one per parameter as under FSDP2's ``fully_shard``. NO_SHARD (``--shard none``): every rank keeps
+each unit's whole flat parameter (no all-gather) and all-reduces its flat gradient in place (``_all_reduce_grad``);
+fsdp_qlora's ``--sharding_strategy ddp`` and accelerate's ``NO_SHARD`` run it, not DDP's gradient buckets.
 
 Units (the auto-wrap policy): each repeated block (the units FSDP2 uses, ``features/checkpointing.repeated_blocks``)
 and the root; where some parameters are frozen and others train (LoRA), also each leaf module whose weight trains,
@@ -32,7 +34,8 @@ rebuilt here from each unit's FlatParameter, in torch's order (torch 2.13, torch
 3. ``FlatParamHandle.__init__``: ``flatten_tensors`` = ``torch.cat`` of the parameters (with alignment padding)
    into the unsharded flat parameter.
 4. ``shard()``: ``_get_shard`` clones this rank's chunk (and ``F.pad``s it to the first chunk's size where it is
-   shorter), then frees the unsharded flat parameter (``_typed_storage()._resize_(0)``).
+   shorter), then frees the unsharded flat parameter (``_typed_storage()._resize_(0)``). NO_SHARD (``--shard none``)
+   skips this: the concatenation of step 3 is the flat parameter (``uses_sharded_strategy`` False).
 5. ``CPUOffload(offload_params=True)``: ``flat_param_to(cpu)``: the device shard freed.
 6. The moved parameters are freed when ``_init_param_handle_from_module`` returns (its ``managed_params`` list held
    them).
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -84,13 +88,16 @@ def wrap(model: nn.Module, spec: RunSpec, units: list[str]) -> tuple[nn.Module, 
     leaves = [name for name, m in modules.items() if mixed_grad and name and id(m) not in blocks and _trainable_leaf(m)]
     chosen = blocks | {id(modules[name]) for name in leaves}
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in chosen)
-    strategy = ShardingStrategy.FULL_SHARD if spec.shard == Shard.ZERO3 else ShardingStrategy.SHARD_GRAD_OP
+    strategy = {Shard.ZERO3: ShardingStrategy.FULL_SHARD, Shard.ZERO2: ShardingStrategy.SHARD_GRAD_OP,
+                Shard.NONE: ShardingStrategy.NO_SHARD}[spec.shard]
     kwargs: dict = {}
     if spec.mixed:  # gather and compute in 16-bit, reduce gradients in fp32 (fp32 sharded flat parameters)
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=HALF[spec.precision], reduce_dtype=torch.float32)
     if spec.offload == Offload.PARAMS:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-    with _sync_on_a_cpu():
+    with _sync_on_a_cpu(), warnings.catch_warnings():
+        # torch marks NO_SHARD deprecated ("please use DistributedDataParallel instead"); the runs traced still use it
+        warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")
         root = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_id=torch.device("cpu"),
                     use_orig_params=False, limit_all_gathers=True, sync_module_states=spec.fsdp_sync_module_states,
                     **kwargs)
@@ -218,7 +225,7 @@ def instrument(tracker, spec: RunSpec, owner_of_param: dict[int, str]) -> Iterat
         flat = handle.flat_param
         if flat.grad is not None:
             tracker.own_lineage(flat.grad, Category.GRADIENTS, owner(flat))
-        with tracker.labelled("FSDP1 reduce-scatter"):
+        with tracker.labelled("FSDP1 reduce-scatter" if handle.uses_sharded_strategy else "FSDP1 all-reduce"):
             out = saved["post_backward"](state, handle, flat_param, *unused)
         shard = getattr(flat, "_saved_grad_shard", None)
         if shard is not None:
@@ -331,6 +338,11 @@ def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None 
             for sid, nbytes in in_flight:
                 free(sid, nbytes)
         full = flat._unpadded_unsharded_size.numel() * size  # 3. torch.cat into the flat parameter
+        if not unit._handle.uses_sharded_strategy:  # NO_SHARD: the flat parameter is the concatenation, kept whole
+            _append(events, storage_id(flat), full)
+            for moved_id, nbytes in moved:  # 6.
+                free(moved_id, nbytes)
+            continue
         full_id = fresh(full)
         shard = flat._sharded_size.numel() * size  # 4. this rank's chunk, cloned (and padded)
         chunk = _chunk_numel(flat._unpadded_unsharded_size.numel(), spec.world_size, rank) * size
@@ -347,8 +359,9 @@ def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None 
         for moved_id, nbytes in moved:  # 6. managed_params released
             free(moved_id, nbytes)
     what = (f"FSDP1's wrap before the step: {units} units "
-            + ("flattened and sharded on the device" if on_device else "moved to the device one by one, flattened and "
-               "sharded")
+            + ("flattened" if on_device else "moved to the device one by one, flattened")
+            + (" and sharded" if spec.shard != Shard.NONE else " (NO_SHARD: each rank keeps the whole flat parameter)")
+            + (" on the device" if on_device else "")
             + (" (sync_module_states: broadcast in 250 MiB buckets)" if spec.fsdp_sync_module_states else "")
             + "; the blocks it freed stay cached into the step (torch/distributed/fsdp/_init_utils.py)")
     return events, what

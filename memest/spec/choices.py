@@ -127,7 +127,7 @@ class Shard(Choice):
 
 class FsdpVersion(Choice):
     """--fsdp-version: which of torch's FSDP implementations shards the model under --shard zero2/zero3
-    (parallel/distributed.py)."""
+    (parallel/distributed.py); 1 also wraps --shard none (FSDP1's NO_SHARD instead of DDP)."""
 
     V2 = "2"  # fully_shard: per-parameter DTensor shards (torchtitan, accelerate's fsdp_version 2)
     # FullyShardedDataParallel with use_orig_params=False: one flat parameter per wrapped unit (fsdp_qlora's train.py,

@@ -200,10 +200,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache", ("--cache",), "--mode generate: dynamic | static KV cache."),
     Option("world_size", ("--world-size",), "Data-parallel ranks (estimates are per rank).", searched=True),
     Option("shard", ("--shard",), "none | zero1 | zero2 | zero3 (FSDP full shard).", searched=True),
-    Option("fsdp_version", ("--fsdp-version",), "With --shard zero3 or zero2: which torch FSDP shards the model: 2 "
-           "(fully_shard, per-parameter shards) | 1 (FullyShardedDataParallel with use_orig_params=False: one flat "
-           "parameter per unit, zero3 = FULL_SHARD, zero2 = SHARD_GRAD_OP; the FSDP of fsdp_qlora, and of accelerate "
-           "and TrainingArguments unless fsdp_version: 2). Units: each repeated block and the root, and with frozen "
+    Option("fsdp_version", ("--fsdp-version",), "With --world-size: which torch FSDP shards the model: 2 "
+           "(fully_shard, per-parameter shards; --shard none is DDP) | 1 (FullyShardedDataParallel with "
+           "use_orig_params=False: one flat parameter per unit, zero3 = FULL_SHARD, zero2 = SHARD_GRAD_OP, none = "
+           "NO_SHARD (full replicas, flat gradients all-reduced); the FSDP of fsdp_qlora, and of accelerate and "
+           "TrainingArguments unless fsdp_version: 2). Units: each repeated block and the root, and with frozen "
            "parameters each leaf module whose weight trains (peft's fsdp_auto_wrap_policy)."),
     Option("fsdp_sync_module_states", ("--fsdp-sync-module-states/--no-fsdp-sync-module-states",), "--fsdp-version "
            "1: the wrap runs FullyShardedDataParallel(sync_module_states=True), broadcasting rank 0's parameters in "

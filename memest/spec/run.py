@@ -75,10 +75,14 @@ def quant_layout_unmodelled(spec) -> list[str]:
     out = []
     # FSDP-QLoRA (FSDP2: --shard zero3 or zero2 over a 4-bit base in fp32 or bf16, pure data parallel) is modelled
     # and checked against real gloo ranks (tests/test_fsdp_qlora.py); mixed precision would cast the packed storage
-    fsdp = spec.shard in FSDP_SHARDS and spec.quant in (Quant.NF4, Quant.FP4)
+    # FSDP1 flattens every --shard (NO_SHARD too), so the packed weights are stored as the model's dtype there as well
+    fsdp1 = spec.fsdp_version == FsdpVersion.V1
+    fsdp = (spec.shard in FSDP_SHARDS or fsdp1) and spec.quant in (Quant.NF4, Quant.FP4)
     fsdp_qlora = fsdp and spec.precision in (Precision.FP32, Precision.BF16)
     if spec.shard != Shard.NONE and not fsdp_qlora:
         out.append(f"--shard {spec.shard}" + (f" with --precision {spec.precision}" if fsdp else ""))
+    elif fsdp1 and fsdp and not fsdp_qlora:
+        out.append(f"--fsdp-version 1 --shard none with --precision {spec.precision}")
     # FSDP2's CPUOffloadPolicy over FSDP-QLoRA (--shard zero3 --offload params) is modelled and checked against real
     # gloo ranks (tests/test_fsdp_qlora.py): the sharded packed storage, the adapters' gradients and optimizer state on
     # the host; --offload optimizer (no FSDP2 policy: DeepSpeed's ZeRO offload) is not
@@ -170,7 +174,7 @@ class RunSpec:
     cache: Cache = Cache.DYNAMIC  # --mode generate: dynamic (grows) or static (preallocated) KV cache
     world_size: int = 1  # data-parallel ranks; estimates are per rank
     shard: Shard = Shard.NONE  # zero1: optimizer state, zero2: + gradients, zero3 (FSDP full shard): + parameters
-    fsdp_version: FsdpVersion = FsdpVersion.V2  # --shard zero2/zero3: FSDP2 fully_shard, or FSDP1's flat parameters
+    fsdp_version: FsdpVersion = FsdpVersion.V2  # FSDP2 fully_shard, or FSDP1's flat parameters (1: --shard none too)
     # --fsdp-version 1: FullyShardedDataParallel(sync_module_states=True): rank 0's states broadcast while wrapping
     fsdp_sync_module_states: bool = False
     offload: Offload = Offload.NONE  # optimizer: state (and step) on the CPU; params: params+grads+optimizer on the CPU
@@ -573,20 +577,26 @@ class RunSpec:
 
     def _check_fsdp_version(self) -> None:
         """--fsdp-version 1: torch's FullyShardedDataParallel (use_orig_params=False) is traced for pure data
-        parallelism under --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), each checked against real gloo ranks
-        (tests/test_fsdp1.py); what it is not traced with is refused here."""
+        parallelism under --shard zero3 (FULL_SHARD), zero2 (SHARD_GRAD_OP) or none (NO_SHARD: FSDP1's full replicas
+        with one flat parameter per unit, all-reduced flat gradients; not DDP's buckets), each checked against real
+        gloo ranks (tests/test_fsdp1.py); what it is not traced with is refused here."""
         if self.fsdp_version == FsdpVersion.V2:
             if self.fsdp_sync_module_states:
                 raise MemestError("--fsdp-sync-module-states is FSDP1's FullyShardedDataParallel argument: add "
                                   "--fsdp-version 1 (FSDP2's fully_shard has no such argument)")
             return
-        supported = ("traced: --shard zero3 (FULL_SHARD) or zero2 (SHARD_GRAD_OP), pure data parallel, --precision "
-                     "fp32, bf16 or bf16-mixed, LoRA and a 4-bit base, --offload params (CPUOffload(offload_params=True))")
-        if self.shard not in (Shard.ZERO3, Shard.ZERO2):
+        supported = ("traced: --shard zero3 (FULL_SHARD), zero2 (SHARD_GRAD_OP) or none (NO_SHARD), pure data "
+                     "parallel, --precision fp32, bf16 or bf16-mixed, LoRA and a 4-bit base, --offload params "
+                     "(CPUOffload(offload_params=True), with zero3)")
+        if self.shard not in (Shard.ZERO3, Shard.ZERO2, Shard.NONE):
             raise MemestError(
-                f"--fsdp-version 1 with --shard {self.shard}: FSDP1 is traced as FULL_SHARD (--shard zero3) or "
-                "SHARD_GRAD_OP (--shard zero2); its NO_SHARD is not traced (--shard none traces DDP, which keeps the "
-                f"same full replicas); {supported}"
+                f"--fsdp-version 1 with --shard {self.shard}: FSDP1 is traced as FULL_SHARD (--shard zero3), "
+                f"SHARD_GRAD_OP (--shard zero2) or NO_SHARD (--shard none); {supported}"
+            )
+        if self.world_size < 2 or not self.training:
+            raise MemestError(
+                f"--fsdp-version 1 wraps a training step over data-parallel ranks: it needs --world-size 2 or more "
+                f"and --mode train (got --world-size {self.world_size}, --mode {self.mode}); {supported}"
             )
         other = [flag for flag, on in (
             (f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1), (f"--cp {self.cp}", self.cp > 1),

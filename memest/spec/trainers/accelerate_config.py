@@ -118,11 +118,11 @@ def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:
             f"world_size: {world // machines} (HYBRID_SHARD shards within a machine; one replica estimated)")
         cfg.notes.append("HYBRID_SHARD: each rank holds what FSDP over its machine's ranks holds; the all-reduce "
                          "across machines is not traced")
-    if version != 2 and shard != Shard.NONE:
+    if version != 2:
         # accelerate 1.x FullyShardedDataParallelPlugin (utils/dataclasses.py): FSDP1's use_orig_params defaults to False
         orig = str(conf.get("use_orig_params", False)).lower() == "true"
         hybrid = strategy.startswith("HYBRID") or strategy in ("4", "5")
-        if not (orig or hybrid):
+        if not (orig or hybrid):  # NO_SHARD too: FSDP1's flat parameters kept whole, not DDP's buckets
             put("fsdp_version", f"fsdp_config.fsdp_use_orig_params = {conf.get('use_orig_params', False)!r}", "1",
                 "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
             # accelerate 1.15 FullyShardedDataParallelPlugin.__post_init__ (utils/dataclasses.py): sync_module_states
@@ -132,6 +132,9 @@ def _fsdp(cfg, conf: dict, put, data: dict, world: int) -> None:
             if key:
                 put("fsdp_sync_module_states", f"fsdp_config.fsdp_{key} = {conf[key]!r}", True,
                     "fsdp_sync_module_states: true (FSDP1 broadcasts rank 0's states while it wraps)")
+        elif shard == Shard.NONE:
+            cfg.notes.append("FSDP1 NO_SHARD with use_orig_params=True: traced as DDP's full replicas (--fsdp-version "
+                             "1 traces FSDP1 with use_orig_params=False)")
         else:
             why = "use_orig_params=True" if orig else "HYBRID_SHARD"
             cfg.notes.append(f"FSDP1 with {why}: traced as FSDP2's per-parameter sharding of the same bytes "

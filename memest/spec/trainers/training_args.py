@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memest.errors import MemestError
+from memest.spec.choices import Shard
 from memest.spec.trainers import common, deepspeed
 from memest.spec.trainers.base import TrainerConfig
 
@@ -249,7 +250,7 @@ def _deepspeed(cfg, get, where: str) -> None:
         cfg.unknown.append(f"deepspeed = {ds!r}")
 
 
-FSDP_OPTIONS = {"full_shard": "zero3", "shard_grad_op": "zero2"}
+FSDP_OPTIONS = {"full_shard": "zero3", "shard_grad_op": "zero2", "no_shard": "none"}  # no_shard: FSDP1 only
 FSDP_NEUTRAL = {"min_num_params", "transformer_layer_cls_to_wrap", "sync_module_states", "cpu_ram_efficient_loading",
                 "use_orig_params", "state_dict_type", "auto_wrap_policy", "xla", "xla_fsdp_v2",
                 "xla_fsdp_grad_ckpt", "xla_fsdp_settings"}
@@ -257,7 +258,29 @@ FSDP_NEUTRAL = {"min_num_params", "transformer_layer_cls_to_wrap", "sync_module_
 
 # transformers 5.24 (training_args.py _process_fsdp_args, _apply_legacy_fsdp_to_config): `fsdp=True`, the layout in
 # fsdp_config: reshard_after_forward (FSDP2: True full shard, False shard_grad_op; FSDP1: the strategy's name), cpu_offload
-RESHARD = {"true": "zero3", "full_shard": "zero3", "false": "zero2", "shard_grad_op": "zero2"}
+RESHARD = {"true": "zero3", "full_shard": "zero3", "false": "zero2", "shard_grad_op": "zero2", "no_shard": "none"}
+
+
+def _fsdp1(cfg, conf: dict, put, shard: str) -> None:
+    """FSDP1 (fsdp_config version 1): --fsdp-version 1 where its parameters are flat (use_orig_params False)."""
+    # transformers' TrainingArguments passes use_orig_params to accelerate's plugin, default "true"
+    # (training_args.py: fsdp_config.get("use_orig_params", "true"))
+    orig = str(conf.get("use_orig_params", "true")).lower() == "true"
+    if not orig:
+        put("fsdp_version", "fsdp_config", "1",
+            "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
+        # transformers' TrainingArguments passes sync_module_states to accelerate's plugin, default "true"
+        # (training_args.py: fsdp_config.get("sync_module_states", "true"))
+        if str(conf.get("sync_module_states", "true")).lower() == "true":
+            put("fsdp_sync_module_states", "fsdp_config", True,
+                "fsdp_sync_module_states: true (FSDP1 broadcasts rank 0's states while it wraps)")
+    elif shard == Shard.NONE:
+        cfg.notes.append("FSDP1 NO_SHARD with use_orig_params=True (transformers' default): traced as DDP's "
+                         "full replicas (--fsdp-version 1 traces FSDP1 with use_orig_params=False)")
+    else:
+        cfg.notes.append("FSDP1 (fsdp_config version 1) with use_orig_params=True (transformers' default): "
+                         "traced as FSDP2's per-parameter sharding of the same bytes (--fsdp-version 1 traces "
+                         "FSDP1 with use_orig_params=False)")
 
 
 def _fsdp(cfg, get, put) -> None:
@@ -275,26 +298,16 @@ def _fsdp(cfg, get, put) -> None:
             cfg.unknown.append(f"fsdp_config.reshard_after_forward = {conf['reshard_after_forward']!r}")
         if str(conf.get("version", 2)) == "2" and shard:  # FSDP2 is transformers 5's default
             conf["version"] = 2
+    if shard == Shard.NONE and str(conf.get("version", 1 if fsdp is not True else 2)) == "2":
+        # transformers' _apply_legacy_fsdp_to_config raises for no_shard under FSDP2 ("only available with FSDP1")
+        cfg.unknown.append(f"fsdp = {fsdp!r} with fsdp_config version 2 (no_shard is FSDP1's; transformers refuses it)")
+        shard = None
     if shard:
         if conf.get("reshard_after_forward") is False:
             shard = "zero2"
         put("shard", "fsdp", shard, f"shard: {shard} (FSDP; world size from the launcher: give --world-size)")
         if str(conf.get("version", 1)) != "2":
-            # transformers' TrainingArguments passes use_orig_params to accelerate's plugin, default "true"
-            # (training_args.py: fsdp_config.get("use_orig_params", "true"))
-            orig = str(conf.get("use_orig_params", "true")).lower() == "true"
-            if not orig:
-                put("fsdp_version", "fsdp_config", "1",
-                    "fsdp_version: 1 (FSDP1 FullyShardedDataParallel, flat parameters, use_orig_params=False)")
-                # transformers' TrainingArguments passes sync_module_states to accelerate's plugin, default "true"
-                # (training_args.py: fsdp_config.get("sync_module_states", "true"))
-                if str(conf.get("sync_module_states", "true")).lower() == "true":
-                    put("fsdp_sync_module_states", "fsdp_config", True,
-                        "fsdp_sync_module_states: true (FSDP1 broadcasts rank 0's states while it wraps)")
-            else:
-                cfg.notes.append("FSDP1 (fsdp_config version 1) with use_orig_params=True (transformers' default): "
-                                 "traced as FSDP2's per-parameter sharding of the same bytes (--fsdp-version 1 traces "
-                                 "FSDP1 with use_orig_params=False)")
+            _fsdp1(cfg, conf, put, shard)
     if "offload" in words or conf.get("offload_params") or conf.get("cpu_offload"):
         put("offload", "fsdp", "params", "offload: params (FSDP CPU offload)")
     if str(conf.get("activation_checkpointing", "false")).lower() == "true":
