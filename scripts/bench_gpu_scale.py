@@ -539,7 +539,6 @@ CAUSES: dict[str, str] = {
     "DeepSpeed ZeRO-3 LoRA 8x H100 80GB": "Not isolated. DeepSpeed ZeRO-3's gathered-parameter budget "
         "(stage3_max_live_parameters 1e9, prefetch buckets) and its contiguous gradient partitions are not FSDP2's "
         "per-layer rule memest traces.",
-    "QLoRA DDP bs8 ctx2048": "FSDP NO_SHARD traced as DDP (DDP's gradient buckets are not FSDP's flat gradient).",
 }
 
 

@@ -23,6 +23,7 @@ from memest.device.usage import allocator_events
 from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.trace.events import Category
 
 from .conftest import model_ref
 
@@ -169,6 +170,22 @@ def test_replay_starts_the_step_after_the_wrap_with_its_cache():
     assert whole.peak_reserved >= wrap_only.final_reserved
     shards = {sid for sid, d in trace.load_events if d > 0 and sid >= 0}
     assert shards and all(sum(1 for sid, d in events if sid == s and d > 0) == 1 for s in shards)
+
+
+def test_buffers_and_the_4bit_quant_state_move_with_their_unit():
+    """Each unit's buffers (here the 4-bit stand-in's quant state: absmax, nested absmax, code, offset; the rotary
+    inv_freq) are moved to the device by the wrap with the unit's parameters and kept: allocated once, before the
+    step's peaks are reset, under the step's own storage ids."""
+    spec = _spec(("zero3", "bf16", {"lora": LORA, "quant": "nf4", "double_quant": True,
+                                    "fsdp_sync_module_states": True}))
+    trace = trace_step(load_source(spec.model), spec)
+    events = allocator_events(trace, [])
+    cut = events.index(RESET_PEAK)
+    buffers = {sid for sid, rec in enumerate(trace.storages) if rec.category is Category.BUFFERS}
+    loaded = {sid for sid, d in events[:cut] if d > 0 and sid >= 0}
+    # 4 per double-quantized layer (absmax, nested absmax, nested code, offset) + its code table, + inv_freq
+    assert len(buffers) > 4 * 7 * 2 and buffers <= loaded, (len(buffers), len(buffers & loaded))
+    assert all(sum(1 for sid, d in events if sid == s and d > 0) == 1 for s in loaded)
 
 
 def test_sync_module_states_needs_fsdp1():

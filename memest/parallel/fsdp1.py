@@ -25,8 +25,11 @@ allocator's cache (no ``empty_cache`` follows the wrap in those loops), so the s
 trace wraps on the fake CPU, where no move happens and the wrap is not tracked, so its device allocations are
 rebuilt here from each unit's FlatParameter, in torch's order (torch 2.13, torch/distributed/fsdp/_init_utils.py
 ``_init_param_handle_from_module`` and ``_init_param_handle_from_params``; _flat_param.py ``FlatParamHandle``):
-1. ``_move_module_to_device``: each of the unit's parameters moved to the device (``param.data = param.to(device)``);
-   a meta module's ``param_init_fn`` (``to_empty``) allocates the same bytes.
+1. ``_move_module_to_device``: each of the unit's parameters, then its buffers that no inner unit moved, to the
+   device (``_move_states_to_device``: ``tensor.data = tensor.to(device)``); a meta module's ``param_init_fn``
+   (``to_empty``) allocates the same bytes. The buffers stay (the step's own storages); bitsandbytes' quant_state
+   moves with its weight (``Params4bit.to`` calls ``quant_state.to(device)``), and memest's 4-bit stand-in holds it
+   as the layer's buffers (features/quant.py), so it moves here too.
 2. ``sync_module_states=True``: ``_sync_module_params_and_buffers`` -> ``_sync_params_and_buffers`` ->
    c10d ``broadcast_coalesced`` (torch/csrc/distributed/c10d/comm.cpp): the states bucketed by
    ``compute_bucket_assignment_by_size`` up to ``PARAM_BROADCAST_BUCKET_SIZE`` (250 MiB; a bucket closes once it
@@ -40,8 +43,9 @@ rebuilt here from each unit's FlatParameter, in torch's order (torch 2.13, torch
 6. The moved parameters are freed when ``_init_param_handle_from_module`` returns (its ``managed_params`` list held
    them).
 Units initialise inner first (``_recursive_wrap`` wraps children before their parent), the root last.
-SIMPLIFICATION: buffers (moved and broadcast too; allocated at the step's setup here), the few-element padding
-tensors of step 3, and bitsandbytes' quant_state tensors are left out.
+SIMPLIFICATION: the few-element padding tensors of step 3 are left out. The quant_state is broadcast here as the
+stand-in's buffers are (in bitsandbytes it is no buffer, so sync_module_states does not broadcast it: its bytes, about
+1/64 of the packed weights', sit in the broadcast buckets here).
 """
 
 from __future__ import annotations
@@ -293,78 +297,104 @@ def _stream_marks(tracker) -> Iterator[None]:
 def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None = None,
                 on_device: bool = False) -> tuple[list[tuple[int, int]], str]:
     """The device allocations of the FSDP1 wrap, as allocator events before the step (module docstring): each
-    unit's shard under its own storage id (``storage_id(flat_param)``, the step's registered parameter) unless
-    offloaded, every other buffer under a fresh negative id; and a line for the report. ``rank``: whose shard
-    (default: the traced rank). ``on_device``: the model was on the device before the wrap (every unit's parameters
-    allocated first, nothing moved; how the wrap runs on a CPU, tests/test_fsdp1_load.py)."""
+    unit's shard (NO_SHARD: its whole flat parameter) and buffers under their own storage ids (``storage_id(t)``, the
+    step's registered storages) unless offloaded, every other allocation under a fresh negative id; and a line for
+    the report. ``rank``: whose shard (default: the traced rank). ``on_device``: the model was on the device before
+    the wrap (every unit's parameters allocated first, nothing moved; how the wrap runs on a CPU,
+    tests/test_fsdp1_load.py)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    rank = spec.rank if rank is None else rank
-    events: list[tuple[int, int]] = []
-    next_id = [LOAD_ID_BASE]
-
-    def fresh(nbytes: int) -> int:
-        next_id[0] -= 1
-        events.append((next_id[0], nbytes))
-        return next_id[0]
-
-    def free(sid: int, nbytes: int) -> None:
-        events.append((sid, -nbytes))
-
-    units = 0
-    synced: set[int] = set()
+    wrap = _WrapEvents(spec, storage_id, spec.rank if rank is None else rank)
     order = [unit for unit in _init_order(root, FSDP) if unit._handle is not None]
-
-    def allocate_params(flat) -> list[tuple[int, int]]:
-        return [(fresh(nbytes), nbytes) for n in flat._numels if (nbytes := n * flat.element_size())]
-
-    resident = {id(unit): allocate_params(unit._handle.flat_param) for unit in order} if on_device else {}
+    resident = {id(unit): wrap.allocate_params(unit._handle.flat_param) for unit in order} if on_device else {}
     for unit in order:
-        flat = unit._handle.flat_param
-        size = flat.element_size()
-        units += 1
-        moved = resident[id(unit)] if on_device else allocate_params(flat)  # 1. to the device
+        moved = resident[id(unit)] if on_device else wrap.allocate_params(unit._handle.flat_param)  # 1. to the device
+        if not on_device:
+            wrap.move_buffers(unit)
         if spec.fsdp_sync_module_states:  # 2. broadcast_coalesced: flattened buckets, 2 in flight
-            # the unit's buffers not synced by an inner unit (FSDP_SYNCED), then its parameters
-            buffers = [b for b in unit.buffers() if id(b) not in synced and b.numel()]
-            synced.update(id(b) for b in buffers)
-            states = [(b.dtype, b.numel() * b.element_size()) for b in buffers]
-            states += [(flat.dtype, n * size) for n in flat._numels if n]
-            in_flight: list[tuple[int, int]] = []
-            for nbytes in _buckets(states):
-                if len(in_flight) >= BROADCASTS_IN_FLIGHT:
-                    free(*in_flight.pop(0))
-                in_flight.append((fresh(nbytes), nbytes))
-            for sid, nbytes in in_flight:
-                free(sid, nbytes)
-        full = flat._unpadded_unsharded_size.numel() * size  # 3. torch.cat into the flat parameter
-        if not unit._handle.uses_sharded_strategy:  # NO_SHARD: the flat parameter is the concatenation, kept whole
-            _append(events, storage_id(flat), full)
-            for moved_id, nbytes in moved:  # 6.
-                free(moved_id, nbytes)
-            continue
-        full_id = fresh(full)
-        shard = flat._sharded_size.numel() * size  # 4. this rank's chunk, cloned (and padded)
-        chunk = _chunk_numel(flat._unpadded_unsharded_size.numel(), spec.world_size, rank) * size
-        offloaded = spec.offload == Offload.PARAMS
-        sid = None if offloaded else storage_id(flat)
-        # where the chunk is short, F.pad makes the shard a padded copy of the clone (of nothing without a chunk)
-        clone_id = fresh(chunk) if chunk != shard and chunk else None
-        shard_id = fresh(shard) if sid is None else _append(events, sid, shard)
-        if clone_id is not None:
-            free(clone_id, chunk)
-        free(full_id, full)
-        if offloaded:  # 5. flat_param_to(cpu)
-            free(shard_id, shard)
+            wrap.broadcast(unit)
+        wrap.flatten_and_shard(unit._handle)  # 3.-5.
         for moved_id, nbytes in moved:  # 6. managed_params released
-            free(moved_id, nbytes)
-    what = (f"FSDP1's wrap before the step: {units} units "
+            wrap.free(moved_id, nbytes)
+    what = (f"FSDP1's wrap before the step: {len(order)} units "
             + ("flattened" if on_device else "moved to the device one by one, flattened")
             + (" and sharded" if spec.shard != Shard.NONE else " (NO_SHARD: each rank keeps the whole flat parameter)")
             + (" on the device" if on_device else "")
             + (" (sync_module_states: broadcast in 250 MiB buckets)" if spec.fsdp_sync_module_states else "")
             + "; the blocks it freed stay cached into the step (torch/distributed/fsdp/_init_utils.py)")
-    return events, what
+    return wrap.events, what
+
+
+class _WrapEvents:
+    """The wrap's allocator events as ``load_events`` builds them, step by step (module docstring's numbers)."""
+
+    def __init__(self, spec: RunSpec, storage_id, rank: int):
+        self.spec, self.storage_id, self.rank = spec, storage_id, rank
+        self.events: list[tuple[int, int]] = []
+        self.next_id = LOAD_ID_BASE
+        self.placed: set[int] = set()  # buffer storages on the device
+        self.synced: set[int] = set()  # buffers broadcast (FSDP_SYNCED)
+
+    def fresh(self, nbytes: int) -> int:
+        self.next_id -= 1
+        self.events.append((self.next_id, nbytes))
+        return self.next_id
+
+    def free(self, sid: int, nbytes: int) -> None:
+        self.events.append((sid, -nbytes))
+
+    def keep(self, tensor: torch.Tensor, nbytes: int) -> int:
+        """An allocation that is the step's storage of ``tensor`` (a fresh id where the step has none)."""
+        sid = self.storage_id(tensor)
+        return self.fresh(nbytes) if sid is None else _append(self.events, sid, nbytes)
+
+    def allocate_params(self, flat) -> list[tuple[int, int]]:
+        return [(self.fresh(nbytes), nbytes) for n in flat._numels if (nbytes := n * flat.element_size())]
+
+    def move_buffers(self, unit: nn.Module) -> None:
+        """1. The unit's buffers no inner unit moved, kept on the device: the step's own storages (their setup
+        allocation is the wrap's, device/usage.with_load), one per distinct storage."""
+        for b in unit.buffers():
+            key = b.untyped_storage()._cdata
+            if key not in self.placed and b.numel():
+                self.placed.add(key)
+                self.keep(b, b.untyped_storage().nbytes())
+
+    def broadcast(self, unit: nn.Module) -> None:
+        """2. The unit's buffers not synced by an inner unit, then its parameters, in buckets, 2 in flight."""
+        flat = unit._handle.flat_param
+        buffers = [b for b in unit.buffers() if id(b) not in self.synced and b.numel()]
+        self.synced.update(id(b) for b in buffers)
+        states = [(b.dtype, b.numel() * b.element_size()) for b in buffers]
+        states += [(flat.dtype, n * flat.element_size()) for n in flat._numels if n]
+        in_flight: list[tuple[int, int]] = []
+        for nbytes in _buckets(states):
+            if len(in_flight) >= BROADCASTS_IN_FLIGHT:
+                self.free(*in_flight.pop(0))
+            in_flight.append((self.fresh(nbytes), nbytes))
+        for sid, nbytes in in_flight:
+            self.free(sid, nbytes)
+
+    def flatten_and_shard(self, handle) -> None:
+        """3. torch.cat into the flat parameter; 4. this rank's chunk cloned (and padded), the rest freed (NO_SHARD:
+        the concatenation is the flat parameter, kept whole); 5. an offloaded shard freed."""
+        flat, size = handle.flat_param, handle.flat_param.element_size()
+        full = flat._unpadded_unsharded_size.numel() * size
+        if not handle.uses_sharded_strategy:
+            self.keep(flat, full)
+            return
+        full_id = self.fresh(full)
+        shard = flat._sharded_size.numel() * size
+        chunk = _chunk_numel(flat._unpadded_unsharded_size.numel(), self.spec.world_size, self.rank) * size
+        offloaded = self.spec.offload == Offload.PARAMS
+        # where the chunk is short, F.pad makes the shard a padded copy of the clone (of nothing without a chunk)
+        clone_id = self.fresh(chunk) if chunk != shard and chunk else None
+        shard_id = self.fresh(shard) if offloaded else self.keep(flat, shard)
+        if clone_id is not None:
+            self.free(clone_id, chunk)
+        self.free(full_id, full)
+        if offloaded:  # flat_param_to(cpu)
+            self.free(shard_id, shard)
 
 
 def _init_order(root: nn.Module, fsdp_type) -> list[nn.Module]:
