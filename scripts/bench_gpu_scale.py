@@ -81,7 +81,7 @@ H100_80 = ("H100 80GB HBM3", 81559 * MiB, (9, 0))
 # autocast_adapter_dtype=True, came with peft 0.12.0 (huggingface/peft#1706, 2024-05-16): --lora ...,dtype=base
 PEFT_UPCAST = "https://github.com/huggingface/peft/pull/1706"
 FQ_LORA = "r=64,alpha=16,dropout=0.1,dtype=base,targets=k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj"
-FQ_SETUP = ("fsdp_qlora train.py (Feb-Mar 2024; torch ~2.2, transformers ~4.38, peft ~0.9, bitsandbytes 0.43 era), "
+FQ_SETUP = ("fsdp_qlora train.py (Feb-Mar 2024; torch ~2.2, transformers 4.37-4.38, peft ~0.9, bitsandbytes 0.43 era), "
             "dummy dataset, 2 GPUs, --precision bf16, AdamW, LoRA r64/alpha16/dropout0.1 on q,k,v,gate,up,down, "
             "gradient checkpointing of every decoder layer (reentrant), no CPU offload unless stated; peak reserved "
             "logged for the first epoch (train.py: torch.cuda.max_memory_reserved)")
@@ -89,7 +89,11 @@ FQ_NOTES = [
     "LoRA weights: the run's peft (~0.9, March 2024) kept adapters in the base weights' bf16 (peft's fp32 upcast, "
     f"autocast_adapter_dtype, came in 0.12.0: {PEFT_UPCAST}); traced as the run held them: --lora ...,dtype=base "
     "(get_peft_model(..., autocast_adapter_dtype=False))",
-    "checkpointing: the run used reentrant checkpointing; memest's --checkpointing blocks is non-reentrant",
+    "checkpointing: the run's reentrant checkpointing of every decoder layer (train.py --reentrant_checkpointing "
+    "True) traced as it ran: --checkpointing blocks-reentrant",
+    "model code: traced with transformers 5.24's Llama; the run's (4.37-4.38: the repository's README excluded 4.38 "
+    "and 4.39 from April 2024) also held each layer's rotary cos/sin caches, 32 x 2 x 4096 x 128 bf16 = 64 MiB per "
+    "rank (transformers 4.37.2's LlamaForCausalLM built on the meta device: 96 buffers, 64.0 MiB), not in this trace",
     "FSDP1 FULL_SHARD with use_orig_params False, traced as FSDP1 (--fsdp-version 1: torch's FullyShardedDataParallel, "
     "one flat parameter per decoder layer and per LoRA Linear, train.py's llama-recipes wrap policy); the wrap "
     "traced before the step as train.py runs it (--fsdp-sync-module-states: low_memory, its default, passes "
@@ -116,7 +120,7 @@ class Row:
 def _fq(label, card, train, batch, seq, measured_gib, *, figure="reserved", offload=False, ddp=False, source=FQ_BENCH,
         extra=(), model="hf:llama-2-7b", group="fsdp_qlora llama-2-7b"):
     spec = dict(model=model, batch=batch, seq=seq, optim="adamw", precision="bf16", world_size=2,
-                shard="none" if ddp else "zero3", checkpointing="blocks", lora=FQ_LORA)
+                shard="none" if ddp else "zero3", checkpointing="blocks-reentrant", lora=FQ_LORA)
     if train == "qlora":
         spec.update(quant="nf4", double_quant=True)
     if offload:
@@ -125,7 +129,8 @@ def _fq(label, card, train, batch, seq, measured_gib, *, figure="reserved", offl
     spec["fsdp_sync_module_states"] = True  # train.py: sync_module_states=args["low_memory"] (default True)
     notes = list(FQ_NOTES)
     if ddp:
-        notes[2] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (train.py: ``elif args['sharding_strategy'] == 'ddp': "
+        fsdp1 = next(k for k, n in enumerate(notes) if n.startswith("FSDP1 FULL_SHARD"))
+        notes[fsdp1] = ("--sharding_strategy ddp is FSDP1 NO_SHARD (train.py: ``elif args['sharding_strategy'] == 'ddp': "
                     "sharding_strategy = ShardingStrategy.NO_SHARD``), traced as FSDP1 NO_SHARD (--shard none "
                     "--fsdp-version 1: every rank keeps each unit's whole flat parameter, flat gradients all-reduced; "
                     "the wrap with sync_module_states before the step)")
@@ -172,7 +177,7 @@ MISTRAL_NOTE = ("config: benchmarks/configs/mistral-7b-v0.2.json (the bundled Mi
 
 
 PEFT_QLORA_70B = dict(model="hf:llama-2-70b", batch=2, seq=2048, grad_accum=2, optim="adamw", precision="bf16",
-                      attention="flash", checkpointing="blocks", outputs="freed", quant="nf4", double_quant=True,
+                      attention="flash", checkpointing="blocks-reentrant", outputs="freed", quant="nf4", double_quant=True,
                       lora="r=8,alpha=16,dropout=0.1,dtype=base,targets=all-linear", world_size=2, shard="zero3")
 PEFT_SETUP = ("peft examples/sft/train.py (trl SFTTrainer, transformers Trainer) on Llama-2-70b-hf, --max_seq_len 2048 "
               "--packing True, per-device batch 2, gradient accumulation 2, --gradient_checkpointing True "
