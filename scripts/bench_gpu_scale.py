@@ -501,12 +501,14 @@ def misses(scored: list[dict], causes: dict[str, str] | None = None) -> list[str
 
 
 CAUSES: dict[str, str] = {
-    "QLoRA bs1 ctx512": "Not isolated. The load-time state this row pointed at is replayed now: FSDP1's wrap before the "
-                        "step (fsdp1.load_events) leaves 3.38 GiB reserved for the parameters alone "
-                        "(allocator.replay(trace.load_events).final_reserved of this row's trace), where the source "
-                        "states 3.72 GiB reserved right after the wrap on rank 0, which also holds the buffers and "
-                        "bitsandbytes' quantization state the replay allocates at the step's setup; with the wrap the "
-                        "row moved from -23.6% (FSDP1, the step alone) to -5.2%.",
+    "QLoRA bs1 ctx512": "Not isolated. FSDP1's wrap before the step (fsdp1.load_events: each unit's parameters and "
+                        "buffers, the 4-bit quantization state among them, moved, broadcast, flattened, sharded) "
+                        "leaves 3.48 GiB reserved (allocator.replay(trace.load_events).final_reserved of this row's "
+                        "trace), where the source states 3.72 GiB reserved right after the wrap on rank 0; of the "
+                        "0.24 GiB, 64 MiB are the era's Llama rotary caches (notes); the rest is not isolated "
+                        "(ProcessGroupNCCL's recordStream of the broadcast buckets on its stream, which keeps them "
+                        "from reuse until the broadcast ends, is not modelled). With the wrap the row moved from "
+                        "-23.6% (FSDP1, the step alone) to about -5%.",
     "QLoRA bs1 ctx2048": "Not isolated. From 512 to 2048 tokens memest's reserved now grows 0.24 GiB, the run's 0.23 GiB "
                          "(both at batch 1 grow inside what the wrap left cached); both rows read about 5% low.",
     "LoRA bs1 ctx512 (allocated)": "The rest is not isolated.",
@@ -517,10 +519,11 @@ CAUSES: dict[str, str] = {
         "allocated peak is published for the row to tell the allocator's cache from the step's tensors. Offloading "
         "leaves 0.49 GiB of parameters on the device at the peak (iteration 1, the loss's backward).",
     "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The wrap is replayed (each 70B unit moved, flattened "
-        "and sharded on the GPU, then offloaded); the run reserved 2.2 GiB more. train.py's --low_memory load (its "
-        "default) quantizes each layer on the GPU on rank 0 before placing it on the CPU and then calls empty_cache, "
-        "which returns only whole free segments: what that load leaves reserved is not modelled (inferred, not "
-        "established). The adapters are offloaded here, so their dtype does not count.",
+        "and sharded on the GPU, then offloaded); the run reserved about 2 GiB more. Not the load: train.py's "
+        "--low_memory load (its default) quantizes each layer on the GPU on rank 0 and places it on the CPU (meta on "
+        "the other ranks), then calls torch.cuda.empty_cache() (train.py at 50efa1e, the commit that added the "
+        "reserved_after_model_wrap logging the benchmark quotes), so nothing loaded stays reserved. The adapters are "
+        "offloaded here, so their dtype does not count.",
     "Mistral 7B v0.2 QLoRA CPU offload bs12 ctx2048": "Both Mistral rows read exactly 22.54 GiB, the most the 24 GB "
         "card leaves the allocator once the context is in: the runs ran at the card's limit, and memest's "
         "unconstrained replay (25.12 GiB reserved) is above the card too; its replay capped at the card reads 0.35 GiB "
