@@ -165,6 +165,8 @@ def test_cpu_offload_on_a_gpu_copies_each_unit_s_shard_in():
     (["--shard", "zero3", "--tp", "2", "--world-size", "4"], "--tp 2"),
     (["--shard", "zero3", "--offload", "optimizer"], "--offload optimizer"),
     (["--shard", "zero3", "--precision", "fp16-mixed"], "--precision fp16-mixed"),
+    # NO_SHARD's MixedPrecision would cast a 4-bit base's packed storage, as under the sharded strategies
+    (["--shard", "none", "--precision", "bf16-mixed", "--lora", "r=8", "--quant", "nf4"], "--precision bf16-mixed"),
 ])
 def test_untraced_combinations_are_refused(flags, named):
     args = ["estimate", model_ref("hf:llama-tiny"), "--world-size", "2", "--fsdp-version", "1", *flags]
