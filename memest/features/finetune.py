@@ -21,7 +21,7 @@ from memest.features.quant import Linear4bitModel, quantize_linears
 from memest.features.quant_int8 import Linear8bitModel
 from memest.imports import quiet_library_import
 from memest.sources.hf_inputs import FREEZE_GROUPS
-from memest.spec.choices import FsdpVersion, Quant, Shard, Target
+from memest.spec.choices import Quant, Target
 from memest.spec.lora import LoraSettings, freeze_patterns, lora_settings
 
 
@@ -171,10 +171,9 @@ def _quantize(model, spec, dtype, where: str) -> str:
     else:
 
         compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(str(spec.precision), dtype)
-        # FSDP-QLoRA: the packed weights stored as the model's dtype for FSDP to shard (features/quant.py)
-        # FSDP flattens the packed weights with the rest (FSDP1 under every --shard, NO_SHARD too)
-        fsdp = spec.shard in (Shard.ZERO2, Shard.ZERO3) or spec.fsdp_version == FsdpVersion.V1
-        storage = dtype if fsdp else torch.uint8
+        # FSDP-QLoRA: the packed weights stored as the model's dtype for FSDP to shard or flatten with the rest
+        # (features/quant.py; FSDP1 under every --shard, NO_SHARD too)
+        storage = dtype if spec.fsdp_wraps else torch.uint8
         n = quantize_linears(model, str(spec.quant), spec.double_quant, compute, storage)
         note = (
             f"--quant {spec.quant}: {n} linear layers stored as bitsandbytes' Linear4bit stores them (packed 4-bit, "

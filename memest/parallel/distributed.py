@@ -133,7 +133,7 @@ def wrap(model: nn.Module, spec: RunSpec, fake: bool) -> Parallel:
         return _expert_parallel(model, spec, meshes, fake)
     if dims.fsdp_enabled and trl_fsdp.is_preference_step(model):  # --preference: trl + accelerate's FSDP2 wrap
         return Parallel(model, model, *trl_fsdp.wrap(model, spec, meshes.fsdp))
-    if dims.fsdp_enabled or spec.fsdp_version == FsdpVersion.V1:  # FSDP1 wraps --shard none too (NO_SHARD)
+    if spec.fsdp_wraps:  # FSDP2, or FSDP1 (--shard none too: NO_SHARD)
         return _fsdp(model, spec, meshes.fsdp)
     return _ddp(model, spec, fake)
 

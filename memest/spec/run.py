@@ -77,7 +77,7 @@ def quant_layout_unmodelled(spec) -> list[str]:
     # and checked against real gloo ranks (tests/test_fsdp_qlora.py); mixed precision would cast the packed storage
     # FSDP1 flattens every --shard (NO_SHARD too), so the packed weights are stored as the model's dtype there as well
     fsdp1 = spec.fsdp_version == FsdpVersion.V1
-    fsdp = (spec.shard in FSDP_SHARDS or fsdp1) and spec.quant in (Quant.NF4, Quant.FP4)
+    fsdp = spec.fsdp_wraps and spec.quant in (Quant.NF4, Quant.FP4)
     fsdp_qlora = fsdp and spec.precision in (Precision.FP32, Precision.BF16)
     if spec.shard != Shard.NONE and not fsdp_qlora:
         out.append(f"--shard {spec.shard}" + (f" with --precision {spec.precision}" if fsdp else ""))
@@ -725,6 +725,12 @@ class RunSpec:
     @property
     def training(self) -> bool:
         return self.mode == Mode.TRAIN
+
+    @property
+    def fsdp_wraps(self) -> bool:
+        """An FSDP wraps the data-parallel ranks: FSDP2 under --shard zero2/zero3, or FSDP1 (--fsdp-version 1) under
+        any --shard it takes, NO_SHARD too; its flat parameters take a 4-bit base's packed storage with the rest."""
+        return self.shard in FSDP_SHARDS or self.fsdp_version == FsdpVersion.V1
 
     @property
     def mixed(self) -> bool:

@@ -33,7 +33,7 @@ from memest.parallel.distributed import fake_process_group, wrap
 from memest.parallel.expert_parallel import route_as
 from memest.sources import load_source
 from memest.spec import RunSpec
-from memest.spec.choices import CompileScope, FsdpVersion, Target
+from memest.spec.choices import CompileScope, Target
 from memest.trace.step import LoopState
 from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes, profiled_phase_peaks
 
@@ -196,7 +196,7 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
 
         route_as(model, spec)
     # wrapped before: FSDP and TP replace the parameters, a pipeline stage drops the other stages' layers
-    fsdp = dims.fsdp_enabled or dims.tp_enabled or dims.pp_enabled or spec.fsdp_version == FsdpVersion.V1
+    fsdp = spec.fsdp_wraps or dims.tp_enabled or dims.pp_enabled
     # a frozen model's ranks are plain replicas, as traced (trace/step.py): nothing to wrap
     replicas = not any(p.requires_grad for p in model.parameters())
     parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None

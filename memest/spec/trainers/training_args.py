@@ -298,7 +298,7 @@ def _fsdp(cfg, get, put) -> None:
             cfg.unknown.append(f"fsdp_config.reshard_after_forward = {conf['reshard_after_forward']!r}")
         if str(conf.get("version", 2)) == "2" and shard:  # FSDP2 is transformers 5's default
             conf["version"] = 2
-    if shard == Shard.NONE and str(conf.get("version", 1 if fsdp is not True else 2)) == "2":
+    if shard == Shard.NONE and str(conf.get("version", 1)) == "2":  # fsdp=True set version 2 above when unset
         # transformers' _apply_legacy_fsdp_to_config raises for no_shard under FSDP2 ("only available with FSDP1")
         cfg.unknown.append(f"fsdp = {fsdp!r} with fsdp_config version 2 (no_shard is FSDP1's; transformers refuses it)")
         shard = None
