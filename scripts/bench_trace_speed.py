@@ -6,7 +6,8 @@ least disturbed run of each, on a shared machine). Then, for each step, its CPU 
 FakeTensorMode shortcuts (the dispatch cache key and the output rebuilt from the cache entry, trace/tracker.py) and
 with torch's own two methods in their place, interleaved the same way in the same process.
 
-Usage: python scripts/bench_trace_speed.py [PAIRS]   (default 7)"""
+Usage: python scripts/bench_trace_speed.py [PAIRS] [LABEL]   (default 7; LABEL: only the cases whose technique
+contains it, e.g. mxfp8)"""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ CASES = [
     ("--activation-offload torchtune", "hf:tests/configs/gpt2-tiny.json",
      {"batch": 4, "seq": 64}, {"activation_offload": "torchtune"}),
     ("--fp8 tensorwise", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw"}, {"fp8": "tensorwise"}),
+    ("--fp8 mxfp8", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw", "compute_capability": (10, 0)},
+     {"fp8": "mxfp8"}),
 ]
 
 
@@ -95,12 +98,14 @@ def empty_like_cost(rounds: int, calls: int = 500) -> tuple[float, float]:
 
 def shortcut_cost(source, specs: dict, pairs: int) -> dict[str, tuple[float, float]]:
     """Per spec: median CPU s of a traced step with torch's FakeTensorMode._prep_args_for_hash and
-    _get_output_tensor_from_cache_entry on TrackingFakeMode, and with memest's (the class's own), interleaved."""
+    _get_output_tensor_from_cache_entry on TrackingFakeMode and no direct decomposition (every op through
+    FakeTensorMode's own path), and with memest's (the class's own), interleaved."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = tracker_module.TrackingFakeMode
-    names = ("_prep_args_for_hash", "_get_output_tensor_from_cache_entry")
-    methods = {"torch": [getattr(FakeTensorMode, n) for n in names], "memest": [mode.__dict__[n] for n in names]}
+    names = ("_prep_args_for_hash", "_get_output_tensor_from_cache_entry", "_direct_decomposition")
+    methods = {"torch": [getattr(FakeTensorMode, n) for n in names[:2]] + [lambda self, *args: None],
+               "memest": [mode.__dict__[n] for n in names]}
     cpu: dict = {(v, k): [] for v in methods for k in specs}
     try:
         for i in range(pairs):
@@ -117,7 +122,7 @@ def shortcut_cost(source, specs: dict, pairs: int) -> dict[str, tuple[float, flo
     return {k: (statistics.median(cpu["torch", k]), statistics.median(cpu["memest", k])) for k in specs}
 
 
-def main(pairs: int) -> None:
+def main(pairs: int, only: str = "") -> None:
     op, shortcut = empty_like_cost(pairs)
     print(f"torch.empty_like through the tracked fake mode: {op:.1f} CPU us per call; StorageTracker.empty_like: "
           f"{shortcut:.1f} (median of {pairs} rounds of 500 calls each, interleaved)\n")
@@ -125,7 +130,7 @@ def main(pairs: int) -> None:
           "ops traced without / with | metadata queries without / with | CPU ms per op without / with |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     shortcut_rows = []
-    for label, model, base, extra in CASES:
+    for label, model, base, extra in (c for c in CASES if only in c[0]):
         source = load_source(model)
         specs = {"without": RunSpec(model=model, target="cuda", **base),
                  "with": RunSpec(model=model, target="cuda", **base, **extra)}
@@ -150,8 +155,8 @@ def main(pairs: int) -> None:
               f"{1000 * c['without'] / counts['without'][0]:.3f} / {1000 * c['with'] / counts['with'][0]:.3f} |",
               flush=True)
         shortcut_rows.append((label, model, shortcut_cost(source, specs, pairs)))
-    print(f"\nTrackingFakeMode's cache-key and cached-output shortcuts: median CPU s per traced step over {pairs} "
-          "interleaved rounds, torch's two methods in their place against memest's\n")
+    print(f"\nTrackingFakeMode's cache-key, cached-output and direct-decomposition shortcuts: median CPU s per traced "
+          f"step over {pairs} interleaved rounds, torch's path in their place against memest's\n")
     print("| technique | model | step | torch's: CPU s | memest's: CPU s | change |")
     print("|---|---|---|---|---|---|")
     for label, model, costs in shortcut_rows:
@@ -160,4 +165,4 @@ def main(pairs: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7, sys.argv[2] if len(sys.argv) > 2 else "")

@@ -33,6 +33,11 @@ SPECS = [
     dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw", fp8="rowwise"),
     dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", shard="zero3", world_size=2,
          fp8_all_gather="float8-precomputed"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw", fp8="mxfp8",
+         compute_capability=(10, 0)),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="mxfp8-wgrad-hp", compute_capability=(10, 0),
+         precision="bf16", checkpointing="blocks"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cpu", optim="sgd", fp8="mxfp8-emulated"),
 ]
 
 

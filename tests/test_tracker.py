@@ -264,3 +264,48 @@ def test_subclass_ops_declined_as_the_fake_mode_declines_them():
         ruled = StorageTracker(Trace(), lambda: "", mode, rules=[TrackerRules(scratch={torch.ops.aten.mm.default: None})])
         with ruled:
             assert not mode._declines(torch.ops.aten.mm.default, (pair, w), {})
+
+
+DECOMPOSED = {  # each valid for every layout (scalars and empty tensors among them)
+    "reshape": lambda t: torch.ops.aten.reshape.default(t, (-1,)),
+    "flatten": lambda t: torch.ops.aten.flatten.using_ints(t, 0, -1),
+    "unsafe_view": lambda t: torch.ops.aten._unsafe_view.default(t.contiguous(), (t.numel(),)),
+}
+
+
+@pytest.mark.parametrize("op_name", sorted(DECOMPOSED))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_direct_decompositions_are_the_fake_modes(op_name, layout):
+    """A view op with a CompositeImplicitAutograd kernel below autograd (torchao's MXFP8 mx_mm reshapes and flattens
+    inside its autograd Function) and aten._unsafe_view, run by TrackingFakeMode's direct decomposition, equal
+    FakeTensorMode's path (cache key, bypass, _dispatch_impl, the same decomposition): the same output facts, the
+    same aliasing of the input, the same trace record."""
+    mode = TrackingFakeMode()
+    with mode:
+        t = LAYOUTS[layout](torch.randn(2, 64, 128, requires_grad=True))
+        func = DECOMPOSED[op_name]
+        assert mode._direct_decomposition(torch.ops.aten.reshape.default, (t, (-1, 128)), {}) is not None
+
+        def op():
+            with torch._C._AutoDispatchBelowAutograd():
+                return func(t)
+
+        # warm: the decomposition's inner ops rebuilt from FakeTensorMode's cache in both runs (computed cold, a
+        # view of an empty tensor gets a storage of its own; rebuilt, the input's: FakeTensorMode's own difference)
+        op()
+        (torchs, torch_trace), (fast, fast_trace) = (
+            _traced(mode, op, fast, "_direct_decomposition", None) for fast in (False, True))
+    assert _output_facts(fast) == _output_facts(torchs)
+    assert (fast.untyped_storage()._cdata == t.untyped_storage()._cdata) == (
+        torchs.untyped_storage()._cdata == t.untyped_storage()._cdata)
+    _same_trace(fast_trace, torch_trace)
+
+
+def test_direct_decomposition_only_for_plain_fake_tensors_and_those_ops():
+    mode = TrackingFakeMode()
+    with mode:
+        t = torch.randn(4, 8)
+    assert mode._direct_decomposition(torch.ops.aten.mm.default, (t, t.t()), {}) is None  # cached normally
+    assert mode._direct_decomposition(torch.ops.aten.reshape.default, (torch.randn(4, 8), (32,)), {}) is None
+    assert TrackingFakeMode()._direct_decomposition(torch.ops.aten.reshape.default, (t, (32,)), {}) is None
+    assert mode._direct_decomposition(torch.ops.aten._unsafe_view.default, (t, (32,)), {}) is not None

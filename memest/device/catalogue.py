@@ -33,6 +33,8 @@ CARDS: dict[str, tuple[int, tuple[int, int]]] = {
     "h100": (80 * GiB, (9, 0)),
     "h100-80gb": (80 * GiB, (9, 0)),
     "h200": (141 * 10**9, (9, 0)),  # sold as 141 GB (HBM3e)
+    # sold as 180 GB of HBM3e per GPU (NVIDIA DGX B200: 1,440 GB over 8 GPUs); Blackwell data-centre, sm100
+    "b200": (180 * 10**9, (10, 0)),
 }
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # when the target GPU is unknown: Hopper-class kernels
 

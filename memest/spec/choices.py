@@ -181,11 +181,16 @@ class ActivationOffload(Choice):
 
 class Fp8(Choice):
     """--fp8: torchao's float8 training (features/fp8.py): nn.Linear layers converted by
-    ``torchao.float8.convert_to_float8_training`` with the recipe of this name."""
+    ``torchao.float8.convert_to_float8_training`` with the recipe of this name; or its MXFP8 training
+    (features/mxfp8.py)."""
 
     NONE = "none"
     TENSORWISE = "tensorwise"  # Float8LinearConfig.from_recipe_name("tensorwise"): one scale per tensor
     ROWWISE = "rowwise"  # Float8LinearConfig.from_recipe_name("rowwise"): one scale per row (axiswise)
+    # torchao's MXFP8 training (features/mxfp8.py): MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(...))
+    MXFP8 = "mxfp8"  # mxfp8_rceil: every matmul MXFP8 on the SM100 kernels (torchtitan's MXFP8Converter recipe)
+    MXFP8_WGRAD_HP = "mxfp8-wgrad-hp"  # mxfp8_rceil_wgrad_with_hp: the weight-gradient matmul in high precision
+    MXFP8_EMULATED = "mxfp8-emulated"  # mxfp8_emulated_rceil: PyTorch casts, dequantized matmuls (any device)
 
 
 class Fp8AllGather(Choice):

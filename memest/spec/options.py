@@ -218,7 +218,10 @@ OPTIONS: tuple[Option, ...] = (
            "training step, its own keep rules; --target cuda); pinned host memory counted in the host column.", override="Override activation offloading."),
     Option("fp8", ("--fp8",), "torchao float8 training: none | tensorwise | rowwise (convert_to_float8_training with "
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
-           "capability 8.9+).", override="Override float8 training."),
+           "capability 8.9+) | mxfp8 | mxfp8-wgrad-hp | mxfp8-emulated (torchao's MXFP8 training recipes "
+           "mxfp8_rceil, mxfp8_rceil_wgrad_with_hp, mxfp8_emulated_rceil; Linear layers whose dimensions are multiples "
+           "of 32; one process; mxfp8 and mxfp8-wgrad-hp: compute capability 10.0+, e.g. --gpu b200).",
+           override="Override float8 training."),
     Option("fp8_all_gather", ("--fp8-all-gather",), "With --fp8 tensorwise under --shard zero2/zero3: what FSDP2 "
            "all-gathers for each float8 weight: high-precision (the sharded weight as it is) | float8 (torchao's "
            "enable_fsdp_float8_all_gather: float8 data + scale, amax all-reduced per weight) | float8-precomputed (+ "

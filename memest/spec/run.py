@@ -39,6 +39,9 @@ from memest.spec.parallel_dims import FSDP_SHARDS, ParallelDims, validate
 # float8 matmuls (torch._scaled_mm, cuBLASLt FP8) need compute capability 8.9+ (Ada sm89, Hopper sm90): torch's own
 # check, torch/testing/_internal/common_cuda.py PLATFORM_SUPPORTS_FP8 (SM89OrLater); torchao/float8/README.md
 FP8_MIN_CAPABILITY = (8, 9)
+# torchao's MXFP8 training recipes and the compute capability of their kernels (features/mxfp8.py)
+MX_RECIPES = (Fp8.MXFP8, Fp8.MXFP8_WGRAD_HP, Fp8.MXFP8_EMULATED)
+MX_MIN_CAPABILITY = (10, 0)  # torchao builds its MXFP8 kernels for is_sm_at_least_100(); torchtitan mx.py asserts it
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
 _CHOICE_FIELDS = {
@@ -660,6 +663,9 @@ class RunSpec:
             return
         if not self.training:
             raise MemestError(f"--fp8 {self.fp8} is torchao's float8 training; drop it with --mode {self.mode}")
+        if self.fp8 in MX_RECIPES:
+            self._check_mxfp8()
+            return
         if self.target == Target.CUDA and tuple(self.compute_capability) < FP8_MIN_CAPABILITY:
             major, minor = self.compute_capability
             raise MemestError(
@@ -686,6 +692,28 @@ class RunSpec:
                     "gloo ranks); over ranks memest traces float8 under FSDP2 alone: --shard zero2 or zero3 "
                     "(docs/fp8.md)"
                 )
+
+    def _check_mxfp8(self) -> None:
+        """torchao's MXFP8 training (features/mxfp8.py): one process, eager, a full-weight step."""
+        if self.fp8 != Fp8.MXFP8_EMULATED and self.target == Target.CUDA and \
+                tuple(self.compute_capability) < MX_MIN_CAPABILITY:
+            major, minor = self.compute_capability
+            raise MemestError(
+                f"--fp8 {self.fp8} on a GPU of compute capability {major}.{minor}: torchao's MXFP8 cast kernels and "
+                "cuBLAS's MXFP8 matmul need 10.0 or later (Blackwell: torchao builds them only where "
+                "is_sm_at_least_100(); torchtitan's MXFP8Converter asserts has_cuda_capability(10, 0)); name the card "
+                "(--gpu b200), or trace --fp8 mxfp8-emulated, torchao's path for other GPUs"
+            )
+        other = [flag for flag, on in (("--lora", bool(self.lora)), (f"--quant {self.quant}", self.quant != Quant.NONE),
+                                       ("--compile", self.compile),
+                                       (f"--world-size {self.world_size}", self.world_size > 1),
+                                       (f"--offload {self.offload}", self.offload != Offload.NONE)) if on]
+        if other:
+            raise MemestError(
+                f"--fp8 {self.fp8} with {', '.join(other)} is not traced yet (MXFP8 is traced in one eager process, "
+                f"the emulated recipe checked against real CPU steps, docs/fp8.md); drop "
+                f"{'them' if len(other) > 1 else 'it'}"
+            )
 
     def _check_optim_in_backward(self) -> None:
         if not self.optim_in_backward:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch._decomp import decomposition_table, meta_table
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (
     _DISPATCH_HANDLE_DIRECTLY,
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     _check_for_subclass,
     in_kernel_invocation_manager,
+    torch_decomp_decompositions,
 )
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
@@ -76,6 +78,23 @@ CLONE = torch.ops.aten.clone.default
 META = torch.device("meta")
 
 _COMPOSITE: dict = {}  # aten op -> whether it is CompositeImplicitAutograd (asked once per op)
+# op -> whether FakeTensorMode would only decompose it (TrackingFakeMode._decomposes_directly; asked once per op)
+_DIRECT_DECOMPOSITION: dict = {}
+_UNKNOWN = object()
+UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def _decomposition_of(func):
+    """FakeTensorMode's decomposition of ``func`` where its cache always bypasses ``func`` and ``_dispatch_impl`` only
+    decomposes it (TrackingFakeMode._direct_decomposition); else None."""
+    if not isinstance(func, torch._ops.OpOverload) or func in meta_table:
+        return None
+    if func is UNSAFE_VIEW:
+        return decomposition_table.get(func) if torch_decomp_decompositions(func) else None
+    composite_view = (func.is_view and torch._library.utils.is_builtin(func) and func not in decomposition_table
+                      and torch._C._dispatch_has_kernel_for_dispatch_key(
+                          func.name(), torch._C.DispatchKey.CompositeImplicitAutograd))
+    return func.decompose if composite_view else None
 
 
 def _composite(func) -> bool:
@@ -268,7 +287,15 @@ class TrackingFakeMode(FakeTensorMode):
 
     def dispatch(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
-        if tracker is None or self._inside:
+        if tracker is None:
+            return super().dispatch(func, types, args, kwargs)
+        if self._inside:  # an op of a decomposition or of a fake kernel: run, not recorded
+            direct = self._direct_decomposition(func, args, kwargs)
+            if direct is not None:
+                with self:
+                    out = direct(*args, **(kwargs or {}))
+                if out is not NotImplemented:
+                    return out
             return super().dispatch(func, types, args, kwargs)
         if torch.is_inference_mode_enabled() and _composite(func) and not tracker.has_rule(func):
             # Under torch.inference_mode() the autograd key that decomposes a CompositeImplicitAutograd op
@@ -289,9 +316,37 @@ class TrackingFakeMode(FakeTensorMode):
             func, args, kwargs = CLONE, args, {"memory_format": _CONTIGUOUS}
         self._inside = True
         try:
+            direct = self._direct_decomposition(func, args, kwargs)
+            if direct is not None:
+                with self:
+                    out = direct(*args, **(kwargs or {}))
+                if out is not NotImplemented:
+                    return out
             return super().dispatch(func, types, args, kwargs)
         finally:
             self._inside = False
+
+    def _direct_decomposition(self, func, args, kwargs):
+        """What FakeTensorMode would run for ``func`` after its cache bypass, where that is all it would do; else
+        None. Asked of plain fake tensors only (:func:`_plain_fake`: no constants, no symbolic sizes), without
+        real-tensor propagation. Two kinds of op qualify (torch 2.13 torch/_subclasses/fake_tensor.py):
+        ``aten._unsafe_view`` (``_validate_cache_key`` bypasses it: "unsafe view"; ``_dispatch_impl`` runs its Python
+        decomposition, ``decomposition_table``) and a view op with a CompositeImplicitAutograd kernel and no Python
+        meta or decomposition (bypassed: "CompositeImplicitAutograd"; ``_dispatch_impl`` returns
+        ``func.decompose(*args, **kwargs)``), which reaches the mode whole only below autograd: torchao's MXFP8
+        ``mx_mm`` reshapes and flattens inside its autograd Function, 324 calls in an mxfp8 step of
+        examples/transformer.py. Both run under the mode as torch runs them, without the cache key, the bypass and
+        ``_dispatch_impl``'s checks; each op of the decomposition comes back into the mode as before (untracked:
+        ``_inside``), so the trace is the same (scripts/trace_digest.py)."""
+        direct = _DIRECT_DECOMPOSITION.get(func, _UNKNOWN)
+        if direct is _UNKNOWN:
+            direct = _DIRECT_DECOMPOSITION[func] = _decomposition_of(func)
+        if direct is None or self.propagate_real_tensors:
+            return None
+        for a in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(a, torch.Tensor) and not (type(a) is FakeTensor and _plain_fake(a, self)):
+                return None
+        return direct
 
 
 class StorageTracker:

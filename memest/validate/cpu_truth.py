@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from memest.features.compiled import dynamo_session
@@ -32,11 +33,19 @@ def _allocation_events(prof) -> list:
     return out
 
 
+def _holders(t: torch.Tensor):
+    """``t``, or the inner tensors that hold a wrapper subclass's memory (``__tensor_flatten__``'s; torchao's
+    MXFP8 weight wrapper owns no storage of its own)."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _holders(getattr(t, name))
+    else:
+        yield t
+
+
 def _distinct_storage_bytes(tensors) -> int:
     seen, total = set(), 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
+    for t in (h for x in tensors if isinstance(x, torch.Tensor) for h in _holders(x)):
         st = t.untyped_storage()
         if st.data_ptr() in seen or st.nbytes() == 0:
             continue
