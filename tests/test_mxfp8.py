@@ -160,9 +160,12 @@ def test_refusals():
         RunSpec(**base, target="cuda", fp8="mxfp8")  # the default GPU generation: Hopper
     RunSpec(**base, target="cuda", fp8="mxfp8-emulated")  # torchao's path for other GPUs: allowed
     RunSpec(**base, target="cuda", compute_capability=(10, 0), fp8="mxfp8-wgrad-hp")
-    for more, flag in (({"world_size": 2, "shard": "zero3"}, "--world-size 2"), ({"compile": True}, "--compile"),
-                       ({"lora": "r=8"}, "--lora")):
+    for more, flag in (({"compile": True}, "--compile"), ({"lora": "r=8"}, "--lora")):
         with pytest.raises(MemestError, match=f"--fp8 mxfp8-emulated with {flag}.*not traced yet"):
+            RunSpec(**base, fp8="mxfp8-emulated", **more)
+    RunSpec(**base, fp8="mxfp8-emulated", world_size=2, shard="zero3")  # FSDP2: traced (tests/test_mxfp8_fsdp.py)
+    for more in ({"world_size": 2, "shard": "none"}, {"world_size": 4, "shard": "zero3", "tp": 2}):
+        with pytest.raises(MemestError, match=f"--fp8 mxfp8-emulated with --world-size {more['world_size']} and.*FSDP2 alone"):
             RunSpec(**base, fp8="mxfp8-emulated", **more)
     with pytest.raises(MemestError, match="tensorwise"):
         RunSpec(**base, fp8="mxfp8", compute_capability=(10, 0), world_size=2, shard="zero3", fp8_all_gather="float8")

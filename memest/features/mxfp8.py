@@ -26,6 +26,11 @@ and the CUDA column cast ``mxfp8_quantize`` as its registered fake kernel shapes
 column-major e8m0 scales; empty row-wise outputs). Everything else is torchao's own code on fake tensors. Not
 modelled: any scratch those two kernels use inside (none is allocated through torch in their source).
 
+Over FSDP2 ranks (``--world-size N --shard zero2|zero3``) the wrapped weights are sharded by FSDP2 after the
+conversion; torchao's wrapper has FSDP2's extension hooks (``fsdp_pre_all_gather`` all-gathers the high-precision
+shard in MixedPrecisionPolicy's param dtype, ``fsdp_post_all_gather`` wraps the gathered tensor again), which FSDP2
+runs itself; the tracker follows the wrapper by its inner tensor inside FSDP2's DTensor (``rules``).
+
 SIMPLIFICATION none beyond that; note that torchao 0.18's wrapper passes no bias to the MXFP8 matmul
 (``MXFP8TrainingWeightWrapperTensor.__torch_function__`` reads only ``args[0], args[1]`` of ``linear``), so a
 converted Linear's bias takes no part in the step, in the real run as in the trace (the report says so).
@@ -231,8 +236,10 @@ class MxFp8Feature(StepFeature):
         dropped = len(self.ran & self.biased)
         bias = (f"; {dropped} of the MXFP8 Linears have a bias, which torchao 0.18's wrapper does not pass to the "
                 "MXFP8 matmul (in the real run too: the bias gets no gradient)") if dropped else ""
+        gather = ("; FSDP2 all-gathers each wrapped weight in high precision (torchao's fsdp_pre_all_gather: the "
+                  "shard in MixedPrecisionPolicy's param dtype) and casts it at each matmul") if step.spec.world_size > 1 else ""
         return [
             f"--fp8 {self.recipe}: {ran} Linear layers traced with torchao's MXFP8 matmuls (MXFP8TrainingOpConfig "
             f"recipe {RECIPES[self.recipe]}; layers with a dimension that is not a multiple of {BLOCK} stay high "
-            f"precision{outside}{bias}); {kernels}. The figure is not measured on a GPU ({SOURCES[0]})"
+            f"precision{outside}{bias}){gather}; {kernels}. The figure is not measured on a GPU ({SOURCES[0]})"
         ]

@@ -680,6 +680,10 @@ class RunSpec:
             raise MemestError(f"--fp8 {self.fp8} with --compile over --world-size {self.world_size} is not traced yet "
                               "(not checked against real gloo ranks; float8 is traced compiled in one process and eager "
                               "under FSDP2, docs/fp8.md); drop --compile or trace one process")
+        self._check_fp8_ranks()
+
+    def _check_fp8_ranks(self) -> None:
+        """--fp8 (float8 and MXFP8) over ranks: FSDP2 alone (--shard zero2|zero3), checked against real gloo ranks."""
         if self.world_size > 1:
             other = [flag for flag, on in ((f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1),
                                            (f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}", self.ep > 1),
@@ -694,7 +698,7 @@ class RunSpec:
                 )
 
     def _check_mxfp8(self) -> None:
-        """torchao's MXFP8 training (features/mxfp8.py): one process, eager, a full-weight step."""
+        """torchao's MXFP8 training (features/mxfp8.py): eager, a full-weight step, one process or FSDP2 alone."""
         if self.fp8 != Fp8.MXFP8_EMULATED and self.target == Target.CUDA and \
                 tuple(self.compute_capability) < MX_MIN_CAPABILITY:
             major, minor = self.compute_capability
@@ -706,14 +710,14 @@ class RunSpec:
             )
         other = [flag for flag, on in (("--lora", bool(self.lora)), (f"--quant {self.quant}", self.quant != Quant.NONE),
                                        ("--compile", self.compile),
-                                       (f"--world-size {self.world_size}", self.world_size > 1),
                                        (f"--offload {self.offload}", self.offload != Offload.NONE)) if on]
         if other:
             raise MemestError(
-                f"--fp8 {self.fp8} with {', '.join(other)} is not traced yet (MXFP8 is traced in one eager process, "
-                f"the emulated recipe checked against real CPU steps, docs/fp8.md); drop "
-                f"{'them' if len(other) > 1 else 'it'}"
+                f"--fp8 {self.fp8} with {', '.join(other)} is not traced yet (MXFP8 is traced eager, in one process "
+                f"and under FSDP2, the emulated recipe checked against real CPU steps and gloo ranks, docs/fp8.md); "
+                f"drop {'them' if len(other) > 1 else 'it'}"
             )
+        self._check_fp8_ranks()
 
     def _check_optim_in_backward(self) -> None:
         if not self.optim_in_backward:
