@@ -290,13 +290,7 @@ class TrackingFakeMode(FakeTensorMode):
         if tracker is None:
             return super().dispatch(func, types, args, kwargs)
         if self._inside:  # an op of a decomposition or of a fake kernel: run, not recorded
-            direct = self._direct_decomposition(func, args, kwargs)
-            if direct is not None:
-                with self:
-                    out = direct(*args, **(kwargs or {}))
-                if out is not NotImplemented:
-                    return out
-            return super().dispatch(func, types, args, kwargs)
+            return self._untracked(func, types, args, kwargs)
         if torch.is_inference_mode_enabled() and _composite(func) and not tracker.has_rule(func):
             # Under torch.inference_mode() the autograd key that decomposes a CompositeImplicitAutograd op
             # (cross_entropy, linear, matmul, ...) is skipped, so the op reaches this mode whole and the fake
@@ -316,15 +310,19 @@ class TrackingFakeMode(FakeTensorMode):
             func, args, kwargs = CLONE, args, {"memory_format": _CONTIGUOUS}
         self._inside = True
         try:
-            direct = self._direct_decomposition(func, args, kwargs)
-            if direct is not None:
-                with self:
-                    out = direct(*args, **(kwargs or {}))
-                if out is not NotImplemented:
-                    return out
-            return super().dispatch(func, types, args, kwargs)
+            return self._untracked(func, types, args, kwargs)
         finally:
             self._inside = False
+
+    def _untracked(self, func, types, args, kwargs):
+        """``func`` run by FakeTensorMode (its direct decomposition where :meth:`_direct_decomposition` has one)."""
+        direct = self._direct_decomposition(func, args, kwargs)
+        if direct is not None:
+            with self:
+                out = direct(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
+        return super().dispatch(func, types, args, kwargs)
 
     def _direct_decomposition(self, func, args, kwargs):
         """What FakeTensorMode would run for ``func`` after its cache bypass, where that is all it would do; else
