@@ -89,8 +89,9 @@ TUNE_SPEC = dict(model="hf:benchmarks/configs/llama-3.2-3b.json", batch=2, seq=4
                  checkpointing="none", outputs="freed")
 CHUNKED_LOSS = "scripts/models/llama32_3b_chunked_loss.py"  # relative to the repository root (main() chdirs there)
 CHUNKED_COMPILED_LOSS = "scripts/models/llama32_3b_chunked_compiled_loss.py"
-# torchtune compiles each layer (training.compile_model): --compile-scope blocks, on the chunked-loss model file
-CHUNKED_SPEC = {**TUNE_SPEC, "model": CHUNKED_LOSS, "compile_scope": "blocks"}
+# torchtune compiles each layer (training.compile_model): --compile-scope blocks, and the loss's
+# compute_cross_entropy (training.compile_loss): the chunked-loss model file with that function compiled
+CHUNKED_SPEC = {**TUNE_SPEC, "model": CHUNKED_COMPILED_LOSS, "compile_scope": "blocks"}
 TUNE_NOTES = [
     "config: benchmarks/configs/llama-3.2-3b.json (torchtune's llama3_2_3b shapes; benchmarks/configs/README.md)",
     "model code: transformers' LlamaForCausalLM; torchtune's TransformerDecoder returns fp32 logits "
@@ -139,12 +140,14 @@ def torchtune_rows() -> list[scale.Row]:
                    "compiled in place (Inductor defaults), the embedding, final norm, LM head and the chunked loss eager "
                    "(the '+ Chunked Cross Entropy' row compiled the whole model before the model file was built with "
                    "use_cache=False: 43.71 GiB, +1.9%)")
-    chunked_note = (f"model file {CHUNKED_LOSS}: memest refuses --compile with --loss-head, so the chunked loss is "
-                    "written after the model, as torchtune's recipe has it (the model returns bf16 logits, "
-                    "CEWithChunkedOutputLoss upcasts one chunk at a time); its transformers Llama is built with "
-                    "use_cache=False, as memest's hf: source builds it for training (with use_cache each block's "
-                    "cache index recompiled the shared block forward); torchtune compiles compute_cross_entropy "
-                    "(one chunk's upcast and cross-entropy), here it runs eager")
+    chunked_note = (f"model file {CHUNKED_COMPILED_LOSS} ({CHUNKED_LOSS} with its compute_cross_entropy compiled): "
+                    "memest refuses --compile with --loss-head, so the chunked loss is written after the model, as "
+                    "torchtune's recipe has it (the model returns bf16 logits, CEWithChunkedOutputLoss upcasts one "
+                    "chunk at a time); its transformers Llama is built with use_cache=False, as memest's hf: source "
+                    "builds it for training (with use_cache each block's cache index recompiled the shared block "
+                    "forward); torchtune compiles compute_cross_entropy (one chunk's upcast and cross-entropy: "
+                    f"training.compile_loss, {TUNE_COMPILE}) and so does the file (torch.compile of that function, "
+                    "the chunking eager); traced with the loss eager before 2026-11-28 15:00 (the Isolations table)")
     ac_note = ("activation checkpointing: torchtune wraps each TransformerSelfAttentionLayer in torch's "
                "checkpoint_wrapper (training.set_activation_checkpointing -> apply_activation_checkpointing, "
                f"non-reentrant) after compiling it ({TUNE_RECIPE}: compile_model, then set_activation_checkpointing), "
@@ -229,15 +232,20 @@ def isolation_rows() -> list[scale.Row]:
                        "state the full-finetune rows' optimizer settings; the QLoRA config its last command runs sets "
                        "fused: True (recipes/configs/llama3_2/3B_qlora_single_device.yaml at "
                        f"{TUNE_README_AT[:7]}); the fused kernel makes no list-wide temporaries"]),
-            scale.Row("isolation: loss compiled", "+ Fuse optimizer step into backward, compute_cross_entropy compiled",
-                      TUNE_README, f"A100; {TUNE_SETUP}",
-                      {**CHUNKED_SPEC, "model": CHUNKED_COMPILED_LOSS, "checkpointing": "blocks",
-                       "optim_in_backward": True}, A100, "allocated", round(23.1 * GiB),
-                      [f"{CHUNKED_COMPILED_LOSS}: the chunked loss with compute_cross_entropy (one chunk's fp32 upcast "
-                       "and cross-entropy) compiled by torch.compile, as torchtune's training.compile_loss does; the "
-                       "same file shape checked against the real compiled step on CPU "
-                       "(tests/test_compile_blocks.py, bf16 tiny Llama: traced and real agree to the byte with the "
-                       "loss compiled and eager)"])]
+            *[scale.Row("isolation: loss eager", f"{label}, compute_cross_entropy eager", TUNE_README,
+                        f"A100; {TUNE_SETUP}", {**CHUNKED_SPEC, "model": CHUNKED_LOSS, **extra}, A100, "allocated",
+                        round(gib * GiB),
+                        [f"{CHUNKED_LOSS}: the chunked loss's compute_cross_entropy (one chunk's fp32 upcast and "
+                         "cross-entropy) eager, where torchtune compiles it (training.compile_loss) and the scored row "
+                         f"traces it compiled ({CHUNKED_COMPILED_LOSS}); both file shapes checked against the real "
+                         "compiled step on CPU (tests/test_compile_blocks.py, bf16 tiny Llama: traced and real agree "
+                         "to the byte with the loss compiled and eager)"])
+              for label, extra, gib in (
+                  ("+ Chunked Cross Entropy", {}, 42.9),
+                  ("+ Activation Checkpointing", {"checkpointing": "blocks"}, 24.9),
+                  ("+ Fuse optimizer step into backward", {"checkpointing": "blocks", "optim_in_backward": True}, 23.1),
+                  ("+ Activation Offloading", {"checkpointing": "blocks", "optim_in_backward": True,
+                                               "activation_offload": "torchtune"}, 21.8))]]
 
 SKIPPED = [  # published figures of these recipes not scored, and why (no number is made up for them)
     dict(source=TUNE_README, runs="'+ 8-bit AdamW' 17.6 GiB (active)",
@@ -258,8 +266,9 @@ SKIPPED = [  # published figures of these recipes not scored, and why (no number
          why="compile on and the configs' defaults (optimizer_in_bwd, PagedAdamW8bit, CPU offload for 70B) with "
              "compile; the figure type is not stated"),
     dict(source=TT_BENCH, runs="Tables 1 and 3 with torch.compile + Float8 (76.8 / 61.8 GiB)",
-         why="memest refuses --fp8 with --world-size (Float8 all-gather under FSDP2 is not traced); the "
-             "torch.compile rows without Float8 (77.0 / 62.0) are scored"),
+         why="memest refuses --fp8 with --compile over --world-size (float8 under FSDP2 is traced eager; compiled "
+             "float8 blocks under FSDP2 are not checked against real gloo ranks yet); the torch.compile rows without "
+             "Float8 (77.0 / 62.0) are scored"),
     dict(source=TT_BENCH, runs="Table 2 (FSDP x CP, 32k-256k tokens), Tables 4-6 (70B, 405B with TP/PP)",
          why="torch.compile and Float8 on in every row (AsyncTP too in 4-6)"),
     dict(source="https://github.com/pytorch/ao/pull/1629",
@@ -331,23 +340,7 @@ CAUSES: dict[str, str] = {
         "every parameter at once, one bf16 copy of a state, 3.21B x 2 B = 5.98 GiB, on top of the bf16 parameters, "
         "gradients and two AdamW states (23.9 GiB); the run's 24.9 GiB leaves no room for it. The ladder does not "
         "state the full-finetune rows' optimizer settings (the QLoRA config of its last command sets fused: True); "
-        "traced with AdamW fused=True memest reads 26.08 GiB (+4.7%), its peak then the loss's forward of "
-        "iteration 2, the same as the next row's."),
-    "+ Fuse optimizer step into backward": (
-        "Isolated by a trace (the Isolations table). memest's peak is the chunked loss's forward of iteration 2 "
-        "(nll_loss_forward): bf16 parameters and AdamW states (17.95 GiB) plus 7.9 GiB of activations and loss "
-        "tensors, where the run's 23.1 GiB leaves 5.2. The chunked loss runs eager in the model file, and each "
-        "chunk's log_softmax saves its fp32 output for backward (8 x 2 x 512 x 128256 x 4 B = 3.91 GiB at the last "
-        "chunk); torchtune compiles compute_cross_entropy (one chunk's upcast and cross-entropy, "
-        "training.compile_loss). With that function compiled in the model file memest reads 23.39 GiB, +1.2% "
-        "(Isolations table); the row keeps the eager loss file, the one the chunked-loss rows above it use. The same "
-        "eager loss-forward peak (26.08 GiB) is the previous row's with AdamW fused (Isolations table)."),
-    "+ Activation Offloading": (
-        "memest's peak is again the chunked loss's forward of iteration 2 (nll_loss_forward), the previous row's: "
-        "the loss runs after the model, outside the recipe's offloading context (get_act_offloading_ctx_manager "
-        "wraps self._model(...) only), so its saved fp32 log_softmax outputs stay on the device; offloading takes "
-        "1.31 GiB off memest's figure (26.08 -> 24.77 GiB) where the run lost 1.3 GiB (23.1 -> 21.8): the miss is "
-        "the previous row's eager-loss one, carried over (compute_cross_entropy compiled there: +1.2%)."),
+        "traced with AdamW fused=True memest reads 25.42 GiB (+2.1%), its peak then in iteration 2's backward."),
 }
 
 
