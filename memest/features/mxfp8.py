@@ -26,9 +26,9 @@ and the CUDA column cast ``mxfp8_quantize`` as its registered fake kernel shapes
 column-major e8m0 scales; empty row-wise outputs). Everything else is torchao's own code on fake tensors. Not
 modelled: any scratch those two kernels use inside (none is allocated through torch in their source).
 
-Compiled (``--compile``, ``--compile-scope blocks``; one process, the emulated recipe only: the SM100 recipes' e8m0
-scales have no type in Inductor's CPU code generation, which memest's compiled traces use) the conversion comes first
-and Inductor runs torchao's casts inside the compiled graphs.
+Compiled (``--compile``, or ``--compile-scope blocks`` also under FSDP2; the emulated recipe only: the SM100 recipes'
+e8m0 scales have no type in Inductor's CPU code generation, which memest's compiled traces use) the conversion comes
+first and Inductor runs torchao's casts inside the compiled graphs.
 
 Over FSDP2 ranks (``--world-size N --shard zero2|zero3``) the wrapped weights are sharded by FSDP2 after the
 conversion; torchao's wrapper has FSDP2's extension hooks (``fsdp_pre_all_gather`` all-gathers the high-precision

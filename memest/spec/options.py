@@ -220,7 +220,7 @@ OPTIONS: tuple[Option, ...] = (
            "that recipe; Linear layers whose dimensions are multiples of 16; needs torchao; --target cuda: compute "
            "capability 8.9+) | mxfp8 | mxfp8-wgrad-hp | mxfp8-emulated (torchao's MXFP8 training recipes "
            "mxfp8_rceil, mxfp8_rceil_wgrad_with_hp, mxfp8_emulated_rceil; Linear layers whose dimensions are multiples "
-           "of 32; one process or FSDP2; --compile: mxfp8-emulated in one process; mxfp8 and mxfp8-wgrad-hp: compute "
+           "of 32; one process or FSDP2; --compile: mxfp8-emulated only; mxfp8 and mxfp8-wgrad-hp: compute "
            "capability 10.0+, e.g. --gpu b200).",
            override="Override float8 training."),
     Option("fp8_all_gather", ("--fp8-all-gather",), "With --fp8 tensorwise under --shard zero2/zero3: what FSDP2 "

@@ -676,10 +676,6 @@ class RunSpec:
         if self.lora or self.quant != Quant.NONE:
             raise MemestError(f"--fp8 {self.fp8} with --lora or --quant is not traced yet (traced: one process, with or "
                               "without --compile, and FSDP2 alone over ranks, docs/fp8.md); drop one of them")
-        if self.compile and self.world_size > 1:
-            raise MemestError(f"--fp8 {self.fp8} with --compile over --world-size {self.world_size} is not traced yet "
-                              "(not checked against real gloo ranks; float8 is traced compiled in one process and eager "
-                              "under FSDP2, docs/fp8.md); drop --compile or trace one process")
         self._check_fp8_ranks()
 
     def _check_fp8_ranks(self) -> None:
@@ -715,10 +711,6 @@ class RunSpec:
                 "KeyError: torch.float8_e8m0fnu, torch 2.13); trace it eager (drop --compile), or trace --fp8 "
                 "mxfp8-emulated --compile"
             )
-        if self.compile and self.world_size > 1:
-            raise MemestError(f"--fp8 {self.fp8} with --compile over --world-size {self.world_size} is not traced yet "
-                              "(compiled MXFP8 is checked against real steps in one process only, docs/fp8.md); drop "
-                              "--compile or trace one process")
         other = [flag for flag, on in (("--lora", bool(self.lora)), (f"--quant {self.quant}", self.quant != Quant.NONE),
                                        (f"--offload {self.offload}", self.offload != Offload.NONE)) if on]
         if other:
