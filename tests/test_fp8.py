@@ -163,3 +163,20 @@ def test_without_torchao_the_refusal_says_how_to_install_it():
     spec = _spec("transformer", 1, 8, "tensorwise")
     with pytest.raises(MemestError, match="needs torchao: pip install torchao"):
         trace_step(load_source(spec.model), spec)
+
+
+@needs_torchao
+def test_fp8_skip_leaves_the_named_layers_in_high_precision_as_the_real_step_does():
+    """--fp8-skip (torchtitan's filter_fqns: a layer whose name contains a listed part is not converted): llama-tiny's
+    two q_proj layers left in high precision (its lm_head is not converted either way: a vocabulary of 1000 is not a
+    multiple of 16), and the trace equals the real CPU step with the same filter."""
+    spec = _spec("hf:llama-tiny", 2, 128, "tensorwise", fp8_skip="q_proj")
+    trace = trace_step(load_source(spec.model), spec)
+    assert trace.peak()[0] == measure_cpu_peak(load_source(spec.model), spec)["peak_bytes"]
+    counts = {}
+    for skip in ("", "q_proj"):
+        notes = trace_step(load_source(spec.model), _spec("hf:llama-tiny", 2, 128, "tensorwise", fp8_skip=skip)).notes
+        counts[skip] = int(next(n for n in notes if n.startswith("--fp8 tensorwise:")).split()[2])
+    assert counts["q_proj"] == counts[""] - 2, counts
+    with pytest.raises(MemestError, match="--fp8-skip 'lm_head' .* needs --fp8"):
+        RunSpec(model=model_ref("transformer"), fp8_skip="lm_head")

@@ -183,9 +183,9 @@ def test_torchtitan_tiny(tmp_path):
     cfg = torchtitan.read(path, data)
     assert cfg.keys == {"model": f"hf:{(tmp_path / 'assets' / 'tiny' / 'config.json').resolve()}", "batch": 2,
                         "seq": 64, "world_size": 2, "shard": "zero3", "precision": "bf16-mixed",
-                        "grad_accum": 2, "checkpointing": "blocks", "optim": "adamw", "fused": True}
-    assert cfg.unknown == ["model.converters = ['float8']", "training.dataloader.num_workers = 2",
-                           "float8_experimental.whatever = 1"]
+                        "grad_accum": 2, "checkpointing": "blocks", "optim": "adamw", "fused": True,
+                        "fp8": "tensorwise", "fp8_skip": "lm_head"}  # torchtitan's "output" is transformers' lm_head
+    assert cfg.unknown == ["training.dataloader.num_workers = 2", "float8_experimental.whatever = 1"]
 
 
 @pytest.mark.parametrize(("ac", "expected"), [
@@ -489,7 +489,8 @@ def test_cli_from_torchtitan_toml_matches_flags(tmp_path):
     model = f"hf:{tmp_path / 'assets' / 'tiny' / 'config.json'}"
     doc = _same(["--from", str(path)], [model, "--batch", "2", "--seq", "64", "--world-size", "2", "--shard", "zero3",
                                         "--precision", "bf16-mixed", "--grad-accum", "2", "--checkpointing", "blocks",
-                                        "--optim", "adamw", "--fused"], torchtitan.FORMAT)
+                                        "--optim", "adamw", "--fused", "--fp8", "tensorwise", "--fp8-skip",
+                                        "lm_head"], torchtitan.FORMAT)
     assert doc["from"]["unknown"]  # [float8_experimental] is listed, not dropped
 
 
@@ -505,3 +506,32 @@ def test_cli_from_accelerate_config_matches_flags(tmp_path):
     _same([f"hf:{TINY}", "--from", str(path), "--batch", "2", "--seq", "64"],
           [f"hf:{TINY}", "--batch", "2", "--seq", "64", "--world-size", "2", "--shard", "zero3", "--precision",
            "bf16-mixed"], accelerate_config.FORMAT)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("", {"fp8": "tensorwise"}),
+    ('[quantize.linear.float8]\nrecipe_name = "rowwise"\nfilter_fqns = ["attention.wq", "output"]\n',
+     {"fp8": "rowwise", "fp8_skip": "self_attn.q_proj,lm_head"}),
+    ("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n", {"fp8": "tensorwise", "fp8_all_gather": "float8"}),
+    ("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\nprecompute_float8_dynamic_scale_for_fsdp = true\n",
+     {"fp8": "tensorwise", "fp8_all_gather": "float8-precomputed"}),
+])
+def test_torchtitan_float8_converter(tmp_path, extra, expected):
+    """model.converters = ["quantize.linear.float8"]: torchtitan's Float8LinearConverter (238fa99) as --fp8: no
+    recipe_name is tensorwise (Float8LinearConfig()), its FSDP float8 all-gather (and precompute) where FSDP shards,
+    filter_fqns as --fp8-skip in transformers' names; compile.enable as --compile-scope blocks (apply_compile)."""
+    text = ('[model]\nhf_assets_path = "./assets/tiny"\nconverters = ["quantize.linear.float8"]\n'
+            "[parallelism]\ndata_parallel_shard_degree = 2\n[compile]\nenable = true\n" + extra)
+    path, data = _toml(tmp_path, text)
+    cfg = torchtitan.read(path, data)
+    assert {k: cfg.keys[k] for k in expected} == expected
+    assert "fp8_skip" in expected or "fp8_skip" not in cfg.keys
+    assert cfg.keys["compile_scope"] == "blocks" and "compile" not in cfg.keys
+    assert not [u for u in cfg.unknown if "converters" in u]
+
+
+def test_torchtitan_other_converters_stay_unknown(tmp_path):
+    text = '[model]\nhf_assets_path = "./assets/tiny"\nconverters = ["quantize.linear.mx"]\n'
+    path, data = _toml(tmp_path, text)
+    cfg = torchtitan.read(path, data)
+    assert "fp8" not in cfg.keys and cfg.unknown == ["model.converters = ['quantize.linear.mx']"]

@@ -46,15 +46,22 @@ SOURCES = (
 DIM_MULTIPLE = 16  # torch._scaled_mm: both matrix dimensions multiples of 16 (torchao/float8/README.md)
 
 
-def fp8_filter(module, fqn: str) -> bool:
-    """convert_to_float8_training's module_filter_fn: nn.Linear layers whose dimensions are multiples of 16."""
+def skip_parts(skip: str) -> list[str]:
+    """--fp8-skip's name parts (comma-separated, blanks dropped)."""
+    return [part.strip() for part in skip.split(",") if part.strip()]
+
+
+def fp8_filter(module, fqn: str, skip: list[str] | None = None) -> bool:
+    """convert_to_float8_training's module_filter_fn, torchtitan's ``module_filter_fn``
+    (torchtitan/components/quantization/utils.py): nn.Linear layers whose dimensions are multiples of 16 and whose
+    name contains none of ``skip`` (its ``filter_fqns``, --fp8-skip)."""
     import torch
 
     return (isinstance(module, torch.nn.Linear) and module.in_features % DIM_MULTIPLE == 0
-            and module.out_features % DIM_MULTIPLE == 0)
+            and module.out_features % DIM_MULTIPLE == 0 and not any(part in fqn for part in skip or ()))
 
 
-def convert(model, recipe: str, all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION):
+def convert(model, recipe: str, all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION, skip: str = ""):
     """``model`` with its eligible Linear layers converted to torchao's Float8Linear (in place); the count.
     ``all_gather`` other than high-precision: ``enable_fsdp_float8_all_gather`` (torchtitan sets it with
     ``dataclasses.replace`` on the recipe's config, torchtitan/components/quantization/float8.py)."""
@@ -69,7 +76,8 @@ def convert(model, recipe: str, all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRE
     config = Float8LinearConfig.from_recipe_name(recipe)
     if all_gather != Fp8AllGather.HIGH_PRECISION:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)
+    parts = skip_parts(skip)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fp8_filter(m, fqn, parts))
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 
@@ -82,13 +90,16 @@ class Fp8Feature(StepFeature):
         self.converted = 0
         self.recipe = ""
         self.all_gather = Fp8AllGather.HIGH_PRECISION
+        self.skipped = ""
 
     def build(self, built, spec) -> None:
         self.recipe, self.all_gather = str(spec.fp8), spec.fp8_all_gather
-        self.converted = convert(built.model, self.recipe, self.all_gather)
+        self.skipped = f" or named by --fp8-skip {spec.fp8_skip!r}" if spec.fp8_skip else ""
+        self.converted = convert(built.model, self.recipe, self.all_gather, spec.fp8_skip)
         if not self.converted:
+            skipped = f" and whose name contains none of --fp8-skip {spec.fp8_skip!r}" if spec.fp8_skip else ""
             raise MemestError(f"--fp8 {self.recipe}: {built.where} has no nn.Linear layer whose dimensions are "
-                              f"multiples of {DIM_MULTIPLE}, so torchao converts none; drop --fp8")
+                              f"multiples of {DIM_MULTIPLE}{skipped}, so torchao converts none; drop --fp8")
         if self.all_gather != Fp8AllGather.HIGH_PRECISION:
             _refuse_weights_read_outside_forward(built.model, built.where, self.all_gather)
 
@@ -110,7 +121,7 @@ class Fp8Feature(StepFeature):
         return [
             f"--fp8 {self.recipe}: {self.converted} Linear layers traced as torchao Float8Linear "
             "(convert_to_float8_training, Float8LinearConfig.from_recipe_name; layers with dimensions that are not "
-            f"multiples of {DIM_MULTIPLE} stay high precision{gather}). torchao's float8 tensors and saved tensors are "
+            f"multiples of {DIM_MULTIPLE}{self.skipped} stay high precision{gather}). torchao's float8 tensors and saved tensors are "
             f"traced through torchao's own code; the figure is not measured on a GPU ({SOURCES[0]})"
         ]
 

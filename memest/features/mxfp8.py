@@ -47,6 +47,7 @@ from collections.abc import Iterator
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
+from memest.features.fp8 import skip_parts
 from memest.imports import quiet_library_import
 from memest.spec.choices import Fp8
 from memest.trace.tracker import TrackerRules
@@ -72,15 +73,17 @@ def is_mx(recipe: Fp8) -> bool:
     return recipe in RECIPES
 
 
-def mx_filter(module, fqn: str) -> bool:
+def mx_filter(module, fqn: str, skip: list[str] | None = None) -> bool:
     """The Linear layers whose two dimensions are multiples of the MX block (torchao's casts assert it for the
-    weight along both dimensions; the others would fail in the real run, so they stay high precision)."""
+    weight along both dimensions; the others would fail in the real run, so they stay high precision) and whose name
+    contains none of ``skip`` (--fp8-skip: torchtitan's mx ``filter_fqns``)."""
     import torch
 
-    return isinstance(module, torch.nn.Linear) and module.in_features % BLOCK == 0 and module.out_features % BLOCK == 0
+    return (isinstance(module, torch.nn.Linear) and module.in_features % BLOCK == 0
+            and module.out_features % BLOCK == 0 and not any(part in fqn for part in skip or ()))
 
 
-def convert(model, recipe: Fp8) -> tuple[int, set[int]]:
+def convert(model, recipe: Fp8, skip: str = "") -> tuple[int, set[int]]:
     """``model``'s eligible Linear layers given torchao's MXFP8 weight wrapper (in place): how many, and the ids of
     the high-precision weights (the wrappers' ``_data``) of those with a bias."""
     import torch
@@ -94,7 +97,8 @@ def convert(model, recipe: Fp8) -> tuple[int, set[int]]:
         raise MemestError(f"--fp8 {recipe} traces torchao's MXFP8 training and needs torchao >= 0.17: pip install "
                           f"torchao ({exc})") from exc
     config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(RECIPES[recipe]))
-    quantize_(model, config, filter_fn=mx_filter)
+    parts = skip_parts(skip)
+    quantize_(model, config, filter_fn=lambda m, fqn: mx_filter(m, fqn, parts))
     converted = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
                  and isinstance(m.weight.data if isinstance(m.weight, torch.nn.Parameter) else m.weight,
                                 MXFP8TrainingWeightWrapperTensor)]
@@ -208,12 +212,14 @@ class MxFp8Feature(StepFeature):
 
     def __init__(self, recipe: Fp8) -> None:
         self.recipe = recipe
+        self.skipped = ""
         self.converted = 0
         self.biased: set[int] = set()  # ids of the high-precision weights of converted Linears with a bias
         self.ran: set[int] = set()  # ids of the weights whose matmul took the MXFP8 path (counting_matmuls)
 
     def build(self, built, spec) -> None:
-        self.converted, self.biased = convert(built.model, self.recipe)
+        self.converted, self.biased = convert(built.model, self.recipe, spec.fp8_skip)
+        self.skipped = f" or named by --fp8-skip {spec.fp8_skip!r}" if spec.fp8_skip else ""
         if not self.converted:
             raise MemestError(f"--fp8 {self.recipe}: {built.where} has no nn.Linear layer whose dimensions are "
                               f"multiples of {BLOCK}, so none is converted; drop --fp8")
@@ -244,6 +250,6 @@ class MxFp8Feature(StepFeature):
                   "shard in MixedPrecisionPolicy's param dtype) and casts it at each matmul") if step.spec.world_size > 1 else ""
         return [
             f"--fp8 {self.recipe}: {ran} Linear layers traced with torchao's MXFP8 matmuls (MXFP8TrainingOpConfig "
-            f"recipe {RECIPES[self.recipe]}; layers with a dimension that is not a multiple of {BLOCK} stay high "
-            f"precision{outside}{bias}){gather}; {kernels}. The figure is not measured on a GPU ({SOURCES[0]})"
+            f"recipe {RECIPES[self.recipe]}; layers with a dimension that is not a multiple of {BLOCK}{self.skipped} "
+            f"stay high precision{outside}{bias}){gather}; {kernels}. The figure is not measured on a GPU ({SOURCES[0]})"
         ]

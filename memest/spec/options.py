@@ -223,6 +223,9 @@ OPTIONS: tuple[Option, ...] = (
            "of 32; one process or FSDP2; --compile: mxfp8-emulated only; mxfp8 and mxfp8-wgrad-hp: compute "
            "capability 10.0+, e.g. --gpu b200).",
            override="Override float8 training."),
+    Option("fp8_skip", ("--fp8-skip",), "With --fp8: Linear layers left in high precision, by name: comma-separated "
+           "parts of module names (a layer is skipped where its name contains one; torchtitan's filter_fqns, e.g. "
+           "lm_head or output).", override="Override the layers --fp8 skips."),
     Option("fp8_all_gather", ("--fp8-all-gather",), "With --fp8 tensorwise under --shard zero2/zero3: what FSDP2 "
            "all-gathers for each float8 weight: high-precision (the sharded weight as it is) | float8 (torchao's "
            "enable_fsdp_float8_all_gather: float8 data + scale, amax all-reduced per weight) | float8-precomputed (+ "

@@ -186,6 +186,8 @@ class RunSpec:
     fp8: Fp8 = Fp8.NONE  # torchao convert_to_float8_training with this recipe (features/fp8.py)
     # FSDP2's all-gather of the Float8Linear weights: high precision, or torchao's float8 all-gather (features/fp8.py)
     fp8_all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION
+    # Linear layers left in high precision by --fp8: comma-separated name parts (torchtitan's filter_fqns, features/fp8.py)
+    fp8_skip: str = ""
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
@@ -660,6 +662,9 @@ class RunSpec:
                 raise MemestError(f"{flag} runs after the optimizer step, which --optim-in-backward replaces by "
                                   "per-parameter steps; use --fp8-all-gather float8, or drop --optim-in-backward")
         if self.fp8 == Fp8.NONE:
+            if self.fp8_skip:
+                raise MemestError(f"--fp8-skip {self.fp8_skip!r} names Linear layers --fp8 leaves in high precision; it "
+                                  "needs --fp8")
             return
         if not self.training:
             raise MemestError(f"--fp8 {self.fp8} is torchao's float8 training; drop it with --mode {self.mode}")

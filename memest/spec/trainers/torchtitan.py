@@ -97,15 +97,17 @@ def read(path, data) -> TrainerConfig:
     _checkpointing(cfg, get, put, where)
     _optimizer(cfg, get, put, where)
     if get("compile.enable", False):
-        put("compile", "compile.enable", True, "compile: true (torchtitan compiles each block; memest compiles "
-            "the model as torch.compile(model) does)")
+        components = get("compile.components", ["model", "loss"])  # job_config.py Compile's default
+        if "model" in components:
+            put("compile_scope", "compile.enable", "blocks", "compile_scope: blocks (apply_compile: each "
+                "TransformerBlock compiled in place, fullgraph, after the float8 conversion and checkpointing, before "
+                "FSDP; torchtitan/models/llama3/infra/parallelize.py)")
+        if "loss" in components:
+            cfg.notes.append("compile.components has 'loss': torchtitan compiles its loss function apart; memest "
+                             "traces the loss eager (transformers' loss inside the model's forward)")
     if flat.get("validation.enable"):
         cfg.notes.append("validation.enable: the validation forward (no grad, its own local_batch_size) is not estimated")
-    converters = get("model.converters", [])
-    if converters:
-        cfg.unknown.append(f"model.converters = {converters!r}")
-        cfg.notes.append(f"model.converters {converters!r} (float8 / mx training) is not modelled: the estimate is "
-                         "the unconverted model's")
+    _converters(cfg, get, put, shard)
 
     for key in flat:
         if key in used or key in NEUTRAL_KEYS or key.split(".")[0] in NEUTRAL_SECTIONS:
@@ -116,6 +118,63 @@ def read(path, data) -> TrainerConfig:
         cfg.notes.append(f"ignored: no memory effect: {', '.join(ignored)}")
     cfg.notes.append(f"read as {SOURCE} defines the keys")
     return cfg
+
+
+FLOAT8_CONVERTERS = ("quantize.linear.float8", "float8")  # its registered name at 238fa99, and the older one
+# torchtitan's llama3 module names -> transformers' (torchtitan/models/llama3/model/state_dict_adapter.py at 238fa99,
+# from_hf_map): filter_fqns name torchtitan's modules, memest traces transformers' Llama (FLAVORS)
+LLAMA3_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                "feed_forward.w2": "mlp.down_proj", "output": "lm_head", "tok_embeddings": "model.embed_tokens"}
+
+
+def _hf_name(part: str) -> str:
+    """A filter_fqns part in transformers' names: each torchtitan llama3 module name in it translated."""
+    for titan, hf in LLAMA3_NAMES.items():
+        if part == titan or part.endswith("." + titan):
+            return part[: len(part) - len(titan)] + hf
+    return part
+
+
+def _converters(cfg, get, put, shard: int) -> None:
+    """model.converters: torchao's float8 training (Float8LinearConverter, torchtitan/components/quantization/
+    float8.py at 238fa99) -> --fp8 with its recipe, all-gather and filter; any other converter (MXFP8's, whose
+    torchao API at that commit is not torchao 0.18's; grouped-mm float8) is reported unknown."""
+    converters = list(get("model.converters", []) or [])
+    float8 = [c for c in converters if c in FLOAT8_CONVERTERS]
+    other = [c for c in converters if c not in FLOAT8_CONVERTERS]
+    if other:
+        cfg.unknown.append(f"model.converters = {other!r}")
+        cfg.notes.append(f"model.converters {other!r} is not modelled (memest traces torchao's float8 converter; "
+                         "torchtitan's MX converter at 238fa99 uses torchao's MXLinearConfig, which torchao 0.18's "
+                         "--fp8 mxfp8 recipes replaced): the estimate is the model without it")
+    if not float8:
+        return
+    key = "quantize.linear.float8"
+    recipe = get(f"{key}.recipe_name")
+    if get(f"{key}.emulate", False):
+        cfg.unknown.append(f"{key}.emulate = True")
+        return
+    if recipe not in (None, "tensorwise", "rowwise"):
+        cfg.unknown.append(f"{key}.recipe_name = {recipe!r}")
+        return
+    put("fp8", "model.converters", recipe or "tensorwise",
+        f"fp8: {recipe or 'tensorwise'} (Float8LinearConverter: "
+        + (f"Float8LinearConfig.from_recipe_name({recipe!r}))" if recipe else
+           "recipe_name unset: Float8LinearConfig(), tensorwise scaling)"))
+    gather = get(f"{key}.enable_fsdp_float8_all_gather", False) and recipe is None and shard != 1
+    if gather:  # the converter turns it on only where FSDP shards (parallel_dims.dp_shard_enabled)
+        pre = get(f"{key}.precompute_float8_dynamic_scale_for_fsdp", False)
+        put("fp8_all_gather", f"{key}.enable_fsdp_float8_all_gather", "float8-precomputed" if pre else "float8")
+    skip = [f for f in get(f"{key}.filter_fqns", []) or [] if f != "auto_filter_small_kn"]
+    if "auto_filter_small_kn" in (get(f"{key}.filter_fqns", []) or []):
+        cfg.unknown.append(f"{key}.filter_fqns 'auto_filter_small_kn' (torchao's _auto_filter_for_recipe)")
+    if skip:
+        names = ",".join(_hf_name(part) for part in skip)
+        put("fp8_skip", f"{key}.filter_fqns", names,
+            f"fp8_skip: {names} (module_filter_fn: a Linear whose name contains one stays high precision; torchtitan's "
+            "llama3 names in transformers' terms, its state_dict_adapter.py)")
 
 
 def _parallel(cfg, get, put) -> tuple:
