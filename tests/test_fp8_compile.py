@@ -110,3 +110,25 @@ def test_float8_compiled_over_ranks_needs_blocks_and_fsdp2():
         RunSpec(model=LLAMA, target="cpu", fp8="tensorwise", lora="r=8")
     RunSpec(model=LLAMA, target="cpu", fp8="tensorwise", compile_scope="blocks")  # one process: traced
     RunSpec(model=LLAMA, target="cpu", fp8="tensorwise", compile_scope="blocks", world_size=2, shard="zero3")
+
+
+@needs_torchao
+def test_compiled_float8_runs_no_real_kernel(monkeypatch):
+    """Inductor's compiled float8 graphs call aten._scaled_mm.out, which has no meta kernel in torch 2.13:
+    FakeTensorMode ran the real CPU kernel on real tensors of the fake sizes (its unsafe fallback: real memory and
+    real matmuls; an 8B model's compiled float8 block took over 20 min). memest's fake kernel answers it
+    (trace/fake_kernels.py): no fallback runs while the compiled step is traced."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    fallbacks = []
+    original = fake_tensor.run_fallback_kernel
+
+    def spy(mode, func, *args, **kwargs):
+        fallbacks.append(str(func))
+        return original(mode, func, *args, **kwargs)
+
+    monkeypatch.setattr(fake_tensor, "run_fallback_kernel", spy)
+    trace = trace_step(load_source(LLAMA), RunSpec(model=LLAMA, batch=1, seq=64, target="cpu", optim="sgd",
+                                                   fp8="tensorwise", compile_scope="blocks"))
+    assert any("compiled" in n for n in trace.notes)
+    assert fallbacks == []

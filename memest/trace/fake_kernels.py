@@ -24,6 +24,9 @@ FakeTensorMode refuses every such op before looking for one. Its output shapes d
 ``target_lengths`` argument, a list of ints the fake step has, not on tensor values; the kernel here
 allocates what that meta kernel does.
 
+``aten::_scaled_mm.out`` (compiled float8 graphs): no meta kernel in torch 2.13, so FakeTensorMode ran the real
+kernel on real tensors (its unsafe fallback); the kernel here answers as the out= variants do (``scaled_mm_out_fake``).
+
 ``IndexBackward0`` (the gradient of ``x[index_tensor]``; transformers' MoE dispatch, any gather by index):
 autograd's formula (torch/csrc/autograd/FunctionsManual.cpp, ``index_backward``) scatters the gradient into its
 zeros in place (``at::_index_put_impl_``), but for tensor subclasses, fake tensors included, it takes the
@@ -115,8 +118,24 @@ def ctc_loss_fake(log_probs, targets, input_lengths, target_lengths, blank=0, ze
     return nll, log_alpha
 
 
+def scaled_mm_out_fake(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                       use_fast_accum=False, *, out):
+    """``aten::_scaled_mm.out`` (Inductor's compiled float8 graphs call it: ``extern_kernels._scaled_mm(...,
+    out=buf)``): torch 2.13 has a meta kernel for ``_scaled_mm.default`` only, so FakeTensorMode ran the real CPU
+    kernel on real zero-filled tensors of the fake sizes (its unsafe fallback: real memory and real matmuls, minutes
+    for an 8B model's shapes). The out= contract of the real kernels (Blas.cpp ``_scaled_mm_out_cpu``,
+    ScaledBlas.cpp ``_scaled_mm_out_cuda``): the inputs checked as the functional op checks them (its meta kernel
+    here), ``out`` resized to the result's size where it differs (``at::native::resize_output``), written and
+    returned: no other output."""
+    result = torch.ops.aten._scaled_mm.default(self, mat2, scale_a, scale_b, bias, scale_result, out_dtype,
+                                               use_fast_accum)
+    if out.shape != result.shape:
+        out.resize_(result.shape)
+    return out
+
+
 # aten op name -> fake kernel
-FAKE_KERNELS = {"_grouped_mm": grouped_mm_fake, "_ctc_loss": ctc_loss_fake}
+FAKE_KERNELS = {"_grouped_mm": grouped_mm_fake, "_ctc_loss": ctc_loss_fake, "_scaled_mm.out": scaled_mm_out_fake}
 
 
 @contextlib.contextmanager
