@@ -141,7 +141,6 @@ def test_multihead_attention_is_refused_under_the_float8_all_gather():
     ({"world_size": 4, "shard": "zero3", "cp": 2}, "--cp 2"),
     ({"world_size": 2, "shard": "zero3", "offload": "params"}, "--offload params"),
     ({"world_size": 2, "shard": "zero3", "optim_in_backward": True}, "--optim-in-backward"),
-    ({"world_size": 2, "shard": "zero3", "compile": True, "compile_scope": "blocks"}, "--compile"),
     ({"lora": "r=8"}, "--lora"),
     ({"quant": "nf4", "lora": "r=8"}, "--quant"),
 ])
@@ -149,6 +148,11 @@ def test_what_is_not_traced_is_refused_in_one_line(more, needle):
     with pytest.raises(MemestError, match="--fp8 tensorwise") as err:
         RunSpec(model="m.py", fp8="tensorwise", **more)
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_compiled_blocks_under_fsdp2_are_traced():
+    """--compile-scope blocks over FSDP2 ranks with --fp8: traced (every gloo rank checked, tests/test_fp8_compile.py)."""
+    RunSpec(model="m.py", fp8="tensorwise", world_size=2, shard="zero3", compile=True, compile_scope="blocks")
 
 
 @pytest.mark.parametrize("more,needle", [
