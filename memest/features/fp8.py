@@ -55,10 +55,15 @@ def fp8_filter(module, fqn: str, skip: list[str] | None = None) -> bool:
     """convert_to_float8_training's module_filter_fn, torchtitan's ``module_filter_fn``
     (torchtitan/components/quantization/utils.py): nn.Linear layers whose dimensions are multiples of 16 and whose
     name contains none of ``skip`` (its ``filter_fqns``, --fp8-skip)."""
+    return eligible_linear(module, fqn, DIM_MULTIPLE, skip)
+
+
+def eligible_linear(module, fqn: str, multiple: int, skip: list[str] | None) -> bool:
+    """An nn.Linear whose two dimensions are multiples of ``multiple`` and whose name contains none of ``skip``."""
     import torch
 
-    return (isinstance(module, torch.nn.Linear) and module.in_features % DIM_MULTIPLE == 0
-            and module.out_features % DIM_MULTIPLE == 0 and not any(part in fqn for part in skip or ()))
+    return (isinstance(module, torch.nn.Linear) and module.in_features % multiple == 0
+            and module.out_features % multiple == 0 and not any(part in fqn for part in skip or ()))
 
 
 def convert(model, recipe: str, all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION, skip: str = ""):

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 
 from memest.errors import MemestError
 from memest.features.base import StepFeature
-from memest.features.fp8 import skip_parts
+from memest.features.fp8 import eligible_linear, skip_parts
 from memest.imports import quiet_library_import
 from memest.spec.choices import Fp8
 from memest.trace.tracker import TrackerRules
@@ -69,18 +69,11 @@ KERNEL_SOURCES = (
 )
 
 
-def is_mx(recipe: Fp8) -> bool:
-    return recipe in RECIPES
-
-
 def mx_filter(module, fqn: str, skip: list[str] | None = None) -> bool:
     """The Linear layers whose two dimensions are multiples of the MX block (torchao's casts assert it for the
     weight along both dimensions; the others would fail in the real run, so they stay high precision) and whose name
     contains none of ``skip`` (--fp8-skip: torchtitan's mx ``filter_fqns``)."""
-    import torch
-
-    return (isinstance(module, torch.nn.Linear) and module.in_features % BLOCK == 0
-            and module.out_features % BLOCK == 0 and not any(part in fqn for part in skip or ()))
+    return eligible_linear(module, fqn, BLOCK, skip)
 
 
 def convert(model, recipe: Fp8, skip: str = "") -> tuple[int, set[int]]:
@@ -114,7 +107,7 @@ def _rows_cols(x) -> tuple[int, int]:
 def _check_blocks(what: str, rows: int, cols: int, need_rows: bool) -> None:
     if cols % BLOCK or (need_rows and rows % BLOCK):
         raise MemestError(
-            f"--fp8 mxfp8: an MXFP8 {what} of a {rows} x {cols} operand: torchao's kernels need "
+            f"--fp8 mxfp8 / mxfp8-wgrad-hp: an MXFP8 {what} of a {rows} x {cols} operand: torchao's kernels need "
             f"{'both dimensions' if need_rows else 'the last dimension'} to be multiples of {BLOCK} (the real run "
             f"fails the same way); for the activations that is batch x sequence tokens: choose --batch/--seq so "
             f"their product is a multiple of {BLOCK}"
@@ -141,13 +134,12 @@ def mxfp8_quantize_cuda(x, rowwise: bool = False, colwise: bool = True, scaling_
 
     rows, cols = _rows_cols(x)
     _check_blocks("column cast", rows, cols, need_rows=True)
-    empty8 = x.new_empty(0, dtype=torch.float8_e4m3fn)
-    emptys = x.new_empty(0, dtype=torch.float8_e8m0fnu)
     if rowwise:
         out_row = x.new_empty(rows, cols, dtype=torch.float8_e4m3fn)
         scale_row = x.new_empty(rows, cols // BLOCK, 1, dtype=torch.float8_e8m0fnu)
     else:
-        out_row, scale_row = empty8, emptys
+        out_row = x.new_empty(0, dtype=torch.float8_e4m3fn)
+        scale_row = x.new_empty(0, dtype=torch.float8_e8m0fnu)
     if colwise:
         out_col = torch.empty_strided((rows, cols), (1, rows), dtype=torch.float8_e4m3fn, device=x.device)
         scale_col = torch.empty_strided((cols, rows // BLOCK), (1, cols), dtype=torch.float8_e8m0fnu, device=x.device)

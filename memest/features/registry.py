@@ -14,10 +14,11 @@ from memest.features.finetune import FinetuneFeature
 from memest.features.fp8 import Fp8Feature
 from memest.features.grpo import GRPOFeature
 from memest.features.loss_head import LossHeadFeature
-from memest.features.mxfp8 import MxFp8Feature, is_mx
+from memest.features.mxfp8 import MxFp8Feature
 from memest.features.optim import OptimizerFeature, step_optimizer
 from memest.features.optim_in_backward import OptimInBackwardFeature
 from memest.features.preference_feature import PreferenceFeature
+from memest.features.te_fp8 import TEFp8Feature
 from memest.features.upper_bound import UpperBoundFeature
 from memest.parallel.feature import ParallelFeature
 from memest.spec import RunSpec
@@ -37,7 +38,8 @@ def features_for(spec: RunSpec) -> list[StepFeature]:
     if spec.lora or spec.freeze or spec.quant != Quant.NONE:
         features.append(FinetuneFeature())
     if spec.fp8 != Fp8.NONE:  # torchao converts the Linear layers before checkpointing (torchtitan's order)
-        features.append(MxFp8Feature(spec.fp8) if is_mx(spec.fp8) else Fp8Feature())
+        features.append(MxFp8Feature(spec.fp8) if spec.fp8.is_mx else
+                        TEFp8Feature() if spec.fp8 == Fp8.TE_DELAYED else Fp8Feature())
     if spec.checkpointing != "none":
         features.append(CheckpointingFeature())
     if spec.activation_offload != ActivationOffload.NONE:  # saved tensors to host memory (save_on_cpu's hooks)

@@ -182,7 +182,7 @@ class ActivationOffload(Choice):
 class Fp8(Choice):
     """--fp8: torchao's float8 training (features/fp8.py): nn.Linear layers converted by
     ``torchao.float8.convert_to_float8_training`` with the recipe of this name; or its MXFP8 training
-    (features/mxfp8.py)."""
+    (features/mxfp8.py); or TransformerEngine's delayed scaling, estimated (features/te_fp8.py)."""
 
     NONE = "none"
     TENSORWISE = "tensorwise"  # Float8LinearConfig.from_recipe_name("tensorwise"): one scale per tensor
@@ -191,6 +191,13 @@ class Fp8(Choice):
     MXFP8 = "mxfp8"  # mxfp8_rceil: every matmul MXFP8 on the SM100 kernels (torchtitan's MXFP8Converter recipe)
     MXFP8_WGRAD_HP = "mxfp8-wgrad-hp"  # mxfp8_rceil_wgrad_with_hp: the weight-gradient matmul in high precision
     MXFP8_EMULATED = "mxfp8-emulated"  # mxfp8_emulated_rceil: PyTorch casts, dequantized matmuls (any device)
+    # TransformerEngine's te.Linear under DelayedScaling (features/te_fp8.py): stand-ins read from TE's source, not TE
+    TE_DELAYED = "te-delayed"
+
+    @property
+    def is_mx(self) -> bool:
+        """Whether this is one of torchao's MXFP8 recipes (features/mxfp8.py) rather than its float8 training."""
+        return self in (Fp8.MXFP8, Fp8.MXFP8_WGRAD_HP, Fp8.MXFP8_EMULATED)
 
 
 class Fp8AllGather(Choice):

@@ -221,8 +221,13 @@ OPTIONS: tuple[Option, ...] = (
            "capability 8.9+) | mxfp8 | mxfp8-wgrad-hp | mxfp8-emulated (torchao's MXFP8 training recipes "
            "mxfp8_rceil, mxfp8_rceil_wgrad_with_hp, mxfp8_emulated_rceil; Linear layers whose dimensions are multiples "
            "of 32; one process or FSDP2; --compile: mxfp8-emulated only; mxfp8 and mxfp8-wgrad-hp: compute "
-           "capability 10.0+, e.g. --gpu b200).",
+           "capability 10.0+, e.g. --gpu b200) | te-delayed (TransformerEngine's te.Linear under DelayedScaling, "
+           "as accelerate's convert_model swaps it in: a documented estimate from TE 2.20's source, TE cannot run "
+           "here; one eager process, --target cuda, compute capability 8.9+).",
            override="Override float8 training."),
+    Option("fp8_amax_history", ("--fp8-amax-history",), "With --fp8 te-delayed: DelayedScaling's amax_history_len, "
+           "the float32 history each te.Linear keeps per quantizer (TransformerEngine's default 1024; Megatron-LM's "
+           "--fp8-amax-history-len default 1).", override="Override the delayed-scaling amax history length."),
     Option("fp8_skip", ("--fp8-skip",), "With --fp8: Linear layers left in high precision, by name: comma-separated "
            "parts of module names (a layer is skipped where its name contains one; torchtitan's filter_fqns, e.g. "
            "lm_head or output).", override="Override the layers --fp8 skips."),

@@ -39,8 +39,7 @@ from memest.spec.parallel_dims import FSDP_SHARDS, ParallelDims, validate
 # float8 matmuls (torch._scaled_mm, cuBLASLt FP8) need compute capability 8.9+ (Ada sm89, Hopper sm90): torch's own
 # check, torch/testing/_internal/common_cuda.py PLATFORM_SUPPORTS_FP8 (SM89OrLater); torchao/float8/README.md
 FP8_MIN_CAPABILITY = (8, 9)
-# torchao's MXFP8 training recipes and the compute capability of their kernels (features/mxfp8.py)
-MX_RECIPES = (Fp8.MXFP8, Fp8.MXFP8_WGRAD_HP, Fp8.MXFP8_EMULATED)
+# the compute capability of torchao's MXFP8 training kernels (features/mxfp8.py)
 MX_MIN_CAPABILITY = (10, 0)  # torchao builds its MXFP8 kernels for is_sm_at_least_100(); torchtitan mx.py asserts it
 
 # field -> (enum, flag); values given as strings are turned into members in __post_init__
@@ -188,6 +187,8 @@ class RunSpec:
     fp8_all_gather: Fp8AllGather = Fp8AllGather.HIGH_PRECISION
     # Linear layers left in high precision by --fp8: comma-separated name parts (torchtitan's filter_fqns, features/fp8.py)
     fp8_skip: str = ""
+    # --fp8 te-delayed: DelayedScaling's amax_history_len (TransformerEngine's default 1024; features/te_fp8.py)
+    fp8_amax_history: int = 1024
     # training loop: kept = the plain loop (out referenced through backward and into the next forward), the safe side;
     # freed = out dropped before backward (HF Trainer, Lightning, torchtune)
     outputs: Outputs = Outputs.KEPT
@@ -661,15 +662,21 @@ class RunSpec:
             if self.fp8_all_gather == Fp8AllGather.FLOAT8_PRECOMPUTED and self.optim_in_backward:
                 raise MemestError(f"{flag} runs after the optimizer step, which --optim-in-backward replaces by "
                                   "per-parameter steps; use --fp8-all-gather float8, or drop --optim-in-backward")
+        if self.fp8_amax_history != 1024 and self.fp8 != Fp8.TE_DELAYED:
+            raise MemestError(f"--fp8-amax-history {self.fp8_amax_history} is TransformerEngine's delayed-scaling "
+                              "history; it needs --fp8 te-delayed")
         if self.fp8 == Fp8.NONE:
             if self.fp8_skip:
                 raise MemestError(f"--fp8-skip {self.fp8_skip!r} names Linear layers --fp8 leaves in high precision; it "
                                   "needs --fp8")
             return
         if not self.training:
-            raise MemestError(f"--fp8 {self.fp8} is torchao's float8 training; drop it with --mode {self.mode}")
-        if self.fp8 in MX_RECIPES:
+            raise MemestError(f"--fp8 {self.fp8} is FP8 training; drop it with --mode {self.mode}")
+        if self.fp8.is_mx:
             self._check_mxfp8()
+            return
+        if self.fp8 == Fp8.TE_DELAYED:
+            self._check_te_fp8()
             return
         if self.target == Target.CUDA and tuple(self.compute_capability) < FP8_MIN_CAPABILITY:
             major, minor = self.compute_capability
@@ -697,6 +704,32 @@ class RunSpec:
                     "gloo ranks); over ranks memest traces float8 under FSDP2 alone: --shard zero2 or zero3 "
                     "(docs/fp8.md)"
                 )
+
+    def _check_te_fp8(self) -> None:
+        """TransformerEngine's delayed scaling (features/te_fp8.py): a documented estimate of one eager process."""
+        if self.fp8_amax_history < 1:
+            raise MemestError(f"--fp8-amax-history {self.fp8_amax_history}: DelayedScaling's history holds at least 1 "
+                              "step")
+        if self.target != Target.CUDA:
+            raise MemestError("--fp8 te-delayed is TransformerEngine, which runs on NVIDIA GPUs only; use --target cuda")
+        if tuple(self.compute_capability) < FP8_MIN_CAPABILITY:
+            major, minor = self.compute_capability
+            raise MemestError(
+                f"--fp8 te-delayed on a GPU of compute capability {major}.{minor}: TransformerEngine's FP8 needs 8.9 or "
+                "later (transformer_engine/pytorch/quantization.py check_fp8_support: 'Device compute capability 8.9 "
+                "or higher required for FP8 execution'); drop --fp8"
+            )
+        other = [flag for flag, on in (
+            ("--lora/--quant/--freeze", bool(self.lora) or self.quant != Quant.NONE or bool(self.freeze)),
+            (f"--world-size {self.world_size}", self.world_size > 1), ("--compile", bool(self.compile)),
+            (f"--offload {self.offload}", self.offload != Offload.NONE),
+            (f"--preference {self.preference}", self.preference != Preference.NONE)) if on]
+        if other:
+            raise MemestError(
+                f"--fp8 te-delayed with {', '.join(other)} is not estimated: memest prices TransformerEngine's Linear in "
+                f"one eager process only (a documented estimate, TE cannot run here; docs/fp8.md); drop "
+                f"{'them' if len(other) > 1 else 'it'}"
+            )
 
     def _check_mxfp8(self) -> None:
         """torchao's MXFP8 training (features/mxfp8.py): eager, a full-weight step, one process or FSDP2 alone."""
