@@ -209,3 +209,31 @@ def test_layer_norm_input_gradient_is_contiguous():
     assert not out[0].is_contiguous()  # the meta kernel's
     fixed = aten_norms.backward_outputs(args, {}, out, lambda op, *a, **k: op(*a, **k))
     assert fixed[0].is_contiguous() and fixed[0].shape == out[0].shape
+
+
+BF, F32 = torch.bfloat16, torch.float32
+# (description, fn(x_bf16, col_f32, zero_d_f32, row_bf16, x_f32)): mixed-dtype arithmetic, in place and not
+MIXED = [
+    ("bf16 mul_ f32 column", lambda xb, col, z, rb, xf: xb.mul_(col)),
+    ("bf16 mul_ 0-d f32", lambda xb, col, z, rb, xf: xb.mul_(z)),
+    ("bf16 mul f32 column", lambda xb, col, z, rb, xf: xb * col),
+    ("bf16 mul bf16 row", lambda xb, col, z, rb, xf: xb * rb),
+    ("f32 mul_ bf16 row", lambda xb, col, z, rb, xf: xf.mul_(rb)),
+    ("f32 add bf16", lambda xb, col, z, rb, xf: xf + xb),
+    ("bf16 sub_ f32", lambda xb, col, z, rb, xf: xb.sub_(xf)),
+    ("f32 div bf16 column", lambda xb, col, z, rb, xf: xf / col.to(BF)),
+]
+
+
+@pytest.mark.parametrize("case", MIXED, ids=[c[0] for c in MIXED])
+def test_mixed_dtype_arithmetic_matches_real_allocations(case):
+    """TensorIterator's common-dtype copies on the CPU (targets/cpu/aten_binary.py), call by call against the
+    profiler: each input not in the common dtype copied to it, an in-place output not in it given a temporary."""
+    _, fn = case
+    args = (torch.randn(800, 256, dtype=BF), torch.randn(800, 1), torch.tensor(2.0), torch.randn(1, 256, dtype=BF),
+            torch.randn(800, 256))
+    calls, _ = _ops(lambda: fn(*args))
+    arithmetic = [c for c in calls if c.op.split(".")[0].rstrip("_") in ("add", "sub", "mul", "div")]
+    assert arithmetic
+    for c in arithmetic:
+        assert c.exact, f"{c.op}: real peak {c.real_peak} kept {c.real_kept}, model {c.model_peak} / {c.model_kept}"

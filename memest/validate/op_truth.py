@@ -37,8 +37,11 @@ class OpCall:
         return self.real_peak == self.model_peak and self.real_kept == self.model_kept
 
 
-def _storage_bytes(out) -> int:
-    seen, total = set(), 0
+def _storage_bytes(out, inputs=()) -> int:
+    """Bytes of the distinct storages in ``out`` that are not the storage of a tensor in ``inputs`` (an in-place op
+    returns its ``self``: not a new allocation, as the tracker counts it)."""
+    seen = {t.untyped_storage()._cdata for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    total = 0
     for t in tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor):
             key = t.untyped_storage()._cdata
@@ -68,10 +71,10 @@ class _Model(TorchDispatchMode):
         if fix is not None and not late:  # (a) replaced before the tracker records them (ops on meta tensors)
             meta_out = fix(meta_args, kwargs, meta_out, lambda op, *a, **k: op(*a, **k))
         outs = (meta_out,) if isinstance(meta_out, torch.Tensor) else meta_out
-        fake_bytes = _storage_bytes([t for i, t in enumerate(outs) if i not in late])
+        fake_bytes = _storage_bytes([t for i, t in enumerate(outs) if i not in late], meta_args)
         if fix is not None and late:  # (b) made by the kernel after its scratch is freed
             meta_out = fix(meta_args, kwargs, meta_out, _meta_empty)
-        self.calls.append((func.__name__, scratch, fake_bytes, _storage_bytes(meta_out)))
+        self.calls.append((func.__name__, scratch, fake_bytes, _storage_bytes(meta_out, meta_args)))
         return func(*args, **kwargs)
 
 

@@ -2,8 +2,8 @@
 the CPU allocator that their fake (meta) kernels do not show: oneDNN's LSTM workspace and scratch
 (onednn_rnn.py), the layout buffers and scratchpads of oneDNN convolutions (onednn_conv.py),
 mse_loss's input-sized result storage (aten_losses.py), and layer norm's contiguous copies, reduction
-buffer and contiguous input gradient (aten_norms.py), and the float32 copies of the emulated float8 matmul
-(aten_scaled_mm.py).
+buffer and contiguous input gradient (aten_norms.py), the float32 copies of the emulated float8 matmul
+(aten_scaled_mm.py), and mixed-dtype arithmetic's common-dtype copies (aten_binary.py).
 Rules come from ATen's, ideep's and oneDNN's sources and are checked against torch.profiler on real
 runs, kernel by kernel (validate/op_truth.py, scripts/probe_onednn.py, benchmarks/onednn-scratch.md)."""
 
@@ -14,7 +14,7 @@ import os
 import torch
 
 from memest.spec.choices import Mode
-from memest.targets.cpu import aten_losses, aten_norms, aten_scaled_mm, onednn_rnn
+from memest.targets.cpu import aten_binary, aten_losses, aten_norms, aten_scaled_mm, onednn_rnn
 from memest.targets.cpu.onednn_conv import ConvScratch
 from memest.units import format_bytes
 from memest.worker import modelled_threads
@@ -29,6 +29,8 @@ CPU_SCRATCH = {
     aten.native_layer_norm.default: aten_norms.forward_scratch,
     aten.native_layer_norm_backward.default: aten_norms.backward_scratch,
     aten._scaled_mm.default: aten_scaled_mm.scaled_mm_scratch,
+    **dict.fromkeys(aten_binary.OUT_OF_PLACE, aten_binary.common_dtype_scratch),
+    **dict.fromkeys(aten_binary.IN_PLACE, aten_binary.in_place_scratch),
 }
 
 # aten op -> fn(args, kwargs, out, empty) -> out: outputs the real kernel makes that the fake one does not
@@ -50,6 +52,30 @@ def conv_modelled() -> bool:
     return torch.backends.cpu.get_cpu_capability() == CONV_ISA and (
         capped == "ALL" or "AVX512" in capped or "AVX10" in capped or "AMX" in capped
     )
+
+
+def onednn_half_matmul() -> bool:
+    """Whether this CPU runs bf16/fp16 matmuls through oneDNN (ATen mkldnn/Matmul.cpp use_mkldnn_bf16_matmul /
+    use_mkldnn_fp16_matmul: oneDNN enabled and its bf16/fp16 device check, AVX-512 class CPUs and AMX): those
+    kernels reorder operands and use scratchpads through the CPU allocator, which memest does not model (measured on
+    an Intel Xeon with AMX, torch 2.13: 26 KiB to 3 MiB per bf16 call; none for fp32, which stays on MKL's sgemm)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class HalfMatmuls:
+    """Counts the bf16/fp16 matmuls of a trace on a CPU where oneDNN runs them (their scratch is not modelled)."""
+
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, args, kwargs) -> list[int]:
+        if any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args[:3]):
+            self.calls += 1
+        return []
 
 
 def cpu_kernels(nthreads: int | None = None) -> tuple[dict, dict, ConvScratch]:

@@ -65,6 +65,6 @@ def scaled_mm_scratch(args, kwargs) -> list[int]:
     sizes = [mat.numel() * mat.element_size() for mat in (mat1, mat2) if not mat.is_contiguous()]
     if onednn_path(mat1, mat2, scale_a, scale_b):
         return [*sizes, ONEDNN_SCALES]
-    product = 4 * m * n + (m * n * torch.empty((), dtype=out_dtype).element_size() if out_dtype != torch.float32 else 0)
+    product = 4 * m * n + (m * n * out_dtype.itemsize if out_dtype != torch.float32 else 0)
     scalars = SCALAR_TEMPORARIES if scale_a is not None and scale_a.numel() == 1 else 0
     return [*sizes, 4 * m * k, 4 * k * n, max(4 * k * n + scalars, product)]
