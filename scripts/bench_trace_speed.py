@@ -32,6 +32,7 @@ CASES = [
     ("--fp8 tensorwise", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw"}, {"fp8": "tensorwise"}),
     ("--fp8 mxfp8", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw", "compute_capability": (10, 0)},
      {"fp8": "mxfp8"}),
+    ("--fp8 te-delayed", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw"}, {"fp8": "te-delayed"}),
 ]
 
 

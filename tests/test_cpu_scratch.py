@@ -237,3 +237,17 @@ def test_mixed_dtype_arithmetic_matches_real_allocations(case):
     assert arithmetic
     for c in arithmetic:
         assert c.exact, f"{c.op}: real peak {c.real_peak} kept {c.real_kept}, model {c.model_peak} / {c.model_kept}"
+
+
+def test_half_precision_matmuls_noted_where_onednn_runs_them():
+    """A bf16 step's trace says when this CPU runs its matmuls through oneDNN (scratch not modelled); an fp32 step's
+    never does, and neither does any step on a CPU where oneDNN does not take bf16 matmuls."""
+    from memest.targets.cpu import onednn_half_matmul
+
+    def noted(precision: str) -> bool:
+        spec = RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=16, target="cpu", precision=precision)
+        return any("bf16/fp16 matmuls: this CPU runs them through oneDNN" in n
+                   for n in trace_step(load_source(spec.model), spec).notes)
+
+    assert noted("bf16") == onednn_half_matmul()
+    assert not noted("fp32")
