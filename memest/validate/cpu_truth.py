@@ -33,6 +33,21 @@ def _allocation_events(prof) -> list:
     return out
 
 
+HALF_MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+
+
+def onednn_half_matmuls(prof) -> int:
+    """The profiled step's bf16/fp16 matmul calls where this CPU runs them through oneDNN
+    (targets/cpu.onednn_half_matmul): kernels whose reorders and scratchpads memest does not model, so a byte-exact
+    comparison of such a step is not claimed (the trace's note says so). 0 elsewhere. Needs ``record_shapes``."""
+    from memest.targets.cpu import onednn_half_matmul
+
+    if not onednn_half_matmul():
+        return 0
+    half = ("c10::BFloat16", "c10::Half")
+    return sum(1 for e in prof.events() if e.name in HALF_MATMULS and any(d in half for d in (e.input_dtypes or ())))
+
+
 def _holders(t: torch.Tensor):
     """``t``, or the inner tensors that hold a wrapper subclass's memory (``__tensor_flatten__``'s; torchao's
     MXFP8 weight wrapper owns no storage of its own)."""
@@ -76,7 +91,8 @@ def _measure(source: ModelSource, spec: RunSpec) -> dict:
         for _ in range(spec.iterations):
             run_step(runnable, inputs, optimizer, source.compute_loss, spec, loop=loop)
     peak, top = _step_peak(_allocation_events(prof))
-    return {"peak_bytes": peak + baseline, "op_at_peak": top.parent.name if top is not None and top.parent is not None else None}
+    return {"peak_bytes": peak + baseline, "op_at_peak": top.parent.name if top is not None and top.parent is not None else None,
+            "onednn_half_matmuls": onednn_half_matmuls(prof)}
 
 
 def _step_peak(events) -> tuple[int, object]:

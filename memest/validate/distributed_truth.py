@@ -35,7 +35,12 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import CompileScope, Target
 from memest.trace.step import LoopState
-from memest.validate.cpu_truth import _allocation_events, _distinct_storage_bytes, profiled_phase_peaks
+from memest.validate.cpu_truth import (
+    _allocation_events,
+    _distinct_storage_bytes,
+    onednn_half_matmuls,
+    profiled_phase_peaks,
+)
 
 PHASE_PREFIX = "memest.grpo."  # features/grpo.py GRPOStep.mark
 PRELOAD = ["memest.validate.distributed_truth", *FORKSERVER_PRELOAD]  # imports.FORKSERVER_PRELOAD says why
@@ -231,8 +236,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     # the last iteration, counted as cpu_truth.measure_cpu_phase_peaks counts them (the baseline added)
     phases = profiled_phase_peaks(prof, PHASE_PREFIX, spec.iterations, allocator_totals=True)
     phases = {name: peak + baseline for name, peak in phases.items()}
+    half = onednn_half_matmuls(prof)
     return {**_peak(_allocation_events(prof), baseline, rank), **({"state_bytes": state} if state else {}),
-            **({"phase_peaks": phases} if phases else {})}
+            **({"phase_peaks": phases} if phases else {}), **({"onednn_half_matmuls": half} if half else {})}
 
 
 def _sharded_state_bytes(module, optimizer) -> dict[str, int]:
