@@ -17,6 +17,7 @@ from memest.features.registry import build, run_step, step_optimizer
 from memest.sources.base import ModelSource
 from memest.spec import RunSpec
 from memest.spec.choices import Target
+from memest.targets.cpu import onednn_half_matmul
 from memest.trace.devices import traced_device
 from memest.trace.step import LoopState
 
@@ -40,8 +41,6 @@ def onednn_half_matmuls(prof) -> int:
     """The profiled step's bf16/fp16 matmul calls where this CPU runs them through oneDNN
     (targets/cpu.onednn_half_matmul): kernels whose reorders and scratchpads memest does not model, so a byte-exact
     comparison of such a step is not claimed (the trace's note says so). 0 elsewhere. Needs ``record_shapes``."""
-    from memest.targets.cpu import onednn_half_matmul
-
     if not onednn_half_matmul():
         return 0
     half = ("c10::BFloat16", "c10::Half")
