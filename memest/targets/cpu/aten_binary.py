@@ -21,25 +21,31 @@ OUT_OF_PLACE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tens
 IN_PLACE = (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor)
 
 
-def _tensors(args) -> list[torch.Tensor]:
-    return [a for a in args[:2] if isinstance(a, torch.Tensor)]
+def _mixed(args) -> tuple[list[torch.Tensor], torch.dtype | None]:
+    """The two tensor operands and their common dtype; None where there is nothing to copy (one tensor, or both in
+    the same floating dtype: the common case, answered first, as every call of these ops in a trace comes here)."""
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if len(tensors) < 2 or (tensors[0].dtype == tensors[1].dtype and tensors[0].dtype.is_floating_point):
+        return tensors, None
+    return tensors, torch.result_type(args[0], args[1])
+
+
+def _copies(tensors: list[torch.Tensor], common: torch.dtype) -> list[int]:
+    return [t.numel() * common.itemsize for t in tensors if t.dtype != common and t.numel()]
 
 
 def common_dtype_scratch(args, kwargs) -> list[int]:
-    """Bytes of the common-dtype copies of the inputs (and of an in-place op's temporary output)."""
-    tensors = _tensors(args)
-    if len(tensors) < 2 or (tensors[0].dtype == tensors[1].dtype and tensors[0].dtype.is_floating_point):
-        return []  # the common case, answered first: every call of these ops in a trace comes here
-    common = torch.result_type(args[0], args[1])
-    return [t.numel() * common.itemsize for t in tensors if t.dtype != common and t.numel()]
+    """Bytes of the common-dtype copies of the inputs."""
+    tensors, common = _mixed(args)
+    return _copies(tensors, common) if common else []
 
 
 def in_place_scratch(args, kwargs) -> list[int]:
     """As ``common_dtype_scratch``, plus ``self``'s temporary output where ``self`` is not in the common dtype."""
-    sizes = common_dtype_scratch(args, kwargs)
-    self = args[0]
-    if sizes and isinstance(self, torch.Tensor) and len(_tensors(args)) == 2:
-        common = torch.result_type(args[0], args[1])
-        if self.dtype != common:
-            sizes.append(self.numel() * common.itemsize)
+    tensors, common = _mixed(args)
+    if common is None:
+        return []
+    sizes = _copies(tensors, common)
+    if sizes and tensors[0] is args[0] and args[0].dtype != common:
+        sizes.append(args[0].numel() * common.itemsize)
     return sizes
