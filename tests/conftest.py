@@ -29,6 +29,20 @@ def model_ref(name: str) -> str:
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: traces full-size configs (seconds each)")
     _skip_steps_with_onednn_half_matmuls()
+    _traces_collect_after_compile_as_the_truth_does(config)
+
+
+def _traces_collect_after_compile_as_the_truth_does(config) -> None:
+    """The suite's traces see dynamo's post-compile collection as the ground truth does: a full one, freeing the
+    compile's reference cycle (and the first call's position ids it holds) as the compile ends, whatever this
+    long-lived test process collected before (memest/validate/collector.py says why it otherwise depends on it)."""
+    import contextlib
+
+    from memest.validate.collector import full_collection_after_compile
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(full_collection_after_compile())
+    config.add_cleanup(stack.close)
 
 
 ONEDNN_HALF = ("the real step ran {n} bf16/fp16 matmuls through oneDNN (this CPU: AVX-512/AMX), whose reorders and "

@@ -66,10 +66,12 @@ def test_float8_whole_model_compiled_reads_as_the_plain_compiled_step_does():
 
 # Over FSDP2 ranks (--compile-scope blocks --world-size 2 --shard zero2|zero3), torchtitan's order: the float8 (or
 # MXFP8) conversion, checkpointing, each block compiled, then fully_shard. (recipe, shard, more), llama-tiny batch 2,
-# SGD; measured 2026-11-28, every rank to the byte: tensorwise zero3 7,302,664 B; + float8 all-gather 7,269,912 B;
-# rowwise zero2 7,418,824 B; tensorwise zero3 + checkpointed blocks 5,587,272 B (seq 128); MXFP8 emulated zero3
-# 4,217,288 B; zero2 + checkpointed blocks 3,546,440 B (seq 64)
-# (rowwise zero2 and tensorwise zero3 with checkpointed blocks were measured too; left out of the suite for its time)
+# SGD; measured 2026-11-28, every rank to the byte, with dynamo's collection after a compile made a full one on both
+# sides (memest/validate/collector.py; before, a new process counted the first step's position ids too, +1,024 B at
+# seq 128 and +512 B at seq 64, and CI's long-lived worker traced the MXFP8 case without them): tensorwise zero3
+# 7,301,640 B; + float8 all-gather 7,268,888 B; MXFP8 emulated zero3 4,216,776 B; zero2 + checkpointed blocks
+# 3,546,440 B (seq 64); rowwise zero2 7,418,824 B and tensorwise zero3 with checkpointed blocks 5,587,272 B (seq 128)
+# were measured once before that, left out of the suite for its time
 RANK_CASES = [
     ("tensorwise", "zero3", 128, ()),
     ("tensorwise", "zero3", 128, (("fp8_all_gather", "float8"),)),

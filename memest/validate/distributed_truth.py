@@ -35,6 +35,7 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import CompileScope, Target
 from memest.trace.step import LoopState
+from memest.validate.collector import full_collection_after_compile
 from memest.validate.cpu_truth import (
     _allocation_events,
     _distinct_storage_bytes,
@@ -161,7 +162,8 @@ def _rank_main(rank: int, world_size: int, port: int, specs: list[dict], seed: i
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        with _gloo_workers_settle_after_each_wait():
+        # full_collection_after_compile: when dynamo's compile cycle is freed, as the traces compared see it
+        with _gloo_workers_settle_after_each_wait(), full_collection_after_compile():
             results = [_measure(RunSpec(**_spec_args(s)), rank, seed) for s in specs]
     finally:
         dist.destroy_process_group()
