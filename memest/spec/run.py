@@ -95,6 +95,14 @@ def quant_layout_unmodelled(spec) -> list[str]:
     return out
 
 
+def refuse_combination(option: str, flags: tuple[tuple[str, bool], ...], reason: str, alternative: str = "") -> None:
+    """Refuse ``option`` with every flag of ``flags`` that is set (each named with its value, so that the API's message
+    names the keyword and its value), in one message: '{option} with {flags} {reason}; drop them|it{alternative}'."""
+    on = [flag for flag, is_on in flags if is_on]
+    if on:
+        raise MemestError(f"{option} with {', '.join(on)} {reason}; drop {'them' if len(on) > 1 else 'it'}{alternative}")
+
+
 def image_hw(text: str) -> tuple[int, int]:
     """(height, width) of --image-size HxW (e.g. 448x640), or MemestError."""
     parts = str(text).lower().split("x")
@@ -604,7 +612,7 @@ class RunSpec:
                 f"--fsdp-version 1 wraps a training step over data-parallel ranks: it needs --world-size 2 or more "
                 f"and --mode train (got --world-size {self.world_size}, --mode {self.mode}); {supported}"
             )
-        other = [flag for flag, on in (
+        refuse_combination("--fsdp-version 1", (
             (f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1), (f"--cp {self.cp}", self.cp > 1),
             (f"--ep {self.ep}", self.ep > 1), (f"--fp8 {self.fp8}", self.fp8 != Fp8.NONE),
             ("--compile", bool(self.compile)), (f"--preference {self.preference}", self.preference != Preference.NONE),
@@ -612,13 +620,8 @@ class RunSpec:
             (f"--offload {self.offload}", self.offload == Offload.OPTIMIZER),
             (f"--precision {self.precision}", self.precision == Precision.FP16_MIXED),
             (f"--activation-offload {self.activation_offload}", self.activation_offload != ActivationOffload.NONE),
-        ) if on]
-        if other:
-            raise MemestError(
-                f"--fsdp-version 1 with {', '.join(other)} is not traced (FSDP1 is modelled for pure data parallelism, "
-                f"checked against real gloo ranks); drop {'them' if len(other) > 1 else 'it'}, or use --fsdp-version 2; "
-                f"{supported}"
-            )
+        ), "is not traced (FSDP1 is modelled for pure data parallelism, checked against real gloo ranks)",
+            f", or use --fsdp-version 2; {supported}")
 
     def _check_compile(self) -> None:
         if self.compile and self.world_size > 1:
@@ -638,15 +641,10 @@ class RunSpec:
                 "splits the graph at DDP's bucket boundaries, FSDP2 traces its collectives into it); use --compile-scope "
                 f"blocks, or drop --compile (--no-compile for a model file that compiles itself); {supported}"
             )
-        # each flag with its value, so that the API's message names the keyword and its value (tp=2, not tp=)
-        other = [flag for flag, on in ((f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1),
-                                       (f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}", self.ep > 1),
-                                       (f"--offload {self.offload}", self.offload != Offload.NONE))
-                 if on]
-        if other:
-            raise MemestError(f"--compile-scope blocks with {', '.join(other)} is not traced (not checked against real "
-                              f"compiled runs); drop {'them' if len(other) > 1 else 'it'}, or drop --compile-scope "
-                              f"blocks; {supported}")
+        refuse_combination("--compile-scope blocks", (
+            (f"--tp {self.tp}", self.tp > 1), (f"--pp {self.pp}", self.pp > 1), (f"--cp {self.cp}", self.cp > 1),
+            (f"--ep {self.ep}", self.ep > 1), (f"--offload {self.offload}", self.offload != Offload.NONE),
+        ), "is not traced (not checked against real compiled runs)", f", or drop --compile-scope blocks; {supported}")
 
     def _check_fp8(self) -> None:
         if self.fp8_all_gather != Fp8AllGather.HIGH_PRECISION:
@@ -719,17 +717,13 @@ class RunSpec:
                 "later (transformer_engine/pytorch/quantization.py check_fp8_support: 'Device compute capability 8.9 "
                 "or higher required for FP8 execution'); drop --fp8"
             )
-        other = [flag for flag, on in (
+        refuse_combination("--fp8 te-delayed", (
             ("--lora/--quant/--freeze", bool(self.lora) or self.quant != Quant.NONE or bool(self.freeze)),
             (f"--world-size {self.world_size}", self.world_size > 1), ("--compile", bool(self.compile)),
             (f"--offload {self.offload}", self.offload != Offload.NONE),
-            (f"--preference {self.preference}", self.preference != Preference.NONE)) if on]
-        if other:
-            raise MemestError(
-                f"--fp8 te-delayed with {', '.join(other)} is not estimated: memest prices TransformerEngine's Linear in "
-                f"one eager process only (a documented estimate, TE cannot run here; docs/fp8.md); drop "
-                f"{'them' if len(other) > 1 else 'it'}"
-            )
+            (f"--preference {self.preference}", self.preference != Preference.NONE),
+        ), "is not estimated: memest prices TransformerEngine's Linear in one eager process only (a documented "
+           "estimate, TE cannot run here; docs/fp8.md)")
 
     def _check_mxfp8(self) -> None:
         """torchao's MXFP8 training (features/mxfp8.py): eager, a full-weight step, one process or FSDP2 alone."""
@@ -749,14 +743,11 @@ class RunSpec:
                 "KeyError: torch.float8_e8m0fnu, torch 2.13); trace it eager (drop --compile), or trace --fp8 "
                 "mxfp8-emulated --compile"
             )
-        other = [flag for flag, on in (("--lora", bool(self.lora)), (f"--quant {self.quant}", self.quant != Quant.NONE),
-                                       (f"--offload {self.offload}", self.offload != Offload.NONE)) if on]
-        if other:
-            raise MemestError(
-                f"--fp8 {self.fp8} with {', '.join(other)} is not traced yet (MXFP8 is traced in one process, eager "
-                f"or compiled, and under FSDP2, the emulated recipe checked against real CPU steps and gloo ranks, "
-                f"docs/fp8.md); drop {'them' if len(other) > 1 else 'it'}"
-            )
+        refuse_combination(f"--fp8 {self.fp8}", (
+            ("--lora", bool(self.lora)), (f"--quant {self.quant}", self.quant != Quant.NONE),
+            (f"--offload {self.offload}", self.offload != Offload.NONE),
+        ), "is not traced yet (MXFP8 is traced in one process, eager or compiled, and under FSDP2, the emulated recipe "
+           "checked against real CPU steps and gloo ranks, docs/fp8.md)")
         self._check_fp8_ranks()
 
     def _check_optim_in_backward(self) -> None:
