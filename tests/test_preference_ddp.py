@@ -27,7 +27,7 @@ from memest.spec import RunSpec
 from memest.trace import step as core
 from memest.validate.distributed_truth import measure_distributed_peaks
 
-from .conftest import model_ref
+from .conftest import lowest_of_runs, model_ref
 
 pytest.importorskip("peft")
 pytest.importorskip("trl.trainer.dpo_trainer")
@@ -65,6 +65,10 @@ def test_every_gloo_rank_of_the_ddp_preference_step_matches_the_trace():
     for spec, (extra, scalars), ranks in zip(specs, CASES, measured, strict=True):
         traced = trace_step(load_source(spec.model), spec).peak()[0]
         assert len(ranks) == 2
+        # a rank read above the trace measures again (conftest.lowest_of_runs: gloo's worker thread freeing a
+        # collective's buffer late only lifts a measured peak; CI, 2026-11-28, the other worker busy: ORPO rank 0 read
+        # 5,064,064 B once, 64 B over; 12 runs of it here read 5,064,000 B on both ranks)
+        ranks = lowest_of_runs(spec, ranks, traced=lambda r, t=traced, s=scalars: t + s * SAVED_SCALAR)
         for rank in ranks:
             real = rank["peak_bytes"] - scalars * SAVED_SCALAR
             assert traced == real, f"{extra} rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
