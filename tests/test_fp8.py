@@ -19,7 +19,11 @@ from memest.spec import RunSpec
 from memest.targets.cpu.aten_scaled_mm import scaled_mm_scratch
 from memest.validate.cpu_truth import _allocation_events, _step_peak, measure_cpu_peak
 
-from .conftest import model_ref
+from .conftest import model_ref, onednn
+
+# the steps run ATen's CPU kernels, traced and real alike (conftest.aten_cpu_kernels: oneDNN's float8 matmul on an
+# AMX CPU takes minutes per step); the kernel rule's test and test_onednn_float8_matmul_in_a_whole_step run oneDNN's
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed (memest[fp8])")
 
@@ -82,15 +86,29 @@ def _real_peak(fn) -> int:
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["nt", "tn"])
 def test_cpu_scaled_mm_rule_matches_the_real_kernel(mkn, rowwise, out_dtype, layout):
-    """targets/cpu/aten_scaled_mm.py against torch.profiler on the real CPU kernel: output + scratch == peak."""
+    """targets/cpu/aten_scaled_mm.py against torch.profiler on the real CPU kernel: output + scratch == peak; with
+    torch's default switch, so oneDNN's float8 matmul where this CPU takes it (AMX) and ATen's emulation elsewhere."""
     m, k, n = mkn
     torch.manual_seed(0)
     a = torch.randn(m, k).to(F8) if layout == "nt" else torch.randn(k, m).to(F8).t()
     b = torch.randn(n, k).to(F8).t() if layout == "nt" else torch.randn(k, n).to(F8)
     sa, sb = (torch.full((m, 1), 2.0), torch.full((1, n), 3.0)) if rowwise else (torch.tensor(2.0), torch.tensor(3.0))
-    real = _real_peak(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype))
-    modelled = m * n * out_dtype.itemsize + sum(scaled_mm_scratch((a, b, sa, sb, None, None, out_dtype), {}))
+    with onednn(True):
+        real = _real_peak(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype))
+        modelled = m * n * out_dtype.itemsize + sum(scaled_mm_scratch((a, b, sa, sb, None, None, out_dtype), {}))
     assert modelled == real, (modelled, real)
+
+
+@needs_torchao
+def test_onednn_float8_matmul_in_a_whole_step():
+    """A tensorwise step with torch's default switch: on an AMX CPU every float8 matmul takes oneDNN's path
+    (targets/cpu/aten_scaled_mm.py onednn_path; 7 s for this small step here, against 75 s at batch 2, seq 64), on
+    other CPUs ATen's emulation, as in the tests above."""
+    spec = _spec("transformer", 1, 16, "tensorwise")
+    with onednn(True):
+        traced = trace_step(load_source(spec.model), spec).peak()[0]
+        real = measure_cpu_peak(load_source(spec.model), spec)["peak_bytes"]
+    assert traced == real, (traced, real)
 
 
 class _Float8Matmuls(torch.utils._python_dispatch.TorchDispatchMode):

@@ -22,6 +22,9 @@ from memest.spec.config import load_config
 
 from .conftest import lowest_of_runs, model_ref
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels; tests/test_fp8.py runs oneDNN's)
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed (memest[fp8])")
 
 HP, F8, F8P = "high-precision", "float8", "float8-precomputed"

@@ -25,6 +25,10 @@ from memest.validate.distributed_truth import measure_distributed_peaks
 
 from .conftest import model_ref
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
+# CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 QLORA = ["--lora", "r=8,targets=all-linear", "--quant", "nf4"]
 
 # (flags that lay the run out, the option the error names first)

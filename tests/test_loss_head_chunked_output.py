@@ -16,6 +16,10 @@ from memest.validate.cpu_truth import measure_cpu_peak
 from .conftest import model_ref
 from .torchtune_ce_chunked_output import CEWithChunkedOutputLoss
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
+# CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 # the plain head on GPT-2 reads 48 B below its real step (a residual of that model's trace, not of the head);
 # the fp32 3-chunk case reads 4 B low (not traced to its op; a 0-d scalar suspected). Peaks are 8-90 MB: 64 B is
 # a byte-level bound.

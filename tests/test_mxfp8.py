@@ -21,6 +21,9 @@ from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels; tests/test_fp8.py runs oneDNN's)
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed (memest[fp8])")
 
 # (model, batch, seq): tokens (batch x seq) and every converted Linear's dimensions multiples of 32

@@ -13,6 +13,9 @@ from memest.spec import RunSpec
 
 from .conftest import lowest_of_runs, model_ref
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels; tests/test_fp8.py runs oneDNN's)
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed (memest[fp8])")
 
 # (model, batch, seq, shard, more)

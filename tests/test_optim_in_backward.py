@@ -24,6 +24,10 @@ from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import lowest_of_runs, model_ref
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
+# CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 RESIDUAL = 16  # B: AdamW's residual of the plain step (module docstring); SGD is exact
 
 # (model, batch, seq): small sequences, where parameters, gradients and state make the step's peak

@@ -4,7 +4,9 @@ cpu_truth does. The processes wrap the model with the same code the trace uses
 (trace/distributed.wrap), on real tensors and a real process group.
 
 Processes come from a forkserver that imports torch (and memest) once, so each run costs a fork,
-not an interpreter start; every rank runs all the cases it is given, one after another.
+not an interpreter start; every rank runs all the cases it is given, one after another. Each rank runs under the
+caller's oneDNN switch (``torch.backends.mkldnn.enabled``), which a trace in the caller's process reads where the
+CPU kernel depends on it (targets/cpu: ``_scaled_mm``'s oneDNN path, oneDNN's bf16/fp16 matmuls).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def measure_distributed_peaks(specs: list[RunSpec], seed: int = 0, threads: int 
     with tempfile.TemporaryDirectory(prefix="memest-dist-") as out_dir:
         mp.start_processes(
             _rank_main,
-            args=(world_size, _free_port(), [asdict(s) for s in specs], seed, threads, out_dir),
+            args=(world_size, _free_port(), [asdict(s) for s in specs], seed, threads, out_dir,
+                  torch.backends.mkldnn.enabled),
             nprocs=world_size,
             join=True,
             start_method="forkserver",
@@ -156,8 +159,10 @@ def _gloo_workers_settle_after_each_wait():
         work.wait = original
 
 
-def _rank_main(rank: int, world_size: int, port: int, specs: list[dict], seed: int, threads: int, out_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, specs: list[dict], seed: int, threads: int, out_dir: str,
+               onednn: bool = True) -> None:
     torch.set_num_threads(threads)  # ranks share this machine's cores
+    torch.backends.mkldnn.enabled = onednn  # the caller's switch (module docstring)
     _count_frees_on_every_thread()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
