@@ -81,19 +81,27 @@ def _real_peak(fn) -> int:
     return _step_peak(_allocation_events(prof))[0]
 
 
-@pytest.mark.parametrize("mkn", [(128, 256, 512), (8000, 128, 256), (128, 8000, 256), (32, 64, 1024)])
+SHAPES = [(128, 256, 512), (8000, 128, 256), (128, 8000, 256), (32, 64, 1024)]
+# every shape with oneDNN off (ATen's emulation), the two small ones with it on (oneDNN's float8 matmul where this CPU
+# takes it, AMX: 11-19 s a call for the two long shapes, conftest.aten_cpu_kernels)
+KERNELS = [(mkn, False) for mkn in SHAPES] + [(mkn, True) for mkn in SHAPES if max(mkn) < 8000]
+
+
+@pytest.mark.parametrize("mkn,with_onednn", KERNELS, ids=[f"{'x'.join(map(str, c))}-{'onednn' if o else 'aten'}"
+                                                          for c, o in KERNELS])
 @pytest.mark.parametrize("rowwise", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["nt", "tn"])
-def test_cpu_scaled_mm_rule_matches_the_real_kernel(mkn, rowwise, out_dtype, layout):
+def test_cpu_scaled_mm_rule_matches_the_real_kernel(mkn, with_onednn, rowwise, out_dtype, layout):
     """targets/cpu/aten_scaled_mm.py against torch.profiler on the real CPU kernel: output + scratch == peak; with
-    torch's default switch, so oneDNN's float8 matmul where this CPU takes it (AMX) and ATen's emulation elsewhere."""
+    oneDNN off (ATen's emulation) and on (oneDNN's float8 matmul where this CPU takes it, AMX; the emulation
+    elsewhere)."""
     m, k, n = mkn
     torch.manual_seed(0)
     a = torch.randn(m, k).to(F8) if layout == "nt" else torch.randn(k, m).to(F8).t()
     b = torch.randn(n, k).to(F8).t() if layout == "nt" else torch.randn(k, n).to(F8)
     sa, sb = (torch.full((m, 1), 2.0), torch.full((1, n), 3.0)) if rowwise else (torch.tensor(2.0), torch.tensor(3.0))
-    with onednn(True):
+    with onednn(with_onednn):
         real = _real_peak(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype))
         modelled = m * n * out_dtype.itemsize + sum(scaled_mm_scratch((a, b, sa, sb, None, None, out_dtype), {}))
     assert modelled == real, (modelled, real)

@@ -28,6 +28,10 @@ from memest.validate.cpu_truth import _distinct_storage_bytes, measure_cpu_phase
 from .conftest import model_ref
 from .test_grpo import QV, SAVED_SCALAR, assert_phases_match
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
+# CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 pytest.importorskip("peft")
 pytest.importorskip("trl.trainer.grpo_trainer")
 

@@ -16,6 +16,10 @@ from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref
 
+# traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
+# CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
+pytestmark = pytest.mark.usefixtures("aten_cpu_kernels")
+
 REL_TOL = 0.005
 
 
