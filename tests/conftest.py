@@ -205,3 +205,20 @@ def aten_cpu_kernels():
     to the byte here as on AVX2 CPUs instead of skipping."""
     with onednn(False):
         yield
+
+
+def step_kernels(source, spec):
+    """The oneDNN switch a truth test runs one step under, traced and real alike: off (``aten_cpu_kernels``'s
+    reasons) for a bf16/fp16 step of a model without convolutions or RNNs, torch's default otherwise (memest's CPU
+    rules for convolutions and LSTMs are oneDNN's: targets/cpu/onednn_conv.py, onednn_rnn.py). For a file that mixes
+    such models with convolutional or recurrent ones."""
+    from torch import nn
+
+    from memest.spec.choices import Precision
+
+    if Precision(spec.precision) == Precision.FP32:
+        return contextlib.nullcontext()
+    oneDNN_modelled = (nn.modules.conv._ConvNd, nn.RNNBase)
+    if any(isinstance(m, oneDNN_modelled) for m in source.build_model().modules()):
+        return contextlib.nullcontext()
+    return onednn(False)
