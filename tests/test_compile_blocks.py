@@ -157,8 +157,9 @@ def test_ddp_optimizer_splits_a_compiled_block_as_in_the_real_run(tmp_path, monk
     DDPOptimizer splits its graph in two (torch/_dynamo/backends/distributed.py: buckets filled in reverse graph
     order, the first closed past torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) and Inductor compiles each piece,
     which changes what each piece saves for backward; traced against 2 real gloo ranks running the same DDP step.
-    Measured: 42,216,152 B traced, 42,216,676 B on both real ranks (-524 B, -0.001%; the peak is the optimizer step's;
-    without checkpointing, of the order of the -512 B position_ids reference cycle in one process, not isolated here)."""
+    Measured: 42,216,152 B traced, 42,216,164 B on both real ranks, twice (2026-11-29; -12 B: the peak is AdamW's step,
+    whose small scalars the plain AdamW step's trace also reads below, tests/test_optim_in_backward.py; it read -524 B
+    before dynamo's collection after a compile was made a full one on the ranks: the compile's reference cycle)."""
     import json
 
     from torch._dynamo.backends import distributed as ddp_backend
