@@ -33,6 +33,12 @@ CASES = [
     ("--fp8 mxfp8", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw", "compute_capability": (10, 0)},
      {"fp8": "mxfp8"}),
     ("--fp8 te-delayed", "examples/transformer.py", {"batch": 2, "seq": 64, "optim": "adamw"}, {"fp8": "te-delayed"}),
+    # a model of the size people train with float8 (16 decoder layers: the first layer's casts are recorded, the
+    # other layers' replayed, trace/replay.py)
+    ("--fp8 tensorwise", "hf:llama-3.2-1b", {"batch": 1, "seq": 256, "optim": "adamw", "precision": "bf16-mixed"},
+     {"fp8": "tensorwise"}),
+    ("--fp8 mxfp8", "hf:llama-3.2-1b", {"batch": 1, "seq": 256, "optim": "adamw", "precision": "bf16-mixed",
+                                        "compute_capability": (10, 0)}, {"fp8": "mxfp8"}),
 ]
 
 

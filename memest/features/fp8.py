@@ -36,6 +36,7 @@ from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.imports import quiet_library_import
 from memest.spec.choices import Fp8AllGather
+from memest.trace.replay import Replays, replaying
 from memest.trace.tracker import TrackerRules
 
 SOURCES = (
@@ -96,6 +97,7 @@ class Fp8Feature(StepFeature):
         self.recipe = ""
         self.all_gather = Fp8AllGather.HIGH_PRECISION
         self.skipped = ""
+        self.replays: Replays | None = None
 
     def build(self, built, spec) -> None:
         self.recipe, self.all_gather = str(spec.fp8), spec.fp8_all_gather
@@ -116,6 +118,23 @@ class Fp8Feature(StepFeature):
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         return TrackerRules(subclass_types=(WeightWithDynamicFloat8CastTensor,))
+
+    def contexts(self, step) -> list:
+        """torchao's float8 casts and matmuls replayed from their first call with the same argument metadata
+        (trace/replay.py): the same trace, about 60% fewer float8 ops run. Not under --compile (Dynamo traces
+        torchao's functions itself)."""
+        if step.spec.compile:
+            return []
+        import torch
+        import torchao.float8.float8_linear as float8_linear
+        from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+        self.replays = Replays()
+        patches = [(float8_linear, "hp_tensor_to_float8_dynamic", "torchao hp_tensor_to_float8_dynamic")]
+        patches += [(FLOAT8_OPS_TABLE, op, f"torchao float8 {op}") for op in (torch.ops.aten.mm.default,
+                                                                               torch.ops.aten.matmul.default)
+                    if op in FLOAT8_OPS_TABLE]
+        return [replaying(self.replays, patches)]
 
     def finish(self, step) -> list[str]:
         gather = "" if step.spec.world_size < 2 else (

@@ -50,6 +50,7 @@ from memest.features.base import StepFeature
 from memest.features.fp8 import eligible_linear, skip_parts
 from memest.imports import quiet_library_import
 from memest.spec.choices import Fp8
+from memest.trace.replay import Replays, replaying
 from memest.trace.tracker import TrackerRules
 
 BLOCK = 32  # MX block size: 32 elements per e8m0 scale (OCP MX spec v1.0; torchao mx_mm's block_size = 32)
@@ -208,6 +209,7 @@ class MxFp8Feature(StepFeature):
         self.converted = 0
         self.biased: set[int] = set()  # ids of the high-precision weights of converted Linears with a bias
         self.ran: set[int] = set()  # ids of the weights whose matmul took the MXFP8 path (counting_matmuls)
+        self.replays: Replays | None = None
 
     def build(self, built, spec) -> None:
         self.converted, self.biased = convert(built.model, self.recipe, spec.fp8_skip)
@@ -224,7 +226,22 @@ class MxFp8Feature(StepFeature):
 
     def contexts(self, step) -> list[contextlib.AbstractContextManager]:
         stand_ins = [] if self.recipe == Fp8.MXFP8_EMULATED else [kernel_stand_ins()]
-        return [block_errors(self.recipe), counting_matmuls(self.ran), *stand_ins]
+        return [block_errors(self.recipe), counting_matmuls(self.ran), *stand_ins, *self._replaying(step)]
+
+    def _replaying(self, step) -> list[contextlib.AbstractContextManager]:
+        """torchao's MXFP8 casts and matmuls replayed from their first call with the same argument metadata
+        (trace/replay.py): the same trace, most MXFP8 ops not run again. Not under --compile (Dynamo traces them)."""
+        if step.spec.compile:
+            return []
+        from torchao.prototype.moe_training import mxfp8_linear
+        from torchao.prototype.mx_formats import mx_tensor
+
+        self.replays = Replays()
+        return [replaying(self.replays, [
+            (mx_tensor.MXTensor, "to_mx", "torchao MXTensor.to_mx"),
+            (mxfp8_linear, "_to_mxfp8_dim1_kernel_wrapper", "torchao _to_mxfp8_dim1_kernel_wrapper"),
+            (mx_tensor, "_addmm_mx_dispatch", "torchao _addmm_mx_dispatch"),
+        ])]
 
     def finish(self, step) -> list[str]:
         kernels = ("torchao's PyTorch casts and dequantized matmuls (KernelPreference.EMULATED)"

@@ -1,0 +1,375 @@
+"""Replayed calls: a library function whose recorded memory events repeat, replayed from its first call.
+
+torchao's float8 training runs, for every float8 Linear, the same small functions again and again: a dynamic cast
+(``hp_tensor_to_float8_dynamic``: abs, amax, the scale's float64 arithmetic, the scaled copy, the saturating
+clamp, the float8 copy; 11 aten ops) three times per forward and backward, and the float8 matmul (the aten.mm
+handler of ``Float8TrainingTensor``: the operands' layout, the inverse scales, ``_scaled_mm``). For the same
+argument metadata (shapes, strides, dtypes, the float8 config) every call runs the same ops and allocates and
+frees the same storages in the same order. So the first call with a given key runs and its part of the trace is
+recorded (a :class:`Template`); a later call with that key appends the same storage records and events (fresh ids,
+the running module, phase and iteration, as the ops would have recorded them) and returns fresh fake outputs of
+the recorded metadata, without running the ops: the trace is byte for byte the one the ops make
+(scripts/trace_digest.py; tests/test_replay.py), at a fraction of the time (benchmarks/fp8-trace-speed.md).
+
+A call is replayed only where nothing else could see the ops it skips, and recorded only where its record
+shows nothing a template cannot repeat; otherwise it simply runs:
+
+- its tensors are plain fake tensors of the tracking mode (or wrapper subclasses of them, flattened by
+  ``__tensor_flatten__``), its other arguments plain values (numbers, strings, dtypes, devices, enum members,
+  classes, aten ops, and tuples, dicts and frozen dataclasses of them): the key is made of these (a tensor's
+  sizes, strides, dtype, offset, storage size, device, requires_grad), plus the tracker's label, the grad mode and
+  the function modes on the stack;
+- the tracking mode is the only dispatch mode (no selective-checkpointing or other mode that records ops), the
+  tracker records (not ignoring, not inside another op), not under inference mode, not while Dynamo compiles,
+  and autograd records no graph (grad mode off, or no argument requires grad);
+- the first call left no event on a storage made before it (nothing freed or resized: a storage's role changes
+  only through autograd's pack hooks, which need a graph being recorded, or through the step's own code between
+  ops), left every other record of the trace as it was (phase marks, notes, stream marks, ...; FLOPs only under
+  the running module), and returned one tensor, plain or a wrapper subclass, whose storages it made whole and did
+  not free, every other storage it made freed before it returned.
+
+What it saves and costs (benchmarks/fp8-trace-speed.md): a replayed torchao cast costs about 40 us against 400 us
+run (the key about 6 us, the replay about 35: two fake outputs made and registered, the records appended).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import _get_current_function_mode_stack
+
+from memest.trace.events import StorageRecord
+from memest.trace.tracker import META, TrackingFakeMode, _new_fake, _plain_fake
+
+_LEAF_KINDS = {type(None): True, str: True, torch.dtype: True, torch.device: True, bool: False, int: False,
+               float: False}
+
+
+class _Ineligible(Exception):
+    """The call cannot be keyed: it runs."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A plain tensor of the output, owning a storage of its own: what a fresh fake tensor needs."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Template:
+    """One recorded call: its new storages (``records``, by position), its events over them in order (position,
+    delta), which positions hold the output's storages (``outputs``: position -> slot), how to rebuild the output
+    (``wrapper``: None for a plain tensor, else (class, inner names, context, outer size, outer stride)), the FLOPs
+    it added under the running module (None: it added no FLOP entry) and its kernels' workspace ranges."""
+
+    records: tuple[tuple, ...]  # (nbytes, category, op, saved_for_backward, host, saved_copy)
+    events: tuple[tuple[int, int], ...]
+    outputs: dict[int, int]
+    slots: tuple[_Slot, ...]
+    wrapper: tuple | None
+    flops: int | None
+    workspaces: dict[int, tuple]
+
+
+class Replays:
+    """The templates of one trace (they hold the running trace's kernel rules and target): ``wrap(fn)`` gives the
+    replaying version of ``fn``; ``calls`` / ``replayed`` count the calls that reached it and those replayed."""
+
+    def __init__(self) -> None:
+        self.templates: dict = {}
+        self.failed: set = set()  # keys whose recorded call a template cannot repeat
+        self.calls = 0
+        self.replayed = 0
+        self._known: dict[int, tuple] = {}  # id -> (immutable argument value, its key): Replays._value_key
+        self._tensors = 0
+        # type -> True (a value keyed by itself: None, strings, dtypes, devices, and the classes of the enum members,
+        # classes and ops met) or False (a number: 1, True and 1.0 are equal keys, so its type is part of it)
+        self._leaf_kinds: dict[type, bool] = dict(_LEAF_KINDS)
+
+    def wrap(self, fn: Callable, name: str) -> Callable:
+        @functools.wraps(fn)
+        def replaying(*args, **kwargs):
+            if torch.compiler.is_compiling():  # Dynamo tracing a model file that compiles itself: torchao's own code
+                return fn(*args, **kwargs)
+            self.calls += 1
+            # the key and the replay ask tensors for metadata and make fake tensors: below the function modes (the
+            # traced device's, trace/devices.py, would see every tensor method called here)
+            with torch._C.DisableTorchFunction():
+                try:
+                    mode, key = self._key(fn, name, args, kwargs)
+                except _Ineligible:
+                    key = None
+                template = self.templates.get(key) if key is not None else None
+                if template is not None:
+                    self.replayed += 1
+                    return _replay(mode, template)
+            if key is None:
+                return fn(*args, **kwargs)
+            if key in self.failed:
+                return fn(*args, **kwargs)
+            out, template = _record(mode, fn, args, kwargs)
+            if template is None:
+                self.failed.add(key)
+            else:
+                self.templates[key] = template
+            return out
+
+        replaying.__wrapped__ = fn
+        return replaying
+
+    def _key(self, fn, name, args, kwargs):
+        if torch._C._len_torch_dispatch_stack() != 1 or torch.is_inference_mode_enabled():
+            raise _Ineligible
+        mode = torch._C._get_dispatch_stack_at(0)
+        if not isinstance(mode, TrackingFakeMode) or mode.tracker is None or mode._inside or mode.tracker.ignoring:
+            raise _Ineligible
+        if mode.shape_env is not None or mode.propagate_real_tensors:
+            raise _Ineligible
+        grad = torch.is_grad_enabled()
+        functions = (tuple(type(m) for m in _get_current_function_mode_stack())
+                     if torch._C._len_torch_function_stack() else ())
+        key = (name, self._value_key(args, mode, grad), self._value_key(kwargs, mode, grad), mode.tracker.label, grad,
+               functions)
+        return mode, key
+
+    def _value_key(self, a, mode: TrackingFakeMode, grad: bool):
+        """A hashable key of an argument's metadata; raises :class:`_Ineligible` for anything else. The key of an
+        immutable value without tensors (a tuple, a frozen dataclass: torchao's configs, the same objects call after
+        call) is kept by identity, the value held so its id stays its own (``_tensors`` counts the tensors met)."""
+        kind = type(a)
+        if kind is FakeTensor:
+            if not _plain_fake(a, mode) or a.is_conj() or a.is_neg() or (grad and a.requires_grad):
+                raise _Ineligible
+            self._tensors += 1
+            return (a.shape, a.stride(), a.dtype, a.storage_offset(), a.untyped_storage().nbytes(), a.requires_grad,
+                    a.fake_device)
+        leaf = self._leaf_kinds.get(kind)
+        if leaf is not None:
+            return a if leaf else (kind, a)
+        known = self._known.get(id(a))
+        if known is not None and known[0] is a:
+            return known[1]
+        if isinstance(a, (type, enum.Enum, torch._ops.OpOverload)):  # classes, members, ops: keyed by themselves
+            self._leaf_kinds[kind] = True
+            return a
+        tensors = self._tensors
+        if isinstance(a, torch.Tensor):
+            flatten = getattr(a, "__tensor_flatten__", None)
+            if flatten is None or (grad and a.requires_grad) or a.grad_fn is not None:
+                raise _Ineligible
+            self._tensors += 1
+            names, ctx = flatten()
+            ctx = (self._items_key(ctx.items(), mode, grad) if type(ctx) is dict else self._value_key(ctx, mode, grad))
+            return (kind, tuple(names), ctx, a.shape, a.stride(), a.requires_grad,
+                    tuple(self._value_key(getattr(a, n), mode, grad) for n in names))
+        if isinstance(a, (tuple, list)):
+            key = (kind, *self._values_key(a, mode, grad))
+        elif kind is dict:
+            return (dict, *self._items_key(a.items(), mode, grad))  # mutable: not kept
+        elif getattr(kind, "__dataclass_params__", None) is not None and kind.__dataclass_params__.frozen:
+            key = (kind, *self._values_key([getattr(a, f.name) for f in dataclasses.fields(a)], mode, grad))
+        else:
+            raise _Ineligible
+        if self._tensors == tensors and kind is not list:
+            self._known[id(a)] = (a, key)
+        return key
+
+    def _values_key(self, values, mode: TrackingFakeMode, grad: bool) -> list:
+        """The keys of ``values``, plain ones made here (one call less each: most arguments are plain)."""
+        keys = []
+        leaf_kinds = self._leaf_kinds
+        for v in values:
+            leaf = leaf_kinds.get(type(v))
+            keys.append(self._value_key(v, mode, grad) if leaf is None else v if leaf else (type(v), v))
+        return keys
+
+    def _items_key(self, items, mode: TrackingFakeMode, grad: bool) -> tuple:
+        keys, values = zip(*items, strict=True) if items else ((), ())
+        return tuple(zip(keys, self._values_key(values, mode, grad), strict=True))
+
+
+def _side_state(tracker) -> tuple:
+    """Everything a call may change in the trace or the tracker besides its own storages, events and FLOPs."""
+    trace = tracker.trace
+    return (len(trace.phase_marks), len(trace.notes), len(trace.stream_marks), len(trace.empty_caches),
+            len(trace.held_outputs), len(trace.host_events), len(trace.load_events), len(trace.owner_module),
+            tuple(trace.bounded_ops.items()), tuple(trace.attention_backends.items()), len(trace.uncounted_flop_ops),
+            len(trace.modules), tracker.phase, tracker.iteration, tracker.label, len(tracker._lineage))
+
+
+def _record(mode: TrackingFakeMode, fn, args, kwargs):
+    """Run ``fn`` and read its part of the trace: (its output, a Template or None where it cannot be repeated)."""
+    tracker = mode.tracker
+    trace = tracker.trace
+    first_storage, first_event = len(trace.storages), len(trace.events)
+    side = _side_state(tracker)
+    where = (tracker.module_of(), tracker.phase, tracker.iteration, tracker.stream())
+    flop_key = (tracker.iteration, tracker.phase, where[0])
+    flops_before = (len(trace.flops), trace.flops.get(flop_key))
+    out = fn(*args, **kwargs)
+    try:
+        return out, _template(mode, out, first_storage, first_event, side, where, flop_key, flops_before)
+    except _Ineligible:
+        return out, None
+
+
+def _template(mode, out, first_storage, first_event, side, where, flop_key, flops_before) -> Template:
+    tracker = mode.tracker
+    trace = tracker.trace
+    if _side_state(tracker) != side or tracker.module_of() != where[0] or tracker.stream() != where[3]:
+        raise _Ineligible
+    # FLOPs are counted under (iteration, phase, running module), all three unchanged through the call: only its key
+    # can have been added or grown
+    count, before = flops_before
+    after = trace.flops.get(flop_key)
+    if len(trace.flops) != count + (before is None and after is not None):
+        raise _Ineligible
+    flops = None if after == before else after - (before or 0)
+    new = trace.storages[first_storage:]
+    if any((r.module, r.phase, r.iteration, r.stream) != where for r in new):
+        raise _Ineligible
+    events, freed = _events(trace.events[first_event:], new, first_storage)
+    outputs, slots, wrapper = _output(mode, out, first_storage, freed)
+    if set(range(len(new))) - freed - set(outputs):
+        raise _Ineligible  # a storage made here that outlives the call without being its output
+    records = tuple((r.nbytes, r.category, r.op, r.saved_for_backward, r.host, r.saved_copy) for r in new)
+    workspaces = {sid - first_storage: v for sid, v in trace.workspace_ranges.items() if sid >= first_storage}
+    return Template(records, events, outputs, slots, wrapper, flops, workspaces)
+
+
+def _events(events: list, new: list, first_storage: int) -> tuple[tuple, set[int]]:
+    """The call's events by position among its new storages, and the positions it freed: each storage made once,
+    in order, and freed at most once; none made before the call touched."""
+    relative = []
+    allocated = 0
+    freed: set[int] = set()
+    for sid, delta in events:
+        rel = sid - first_storage
+        if rel < 0:
+            raise _Ineligible  # a storage made before the call changed during it
+        if delta > 0:
+            if rel != allocated or delta != new[rel].nbytes:
+                raise _Ineligible
+            allocated += 1
+        elif rel >= allocated or rel in freed or -delta != new[rel].nbytes:
+            raise _Ineligible
+        else:
+            freed.add(rel)
+        relative.append((rel, delta))
+    if allocated != len(new):
+        raise _Ineligible
+    return tuple(relative), freed
+
+
+def _output(mode, out, first_storage: int, freed: set[int]) -> tuple[dict, tuple, tuple | None]:
+    """(positions of the output's storages -> slot, the slots, the wrapper) of one tensor, plain or a wrapper subclass
+    of plain fake tensors, each owning a whole storage made by the call and not freed by it."""
+    if type(out) is FakeTensor:
+        inner, wrapper = [out], None
+    elif isinstance(out, torch.Tensor) and hasattr(out, "__tensor_flatten__"):
+        names, ctx = out.__tensor_flatten__()
+        inner = [getattr(out, n) for n in names]
+        wrapper = (type(out), tuple(names), ctx, tuple(out.shape), tuple(out.stride()))
+        if out.requires_grad or any(type(t) is not FakeTensor for t in inner):
+            raise _Ineligible
+    else:
+        raise _Ineligible
+    outputs: dict[int, int] = {}
+    slots = []
+    for t in inner:
+        if not _plain_fake(t, mode) or t.requires_grad or t.grad_fn is not None:
+            raise _Ineligible
+        sid = mode.tracker.storage_id(t)
+        nbytes = t.untyped_storage().nbytes()
+        if t.storage_offset() or nbytes != _strided_nbytes(t) or (nbytes and (sid is None or sid < first_storage)):
+            raise _Ineligible  # a view (of an argument, or into a larger storage), or a storage not made here
+        if sid is not None:
+            rel = sid - first_storage
+            if rel in freed or rel in outputs:
+                raise _Ineligible
+            outputs[rel] = len(slots)
+        slots.append(_Slot(tuple(t.shape), tuple(t.stride()), t.dtype, t.fake_device))
+    return outputs, tuple(slots), wrapper
+
+
+def _strided_nbytes(t: torch.Tensor) -> int:
+    """The bytes of a fresh ``empty_strided`` of ``t``'s sizes and strides (offset 0)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
+def _fresh(mode: TrackingFakeMode, slots: tuple[_Slot, ...]) -> list[FakeTensor]:
+    """New fake tensors of ``slots``, made as FakeTensorMode's cache makes an op's output (a meta tensor in a
+    FakeTensor: tracker.py ``_get_output_tensor_from_cache_entry``)."""
+    with torch._C._DisableTorchDispatch():
+        metas = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=META) for s in slots]
+    return [_new_fake(mode, meta, s.device) for meta, s in zip(metas, slots, strict=True)]
+
+
+def _replay(mode: TrackingFakeMode, template: Template):
+    """The recorded call's records and events appended anew, and a fresh output of its metadata (run below the
+    function modes: ``Replays.wrap``)."""
+    tracker = mode.tracker
+    trace = tracker.trace
+    inner = _fresh(mode, template.slots)
+    first = len(trace.storages)
+    module, phase, iteration, stream = tracker.module_of(), tracker.phase, tracker.iteration, tracker.stream()
+    storages, events, records, outputs = trace.storages, trace.events, template.records, template.outputs
+    for rel, delta in template.events:
+        if delta < 0:
+            events.append((first + rel, delta))
+            continue
+        nbytes, category, op, saved, host, saved_copy = records[rel]
+        slot = outputs.get(rel)
+        if slot is not None:
+            tracker.register(inner[slot], category, op)
+        else:
+            storages.append(StorageRecord(nbytes, category, module, phase, op, iteration, saved, host, saved_copy,
+                                          stream))
+            events.append((first + rel, delta))
+    for rel, value in template.workspaces.items():
+        trace.workspace_ranges[first + rel] = value
+    if template.flops is not None:
+        key = (iteration, phase, module)
+        trace.flops[key] = trace.flops.get(key, 0) + template.flops
+    if template.wrapper is None:
+        return inner[0]
+    cls, names, ctx, size, stride = template.wrapper
+    return cls.__tensor_unflatten__(dict(zip(names, inner, strict=True)), ctx, size, stride)
+
+
+@contextlib.contextmanager
+def replaying(replays: Replays, patches: list[tuple[object, object, str]]) -> Iterator[Replays]:
+    """While entered, each ``(holder, name, label)`` is replaced by its replaying version: ``holder`` a module (an
+    attribute ``name``), a class (a static method ``name``) or a dict (an entry ``name``). Always restored."""
+    undo = []
+    try:
+        for holder, name, label in patches:
+            if isinstance(holder, dict):
+                fn = holder[name]
+                holder[name] = replays.wrap(fn, label)
+                undo.append(functools.partial(holder.__setitem__, name, fn))
+            elif isinstance(holder, type) and isinstance(holder.__dict__.get(name), staticmethod):
+                raw = holder.__dict__[name]
+                setattr(holder, name, staticmethod(replays.wrap(raw.__func__, label)))
+                undo.append(functools.partial(setattr, holder, name, raw))
+            else:
+                fn = getattr(holder, name)
+                setattr(holder, name, replays.wrap(fn, label))
+                undo.append(functools.partial(setattr, holder, name, fn))
+        yield replays
+    finally:
+        for restore in reversed(undo):
+            restore()

@@ -1,0 +1,163 @@
+"""trace/replay.py: a replayed call leaves the trace the call itself makes, and a call a template cannot repeat runs.
+
+The whole-step comparisons trace torchao's float8 and MXFP8 steps with the replays and with them switched off
+(``Replays.wrap`` returning the function itself) and compare every field of the two traces."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from memest.features.registry import trace_step
+from memest.sources import load_source
+from memest.spec import RunSpec
+from memest.trace import replay
+from memest.trace.events import Trace
+from memest.trace.tracker import StorageTracker, TrackingFakeMode
+
+pytest.importorskip("torchao")
+
+TRANSFORMER = "examples/transformer.py"
+LLAMA = "hf:tests/configs/llama-tiny.json"
+STEPS = [
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="tensorwise"),
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="rowwise", precision="bf16-mixed"),
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cpu", optim="sgd", fp8="tensorwise"),
+    dict(model=LLAMA, batch=2, seq=128, target="cuda", fp8="tensorwise", checkpointing="blocks"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", shard="zero3", world_size=2,
+         fp8_all_gather="float8-precomputed"),
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="mxfp8", compute_capability=(10, 0)),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="mxfp8-wgrad-hp", compute_capability=(10, 0),
+         precision="bf16", checkpointing="blocks"),
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cpu", optim="sgd", fp8="mxfp8-emulated"),
+]
+
+
+def _traced(spec: dict, monkeypatch, replays_on: bool) -> tuple[Trace, list[replay.Replays]]:
+    made: list[replay.Replays] = []
+    original_init = replay.Replays.__init__
+
+    def init(self):
+        original_init(self)
+        made.append(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(replay.Replays, "__init__", init)
+        if not replays_on:
+            patch.setattr(replay.Replays, "wrap", lambda self, fn, name: fn)
+        trace = trace_step(load_source(spec["model"]), RunSpec(**spec))
+    return trace, made
+
+
+@pytest.mark.parametrize("spec", STEPS, ids=lambda s: "-".join(f"{v}" for k, v in s.items() if k not in ("model",)))
+def test_replayed_step_is_the_step(spec, monkeypatch):
+    on, made = _traced(spec, monkeypatch, True)
+    off, _ = _traced(spec, monkeypatch, False)
+    assert len(made) == 1 and made[0].replayed > 0, "no call was replayed"
+    assert made[0].replayed < made[0].calls
+    assert dataclasses.asdict(on) == dataclasses.asdict(off)
+
+
+# -- the rules, on calls of one's own under a tracking fake mode ----------------------------------------------------
+
+@pytest.fixture
+def tracked():
+    trace = Trace()
+    mode = TrackingFakeMode()
+    tracker = StorageTracker(trace, lambda: "block", mode)
+    with mode, tracker:
+        yield trace, mode
+
+
+def _scaled(x, scale: float):
+    """abs, a temporary, then a new tensor: one template of two storages, one freed."""
+    amax = x.abs().amax()
+    return (x * scale).to(torch.bfloat16) + amax.to(torch.bfloat16)
+
+
+def test_a_repeated_call_appends_what_the_call_appends(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    fn = replays.wrap(_scaled, "scaled")
+    x = torch.empty(64, 32)
+    first = fn(x, 2.0)
+    made_first = trace.storages[1:]
+    events_first = list(trace.events[1:])
+    n = len(trace.storages)
+    second = fn(x, 2.0)
+    assert (replays.calls, replays.replayed, len(replays.templates)) == (2, 1, 1)
+    assert type(second) is type(first) and second.shape == first.shape and second.stride() == first.stride()
+    assert second.dtype == first.dtype and second.untyped_storage() is not first.untyped_storage()
+    made_second = trace.storages[n:]
+    assert [dataclasses.astuple(r) for r in made_second] == [dataclasses.astuple(r) for r in made_first]
+    shift = n - 1
+    assert trace.events[len(events_first) + 1:] == [(sid + shift, d) for sid, d in events_first]
+    del second  # the replayed output is a tracked storage like any other: its free is recorded
+    assert trace.events[-1][1] < 0 and trace.events[-1][0] >= n
+    fn(x, 3.0)  # another value of an argument: another key, recorded
+    assert len(replays.templates) == 2
+
+
+def test_grad_recording_calls_and_other_dispatch_modes_run(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    fn = replays.wrap(_scaled, "scaled")
+    w = torch.empty(8, 8, requires_grad=True)
+    fn(w, 2.0)
+    fn(w, 2.0)
+    assert replays.templates == {} and replays.replayed == 0  # autograd records a graph: never replayed
+    x = torch.empty(8, 8)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    fn(x, 2.0)
+    with Watching():
+        fn(x, 2.0)  # another mode would miss the ops a replay skips
+    assert replays.replayed == 0
+    fn(x, 2.0)
+    assert replays.replayed == 1
+
+
+def test_a_call_that_keeps_or_frees_what_it_does_not_own_is_never_replayed(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    kept = []
+
+    def keeps(x):
+        kept.append(x * 2)  # a storage made here that outlives the call, not its output
+        return x + 1
+
+    held = {"t": torch.empty(4, 4)}
+
+    def frees(x):
+        held.pop("t", None)  # a storage made before the call, freed during it
+        held["t"] = torch.empty(4, 4)
+        return x + 1
+
+    x = torch.empty(4, 4)
+    for fn in (replays.wrap(keeps, "keeps"), replays.wrap(frees, "frees")):
+        fn(x)
+        fn(x)
+    assert replays.replayed == 0 and replays.templates == {}
+    assert len(replays.failed) == 2
+
+
+def test_views_of_arguments_and_unkeyable_arguments_run(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    view = replays.wrap(lambda x: x.t(), "view")  # the output's storage is the argument's: not a template
+    x = torch.empty(4, 8)
+    view(x)
+    view(x)
+    same = replays.wrap(lambda x: x, "same")  # an argument itself returned: a replay would return another object
+    same(x)
+    same(x)
+    unkeyed = replays.wrap(lambda x, obj: x + 1, "object")
+    unkeyed(x, object())
+    unkeyed(x, object())
+    assert replays.replayed == 0 and not replays.templates and len(replays.failed) == 2
