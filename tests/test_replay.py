@@ -32,6 +32,15 @@ STEPS = [
     dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="mxfp8-wgrad-hp", compute_capability=(10, 0),
          precision="bf16", checkpointing="blocks"),
     dict(model=TRANSFORMER, batch=2, seq=64, target="cpu", optim="sgd", fp8="mxfp8-emulated"),
+    # some blocks checkpointed (their backward runs: checkpointing holds the saved tensors, not autograd's node),
+    # selective checkpointing (its dispatch mode: nothing replayed inside), activation offloading (the autograd
+    # function not replayed), FSDP2 zero2, gradient accumulation
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", checkpointing="every:2"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="rowwise", checkpointing="selective"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", activation_offload="torchtune"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", shard="zero2", world_size=2),
+    dict(model=LLAMA, batch=2, seq=64, target="cpu", optim="sgd", fp8="mxfp8-emulated", checkpointing="blocks"),
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="tensorwise", grad_accum=2),
 ]
 
 
@@ -46,7 +55,8 @@ def _traced(spec: dict, monkeypatch, replays_on: bool) -> tuple[Trace, list[repl
     with monkeypatch.context() as patch:
         patch.setattr(replay.Replays, "__init__", init)
         if not replays_on:
-            patch.setattr(replay.Replays, "wrap", lambda self, fn, name: fn)
+            for method in ("wrap", "wrap_forward", "wrap_backward"):
+                patch.setattr(replay.Replays, method, lambda self, fn, name: fn)
         trace = trace_step(load_source(spec["model"]), RunSpec(**spec))
     return trace, made
 
@@ -161,3 +171,65 @@ def test_views_of_arguments_and_unkeyable_arguments_run(tracked):
     unkeyed(x, object())
     unkeyed(x, object())
     assert replays.replayed == 0 and not replays.templates and len(replays.failed) == 2
+
+
+class _Scaled(torch.autograd.Function):
+    """Saves its input, sets two attributes, allocates a temporary and an output; its backward one gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.save_for_backward(x)
+        ctx.scale, ctx.tag = scale, "scaled"
+        return (x.abs() * scale).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return (grad.float() * ctx.scale + x.sign()), None
+
+
+def _three_steps() -> list:
+    grads = []
+    for _ in range(3):
+        x = torch.empty(8, 8, requires_grad=True)
+        _Scaled.apply(x, 2.0).sum().backward()
+        grads.append(x.grad)
+    return grads
+
+
+def test_an_autograd_function_is_replayed_with_what_it_does_to_ctx(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    with replay.replaying(replays, [(_Scaled, "forward", "fwd"), (_Scaled, "backward", "bwd")]):
+        grads = _three_steps()
+    assert not hasattr(_Scaled.__dict__["forward"].__func__, "__wrapped__")  # restored
+    assert replays.replayed == 4 and len(replays.templates) == 2  # the 2nd and 3rd forward and backward
+    assert all(g.shape == (8, 8) and g.dtype == torch.float32 for g in grads)
+    replayed = [dataclasses.astuple(r) for r in trace.storages], list(trace.events)
+    trace2 = Trace()  # the same steps without replays: the same records and events
+    mode2 = TrackingFakeMode()
+    with mode2, StorageTracker(trace2, lambda: "block", mode2):
+        grads2 = _three_steps()  # (held, as ``grads`` is: their frees would be events)
+    assert len(grads2) == 3
+    assert ([dataclasses.astuple(r) for r in trace2.storages], list(trace2.events)) == replayed
+
+
+class _SavesItsOwn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2
+        ctx.save_for_backward(y)  # a tensor the forward made, not an argument: a replay could not save it
+        return y + 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_a_forward_that_saves_what_it_made_runs(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    with replay.replaying(replays, [(_SavesItsOwn, "forward", "fwd")]):
+        for _ in range(2):
+            _SavesItsOwn.apply(torch.empty(4, requires_grad=True)).sum().backward()
+    assert replays.replayed == 0 and len(replays.failed) == 1

@@ -120,9 +120,9 @@ class Fp8Feature(StepFeature):
         return TrackerRules(subclass_types=(WeightWithDynamicFloat8CastTensor,))
 
     def contexts(self, step) -> list:
-        """torchao's float8 casts and matmuls replayed from their first call with the same argument metadata
-        (trace/replay.py): the same trace, about 60% fewer float8 ops run. Not under --compile (Dynamo traces
-        torchao's functions itself)."""
+        """torchao's float8 Linear autograd function (forward and backward), its casts and matmuls replayed from
+        their first call with the same argument metadata (trace/replay.py): the same trace, most float8 code not run
+        again. Not under --compile (Dynamo traces torchao's functions itself)."""
         if step.spec.compile:
             return []
         import torch
@@ -131,6 +131,10 @@ class Fp8Feature(StepFeature):
 
         self.replays = Replays()
         patches = [(float8_linear, "hp_tensor_to_float8_dynamic", "torchao hp_tensor_to_float8_dynamic")]
+        if not any(feature.packs_saved for feature in step.features):  # (activation offloading: saved tensors' own
+            function = float8_linear.matmul_with_hp_or_float8_args    # unpack, not replayed)
+            patches += [(function, "forward", "torchao matmul_with_hp_or_float8_args.forward"),
+                        (function, "backward", "torchao matmul_with_hp_or_float8_args.backward")]
         patches += [(FLOAT8_OPS_TABLE, op, f"torchao float8 {op}") for op in (torch.ops.aten.mm.default,
                                                                                torch.ops.aten.matmul.default)
                     if op in FLOAT8_OPS_TABLE]

@@ -229,7 +229,7 @@ class MxFp8Feature(StepFeature):
         return [block_errors(self.recipe), counting_matmuls(self.ran), *stand_ins, *self._replaying(step)]
 
     def _replaying(self, step) -> list[contextlib.AbstractContextManager]:
-        """torchao's MXFP8 casts and matmuls replayed from their first call with the same argument metadata
+        """torchao's MXFP8 autograd function (forward and backward), casts and matmuls replayed from their first call with the same argument metadata
         (trace/replay.py): the same trace, most MXFP8 ops not run again. Not under --compile (Dynamo traces them)."""
         if step.spec.compile:
             return []
@@ -237,11 +237,15 @@ class MxFp8Feature(StepFeature):
         from torchao.prototype.mx_formats import mx_tensor
 
         self.replays = Replays()
-        return [replaying(self.replays, [
+        patches = [
             (mx_tensor.MXTensor, "to_mx", "torchao MXTensor.to_mx"),
             (mxfp8_linear, "_to_mxfp8_dim1_kernel_wrapper", "torchao _to_mxfp8_dim1_kernel_wrapper"),
             (mx_tensor, "_addmm_mx_dispatch", "torchao _addmm_mx_dispatch"),
-        ])]
+        ]
+        if not any(feature.packs_saved for feature in step.features):  # (activation offloading: not replayed)
+            patches += [(mxfp8_linear.mx_mm, "forward", "torchao mx_mm.forward"),
+                        (mxfp8_linear.mx_mm, "backward", "torchao mx_mm.backward")]
+        return [replaying(self.replays, patches)]
 
     def finish(self, step) -> list[str]:
         kernels = ("torchao's PyTorch casts and dequantized matmuls (KernelPreference.EMULATED)"

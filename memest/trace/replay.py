@@ -70,16 +70,20 @@ class _Slot:
 class Template:
     """One recorded call: its new storages (``records``, by position), its events over them in order (position,
     delta), which positions hold the output's storages (``outputs``: position -> slot), how to rebuild the output
-    (``wrapper``: None for a plain tensor, else (class, inner names, context, outer size, outer stride)), the FLOPs
-    it added under the running module (None: it added no FLOP entry) and its kernels' workspace ranges."""
+    from its slots (``structure``: ("plain", slot), ("wrapper", class, inner names, context, outer size, outer stride,
+    slots), ("none",), ("sequence", type, structures)), the FLOPs it added under the running module (None: it added
+    no FLOP entry), its kernels' workspace ranges, and for an autograd Function's forward what it did to its
+    ``ctx`` (``ctx``: the positions of the arguments it saved for backward, and each attribute it set with the
+    position of the argument it is, or its plain value)."""
 
     records: tuple[tuple, ...]  # (nbytes, category, op, saved_for_backward, host, saved_copy)
     events: tuple[tuple[int, int], ...]
     outputs: dict[int, int]
     slots: tuple[_Slot, ...]
-    wrapper: tuple | None
+    structure: tuple
     flops: int | None
     workspaces: dict[int, tuple]
+    ctx: tuple | None = None
 
 
 class Replays:
@@ -118,7 +122,7 @@ class Replays:
                 return fn(*args, **kwargs)
             if key in self.failed:
                 return fn(*args, **kwargs)
-            out, template = _record(mode, fn, args, kwargs)
+            out, template = _record(mode, lambda: fn(*args, **kwargs))
             if template is None:
                 self.failed.add(key)
             else:
@@ -127,6 +131,87 @@ class Replays:
 
         replaying.__wrapped__ = fn
         return replaying
+
+    def wrap_forward(self, fn: Callable, name: str) -> Callable:
+        """An autograd Function's ``forward(ctx, *args)``, replayed with what it does to ``ctx``: the arguments it
+        saves for backward saved again (autograd packs them after forward, as for the call itself) and the
+        attributes it sets set again; the key is kept on ``ctx`` for the backward's."""
+
+        @functools.wraps(fn)
+        def forward(ctx, *args, **kwargs):
+            if torch.compiler.is_compiling():
+                return fn(ctx, *args, **kwargs)
+            self.calls += 1
+            with torch._C.DisableTorchFunction():
+                try:
+                    mode, key = self._key(fn, name, args, kwargs)
+                except _Ineligible:
+                    key = None
+                template = self.templates.get(key) if key is not None else None
+                if template is not None:
+                    self.replayed += 1
+                    _redo_ctx(ctx, template.ctx, args)
+                    setattr(ctx, _CTX_KEY, key)
+                    return _replay(mode, template)
+            if key is None:
+                return fn(ctx, *args, **kwargs)
+            if key in self.failed:
+                out = fn(ctx, *args, **kwargs)
+            else:
+                effects: list = []
+                out, template = _record(mode, lambda: _with_ctx_recorded(fn, ctx, args, kwargs, effects))
+                if template is None or effects[0] is None:
+                    self.failed.add(key)
+                else:
+                    self.templates[key] = dataclasses.replace(template, ctx=effects[0])
+            setattr(ctx, _CTX_KEY, key)
+            return out
+
+        forward.__wrapped__ = fn
+        return forward
+
+    def wrap_backward(self, fn: Callable, name: str) -> Callable:
+        """An autograd Function's ``backward(ctx, *grads)``, keyed by its forward's key (what it saved and set on
+        ``ctx``), the gradients and ``ctx.needs_input_grad``; replayed only where autograd's node itself holds every
+        saved tensor (what the pack hook returned is a tensor: memest's own hook, not checkpointing's handle nor an
+        offloaded copy), so that the backward's body cannot free one by dropping it (a checkpointed block's
+        recomputed tensors are held by the body alone once unpacked). A replay reads ``ctx.saved_tensors``, as the
+        backward itself does first (the unpack hooks run)."""
+
+        @functools.wraps(fn)
+        def backward(ctx, *grads):
+            if torch.compiler.is_compiling():
+                return fn(ctx, *grads)
+            self.calls += 1
+            forward_key = getattr(ctx, _CTX_KEY, None)
+            if forward_key is not None and not all(isinstance(r.data, torch.Tensor) for r in ctx._raw_saved_tensors):
+                forward_key = None  # saved tensors the node does not hold (checkpointing, offloading): it runs
+            key = None
+            with torch._C.DisableTorchFunction():
+                if forward_key is not None:
+                    try:
+                        mode, key = self._key(fn, name, grads, {})
+                        key = (key, forward_key, tuple(ctx.needs_input_grad))
+                    except _Ineligible:
+                        key = None
+                template = self.templates.get(key) if key is not None else None
+                if template is not None:
+                    self.replayed += 1
+                    ctx.saved_tensors  # noqa: B018 (the unpack hooks run, as in the backward's first line)
+                    return _replay(mode, template)
+            if key is None:
+                return fn(ctx, *grads)
+            if key in self.failed:
+                return fn(ctx, *grads)
+            out, template = _record(mode, lambda: fn(ctx, *grads))
+            if template is None:
+                self.failed.add(key)
+            else:
+                self.templates[key] = template
+            return out
+
+        backward.__wrapped__ = fn
+        return backward
 
     def _key(self, fn, name, args, kwargs):
         if torch._C._len_torch_dispatch_stack() != 1 or torch.is_inference_mode_enabled():
@@ -208,8 +293,8 @@ def _side_state(tracker) -> tuple:
             len(trace.modules), tracker.phase, tracker.iteration, tracker.label, len(tracker._lineage))
 
 
-def _record(mode: TrackingFakeMode, fn, args, kwargs):
-    """Run ``fn`` and read its part of the trace: (its output, a Template or None where it cannot be repeated)."""
+def _record(mode: TrackingFakeMode, call: Callable):
+    """Run ``call()`` and read its part of the trace: (its output, a Template or None where it cannot be repeated)."""
     tracker = mode.tracker
     trace = tracker.trace
     first_storage, first_event = len(trace.storages), len(trace.events)
@@ -217,7 +302,7 @@ def _record(mode: TrackingFakeMode, fn, args, kwargs):
     where = (tracker.module_of(), tracker.phase, tracker.iteration, tracker.stream())
     flop_key = (tracker.iteration, tracker.phase, where[0])
     flops_before = (len(trace.flops), trace.flops.get(flop_key))
-    out = fn(*args, **kwargs)
+    out = call()
     try:
         return out, _template(mode, out, first_storage, first_event, side, where, flop_key, flops_before)
     except _Ineligible:
@@ -240,12 +325,14 @@ def _template(mode, out, first_storage, first_event, side, where, flop_key, flop
     if any((r.module, r.phase, r.iteration, r.stream) != where for r in new):
         raise _Ineligible
     events, freed = _events(trace.events[first_event:], new, first_storage)
-    outputs, slots, wrapper = _output(mode, out, first_storage, freed)
+    outputs: dict[int, int] = {}
+    slots: list[_Slot] = []
+    structure = _output(mode, out, first_storage, freed, outputs, slots)
     if set(range(len(new))) - freed - set(outputs):
         raise _Ineligible  # a storage made here that outlives the call without being its output
     records = tuple((r.nbytes, r.category, r.op, r.saved_for_backward, r.host, r.saved_copy) for r in new)
     workspaces = {sid - first_storage: v for sid, v in trace.workspace_ranges.items() if sid >= first_storage}
-    return Template(records, events, outputs, slots, wrapper, flops, workspaces)
+    return Template(records, events, outputs, tuple(slots), structure, flops, workspaces)
 
 
 def _events(events: list, new: list, first_storage: int) -> tuple[tuple, set[int]]:
@@ -272,35 +359,40 @@ def _events(events: list, new: list, first_storage: int) -> tuple[tuple, set[int
     return tuple(relative), freed
 
 
-def _output(mode, out, first_storage: int, freed: set[int]) -> tuple[dict, tuple, tuple | None]:
-    """(positions of the output's storages -> slot, the slots, the wrapper) of one tensor, plain or a wrapper subclass
-    of plain fake tensors, each owning a whole storage made by the call and not freed by it."""
+def _output(mode, out, first_storage: int, freed: set[int], outputs: dict[int, int], slots: list) -> tuple:
+    """The structure of ``out`` (Template.structure), its plain tensors added to ``slots`` and their storages'
+    positions to ``outputs``: a tensor, plain or a wrapper subclass of plain fake tensors, None, or a tuple or list
+    of them (a backward's gradients); each tensor owning a whole storage made by the call and not freed by it."""
+    if out is None:
+        return ("none",)
+    if type(out) in (tuple, list):
+        return ("sequence", type(out), tuple(_output(mode, o, first_storage, freed, outputs, slots) for o in out))
     if type(out) is FakeTensor:
-        inner, wrapper = [out], None
-    elif isinstance(out, torch.Tensor) and hasattr(out, "__tensor_flatten__"):
+        return ("plain", _slot(mode, out, first_storage, freed, outputs, slots))
+    if isinstance(out, torch.Tensor) and hasattr(out, "__tensor_flatten__"):
         names, ctx = out.__tensor_flatten__()
         inner = [getattr(out, n) for n in names]
-        wrapper = (type(out), tuple(names), ctx, tuple(out.shape), tuple(out.stride()))
         if out.requires_grad or any(type(t) is not FakeTensor for t in inner):
             raise _Ineligible
-    else:
+        return ("wrapper", type(out), tuple(names), ctx, tuple(out.shape), tuple(out.stride()),
+                tuple(_slot(mode, t, first_storage, freed, outputs, slots) for t in inner))
+    raise _Ineligible
+
+
+def _slot(mode, t, first_storage: int, freed: set[int], outputs: dict[int, int], slots: list) -> int:
+    if not _plain_fake(t, mode) or t.requires_grad or t.grad_fn is not None:
         raise _Ineligible
-    outputs: dict[int, int] = {}
-    slots = []
-    for t in inner:
-        if not _plain_fake(t, mode) or t.requires_grad or t.grad_fn is not None:
+    sid = mode.tracker.storage_id(t)
+    nbytes = t.untyped_storage().nbytes()
+    if t.storage_offset() or nbytes != _strided_nbytes(t) or (nbytes and (sid is None or sid < first_storage)):
+        raise _Ineligible  # a view (of an argument, or into a larger storage), or a storage not made here
+    if sid is not None:
+        rel = sid - first_storage
+        if rel in freed or rel in outputs:
             raise _Ineligible
-        sid = mode.tracker.storage_id(t)
-        nbytes = t.untyped_storage().nbytes()
-        if t.storage_offset() or nbytes != _strided_nbytes(t) or (nbytes and (sid is None or sid < first_storage)):
-            raise _Ineligible  # a view (of an argument, or into a larger storage), or a storage not made here
-        if sid is not None:
-            rel = sid - first_storage
-            if rel in freed or rel in outputs:
-                raise _Ineligible
-            outputs[rel] = len(slots)
-        slots.append(_Slot(tuple(t.shape), tuple(t.stride()), t.dtype, t.fake_device))
-    return outputs, tuple(slots), wrapper
+        outputs[rel] = len(slots)
+    slots.append(_Slot(tuple(t.shape), tuple(t.stride()), t.dtype, t.fake_device))
+    return len(slots) - 1
 
 
 def _strided_nbytes(t: torch.Tensor) -> int:
@@ -344,16 +436,85 @@ def _replay(mode: TrackingFakeMode, template: Template):
     if template.flops is not None:
         key = (iteration, phase, module)
         trace.flops[key] = trace.flops.get(key, 0) + template.flops
-    if template.wrapper is None:
-        return inner[0]
-    cls, names, ctx, size, stride = template.wrapper
-    return cls.__tensor_unflatten__(dict(zip(names, inner, strict=True)), ctx, size, stride)
+    return _build(template.structure, inner)
+
+
+def _build(structure: tuple, inner: list):
+    """The output of Template.structure from the fresh tensors of its slots."""
+    kind = structure[0]
+    if kind == "plain":
+        return inner[structure[1]]
+    if kind == "wrapper":
+        _, cls, names, ctx, size, stride, positions = structure
+        return cls.__tensor_unflatten__({n: inner[i] for n, i in zip(names, positions, strict=True)}, ctx, size, stride)
+    if kind == "none":
+        return None
+    return structure[1](_build(s, inner) for s in structure[2])
+
+
+_CTX_KEY = "_memest_replay_key"  # an autograd Function's ctx: its forward's key (Replays.wrap_forward)
+_CTX_CALLS = ("mark_dirty", "mark_non_differentiable", "set_materialize_grads", "save_for_forward")
+
+
+def _with_ctx_recorded(fn, ctx, args, kwargs, effects: list):
+    """``fn(ctx, *args, **kwargs)`` with what it does to ``ctx`` put in ``effects[0]``: (positions of the saved
+    arguments, ((attribute, ("argument", position) or ("value", value)), ...)), or None where a replay could not do
+    the same (a tensor saved that is not an argument, an attribute that is neither an argument nor a plain value,
+    any other ctx call)."""
+    saved: list = []
+    others: list = []
+    before = set(vars(ctx))
+    ctx.save_for_backward = lambda *tensors: (saved.append(tensors), type(ctx).save_for_backward(ctx, *tensors))
+    for call in _CTX_CALLS:
+        setattr(ctx, call, functools.partial(_other_call, others, getattr(type(ctx), call), ctx))
+    try:
+        out = fn(ctx, *args, **kwargs)
+    finally:
+        for attr in ("save_for_backward", *_CTX_CALLS):
+            delattr(ctx, attr)
+    effects.append(_ctx_effects(ctx, args, saved, others, before))
+    return out
+
+
+def _other_call(others: list, method, ctx, *a, **k):
+    others.append(method)
+    return method(ctx, *a, **k)
+
+
+def _ctx_effects(ctx, args, saved: list, others: list, before: set) -> tuple | None:
+    if others or len(saved) > 1:
+        return None
+    positions = []
+    for t in saved[0] if saved else ():
+        position = next((i for i, a in enumerate(args) if a is t), None)
+        if position is None:
+            return None
+        positions.append(position)
+    attrs = []
+    for name in sorted(set(vars(ctx)) - before):
+        value = getattr(ctx, name)
+        position = next((i for i, a in enumerate(args) if a is value), None)
+        if position is not None:
+            attrs.append((name, ("argument", position)))
+        elif type(value) in _LEAF_KINDS or isinstance(value, enum.Enum):
+            attrs.append((name, ("value", value)))
+        else:
+            return None
+    return tuple(positions), tuple(attrs)
+
+
+def _redo_ctx(ctx, effects: tuple, args) -> None:
+    positions, attrs = effects
+    ctx.save_for_backward(*(args[i] for i in positions))
+    for name, (kind, value) in attrs:
+        setattr(ctx, name, args[value] if kind == "argument" else value)
 
 
 @contextlib.contextmanager
 def replaying(replays: Replays, patches: list[tuple[object, object, str]]) -> Iterator[Replays]:
     """While entered, each ``(holder, name, label)`` is replaced by its replaying version: ``holder`` a module (an
-    attribute ``name``), a class (a static method ``name``) or a dict (an entry ``name``). Always restored."""
+    attribute ``name``), a class (a static method ``name``; an autograd Function's ``forward`` and ``backward`` with
+    what they do to ``ctx``) or a dict (an entry ``name``). Always restored."""
     undo = []
     try:
         for holder, name, label in patches:
@@ -363,7 +524,10 @@ def replaying(replays: Replays, patches: list[tuple[object, object, str]]) -> It
                 undo.append(functools.partial(holder.__setitem__, name, fn))
             elif isinstance(holder, type) and isinstance(holder.__dict__.get(name), staticmethod):
                 raw = holder.__dict__[name]
-                setattr(holder, name, staticmethod(replays.wrap(raw.__func__, label)))
+                wrap = replays.wrap
+                if issubclass(holder, torch.autograd.Function) and name in ("forward", "backward"):
+                    wrap = replays.wrap_forward if name == "forward" else replays.wrap_backward
+                setattr(holder, name, staticmethod(wrap(raw.__func__, label)))
                 undo.append(functools.partial(setattr, holder, name, raw))
             else:
                 fn = getattr(holder, name)
