@@ -67,6 +67,32 @@ def test_empty_like_records_what_the_dispatched_op_records(layout, label):
     assert traces[1].flops == traces[0].flops
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_made_like_records_what_a_copy_to_the_same_device_records(layout):
+    """``StorageTracker.made_like(t, aten._to_copy)``, the host copy and the copy back of save_on_cpu's hooks on a
+    modelled GPU (features/activation_offload.py ``_DeviceMoves``), against ``t.to("cpu", copy=True)`` dispatched;
+    ``made_empty`` against the pinned variant's ``torch.empty(size, dtype=, layout=, pin_memory=False)``."""
+    mode = TrackingFakeMode()
+    with mode, torch.no_grad():
+        t = LAYOUTS[layout](torch.randn(2, 64, 128))
+        traces, outs = [], []
+        for direct in (False, True):
+            trace = Trace()
+            tracker = StorageTracker(trace, lambda: "block.0", mode)
+            with tracker:
+                if direct:
+                    outs.append((tracker.made_like(t, torch.ops.aten._to_copy.default),
+                                 tracker.made_empty(t.size(), t.dtype)))
+                else:
+                    outs.append((t.to("cpu", copy=True),
+                                 torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=False)))
+            traces.append(trace)
+    for dispatched, made in zip(*outs, strict=True):
+        assert isinstance(made, FakeTensor) and _facts(made) == _facts(dispatched)
+    assert [dataclasses.asdict(r) for r in traces[1].storages] == [dataclasses.asdict(r) for r in traces[0].storages]
+    assert traces[1].events == traces[0].events
+
+
 def test_empty_like_outside_a_tracked_step_is_the_op():
     """Not entered (no step is tracked): the op itself, recorded by nobody."""
     mode = TrackingFakeMode()

@@ -38,6 +38,7 @@ from memest.features.base import StepFeature
 from memest.features.empty_cache import bitsandbytes_imported
 from memest.spec.choices import ActivationOffload, Target
 from memest.trace.events import Category
+from memest.trace.tracker import TO_COPY
 from memest.units import format_bytes
 
 SOURCE = ("torch.autograd.graph.save_on_cpu (torch/autograd/graph.py, torch 2.13.0 commit "
@@ -46,18 +47,56 @@ SOURCE = ("torch.autograd.graph.save_on_cpu (torch/autograd/graph.py, torch 2.13
 
 class _DeviceMoves(TorchFunctionMode):
     """Inside save_on_cpu's hooks on a modelled GPU: ``Tensor.cpu()`` and ``Tensor.to(device)`` copy, as a move
-    between GPU and host memory does (on fake CPU tensors they would return the tensor itself)."""
+    between GPU and host memory does (on fake CPU tensors they would return the tensor itself). In a trace the copy
+    (``aten._to_copy`` to the tensor's own device and dtype) is made by ``StorageTracker.made_like`` and recorded as
+    that op, without a fake-tensor dispatch (two per saved tensor: benchmarks/activation-offload.md)."""
+
+    def __init__(self, tracker=None) -> None:
+        super().__init__()
+        self.tracker = tracker
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cpu:
-            return args[0].to("cpu", copy=True)
+        if func is torch.Tensor.cpu and len(args) == 1 and not kwargs:
+            return self._copy(args[0], lambda: args[0].to("cpu", copy=True))
         if func is torch.Tensor.to:
+            if len(args) == 2 and isinstance(args[1], torch.device) and set(kwargs) <= {"non_blocking"}:
+                return self._copy(args[0], lambda: func(*args, **{**kwargs, "copy": True}))
             return func(*args, **{**kwargs, "copy": True})
+        if self.tracker is not None and func is torch.empty and len(args) == 1 and _pinned_empty(kwargs):
+            # the pinned variant's host buffer (pin_memory is False without CUDA: pageable, as traced)
+            made = self.tracker.made_empty(args[0], kwargs.get("dtype") or torch.get_default_dtype())
+            if made is not None:
+                return made
+        if (self.tracker is not None and func is torch.Tensor.copy_ and len(args) == 2 and set(kwargs) <= {"non_blocking"}
+                and not self.tracker.has_rule(COPY_) and _same_fake(*args)):
+            return args[0]  # the copy into that buffer: in place, nothing allocated, no FLOPs: nothing to record
         return func(*args, **kwargs)
+
+    def _copy(self, t, op):
+        """The copy of ``t`` on its own (fake) device, made fast where the tracker can, else by ``op()``."""
+        made = None
+        if self.tracker is not None and not (t.requires_grad and torch.is_grad_enabled()):
+            made = self.tracker.made_like(t, TO_COPY)
+        return op() if made is None else made
+
+
+COPY_ = torch.ops.aten.copy_.default
+
+
+def _pinned_empty(kwargs: dict) -> bool:
+    """save_on_cpu's pinned buffer: ``torch.empty(size, dtype=, layout=torch.strided, pin_memory=)``."""
+    return set(kwargs) <= {"dtype", "layout", "pin_memory"} and kwargs.get("layout", torch.strided) == torch.strided
+
+
+def _same_fake(dst, src) -> bool:
+    return (type(dst) is FakeTensor and type(src) is FakeTensor and dst.shape == src.shape
+            and dst.dtype == src.dtype and not dst.requires_grad)
 
 
 def _storages(obj) -> list[torch.Tensor]:
+    if type(obj) is tuple and not any(type(x) in (tuple, list, dict) for x in obj):  # save_on_cpu's (device, tensor)
+        return [t for t in obj if isinstance(t, torch.Tensor)]
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -76,6 +115,7 @@ class ActivationOffloadFeature(StepFeature):
         self.copied_bytes = 0  # bytes of the host copies the pack hook made (every call, every step)
         self.copies = 0
         self._step = None
+        self._moves: _DeviceMoves | None = None
 
     @staticmethod
     def moves_for(spec) -> bool:
@@ -84,7 +124,11 @@ class ActivationOffloadFeature(StepFeature):
 
     # -- the library's hooks ---------------------------------------------------------------------
     def _scope(self) -> contextlib.AbstractContextManager:
-        return _DeviceMoves() if self.moves else contextlib.nullcontext()
+        if not self.moves:
+            return contextlib.nullcontext()
+        if self._moves is None:  # one mode per traced step (or real run), entered in each hook
+            self._moves = _DeviceMoves(self._step.tracker if self._step is not None else None)
+        return self._moves
 
     def pack_saved(self, t: torch.Tensor):
         """save_on_cpu's pack hook on ``t``; counts (and, in a trace, marks) the host copy it made."""
@@ -118,11 +162,11 @@ class ActivationOffloadFeature(StepFeature):
     def contexts(self, step) -> list:
         @contextlib.contextmanager
         def tracing():
-            self.tracing, self._step = True, step
+            self.tracing, self._step, self._moves = True, step, None
             try:
                 yield
             finally:
-                self.tracing, self._step = False, None
+                self.tracing, self._step, self._moves = False, None, None
 
         return [tracing()]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._decomp import decomposition_table, meta_table
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
 from torch._subclasses.fake_tensor import (
     _DISPATCH_HANDLE_DIRECTLY,
     _DISPATCH_META_HANDLERS,
@@ -73,6 +73,8 @@ def merged(rules: Iterable[TrackerRules]) -> tuple[dict, dict, tuple[type, ...]]
 
 
 EMPTY_LIKE = torch.ops.aten.empty_like.default
+EMPTY = torch.ops.aten.empty.memory_format
+TO_COPY = torch.ops.aten._to_copy.default
 CONTIGUOUS = torch.ops.aten.contiguous.default
 CLONE = torch.ops.aten.clone.default
 META = torch.device("meta")
@@ -564,15 +566,30 @@ class StorageTracker:
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """``torch.empty_like(t)`` of a fake tensor, recorded as :meth:`dispatch` records that op (an ``empty_like``
         temporary of the running module), for the allocations memest's own code makes where a library makes them
-        (features/activation_offload.py: torchtune's host copies and the copies back). The output is made as
-        FakeTensorMode's cache makes an op's output (a meta tensor of the op's sizes and strides in a FakeTensor,
-        torch 2.13 torch/_subclasses/fake_tensor.py ``_get_output_tensor_from_cache_entry``) without the mode's
-        per-op dispatch (its cache key), which costs 4.4 times more (benchmarks/trace-speed.md); tests/test_tracker.py
-        checks it against the op."""
+        (features/activation_offload.py: torchtune's host copies and the copies back): :meth:`made_like`, or the op
+        itself where that does not apply."""
+        out = self.made_like(t, EMPTY_LIKE)
+        return torch.empty_like(t) if out is None else out
+
+    def made_like(self, t: torch.Tensor, op) -> torch.Tensor | None:
+        """A new fake tensor of ``t``'s sizes, dtype and device as ``torch.empty_like(t)`` makes it (preserve_format:
+        ``t``'s strides where it is dense and non-overlapping; ``aten._to_copy`` of ``t`` to its own device and dtype
+        makes the same, aten/src/ATen/native/TensorConversions.cpp), recorded as :meth:`dispatch` records ``op`` (a
+        temporary of the running module). The output is made as FakeTensorMode's cache makes an op's output (a meta
+        tensor of the op's sizes and strides in a FakeTensor, torch 2.13 torch/_subclasses/fake_tensor.py
+        ``_get_output_tensor_from_cache_entry``) without the mode's per-op dispatch (its cache key), which costs 4.4
+        times more (benchmarks/trace-speed.md); tests/test_tracker.py checks it against the ops. None where it is not
+        a tracked op of this step, or a kernel rule of some feature prices ``op``."""
         mode = self._fake_mode
-        if mode.tracker is not self or mode._inside or not isinstance(t, FakeTensor) or EMPTY_LIKE in self._ruled:
-            return torch.empty_like(t)  # not a tracked op of this step, or a rule of some feature prices it
-        if t.layout == torch.strided and t.is_contiguous() and not t.is_contiguous(memory_format=torch.channels_last):
+        if (mode.tracker is not self or mode._inside or not isinstance(t, FakeTensor) or EMPTY_LIKE in self._ruled
+                or op in self._ruled):
+            return None
+        if op is TO_COPY and t.layout == torch.strided and is_non_overlapping_and_dense_or_false(t):
+            # _to_copy keeps a dense tensor's strides as they are (those of size-1 dimensions too: TensorConversions.cpp
+            # ``_to_copy``, memory_format preserve, ``empty_strided(self.sizes(), self.strides())``)
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=META)
+        elif t.layout == torch.strided and t.is_contiguous() and not t.is_contiguous(memory_format=torch.channels_last):
             # the fake kernel (torch._refs.empty_like) gives a tensor contiguous and not also channels-last contiguous
             # the identity permutation (torch._prims_common.compute_elementwise_output_logical_to_physical_perm's
             # short-circuit): torch.empty of its shape (strides of size-1 dimensions made canonical too)
@@ -583,7 +600,21 @@ class StorageTracker:
                 meta = EMPTY_LIKE(t)
         out = _new_fake(mode, meta, t.fake_device)
         if not self.ignoring:
-            self.register(out, Category.TEMPORARIES, self._op_name(EMPTY_LIKE))
+            self.register(out, Category.TEMPORARIES, self._op_name(op))
+        return out
+
+    def made_empty(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """``torch.empty(shape, dtype=dtype)`` on the traced (CPU) device, contiguous, made and recorded as
+        :meth:`made_like` makes and records its tensor (``aten.empty.memory_format``); None where that does not
+        apply (not a tracked op of this step, or a kernel rule prices the op)."""
+        mode = self._fake_mode
+        if mode.tracker is not self or mode._inside or EMPTY in self._ruled:
+            return None
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            meta = torch.empty(shape, dtype=dtype, device=META)
+        out = _new_fake(mode, meta, torch.device("cpu"))
+        if not self.ignoring:
+            self.register(out, Category.TEMPORARIES, self._op_name(EMPTY))
         return out
 
     # -- dispatch ----------------------------------------------------------------------------
