@@ -110,11 +110,7 @@ class Replays:
             # the key and the replay ask tensors for metadata and make fake tensors: below the function modes (the
             # traced device's, trace/devices.py, would see every tensor method called here)
             with torch._C.DisableTorchFunction():
-                try:
-                    mode, key = self._key(fn, name, args, kwargs)
-                except _Ineligible:
-                    key = None
-                template = self.templates.get(key) if key is not None else None
+                mode, key, template = self._lookup(fn, name, args, kwargs)
                 if template is not None:
                     self.replayed += 1
                     return _replay(mode, template)
@@ -143,11 +139,7 @@ class Replays:
                 return fn(ctx, *args, **kwargs)
             self.calls += 1
             with torch._C.DisableTorchFunction():
-                try:
-                    mode, key = self._key(fn, name, args, kwargs)
-                except _Ineligible:
-                    key = None
-                template = self.templates.get(key) if key is not None else None
+                mode, key, template = self._lookup(fn, name, args, kwargs)
                 if template is not None:
                     self.replayed += 1
                     _redo_ctx(ctx, template.ctx, args)
@@ -188,13 +180,9 @@ class Replays:
                 forward_key = None  # saved tensors the node does not hold (checkpointing, offloading): it runs
             key = None
             with torch._C.DisableTorchFunction():
+                template = None
                 if forward_key is not None:
-                    try:
-                        mode, key = self._key(fn, name, grads, {})
-                        key = (key, forward_key, tuple(ctx.needs_input_grad))
-                    except _Ineligible:
-                        key = None
-                template = self.templates.get(key) if key is not None else None
+                    mode, key, template = self._lookup(fn, name, grads, {}, (forward_key, tuple(ctx.needs_input_grad)))
                 if template is not None:
                     self.replayed += 1
                     ctx.saved_tensors  # noqa: B018 (the unpack hooks run, as in the backward's first line)
@@ -212,6 +200,17 @@ class Replays:
 
         backward.__wrapped__ = fn
         return backward
+
+    def _lookup(self, fn, name, args, kwargs, more: tuple = ()) -> tuple:
+        """(mode, key, its template or None), or (None, None, None) for a call that simply runs: not eligible
+        (``_key``), or arguments a key cannot be made of (an unhashable value where a plain one was expected): a
+        replay is only ever a shortcut."""
+        try:
+            mode, key = self._key(fn, name, args, kwargs)
+            key = (key, *more) if more else key
+            return mode, key, self.templates.get(key)
+        except (_Ineligible, TypeError):
+            return None, None, None
 
     def _key(self, fn, name, args, kwargs):
         if torch._C._len_torch_dispatch_stack() != 1 or torch.is_inference_mode_enabled():
