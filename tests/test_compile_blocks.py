@@ -22,7 +22,7 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import model_ref
+from .conftest import lowest_of_runs, model_ref
 
 # traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
 # CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
@@ -144,11 +144,17 @@ def test_ddp_and_zero12_over_compiled_blocks_without_checkpointing_match_each_gl
     trace = trace_step(load_source(LLAMA), spec)
     assert any("compiled each repeated block" in n for n in trace.notes), trace.notes
     assert any("DDPOptimizer" in n for n in trace.notes) is (shard != "zero2"), trace.notes
+
+    def smaller_partition(rank: dict) -> int:  # ZeroRedundancyOptimizer's smaller rank-1 partition (516 B)
+        return 516 if (shard, rank["rank"]) == ("zero1", 1) else 0
+
+    # a rank's reading lifted by its process's history (rank 1 read +64 B in one of two CI runs, 2026-11-29, exact in
+    # isolation; conftest.lowest_phase_peaks_of_runs): measured again while a rank reads above the trace
+    ranks = lowest_of_runs(spec, ranks, traced=lambda r: trace.peak()[0] - smaller_partition(r))
     for rank in ranks:
         _assert_close(f"llama-tiny, --shard {shard} over compiled blocks, no checkpointing, rank {rank['rank']}",
                       trace.peak()[0], rank["peak_bytes"])
-        # ZeroRedundancyOptimizer's smaller rank-1 partition (516 B) aside, exact
-        partition = 516 if (shard, rank["rank"]) == ("zero1", 1) else 0
+        partition = smaller_partition(rank)  # aside, exact
         assert trace.peak()[0] - rank["peak_bytes"] == partition, (shard, rank, trace.peak()[0])
 
 
