@@ -116,14 +116,7 @@ class Replays:
                     return _replay(mode, template)
             if key is None:
                 return fn(*args, **kwargs)
-            if key in self.failed:
-                return fn(*args, **kwargs)
-            out, template = _record(mode, lambda: fn(*args, **kwargs))
-            if template is None:
-                self.failed.add(key)
-            else:
-                self.templates[key] = template
-            return out
+            return self._recorded(mode, key, lambda: fn(*args, **kwargs))
 
         replaying.__wrapped__ = fn
         return replaying
@@ -147,15 +140,10 @@ class Replays:
                     return _replay(mode, template)
             if key is None:
                 return fn(ctx, *args, **kwargs)
-            if key in self.failed:
-                out = fn(ctx, *args, **kwargs)
-            else:
-                effects: list = []
-                out, template = _record(mode, lambda: _with_ctx_recorded(fn, ctx, args, kwargs, effects))
-                if template is None or effects[0] is None:
-                    self.failed.add(key)
-                else:
-                    self.templates[key] = dataclasses.replace(template, ctx=effects[0])
+            effects: list = []
+            out = self._recorded(mode, key, lambda: _with_ctx_recorded(fn, ctx, args, kwargs, effects),
+                                 plain=lambda: fn(ctx, *args, **kwargs),
+                                 complete=lambda t: None if effects[0] is None else dataclasses.replace(t, ctx=effects[0]))
             setattr(ctx, _CTX_KEY, key)
             return out
 
@@ -189,17 +177,25 @@ class Replays:
                     return _replay(mode, template)
             if key is None:
                 return fn(ctx, *grads)
-            if key in self.failed:
-                return fn(ctx, *grads)
-            out, template = _record(mode, lambda: fn(ctx, *grads))
-            if template is None:
-                self.failed.add(key)
-            else:
-                self.templates[key] = template
-            return out
+            return self._recorded(mode, key, lambda: fn(ctx, *grads))
 
         backward.__wrapped__ = fn
         return backward
+
+    def _recorded(self, mode, key, call: Callable, plain: Callable | None = None,
+                  complete: Callable = lambda template: template):
+        """``call()``'s output, its part of the trace kept as ``key``'s template (``complete(template)``: the
+        template as stored, None where it cannot be repeated: the key then fails); for a key that failed before,
+        ``plain()`` (``call`` by default) simply runs."""
+        if key in self.failed:
+            return (plain or call)()
+        out, template = _record(mode, call)
+        template = None if template is None else complete(template)
+        if template is None:
+            self.failed.add(key)
+        else:
+            self.templates[key] = template
+        return out
 
     def _lookup(self, fn, name, args, kwargs, more: tuple = ()) -> tuple:
         """(mode, key, its template or None), or (None, None, None) for a call that simply runs: not eligible
