@@ -38,6 +38,14 @@ SPECS = [
     dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="mxfp8-wgrad-hp", compute_capability=(10, 0),
          precision="bf16", checkpointing="blocks"),
     dict(model="examples/transformer.py", batch=2, seq=64, target="cpu", optim="sgd", fp8="mxfp8-emulated"),
+    # --optim-in-backward: torch.optim's update functions replayed per parameter (features/optim_in_backward.py)
+    dict(model=GPT2, batch=2, seq=32, target="cuda", optim="adamw", optim_in_backward=True),
+    dict(model=LLAMA, batch=1, seq=8, target="cpu", optim="adamw", optim_in_backward=True),
+    dict(model=GPT2, batch=1, seq=8, target="cuda", optim="sgd-momentum", optim_in_backward=True),
+    dict(model=LLAMA, batch=2, seq=32, target="cuda", optim="adamw", optim_in_backward=True, shard="zero3",
+         world_size=2),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", optim="adamw", shard="zero2", world_size=2,
+         checkpointing="selective"),
 ]
 
 

@@ -1,6 +1,6 @@
 """trace/replay.py: a replayed call leaves the trace the call itself makes, and a call a template cannot repeat runs.
 
-The whole-step comparisons trace torchao's float8 and MXFP8 steps with the replays and with them switched off
+The whole-step comparisons trace torchao's float8 and MXFP8 steps and --optim-in-backward steps with the replays and with them switched off
 (``Replays.wrap`` returning the function itself) and compare every field of the two traces."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ pytest.importorskip("torchao")
 
 TRANSFORMER = "examples/transformer.py"
 LLAMA = "hf:tests/configs/llama-tiny.json"
+GPT2 = "hf:tests/configs/gpt2-tiny.json"
 STEPS = [
     dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="tensorwise"),
     dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="rowwise", precision="bf16-mixed"),
@@ -41,6 +42,12 @@ STEPS = [
     dict(model=LLAMA, batch=2, seq=64, target="cuda", fp8="tensorwise", shard="zero2", world_size=2),
     dict(model=LLAMA, batch=2, seq=64, target="cpu", optim="sgd", fp8="mxfp8-emulated", checkpointing="blocks"),
     dict(model=TRANSFORMER, batch=2, seq=64, target="cuda", optim="adamw", fp8="tensorwise", grad_accum=2),
+    # --optim-in-backward: torch.optim's update functions, one optimizer per parameter (foreach on --target cuda,
+    # single-tensor on cpu; SGD's momentum buffers made by the first step's calls, which run)
+    dict(model=GPT2, batch=2, seq=32, target="cuda", optim="adamw", optim_in_backward=True),
+    dict(model=LLAMA, batch=1, seq=8, target="cpu", optim="adamw", optim_in_backward=True),
+    dict(model=GPT2, batch=1, seq=8, target="cuda", optim="sgd-momentum", optim_in_backward=True),
+    dict(model=TRANSFORMER, batch=2, seq=64, target="cpu", optim="sgd", optim_in_backward=True),
 ]
 
 
@@ -171,6 +178,50 @@ def test_views_of_arguments_and_unkeyable_arguments_run(tracked):
     unkeyed(x, object())
     unkeyed(x, object())
     assert replays.replayed == 0 and not replays.templates and len(replays.failed) == 2
+
+
+def _counted_update(param, grad, steps: list, lr: float):
+    """torch.optim's shape: a constant step counter bumped in place, its value read, temporaries, in-place updates."""
+    for step in steps:
+        step += 1
+    scale = lr / (1 - 0.9 ** steps[0].item())
+    param.add_(grad.sqrt() * scale)
+
+
+def test_constant_arguments_are_keyed_by_value_and_left_as_the_call_leaves_them(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+    fn = replays.wrap(_counted_update, "update")
+    params = [torch.empty(8, 4) for _ in range(3)]
+    grads = [torch.empty(8, 4) for _ in range(3)]
+    steps = [torch.tensor(0.0) for _ in range(3)]  # constant fake tensors, as torch.optim makes its state_steps
+    assert all(s.constant is not None for s in steps)
+    for p, g, s in zip(params, grads, steps, strict=True):
+        fn(p, g, [s], 1e-3)  # step 0 -> 1: the first recorded, the other two replayed
+    assert (replays.calls, replays.replayed, len(replays.templates)) == (3, 2, 1)
+    assert [s.item() for s in steps] == [1.0, 1.0, 1.0]  # a replay leaves the value the call left
+    for p, g, s in zip(params, grads, steps, strict=True):
+        fn(p, g, [s], 1e-3)  # step 1 -> 2: another value, another key
+    assert (replays.calls, replays.replayed, len(replays.templates)) == (6, 4, 2)
+    assert [s.item() for s in steps] == [2.0, 2.0, 2.0]
+    n = len(trace.storages)
+    fn(params[0], grads[0], [steps[0]], 1e-3)  # recorded: the temporaries each call makes and frees
+    assert len(trace.storages) > n and sum(d for _, d in trace.events[-2 * (len(trace.storages) - n):]) == 0
+
+
+def test_a_constant_the_call_leaves_without_a_value_is_never_replayed(tracked):
+    trace, mode = tracked
+    replays = replay.Replays()
+
+    def written(x, step):
+        step.add_(x.sum())  # a constant written with a fake value: FakeTensorMode drops its constant
+        return x + 1
+
+    fn = replays.wrap(written, "written")
+    x = torch.empty(4)
+    for _ in range(2):
+        fn(x, torch.tensor(0.0))
+    assert replays.replayed == 0 and len(replays.failed) == 1
 
 
 class _Scaled(torch.autograd.Function):

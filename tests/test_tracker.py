@@ -128,6 +128,33 @@ def test_metadata_queries_answered_as_the_fake_mode_answers_them():
     assert seen == [torch.ops.aten.add.Tensor]
 
 
+def test_record_function_ops_run_as_the_fake_mode_runs_them():
+    """torch.profiler.record_function's enter and exit ops (torch.optim's step and zero_grad, FSDP2's collectives):
+    the same profiler object as FakeTensorMode's answer, and nothing recorded (no tensor in or out)."""
+    seen: list = []
+
+    class Watching(StorageTracker):
+        def dispatch(self, func, types, args, kwargs, run):
+            seen.append(func)
+            return super().dispatch(func, types, args, kwargs, run)
+
+    enter = torch.ops.profiler._record_function_enter_new.default
+    made = []
+    for mode in (FakeTensorMode(), TrackingFakeMode()):
+        trace = Trace()
+        with mode:
+            t = torch.randn(3, 5)
+            with Watching(trace, lambda: "", mode) if isinstance(mode, TrackingFakeMode) else contextlib.nullcontext():
+                handle = enter("memest", None)
+                with torch.profiler.record_function("memest"):
+                    t + 1
+                torch.ops.profiler._record_function_exit._RecordFunction(handle)
+        made.append((type(handle), handle._type().qualified_name()))
+    assert made[0] == made[1] == (torch.ScriptObject, "__torch__.torch.classes.profiler._RecordFunction")
+    assert seen == [torch.ops.aten.add.Tensor]
+    assert len(trace.storages) == 1 and trace.storages[0].op == "add.Tensor"
+
+
 def _key(prep, mode, args) -> tuple[list, str | None]:
     """The cache-key values ``prep`` appends for ``args`` (or the bypass it raises)."""
     from torch._subclasses.fake_tensor import _CacheKeyState

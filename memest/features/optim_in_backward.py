@@ -22,6 +22,7 @@ import torch
 
 from memest.features.base import StepFeature
 from memest.trace.events import Category
+from memest.trace.replay import Replays, replaying
 
 SOURCES = (
     "https://pytorch.org/tutorials/intermediate/optimizer_step_in_backward_tutorial.html",
@@ -78,6 +79,7 @@ class OptimInBackwardFeature(StepFeature):
 
     def __init__(self) -> None:
         self.hooked = 0
+        self.replays: Replays | None = None
 
     def register(self, step) -> None:
         optimizer = step.optimizer
@@ -93,6 +95,22 @@ class OptimInBackwardFeature(StepFeature):
                 trace.owner_module[sid] = owner.get(id(param), "")
 
         optimizer.on_grad = on_grad
+
+    def contexts(self, step) -> list:
+        """torch.optim's update functions (Adam/AdamW's and SGD's, single-tensor and foreach) replayed from their first
+        call with the same argument metadata and step count (trace/replay.py): one optimizer per parameter runs the
+        same update once per parameter, for parameters of a few shapes. Not under --compile."""
+        if not isinstance(step.optimizer, InBackwardOptimizer) or step.spec.compile:
+            return []
+        import torch.optim.adam as adam
+        import torch.optim.sgd as sgd
+
+        self.replays = Replays()
+        patches = [(module, name, f"torch.optim {module.__name__.rsplit('.', 1)[-1]} {name}")
+                   for module, names in ((adam, ("_single_tensor_adam", "_multi_tensor_adam")),
+                                         (sgd, ("_single_tensor_sgd", "_multi_tensor_sgd")))
+                   for name in names if hasattr(module, name)]
+        return [replaying(self.replays, patches)]
 
     def finish(self, step) -> list[str]:
         if not self.hooked:

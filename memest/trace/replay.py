@@ -11,13 +11,21 @@ the running module, phase and iteration, as the ops would have recorded them) an
 the recorded metadata, without running the ops: the trace is byte for byte the one the ops make
 (scripts/trace_digest.py; tests/test_replay.py), at a fraction of the time (benchmarks/fp8-trace-speed.md).
 
+With ``--optim-in-backward`` (one torch.optim optimizer per parameter, features/optim_in_backward.py) the same holds
+for torch.optim's update functions (``_multi_tensor_adam``, ``_single_tensor_adam``, SGD's): one call per parameter,
+for parameters of a few shapes, each allocating and freeing the same temporaries and updating its arguments in place
+(no event: in-place writes allocate nothing). Their step counters are constant fake tensors (``torch.tensor(0.0)``,
+whose value FakeTensorMode keeps and the update bumps in place and reads with ``item()``): such a constant is keyed
+by its value, and a replay leaves in it the value the recorded call left (the same value before, the same ops).
+
 A call is replayed only where nothing else could see the ops it skips, and recorded only where its record
 shows nothing a template cannot repeat; otherwise it simply runs:
 
 - its tensors are plain fake tensors of the tracking mode (or wrapper subclasses of them, flattened by
   ``__tensor_flatten__``), its other arguments plain values (numbers, strings, dtypes, devices, enum members,
-  classes, aten ops, and tuples, dicts and frozen dataclasses of them): the key is made of these (a tensor's
-  sizes, strides, dtype, offset, storage size, device, requires_grad), plus the tracker's label, the grad mode and
+  classes, aten ops, and tuples, lists, dicts and frozen dataclasses of them): the key is made of these (a tensor's
+  sizes, strides, dtype, offset, storage size, device, requires_grad; a constant fake tensor's value too, for a
+  plain function only, and only while the call leaves it a constant), plus the tracker's label, the grad mode and
   the function modes on the stack;
 - the tracking mode is the only dispatch mode (no selective-checkpointing or other mode that records ops), the
   tracker records (not ignoring, not inside another op), not under inference mode, not while Dynamo compiles,
@@ -26,7 +34,7 @@ shows nothing a template cannot repeat; otherwise it simply runs:
   only through autograd's pack hooks, which need a graph being recorded, or through the step's own code between
   ops), left every other record of the trace as it was (phase marks, notes, stream marks, ...; FLOPs only under
   the running module), and returned one tensor, plain or a wrapper subclass, whose storages it made whole and did
-  not free, every other storage it made freed before it returned.
+  not free (or returned None), every other storage it made freed before it returned.
 
 What it saves and costs (benchmarks/fp8-trace-speed.md): a replayed torchao cast costs about 40 us against 400 us
 run (the key about 6 us, the replay about 35: two fake outputs made and registered, the records appended).
@@ -74,7 +82,8 @@ class Template:
     slots), ("none",), ("sequence", type, structures)), the FLOPs it added under the running module (None: it added
     no FLOP entry), its kernels' workspace ranges, and for an autograd Function's forward what it did to its
     ``ctx`` (``ctx``: the positions of the arguments it saved for backward, and each attribute it set with the
-    position of the argument it is, or its plain value)."""
+    position of the argument it is, or its plain value), and the values it left in the constant fake tensors among its
+    arguments (``constants``, in the order the key met them)."""
 
     records: tuple[tuple, ...]  # (nbytes, category, op, saved_for_backward, host, saved_copy)
     events: tuple[tuple[int, int], ...]
@@ -84,6 +93,7 @@ class Template:
     flops: int | None
     workspaces: dict[int, tuple]
     ctx: tuple | None = None
+    constants: tuple = ()  # the values the call left in the constant fake tensors among its arguments, key order
 
 
 class Replays:
@@ -97,6 +107,7 @@ class Replays:
         self.replayed = 0
         self._known: dict[int, tuple] = {}  # id -> (immutable argument value, its key): Replays._value_key
         self._tensors = 0
+        self._constants: list[FakeTensor] = []  # the constant fake tensors met by the key being made
         # type -> True (a value keyed by itself: None, strings, dtypes, devices, and the classes of the enum members,
         # classes and ops met) or False (a number: 1, True and 1.0 are equal keys, so its type is part of it)
         self._leaf_kinds: dict[type, bool] = dict(_LEAF_KINDS)
@@ -110,13 +121,15 @@ class Replays:
             # the key and the replay ask tensors for metadata and make fake tensors: below the function modes (the
             # traced device's, trace/devices.py, would see every tensor method called here)
             with torch._C.DisableTorchFunction():
-                mode, key, template = self._lookup(fn, name, args, kwargs)
+                mode, key, template, constants = self._lookup(fn, name, args, kwargs, constants_ok=True)
                 if template is not None:
                     self.replayed += 1
-                    return _replay(mode, template)
+                    out = _replay(mode, template)
+                    _set_constants(constants, template.constants)
+                    return out
             if key is None:
                 return fn(*args, **kwargs)
-            return self._recorded(mode, key, lambda: fn(*args, **kwargs))
+            return self._recorded(mode, key, lambda: fn(*args, **kwargs), constants=constants)
 
         replaying.__wrapped__ = fn
         return replaying
@@ -132,7 +145,7 @@ class Replays:
                 return fn(ctx, *args, **kwargs)
             self.calls += 1
             with torch._C.DisableTorchFunction():
-                mode, key, template = self._lookup(fn, name, args, kwargs)
+                mode, key, template, _ = self._lookup(fn, name, args, kwargs)
                 if template is not None:
                     self.replayed += 1
                     _redo_ctx(ctx, template.ctx, args)
@@ -170,7 +183,8 @@ class Replays:
             with torch._C.DisableTorchFunction():
                 template = None
                 if forward_key is not None:
-                    mode, key, template = self._lookup(fn, name, grads, {}, (forward_key, tuple(ctx.needs_input_grad)))
+                    mode, key, template, _ = self._lookup(fn, name, grads, {},
+                                                          (forward_key, tuple(ctx.needs_input_grad)))
                 if template is not None:
                     self.replayed += 1
                     ctx.saved_tensors  # noqa: B018 (the unpack hooks run, as in the backward's first line)
@@ -183,30 +197,39 @@ class Replays:
         return backward
 
     def _recorded(self, mode, key, call: Callable, plain: Callable | None = None,
-                  complete: Callable = lambda template: template):
+                  complete: Callable = lambda template: template, constants: tuple = ()):
         """``call()``'s output, its part of the trace kept as ``key``'s template (``complete(template)``: the
-        template as stored, None where it cannot be repeated: the key then fails); for a key that failed before,
-        ``plain()`` (``call`` by default) simply runs."""
+        template as stored, with the values the call left in ``constants``; None where it cannot be repeated: the
+        key then fails); for a key that failed before, ``plain()`` (``call`` by default) simply runs."""
         if key in self.failed:
             return (plain or call)()
         out, template = _record(mode, call)
         template = None if template is None else complete(template)
+        if template is not None and constants:
+            after = _constant_values(constants)
+            template = None if after is None else dataclasses.replace(template, constants=after)
         if template is None:
             self.failed.add(key)
         else:
             self.templates[key] = template
         return out
 
-    def _lookup(self, fn, name, args, kwargs, more: tuple = ()) -> tuple:
-        """(mode, key, its template or None), or (None, None, None) for a call that simply runs: not eligible
-        (``_key``), or arguments a key cannot be made of (an unhashable value where a plain one was expected): a
-        replay is only ever a shortcut."""
+    def _lookup(self, fn, name, args, kwargs, more: tuple = (), constants_ok: bool = False) -> tuple:
+        """(mode, key, its template or None, the constant fake tensors among the arguments in key order), or
+        (None, None, None, ()) for a call that simply runs: not eligible (``_key``; constant fake tensors only where
+        ``constants_ok``), or arguments a key cannot be made of (an unhashable value where a plain one was expected):
+        a replay is only ever a shortcut."""
+        self._constants = []
         try:
             mode, key = self._key(fn, name, args, kwargs)
+            if self._constants and not constants_ok:
+                raise _Ineligible
             key = (key, *more) if more else key
-            return mode, key, self.templates.get(key)
+            return mode, key, self.templates.get(key), tuple(self._constants)
         except (_Ineligible, TypeError):
-            return None, None, None
+            return None, None, None, ()
+        finally:
+            self._constants = []
 
     def _key(self, fn, name, args, kwargs):
         if torch._C._len_torch_dispatch_stack() != 1 or torch.is_inference_mode_enabled():
@@ -229,6 +252,8 @@ class Replays:
         call) is kept by identity, the value held so its id stays its own (``_tensors`` counts the tensors met)."""
         kind = type(a)
         if kind is FakeTensor:
+            if a.constant is not None:
+                return self._constant_key(a, mode, grad)
             if not _plain_fake(a, mode) or a.is_conj() or a.is_neg() or (grad and a.requires_grad):
                 raise _Ineligible
             self._tensors += 1
@@ -265,6 +290,19 @@ class Replays:
             self._known[id(a)] = (a, key)
         return key
 
+    def _constant_key(self, a: FakeTensor, mode: TrackingFakeMode, grad: bool) -> tuple:
+        """A small constant fake tensor (torch.optim's ``state_steps``: ``torch.tensor(0.0)``, whose value FakeTensorMode
+        keeps and an update changes in place): keyed by its metadata and its value, which a replay then sets to the
+        value the recorded call left (the same value before, the same ops: the same value after)."""
+        if (a.fake_mode is not mode or a.layout != torch.strided or a._has_symbolic_sizes_strides
+                or a.numel() > MAX_CONSTANT_NUMEL or (grad and a.requires_grad)):
+            raise _Ineligible
+        self._tensors += 1
+        self._constants.append(a)
+        with torch._C._DisableTorchDispatch():
+            values = tuple(a.constant.flatten().tolist())
+        return ("constant", a.shape, a.stride(), a.dtype, a.storage_offset(), a.fake_device, values)
+
     def _values_key(self, values, mode: TrackingFakeMode, grad: bool) -> list:
         """The keys of ``values``, plain ones made here (one call less each: most arguments are plain)."""
         keys = []
@@ -277,6 +315,27 @@ class Replays:
     def _items_key(self, items, mode: TrackingFakeMode, grad: bool) -> tuple:
         keys, values = zip(*items, strict=True) if items else ((), ())
         return tuple(zip(keys, self._values_key(values, mode, grad), strict=True))
+
+
+# a constant argument is keyed by its values: FakeTensorMode keeps constants of one element (CONSTANT_NUMEL_LIMIT,
+# torch 2.13 torch/_subclasses/fake_tensor.py: torch.tensor(0.0), a step counter); a larger one is not replayed
+MAX_CONSTANT_NUMEL = 16
+
+
+def _constant_values(constants: tuple) -> tuple | None:
+    """What ``constants`` hold now (copies), or None where the call left one without its value (FakeTensorMode drops
+    a constant an op wrote with a non-constant)."""
+    with torch._C._DisableTorchDispatch():
+        if any(c.constant is None for c in constants):
+            return None
+        return tuple(c.constant.clone() for c in constants)
+
+
+def _set_constants(constants: tuple, values: tuple) -> None:
+    """Each constant fake tensor given the value the recorded call left in it."""
+    with torch._C._DisableTorchDispatch():
+        for c, value in zip(constants, values, strict=True):
+            c.constant.copy_(value)
 
 
 def _side_state(tracker) -> tuple:
