@@ -17,7 +17,7 @@ from memest.spec import RunSpec
 from memest.trace.events import Category
 from memest.validate.distributed_truth import measure_distributed_peaks
 
-from .conftest import model_ref
+from .conftest import lowest_of_runs, model_ref
 
 # traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
 # CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
@@ -90,7 +90,10 @@ def test_fsdp1_rank_peak_matches_real_gloo_ranks(k, measured):
     trace = trace_step(load_source(spec.model), spec)
     assert trace.parallel.startswith("FSDP1 FullyShardedDataParallel(")
     traced = trace.combined_peak() if spec.offload != "none" else trace.peak()[0]
-    for rank in measured[k]:
+    # a rank above what the trace allows: measured again (conftest.lowest_of_runs: a collective's buffer freed late by
+    # gloo's worker on a loaded machine; a low estimate still fails on every run)
+    allowed = traced + (8 * _lora_modules(spec) if spec.lora else ADAM_DIV_SCALARS)
+    for rank in lowest_of_runs(spec, measured[k], traced=lambda rank: allowed):
         missing = rank["peak_bytes"] - traced
         if not spec.lora:  # exact, or the CPU kernel's scalars where the peak is single-tensor Adam's division
             scalars = missing == ADAM_DIV_SCALARS and rank["op_at_peak"] == "aten::div"

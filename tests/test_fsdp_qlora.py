@@ -23,7 +23,7 @@ from memest.spec import RunSpec
 from memest.spec.config import load_config
 from memest.validate.distributed_truth import measure_distributed_peaks
 
-from .conftest import model_ref
+from .conftest import lowest_of_runs, model_ref
 
 # traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
 # CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
@@ -171,6 +171,12 @@ DDP_CASES = [
 REL_TOL = 0.001  # the harness is deterministic (main e2465d4); measured to within 0.01% when written
 
 
+def _lowest(spec, ranks: list[dict], traced: int) -> list[dict]:
+    """``ranks``, measured again while one reads above the trace by more than REL_TOL (conftest.lowest_of_runs: gloo's
+    worker can free a collective's buffer late on a loaded machine; a low estimate still fails on every run)."""
+    return lowest_of_runs(spec, ranks, traced=lambda rank: traced * (1 + REL_TOL))
+
+
 def _ddp_spec(quant: str, precision: str) -> RunSpec:
     return RunSpec(model=model_ref("hf:llama-tiny"), batch=2, seq=32, target="cpu", precision=precision,
                    lora="r=8,targets=all-linear", quant=quant, world_size=2)
@@ -189,7 +195,7 @@ def test_ddp_over_a_quantized_base_matches_real_gloo_ranks(case, ddp_measured):
     against the same step run for real on 2 gloo processes (DDP buckets only the adapters' gradients)."""
     spec = _ddp_spec(*case)
     traced = trace_step(load_source(spec.model), spec).peak()[0]
-    for rank in ddp_measured[case]:
+    for rank in _lowest(spec, ddp_measured[case], traced):
         error = (traced - rank["peak_bytes"]) / rank["peak_bytes"]
         assert abs(error) <= REL_TOL, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
 
@@ -202,7 +208,7 @@ def test_ddp_over_a_wide_quantized_base_is_within_one_percent_of_real_gloo_ranks
     spec = RunSpec(model=model_ref("hf:llama-tiny-wide"), batch=1, seq=16, target="cpu", precision="bf16",
                    lora="r=8,targets=all-linear", quant="nf4", world_size=2)
     traced = trace_step(load_source(spec.model), spec).peak()[0]
-    for rank in measure_distributed_peaks([spec])[0]:
+    for rank in _lowest(spec, measure_distributed_peaks([spec])[0], traced):
         error = (traced - rank["peak_bytes"]) / rank["peak_bytes"]
         assert abs(error) <= 0.01, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
 
@@ -240,7 +246,7 @@ def test_fsdp_qlora_matches_real_gloo_ranks(case, fsdp_measured):
     result = trace_step(load_source(spec.model), spec)
     # on a CPU the host of an offloading run is the same memory: device + host together (as tests/test_sharding.py)
     traced = result.combined_peak() if spec.offload != "none" else result.peak()[0]
-    for rank in fsdp_measured[case]:
+    for rank in _lowest(spec, fsdp_measured[case], traced):
         error = (traced - rank["peak_bytes"]) / rank["peak_bytes"]
         assert abs(error) <= REL_TOL, f"rank {rank['rank']}: traced {traced} B, measured {rank['peak_bytes']} B"
     assert any("bnb_4bit_quant_storage" in note for note in result.notes)

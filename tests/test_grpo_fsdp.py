@@ -34,7 +34,7 @@ from memest.spec import RunSpec
 from memest.trace import step as core
 from memest.validate.distributed_truth import measure_distributed_peaks
 
-from .conftest import model_ref
+from .conftest import lowest_phase_peaks_of_runs, model_ref
 
 # traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
 # CPUs where oneDNN would run their matmuls (AVX-512/AMX), as on the others
@@ -110,6 +110,18 @@ def _check(cases, shard):
         traced = grpo.phase_peaks(trace, step.phase_starts, spec.iterations)
         mask = _kept_mask_bytes(trace, step, spec)
         assert len(ranks) == 2
+
+        def above(rank, trace=trace, traced=traced, mask=mask, saved=saved) -> bool:
+            """A reading above the trace's (conftest.lowest_phase_peaks_of_runs: measured again; a collective's
+            buffer freed late by gloo's worker on a loaded machine only ever lifts one)."""
+            real = rank["phase_peaks"]
+            limits = {grpo.PHASES[0]: traced.get(grpo.PHASES[0], 0) - mask,
+                      grpo.PHASES[2]: traced.get(grpo.PHASES[2], 0) + saved}
+            if grpo.PHASES[1] in traced:
+                limits[grpo.PHASES[1]] = traced[grpo.PHASES[1]]
+            return rank["peak_bytes"] - saved > trace.peak()[0] or any(real.get(k, 0) > v for k, v in limits.items())
+
+        ranks = lowest_phase_peaks_of_runs(spec, ranks, above)
         for rank in ranks:
             what = f"{spec.shard} {spec.precision} {spec.reference} lora={bool(spec.lora)} rank {rank['rank']}"
             assert trace.peak()[0] == rank["peak_bytes"] - saved, (what, trace.peak()[0], rank)

@@ -13,7 +13,7 @@ from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.validate.cpu_truth import measure_cpu_peak
 
-from .conftest import model_ref
+from .conftest import lowest_of_runs, model_ref
 from .torchtune_ce_chunked_output import CEWithChunkedOutputLoss
 
 # traced and real steps on ATen's CPU kernels alike (conftest.aten_cpu_kernels): the bf16 steps compare to the byte on
@@ -82,6 +82,9 @@ def test_chunked_output_head_under_fsdp2_matches_real_gloo_ranks():
                    loss_head="chunked-output")
     (ranks,) = measure_distributed_peaks([spec])
     traced = trace_step(load_source(ref), spec).peak()[0]
+    # a rank above the trace: measured again (conftest.lowest_of_runs: a collective's buffer freed late by gloo's
+    # worker on a loaded machine; a low estimate still fails on every run)
+    ranks = lowest_of_runs(spec, ranks, traced=lambda rank: traced + BYTES_TOL)
     for rank in ranks:
         assert abs(traced - rank["peak_bytes"]) <= BYTES_TOL, f"traced {traced} B, real {rank['peak_bytes']} B"
 

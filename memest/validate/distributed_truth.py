@@ -109,7 +109,12 @@ def _count_frees_on_every_thread() -> None:
     ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-SETTLE_TIMEOUT_S = 0.2  # an upper bound on one wait for gloo's worker threads to go idle
+# an upper bound on one wait for gloo's worker threads to go idle: on an idle machine the longest of the 326 waits of
+# tests/test_preference_fsdp.py's zero2 case took 9 ms (2026-11-29). Under a loaded clean-clone CI run that case read
+# one rank +256,000 B (its embedding's all-gather output outliving the op) with the bound at 0.2 s and idle seen once;
+# which of the two let it through was not told apart: both are tightened
+SETTLE_TIMEOUT_S = 1.0
+SETTLE_RECHECK_S = 0.0005  # idle seen twice this far apart: a worker briefly blocked on gloo's work mutex is not idle
 
 
 def _other_threads_idle() -> bool | None:
@@ -135,21 +140,26 @@ def _gloo_workers_settle_after_each_wait():
     allocations and one rank's measured peak rises by its size (seen: +1.6% to +5.8%, 5 of 6 runs of the CP 2
     truth case on this 2-core machine, a different rank each time). The estimate, like NCCL's stream-ordered
     frees, counts the buffer gone when the op completes; so each ``Work.wait`` returns only once the other
-    threads of this rank are idle (blocked on their queue), bounded by SETTLE_TIMEOUT_S."""
+    threads of this rank are idle (blocked on their queue), seen so twice SETTLE_RECHECK_S apart (a worker that has
+    signalled completion and blocks on the work queue's mutex before dropping its reference sleeps too, briefly:
+    ProcessGroupGloo::runLoop), bounded by SETTLE_TIMEOUT_S. torch's functional collectives (DTensor's, transformers'
+    AllToAllEP) wait in C++ and are not settled: their tests measure again while a rank reads above the trace."""
     work = dist.distributed_c10d.Work
     original = work.wait
 
     def wait(self, *args, **kwargs):
         done = original(self, *args, **kwargs)
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        seen_idle = False
         while time.monotonic() < deadline:
             idle = _other_threads_idle()
             if idle is None:
                 time.sleep(0.001)
                 break
-            if idle:
+            if idle and seen_idle:
                 break
-            time.sleep(0.0001)
+            seen_idle = idle
+            time.sleep(SETTLE_RECHECK_S if idle else 0.0001)
         return done
 
     work.wait = wait
