@@ -106,14 +106,8 @@ def lowest_of_runs(spec, ranks: list[dict], traced=None, more: int = 4) -> list[
     collective (distributed_truth._gloo_workers_settle_after_each_wait: 16 of 16 runs of that case exact), so this is
     a second guard only. A truth test whose ranks read above the trace measures again; an estimate that is low on
     every run still fails."""
-    from memest.validate.distributed_truth import measure_distributed_peaks
-
-    for _ in range(more):
-        if traced is not None and all(r["peak_bytes"] <= traced(r) for r in ranks):
-            break
-        again = measure_distributed_peaks([spec])[0]
-        ranks = [min(a, b, key=lambda r: r["peak_bytes"]) for a, b in zip(ranks, again, strict=True)]
-    return ranks
+    above = (lambda r: True) if traced is None else (lambda r: r["peak_bytes"] > traced(r))
+    return _measured_again_while(spec, ranks, above, lambda a, b: min(a, b, key=lambda r: r["peak_bytes"]), more)
 
 
 def lowest_phase_peaks_of_runs(spec, ranks: list[dict], above, more: int = 4) -> list[dict]:
@@ -124,15 +118,24 @@ def lowest_phase_peaks_of_runs(spec, ranks: list[dict], above, more: int = 4) ->
     off in the ranks one run read +132 B and the run after it exact: the lift follows the rank process's history
     (reference cycles and when they are collected, what the forkserver's earlier forks left), not the step. A lifted
     reading only ever raises a measured peak; an estimate that is low on every run still fails."""
+
+    def lowest(a: dict, b: dict) -> dict:
+        return {**a, "peak_bytes": min(a["peak_bytes"], b["peak_bytes"]),
+                "phase_peaks": {k: min(v, b["phase_peaks"][k]) for k, v in a["phase_peaks"].items()}}
+
+    return _measured_again_while(spec, ranks, above, lowest, more)
+
+
+def _measured_again_while(spec, ranks: list[dict], above, lowest, more: int) -> list[dict]:
+    """``ranks``, each merged by ``lowest(row, new_row)`` with up to ``more`` runs of ``spec``, measured again while
+    ``above(row)`` holds for one of them (the loop of :func:`lowest_of_runs` and :func:`lowest_phase_peaks_of_runs`)."""
     from memest.validate.distributed_truth import measure_distributed_peaks
 
     for _ in range(more):
         if not any(above(r) for r in ranks):
             break
         again = measure_distributed_peaks([spec])[0]
-        ranks = [{**a, "peak_bytes": min(a["peak_bytes"], b["peak_bytes"]),
-                  "phase_peaks": {k: min(v, b["phase_peaks"][k]) for k, v in a["phase_peaks"].items()}}
-                 for a, b in zip(ranks, again, strict=True)]
+        ranks = [lowest(a, b) for a, b in zip(ranks, again, strict=True)]
     return ranks
 
 

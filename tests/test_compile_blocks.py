@@ -149,7 +149,7 @@ def test_ddp_and_zero12_over_compiled_blocks_without_checkpointing_match_each_gl
         return 516 if (shard, rank["rank"]) == ("zero1", 1) else 0
 
     # a rank's reading lifted by its process's history (rank 1 read +64 B in one of two CI runs, 2026-11-29, exact in
-    # isolation; conftest.lowest_phase_peaks_of_runs): measured again while a rank reads above the trace
+    # isolation; conftest.lowest_of_runs): measured again while a rank reads above the trace
     ranks = lowest_of_runs(spec, ranks, traced=lambda r: trace.peak()[0] - smaller_partition(r))
     for rank in ranks:
         _assert_close(f"llama-tiny, --shard {shard} over compiled blocks, no checkpointing, rank {rank['rank']}",

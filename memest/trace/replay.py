@@ -219,7 +219,6 @@ class Replays:
         (None, None, None, ()) for a call that simply runs: not eligible (``_key``; constant fake tensors only where
         ``constants_ok``), or arguments a key cannot be made of (an unhashable value where a plain one was expected):
         a replay is only ever a shortcut."""
-        self._constants = []
         try:
             mode, key = self._key(fn, name, args, kwargs)
             if self._constants and not constants_ok:
@@ -229,7 +228,8 @@ class Replays:
         except (_Ineligible, TypeError):
             return None, None, None, ()
         finally:
-            self._constants = []
+            self._constants = []  # holds no fake tensor past the key (the tracker sees a storage freed when its last
+            # tensor goes)
 
     def _key(self, fn, name, args, kwargs):
         if torch._C._len_torch_dispatch_stack() != 1 or torch.is_inference_mode_enabled():

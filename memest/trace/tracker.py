@@ -613,10 +613,7 @@ class StorageTracker:
         else:  # the op's own meta kernel picks the strides
             with in_kernel_invocation_manager(mode):
                 meta = EMPTY_LIKE(t)
-        out = _new_fake(mode, meta, t.fake_device)
-        if not self.ignoring:
-            self.register(out, Category.TEMPORARIES, self._op_name(op))
-        return out
+        return self._made(meta, t.fake_device, op)
 
     def made_empty(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """``torch.empty(shape, dtype=dtype)`` on the traced (CPU) device, contiguous, made and recorded as
@@ -627,9 +624,13 @@ class StorageTracker:
             return None
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             meta = torch.empty(shape, dtype=dtype, device=META)
-        out = _new_fake(mode, meta, torch.device("cpu"))
+        return self._made(meta, torch.device("cpu"), EMPTY)
+
+    def _made(self, meta: torch.Tensor, device: torch.device, op) -> torch.Tensor:
+        """``meta`` in a fake tensor on ``device``, recorded as a temporary ``op`` makes (made_like, made_empty)."""
+        out = _new_fake(self._fake_mode, meta, device)
         if not self.ignoring:
-            self.register(out, Category.TEMPORARIES, self._op_name(EMPTY))
+            self.register(out, Category.TEMPORARIES, self._op_name(op))
         return out
 
     # -- dispatch ----------------------------------------------------------------------------
