@@ -29,6 +29,9 @@ CASES = [  # (model, batch, seq, extra RunSpec fields)
     ("examples/transformer.py", 4, 128, {"precision": "bf16-mixed", "optim": "adamw"}),  # --target cuda
     ("hf:tests/configs/llama-tiny.json", 4, 128, {"precision": "bf16-mixed", "optim": "adamw"}),
     ("hf:tests/configs/gpt2-tiny.json", 4, 128, {"target": "cpu", "optim": "adamw"}),
+    # full-size configs (12 and 16 blocks): the blocks' share of the step as users trace it
+    ("hf:gpt2", 2, 256, {"target": "cpu", "optim": "adamw"}),
+    ("hf:llama-3.2-1b", 1, 256, {"precision": "bf16-mixed", "optim": "adamw"}),
 ]
 POLICIES = ("none", "selective", "blocks")
 

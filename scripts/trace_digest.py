@@ -46,6 +46,21 @@ SPECS = [
          world_size=2),
     dict(model=LLAMA, batch=2, seq=64, target="cuda", optim="adamw", shard="zero2", world_size=2,
          checkpointing="selective"),
+    # --checkpointing selective: the blocks' recomputations replayed (trace/recompute.py)
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cuda", optim="adamw", precision="bf16-mixed",
+         checkpointing="selective"),
+    dict(model="examples/transformer.py", batch=2, seq=64, target="cpu", optim="adamw", checkpointing="selective"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", precision="bf16-mixed", checkpointing="selective"),
+    dict(model=GPT2, batch=2, seq=64, target="cpu", checkpointing="selective", grad_accum=2),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", checkpointing="selective", activation_offload="torchtune"),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", checkpointing="selective", fp8="tensorwise"),
+    dict(model=LLAMA, batch=2, seq=32, target="cuda", optim="adamw", checkpointing="selective", optim_in_backward=True),
+    dict(model=LLAMA, batch=2, seq=64, target="cuda", optim="adamw", shard="zero3", world_size=2,
+         checkpointing="selective", precision="bf16-mixed"),
+    dict(model="tests/models/sac_transformer.py", batch=2, seq=64, target="cuda", optim="sgd",
+         checkpointing="selective:checkpoint_policy"),
+    dict(model="tests/models/sac_hf.py", batch=2, seq=64, target="cpu", optim="sgd",
+         checkpointing="selective:checkpoint_policy"),
 ]
 
 

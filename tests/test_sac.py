@@ -185,3 +185,15 @@ def test_advise_offers_sac_between_none_and_blocks():
         return float(r["time_cost"].removeprefix("+").split("%")[0])
 
     assert pct(sac) < pct(blocks)
+
+
+def test_a_saved_output_written_in_place_is_refused_as_the_real_run_refuses_it():
+    """transformers' Mixtral experts write in place into an output torchtitan's policy saved: torch's SAC raises in
+    backward, in the real CPU run as in the trace, and memest says why and what to change."""
+    ref = "hf:tests/configs/mixtral-tiny.json"
+    spec = RunSpec(model=ref, batch=2, seq=32, target="cpu", checkpointing="selective")
+    with pytest.raises(RuntimeError, match="selective activation checkpoint has been mutated"):
+        measure_cpu_peak(load_source(ref), spec)
+    with pytest.raises(MemestError, match="selective activation checkpoint has been mutated") as caught:
+        trace_step(load_source(ref), spec)
+    assert "writes into one in place" in str(caught.value) and "--checkpointing blocks" in str(caught.value)

@@ -66,6 +66,18 @@ class StepFeature:
     def contexts(self, step) -> list[contextlib.AbstractContextManager]:
         return []
 
+    def caches(self) -> list[dict]:
+        """Caches the step's ops fill, ``id(source) -> (weakref to source, tensor)``, each entry held until the cache is
+        cleared (CUDA autocast's weight casts): a replayed recomputation (trace/recompute.py) fills them as the
+        recorded one did."""
+        return []
+
+    def counters(self) -> list[object]:
+        """Objects whose int and dict-of-int attributes count what the step's ops did (a kernel rule's calls, SDPA's
+        backend choices), read after the step: a replayed recomputation (trace/recompute.py) adds to them what the
+        recorded one added."""
+        return []
+
     def pack(self, step, t) -> Any:
         """A tensor saved for backward (already marked an activation): what backward will unpack."""
         return t

@@ -18,6 +18,7 @@ the real recomputation in backward.
 from __future__ import annotations
 
 import difflib
+import functools
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -26,6 +27,7 @@ from memest.errors import MemestError
 from memest.features.base import StepFeature
 from memest.features.selective import selective_context_fn, selective_note, user_policy
 from memest.spec.choices import CheckpointPolicy, CompileScope
+from memest.trace.recompute import Recomputes
 from memest.trace.step import TRACED_MICRO_STEPS
 
 
@@ -58,13 +60,29 @@ def _block_list(module: nn.Module) -> bool:
     return isinstance(module, nn.ModuleList) or all(next(e.children(), None) is not None for e in entries)
 
 
-def _wrap(module: nn.Module, options: dict) -> None:
+def _wrap(module: nn.Module, options: dict, name: str = "", recomputes: Recomputes | None = None) -> None:
     forward = module.forward
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, **options, **kwargs)
+        fn = forward if recomputes is None else recomputes.region(forward, name, module)
+        return checkpoint(fn, *args, **options, **kwargs)
 
     module.forward = checkpointed_forward
+
+
+def _hf_regions(model: nn.Module, names: list[str], recomputes: Recomputes) -> None:
+    """transformers' checkpointed layers hand ``partial(forward, layer, **kwargs)`` to their
+    ``_gradient_checkpointing_func``: that function handed to checkpoint as one of ``recomputes``' regions."""
+    modules = dict(model.named_modules())
+    for name in names:
+        layer = modules[name]
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if func is not None:
+            layer._gradient_checkpointing_func = functools.partial(_in_region, func, recomputes, name, layer)
+
+
+def _in_region(func, recomputes: Recomputes, name: str, layer: nn.Module, fn, *args, **kwargs):
+    return func(recomputes.region(fn, name, layer), *args, **kwargs)
 
 
 def _hf_switch(model: nn.Module, kwargs: dict) -> bool:
@@ -92,7 +110,8 @@ def _hf_checkpointed(model: nn.Module) -> list[str]:
 
 
 def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the model", lookup=None,
-                        recomputed: list[int] | None = None, hf_switch: bool = True) -> list[str]:
+                        recomputed: list[int] | None = None, hf_switch: bool = True,
+                        recomputes: Recomputes | None = None) -> list[str]:
     """Apply ``--checkpointing value``; return the names of the checkpointed modules. ``lookup(name)`` finds a
     name the model file defines (``selective:NAME``); ``recomputed[0]`` sums the FLOPs selective checkpointing
     leaves to recompute. ``hf_switch=False``: a transformers model's blocks are wrapped here too (their forward
@@ -121,10 +140,16 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
             if policy in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):
                 # torchtitan's SelectiveAC: checkpoint_wrapper(block, context_fn=..., early_stop=False)
                 context_fn = selective_context_fn(value, model, hf, lookup, model_name,
-                                                  recomputed if recomputed is not None else [0, 0, 0])
+                                                  recomputed if recomputed is not None else [0, 0, 0],
+                                                  metadata_shortcut=recomputes is not None)
                 options.update(context_fn=context_fn, early_stop=False)
+            else:
+                recomputes = None  # plain checkpointing stops its recomputation early (not replayed)
             if hf_switch and _hf_switch(model, options):
-                return _hf_checkpointed(model) or blocks
+                names = _hf_checkpointed(model)
+                if recomputes is not None:
+                    _hf_regions(model, names, recomputes)
+                return names or blocks
             chosen = blocks
     modules = dict(model.named_modules())
     for name in chosen:
@@ -136,8 +161,11 @@ def apply_checkpointing(model: nn.Module, value: str, model_name: str = "the mod
                 difflib.get_close_matches(name, [n for n in modules if n], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else "; see the module names in the memest table"
             raise MemestError(f"--checkpointing: {model_name} has no module {name!r}{hint}")
-        _wrap(modules[name], options)
+        _wrap(modules[name], options, name, recomputes if policy in _SELECTIVE else None)
     return chosen
+
+
+_SELECTIVE = (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER)
 
 
 def _hf_checkpointed_names(model: nn.Module) -> list[str]:
@@ -164,11 +192,18 @@ class CheckpointingFeature(StepFeature):
     def __init__(self) -> None:
         # a selective policy's [FLOPs left to recompute, op calls saved, op calls recomputed], over the traced steps
         self.recomputed = [0, 0, 0]
+        self.recomputes = Recomputes()  # a selective policy's recomputations, replayed (trace/recompute.py)
 
     def build(self, built, spec) -> None:
         # --compile-scope blocks compiles each block with its checkpoint wrapper inside (torchtitan's order)
         built.checkpointed = apply_checkpointing(built.model, spec.checkpointing, built.where, built.lookup,
-                                                 self.recomputed, hf_switch=spec.compile_scope is not CompileScope.BLOCKS)
+                                                 self.recomputed, hf_switch=spec.compile_scope is not CompileScope.BLOCKS,
+                                                 recomputes=None if spec.compile else self.recomputes)
+
+    def contexts(self, step) -> list:
+        self.recomputes.counters = lambda: [c for feature in step.features for c in feature.counters()]
+        self.recomputes.caches = lambda: [c for feature in step.features for c in feature.caches()]
+        return []
 
     def finish(self, step) -> list[str]:
         if CheckpointPolicy.of(step.spec.checkpointing) in (CheckpointPolicy.SELECTIVE, CheckpointPolicy.SELECTIVE_USER):

@@ -22,9 +22,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor
+from torch.utils import checkpoint as _checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memest.errors import MemestError
+from memest.trace.tracker import TrackingFakeMode
 
 # torchtitan's SelectiveAC (its _get_default_save_ops, force_recompute_mm_shapes_by_fqns and wrapped_policy), at
 # the commit this reproduces
@@ -171,16 +174,65 @@ def _counted(policy, recomputed: list[int]) -> Callable:
 
 
 def selective_context_fn(value: str, model: nn.Module, blocks: list[str], lookup, where: str,
-                         recomputed: list[int]) -> Callable:
+                         recomputed: list[int], metadata_shortcut: bool = False) -> Callable:
     """``context_fn`` for torch.utils.checkpoint: the SAC contexts of ``--checkpointing value``, one policy per call;
-    ``recomputed`` = [FLOPs the backward recomputes, op calls saved, op calls recomputed] (see _counted)."""
+    ``recomputed`` = [FLOPs the backward recomputes, op calls saved, op calls recomputed] (see _counted).
+    ``metadata_shortcut`` (not while compiling): SAC's modes answer metadata queries as the tracking mode below
+    them would (:func:`_answering_metadata`)."""
     _, _, name = value.partition(":")
     if name:
         make = user_policy(name, lookup, where)
     else:
         save_ops, shapes = torchtitan_save_ops(), _forced_recompute_shapes(model, blocks)
         make = functools.partial(torchtitan_policy, save_ops, shapes)
+    if metadata_shortcut:
+        return lambda: _answering_metadata(*create_selective_checkpoint_contexts(_counted(make(), recomputed)))
     return lambda: create_selective_checkpoint_contexts(_counted(make(), recomputed))
+
+
+# SAC's two dispatch modes (torch 2.13 torch/utils/checkpoint.py) pass every op of SAC_IGNORED_OPS (prim.device, the
+# size/stride queries, detach) straight to the mode below them; the tracking mode (trace/tracker.py) answers the
+# metadata queries among them with FakeTensorMode's own handlers (_DISPATCH_META_HANDLERS). C++ asks a fake tensor's
+# device through prim.device, so in a checkpointed block each such query went through SAC's mode (its dynamo-disabling
+# wrapper, its __torch_dispatch__, a second dispatch) before that handler: 1,856 of the 2,872 calls into SAC's modes
+# in a traced step of examples/transformer.py (bf16-mixed, 4 blocks). These subclasses answer them with the same
+# handler where the tracking mode is the only mode below (the answer it would give), and hand every other op to
+# torch's own method.
+def _metadata_answered(raw):
+    ignored = _checkpoint.SAC_IGNORED_OPS
+    tracking = TrackingFakeMode.__torch_dispatch__  # a mode that answers metadata as TrackingFakeMode does
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        handler = _DISPATCH_META_HANDLERS.get(func)
+        if (handler is not None and func in ignored and not kwargs and args and type(args[0]) is FakeTensor
+                and torch._C._len_torch_dispatch_stack() == 1
+                and type(torch._C._get_dispatch_stack_at(0)).__torch_dispatch__ is tracking):
+            return handler(args)
+        return raw(self, func, types, args, kwargs)
+
+    return __torch_dispatch__
+
+
+class _Caching(_checkpoint._CachingTorchDispatchMode):
+    pass
+
+
+class _Cached(_checkpoint._CachedTorchDispatchMode):
+    pass
+
+
+# assigned after the class statements: TorchDispatchMode.__init_subclass__ wraps a __torch_dispatch__ defined in a
+# class body in dynamo's disable (torch/utils/_python_dispatch.py); the torch methods called here keep theirs
+_Caching.__torch_dispatch__ = _metadata_answered(_checkpoint._CachingTorchDispatchMode.__torch_dispatch__)
+_Cached.__torch_dispatch__ = _metadata_answered(_checkpoint._CachedTorchDispatchMode.__torch_dispatch__)
+
+
+def _answering_metadata(caching, cached) -> tuple:
+    """torch's two SAC modes, as made by create_selective_checkpoint_contexts, answering metadata queries
+    themselves (the subclasses above: same state, same methods otherwise)."""
+    if type(caching) is _checkpoint._CachingTorchDispatchMode and type(cached) is _checkpoint._CachedTorchDispatchMode:
+        caching.__class__, cached.__class__ = _Caching, _Cached
+    return caching, cached
 
 
 def selective_note(value: str, recomputed: list[int], forwards: int) -> str:

@@ -229,6 +229,18 @@ def _cuda_hint(exc: Exception) -> str:
     )
 
 
+def _sac_mutation_hint(exc: Exception) -> str:
+    """The hint for torch's selective-checkpointing check on a saved op output written in place, else ''."""
+    if "cached during selective activation checkpoint has been mutated" not in str(exc):
+        return ""
+    return (
+        " — torch's selective checkpointing keeps the outputs of the ops its policy saves and refuses a step that "
+        "writes into one in place (torch/utils/checkpoint.py _VersionWrapper); the real run raises the same (measured "
+        "on CPU: transformers' Mixtral experts under torchtitan's policy). Use a policy that recomputes that op "
+        "(--checkpointing selective:NAME) or --checkpointing blocks"
+    )
+
+
 def _dtensor_mix_hint(exc: Exception) -> str:
     """The hint for a foreach optimizer step over tensor-parallel DTensors mixed with plain parameters, else ''."""
     if "mixed torch.Tensor and DTensor" not in str(exc):
@@ -508,7 +520,7 @@ def _step_errors(step: _Step):
     except MemestError:
         raise
     except Exception as exc:
-        fix = _cuda_hint(exc) or _dtensor_mix_hint(exc) or _phase_hint(step)
+        fix = _cuda_hint(exc) or _sac_mutation_hint(exc) or _dtensor_mix_hint(exc) or _phase_hint(step)
         raise TraceError(
             f"{step.where}: {_where(step.stack, step.tracker)} raised {type(exc).__name__}: "
             f"{_first_line(exc)}{fix}"

@@ -27,6 +27,9 @@ class CpuTarget(StepFeature):
     def contexts(self, step) -> list:
         return [tracked_cpu_rng_state()] if step.spec.checkpointing != "none" else []
 
+    def counters(self) -> list[object]:
+        return [c for c in (self.conv, self.half) if c is not None]
+
     def finish(self, step) -> list[str]:
         notes = cpu_notes(step.trace, self.conv, step.spec.mode) if self.conv is not None else []
         if self.half is not None and self.half.calls:

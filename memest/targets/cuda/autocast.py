@@ -188,6 +188,11 @@ def clear_cache() -> None:
     _cast_cache.clear()
 
 
+def cast_cache() -> dict[int, tuple[weakref.ref, torch.Tensor]]:
+    """The weight-cast cache itself (trace/recompute.py reads what a recomputation cached and caches it again)."""
+    return _cast_cache
+
+
 def _eligible(t: torch.Tensor) -> bool:
     # is_eligible: floating point, not double, on the autocast device (our CPU tensors stand for CUDA).
     return t.is_floating_point() and t.dtype != _float64 and t.is_cpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from memest.features.base import StepFeature
-from memest.targets.cuda.autocast import cuda_autocast, cuda_autocast_scope
+from memest.targets.cuda.autocast import cast_cache, cuda_autocast, cuda_autocast_scope
 from memest.targets.cuda.kernels import CUDA_OUTPUTS, CudaKernels, cuda_scratch
 from memest.targets.cuda.sdpa import CudaSdpa
 from memest.trace.step import autocast_dtype
@@ -30,6 +30,12 @@ class CudaTarget(StepFeature):
         self.sdpa = CudaSdpa(step.spec.attention, step.spec.compute_capability)
         self.kernels = CudaKernels()
         return [self.sdpa, self.kernels] + ([cuda_autocast_scope()] if step.spec.mixed else [])
+
+    def caches(self) -> list[dict]:
+        return [cast_cache()]
+
+    def counters(self) -> list[object]:
+        return [c for c in (self.sdpa, self.kernels.rnn if self.kernels else None) if c is not None]
 
     def autocast(self, spec, device_type: str) -> contextlib.AbstractContextManager | None:
         """Tracing a CUDA run on CPU tensors: CUDA autocast's rules; a real GPU run keeps torch.autocast."""
