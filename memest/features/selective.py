@@ -201,12 +201,14 @@ def selective_context_fn(value: str, model: nn.Module, blocks: list[str], lookup
 def _metadata_answered(raw):
     ignored = _checkpoint.SAC_IGNORED_OPS
     tracking = TrackingFakeMode.__torch_dispatch__  # a mode that answers metadata as TrackingFakeMode does
+    proxy = torch._C._TorchDispatchModeKey.PROXY
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         handler = _DISPATCH_META_HANDLERS.get(func)
         if (handler is not None and func in ignored and not kwargs and args and type(args[0]) is FakeTensor
                 and torch._C._len_torch_dispatch_stack() == 1
-                and type(torch._C._get_dispatch_stack_at(0)).__torch_dispatch__ is tracking):
+                and type(torch._C._get_dispatch_stack_at(0)).__torch_dispatch__ is tracking
+                and torch._C._get_dispatch_mode(proxy) is None):  # not while AOTAutograd traces (SAC tags nodes then)
             return handler(args)
         return raw(self, func, types, args, kwargs)
 
