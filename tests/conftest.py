@@ -27,6 +27,28 @@ def model_ref(name: str) -> str:
     raise FileNotFoundError(name)
 
 
+def traced_making(spec: dict, monkeypatch, cls: type, patches=()) -> tuple:
+    """``spec`` traced (trace_step) with each ``(owner, attribute, value)`` of ``patches`` set meanwhile: (the Trace, the
+    instances of ``cls`` made while tracing), for comparing a step traced with a shortcut on and off."""
+    from memest.features.registry import trace_step
+    from memest.sources import load_source
+    from memest.spec import RunSpec
+
+    made: list = []
+    original_init = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        made.append(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cls, "__init__", init)
+        for owner, attribute, value in patches:
+            patch.setattr(owner, attribute, value)
+        trace = trace_step(load_source(spec["model"]), RunSpec(**spec))
+    return trace, made
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: traces full-size configs (seconds each)")
     _skip_steps_with_onednn_half_matmuls()

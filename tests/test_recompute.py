@@ -13,12 +13,9 @@ import pytest
 from torch.utils import checkpoint as torch_checkpoint
 
 from memest.features import selective
-from memest.features.registry import trace_step
-from memest.sources import load_source
-from memest.spec import RunSpec
 from memest.trace import recompute
 
-from .conftest import model_ref
+from .conftest import model_ref, traced_making
 
 TRANSFORMER = "examples/transformer.py"
 LLAMA = "hf:tests/configs/llama-tiny.json"
@@ -42,20 +39,10 @@ STEPS = [
 
 
 def _traced(spec: dict, monkeypatch, replays_on: bool, shortcut_on: bool = True):
-    made: list[recompute.Recomputes] = []
-    original_init = recompute.Recomputes.__init__
-
-    def init(self):
-        original_init(self)
-        made.append(self)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(recompute.Recomputes, "__init__", init)
-        patch.setattr(recompute.Recomputes, "enabled", replays_on)
-        if not shortcut_on:
-            patch.setattr(selective, "_answering_metadata", lambda caching, cached: (caching, cached))
-        trace = trace_step(load_source(spec["model"]), RunSpec(**spec))
-    return trace, made
+    patches = [(recompute.Recomputes, "enabled", replays_on)]
+    if not shortcut_on:
+        patches.append((selective, "_answering_metadata", lambda caching, cached: (caching, cached)))
+    return traced_making(spec, monkeypatch, recompute.Recomputes, patches)
 
 
 def _equal(a, b) -> None:

@@ -10,12 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from memest.features.registry import trace_step
-from memest.sources import load_source
-from memest.spec import RunSpec
 from memest.trace import replay
 from memest.trace.events import Trace
 from memest.trace.tracker import StorageTracker, TrackingFakeMode
+
+from .conftest import traced_making
 
 pytest.importorskip("torchao")
 
@@ -52,20 +51,9 @@ STEPS = [
 
 
 def _traced(spec: dict, monkeypatch, replays_on: bool) -> tuple[Trace, list[replay.Replays]]:
-    made: list[replay.Replays] = []
-    original_init = replay.Replays.__init__
-
-    def init(self):
-        original_init(self)
-        made.append(self)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(replay.Replays, "__init__", init)
-        if not replays_on:
-            for method in ("wrap", "wrap_forward", "wrap_backward"):
-                patch.setattr(replay.Replays, method, lambda self, fn, name: fn)
-        trace = trace_step(load_source(spec["model"]), RunSpec(**spec))
-    return trace, made
+    off = [] if replays_on else [(replay.Replays, method, lambda self, fn, name: fn)
+                                  for method in ("wrap", "wrap_forward", "wrap_backward")]
+    return traced_making(spec, monkeypatch, replay.Replays, off)
 
 
 @pytest.mark.parametrize("spec", STEPS, ids=lambda s: "-".join(f"{v}" for k, v in s.items() if k not in ("model",)))

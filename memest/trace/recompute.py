@@ -46,8 +46,8 @@ from torch.utils import checkpoint as _checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memest.trace.events import StorageRecord
-from memest.trace.replay import _side_state
-from memest.trace.tracker import META, TrackingFakeMode, _new_fake, _plain_fake
+from memest.trace.replay import side_state, tracking_mode
+from memest.trace.tracker import META, _new_fake, _plain_fake
 
 # torch 2.13 torch/utils/checkpoint.py: SAC's cache entries (an op left to recompute, an entry returned once) and
 # its two modes (the forward's, which fills the cache, and the recomputation's, which answers from it)
@@ -133,7 +133,7 @@ class _Region:
         return self._recompute(args, kwargs)
 
     def _forward(self, args, kwargs):
-        mode = _tracking(2)
+        mode = tracking_mode(2)
         top = torch._C._get_dispatch_stack_at(1) if mode is not None else None
         if mode is None or not isinstance(top, _CACHING):
             return self.fn(*args, **kwargs)
@@ -147,7 +147,7 @@ class _Region:
     def _recompute(self, args, kwargs):
         owner = self.owner
         owner.calls += 1
-        mode = _tracking(2)
+        mode = tracking_mode(2)
         if mode is None or self.fingerprint is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
         try:
@@ -204,18 +204,6 @@ class _Region:
 
 
 # -- the key ------------------------------------------------------------------------------------------------------
-def _tracking(depth: int) -> TrackingFakeMode | None:
-    """The tracking mode at the bottom of a dispatch stack ``depth`` deep, recording; else None."""
-    if torch._C._len_torch_dispatch_stack() != depth:
-        return None
-    mode = torch._C._get_dispatch_stack_at(0)
-    if not isinstance(mode, TrackingFakeMode) or mode.tracker is None or mode._inside or mode.tracker.ignoring:
-        return None
-    if mode.shape_env is not None or mode.propagate_real_tensors:
-        return None
-    return mode
-
-
 def _relative(module: str, block: str) -> tuple:
     """("" or ".sub",) for the block or a submodule of it; ("outside", module) for any other module."""
     if module == block:
@@ -363,7 +351,7 @@ class _Recording:
         tracker, trace = self.tracker, self.trace
         self.outer, _ = self.running.split(self.running.parents)
         self.first_storage, self.first_event = len(trace.storages), len(trace.events)
-        self.side = _side_state(tracker)
+        self.side = side_state(tracker)
         self.calls_before = {n: rec.calls for n, rec in trace.modules.items()}
         self.flops_before = dict(trace.flops)
         self.casts_before = [set(cache) for cache in self.region.owner.caches()]
@@ -408,7 +396,7 @@ class _Recording:
 
     def _template(self, out) -> Template:
         tracker, trace = self.tracker, self.trace
-        if _side_state(tracker) != self.side:
+        if side_state(tracker) != self.side:
             raise _Ineligible
         records, events, kept = self._storages()
         flops = self._flops()

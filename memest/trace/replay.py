@@ -232,12 +232,8 @@ class Replays:
             # tensor goes)
 
     def _key(self, fn, name, args, kwargs):
-        if torch._C._len_torch_dispatch_stack() != 1 or torch.is_inference_mode_enabled():
-            raise _Ineligible
-        mode = torch._C._get_dispatch_stack_at(0)
-        if not isinstance(mode, TrackingFakeMode) or mode.tracker is None or mode._inside or mode.tracker.ignoring:
-            raise _Ineligible
-        if mode.shape_env is not None or mode.propagate_real_tensors:
+        mode = tracking_mode(1)
+        if mode is None or torch.is_inference_mode_enabled():
             raise _Ineligible
         grad = torch.is_grad_enabled()
         functions = (tuple(type(m) for m in _get_current_function_mode_stack())
@@ -338,7 +334,20 @@ def _set_constants(constants: tuple, values: tuple) -> None:
             c.constant.copy_(value)
 
 
-def _side_state(tracker) -> tuple:
+def tracking_mode(depth: int) -> TrackingFakeMode | None:
+    """The tracking mode at the bottom of a dispatch stack ``depth`` modes deep, recording (not ignoring, not inside
+    another op; no symbolic shapes, no real-tensor propagation); else None."""
+    if torch._C._len_torch_dispatch_stack() != depth:
+        return None
+    mode = torch._C._get_dispatch_stack_at(0)
+    if not isinstance(mode, TrackingFakeMode) or mode.tracker is None or mode._inside or mode.tracker.ignoring:
+        return None
+    if mode.shape_env is not None or mode.propagate_real_tensors:
+        return None
+    return mode
+
+
+def side_state(tracker) -> tuple:
     """Everything a call may change in the trace or the tracker besides its own storages, events and FLOPs."""
     trace = tracker.trace
     return (len(trace.phase_marks), len(trace.notes), len(trace.stream_marks), len(trace.empty_caches),
@@ -352,7 +361,7 @@ def _record(mode: TrackingFakeMode, call: Callable):
     tracker = mode.tracker
     trace = tracker.trace
     first_storage, first_event = len(trace.storages), len(trace.events)
-    side = _side_state(tracker)
+    side = side_state(tracker)
     where = (tracker.module_of(), tracker.phase, tracker.iteration, tracker.stream())
     flop_key = (tracker.iteration, tracker.phase, where[0])
     flops_before = (len(trace.flops), trace.flops.get(flop_key))
@@ -366,7 +375,7 @@ def _record(mode: TrackingFakeMode, call: Callable):
 def _template(mode, out, first_storage, first_event, side, where, flop_key, flops_before) -> Template:
     tracker = mode.tracker
     trace = tracker.trace
-    if _side_state(tracker) != side or tracker.module_of() != where[0] or tracker.stream() != where[3]:
+    if side_state(tracker) != side or tracker.module_of() != where[0] or tracker.stream() != where[3]:
         raise _Ineligible
     # FLOPs are counted under (iteration, phase, running module), all three unchanged through the call: only its key
     # can have been added or grown
