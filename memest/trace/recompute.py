@@ -21,15 +21,18 @@ where its record shows nothing a replay cannot repeat; otherwise it simply runs:
   ops on the same sizes, named by the same submodules); the shape of SAC's cache after that forward (which op calls
   were saved, with their outputs' metadata); the arguments' metadata (tensors, the plain values and containers of
   them; a ``functools.partial``'s keywords, as transformers' layers pass theirs); the block's parameters' and
-  buffers' metadata; which of all these share a storage; the tracker's label, the grad and autocast state;
+  buffers' metadata; which of all these share a storage; the block's running submodules; the tracker's label, the
+  grad and autocast state, the function modes, the features' counters;
 - the dispatch modes are the tracking mode and SAC's replaying mode only, the tracker records (not ignoring, not
   inside another op), no inference mode, no compilation, and the hook on top is checkpointing's recomputation hook;
-- the recorded run changed nothing of the trace but its own storages and events, the FLOPs and call counts of the
-  block's own submodules, and the storages of SAC-cached outputs it consumed (a cached output freed once consumed);
-  every storage it made and did not free is held by what it saved, its output, or a feature's weight cache
-  (``StepFeature.caches``: CUDA autocast's casts of the parameters, targets/cuda/autocast.py, cleared when the
-  recomputation's autocast region exits, as CUDA's); the running
-  modules it named were the block's own submodules above the same outer ones (torch's ModTracker).
+- the recorded run changed nothing of the trace but its own storages and events, FLOPs (each entry that changed
+  accounted for by the ops it counted, under the modules they ran in), the call counts of the block's own
+  submodules, the features' counters (``StepFeature.counters``: SDPA's backend choices, kernel rules' calls) and the
+  storages of SAC-cached outputs it consumed (a cached output freed once consumed); every storage it made and did
+  not free is held by what it saved, its output, or a feature's weight cache (``StepFeature.caches``: CUDA
+  autocast's casts of the parameters, targets/cuda/autocast.py, cleared when the recomputation's autocast region
+  exits, as CUDA's); the modules running while it ran were the block's own submodules above the same outer ones
+  (torch's ModTracker), which a replay sets as they were, for the names its records and FLOPs take.
 """
 
 from __future__ import annotations
