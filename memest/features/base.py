@@ -22,6 +22,9 @@ Hooks, in the order the step calls them:
   after(step, phase)      after the loss, backward and the optimizer step
   host(trace, spec)       storage ids this feature keeps in host memory (nothing moves implicitly)
   finish(step)            notes for the report, once the step is traced
+And two that are read, not called in order: counters() (objects whose int and dict-of-int attributes count what ops
+did) and caches() (id -> (weakref, tensor) caches the ops fill), which a replayed recomputation (trace/recompute.py)
+adds to as the recorded one did.
 """
 
 from __future__ import annotations
