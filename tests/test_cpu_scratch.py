@@ -115,6 +115,68 @@ def test_conv_kernels_match_real_allocations(case):
             assert 0 <= call.real_peak - call.model_peak <= 256 * 1024, f"{call.op} {[p.name for p in prims]}"
 
 
+# 3d convolutions: (in, out, kernel, stride, padding, groups, dilation, input D x H x W, batch, bias, input grad)
+CONVS_3D = [
+    (3, 32, (2, 14, 14), (2, 14, 14), 0, 1, 1, (2, 14, 14), 24, False, False),  # Qwen2-VL's patch embedding (tiny)
+    (3, 32, (2, 14, 14), (2, 14, 14), 0, 1, 1, (2, 14, 14), 24, False, True),  # its input gradient: jit bwd_data
+    (3, 40, (2, 14, 14), (2, 14, 14), 0, 1, 1, (2, 14, 14), 24, True, False),  # 40 channels padded to 48, a bias
+    (3, 16, (3, 7, 7), (1, 2, 2), (1, 3, 3), 1, 1, (8, 32, 32), 1, False, False),  # video stem (first convolution)
+    (3, 20, 3, 1, 1, 1, 1, (4, 16, 16), 2, True, True),  # first convolution, input gradient
+    (16, 32, 3, 1, 1, 1, 1, (4, 8, 8), 2, True, True),  # jit, 16-channel blocks
+    (20, 24, 3, 1, 1, 1, 1, (4, 12, 12), 2, False, True),  # channels padded
+    (16, 32, 1, 1, 0, 1, 1, (4, 8, 8), 2, True, True),  # jit_1x1 (the minibatch x D x H x W reduction split)
+    (32, 64, 3, 1, 1, 2, 1, (4, 8, 8), 2, True, True),  # grouped, 16 per group
+    (16, 32, 3, 2, 1, 1, 1, (4, 8, 8), 2, True, True),  # strided: brgemm bwd_data, its scratchpad left out
+    (32, 32, 3, 1, 1, 32, 1, (4, 8, 8), 2, True, True),  # depthwise: brdgmm on NDHWC forward, gemm backward
+    (8, 16, 3, 1, 2, 1, 2, (4, 8, 8), 2, True, True),  # dilated: gemm bwd_weights (no jit_avx2 with dilation)
+]
+
+
+@avx512
+@pytest.mark.parametrize("case", CONVS_3D, ids=[str(c) for c in CONVS_3D])
+def test_conv3d_kernels_match_real_allocations(case):
+    """Conv3d through the same rules as 2d (oneDNN's 5d problems): modelled passes exact; brgemm's scratchpad left
+    out (a peak low by at most 256 KiB, never high); gemm's per-thread buffers an upper bound (the 5d thread split
+    of gemm_convolution_utils.cpp is not followed): never low."""
+    cin, cout, k, stride, pad, groups, dilation, dhw, batch, bias, input_grad = case
+    torch.manual_seed(0)
+    conv = nn.Conv3d(cin, cout, k, stride=stride, padding=pad, groups=groups, dilation=dilation, bias=bias)
+    x = torch.randn(batch, cin, *dhw, requires_grad=input_grad)
+    calls, model = _ops(_step(conv, x))
+    assert len(calls) == 2 and not model.skipped
+    for call, prims in zip(calls, model.history, strict=True):
+        names = [p.name for p in prims]
+        assert call.real_kept == call.model_kept
+        if any(name.startswith("gemm") for name in names):
+            assert call.model_peak >= call.real_peak, f"{call.op} {names}"
+        elif all(p.known for p in prims):
+            assert call.exact, f"{call.op} {names}: real {call.real_peak}, model {call.model_peak}"
+        else:
+            assert 0 <= call.real_peak - call.model_peak <= 256 * 1024, f"{call.op} {names}"
+
+
+@avx512
+def test_conv2d_dilated_backward_weights_runs_gemm():
+    """jit_avx2 bwd_weights takes no dilation (jit_avx2_conv_kernel_f32.cpp init_conf): 8 input channels, dilation 2
+    run gemm, whose im2col buffers the rule now prices (was 130,880 B low, priced as jit_avx2's)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 16, 3, padding=2, dilation=2)
+    calls, model = _ops(_step(conv, torch.randn(2, 8, 16, 16, requires_grad=True)))
+    assert [p.name for p in model.history[1]] == ["jit bwd_data", "gemm bwd_weights"]
+    assert all(call.exact for call in calls), [(c.real_peak, c.model_peak) for c in calls]
+
+
+def test_conv3d_channels_last_is_not_modelled():
+    """NDHWC runs oneDNN's brgemm convolutions, not measured: the call is counted as skipped, not guessed."""
+    from memest.targets.cpu.onednn_conv import problem
+
+    x = torch.empty(2, 16, 4, 8, 8).to(memory_format=torch.channels_last_3d)
+    w = torch.empty(32, 16, 3, 3, 3)
+    assert problem(x, w, True, (1, 1, 1), (1, 1, 1), (1, 1, 1), False, (0, 0, 0), 1) is None
+    flat = problem(x.contiguous(), w, True, (1, 1, 1), (1, 1, 1), (1, 1, 1), False, (0, 0, 0), 1)
+    assert flat is not None and (flat.ndims, flat.id, flat.od, flat.kd) == (5, 4, 4, 3)
+
+
 @avx512
 def test_conv_gemm_scratch_scales_with_threads():
     """gemm backward-weights books one im2col buffer and one (over-sized) weight buffer per thread."""

@@ -121,6 +121,6 @@ def cpu_notes(trace, conv: ConvScratch, mode: str) -> list[str]:
         notes.append(line)
     if conv.skipped:
         notes.append(
-            f"{conv.skipped} convolution calls on a non-oneDNN backend, 3d, or not fp32: kernel scratch not modelled"
+            f"{conv.skipped} convolution calls on a non-oneDNN backend, 3d channels-last, or not fp32: kernel scratch not modelled"
         )
     return notes

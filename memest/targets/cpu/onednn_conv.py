@@ -5,9 +5,9 @@ ATen picks the backend (aten/src/ATen/native/Convolution.cpp, _select_conv_backe
 through torch._C._select_conv_backend, the same C++ function). For the Mkldnn backends
 (aten/src/ATen/native/mkldnn/Conv.cpp) the real kernels allocate, through the CPU allocator:
 
-- copies: ``input/weight.contiguous(memory_format)`` (1d convolutions run as 2d with H = 1;
-  ``grad_output.contiguous`` in backward), in the channels-last format when the input or the weight
-  is channels-last (mkldnn_conv_use_channels_last);
+- copies: ``input/weight.contiguous(memory_format)`` (1d convolutions run as 2d with H = 1; 3d ones as
+  oneDNN's 5d problems, a depth beside H and W; ``grad_output.contiguous`` in backward), in the channels-last
+  format when the input or the weight is channels-last (mkldnn_conv_use_channels_last);
 - per oneDNN primitive (ideep operators/conv.hpp): the user-mode scratchpad, the inputs reordered to
   the layout the primitive's implementation asks for (``reorder_if_differ_in``), and its output
   (dst, diff_src, diff_weights, diff_bias) in that layout;
@@ -21,6 +21,12 @@ fp32 on AVX-512 CPUs (oneDNN v3.x: jit_avx512_common_{convolution,1x1_convolutio
 gemm_convolution, brgemm convolutions), the ISA memest is validated on; scratchpads are modelled
 where their size follows from the problem (gemm im2col and weight-reduction buffers, padded bias),
 otherwise left out (a few KB to a few hundred KB per call; scripts/probe_onednn.py measures them).
+
+3d convolutions take the same implementations on 5d problems (measured with ONEDNN_VERBOSE, oneDNN v3.12 in
+torch 2.13, tests/test_cpu_scratch.py CONVS_3D), with these differences: jit_uni_dw takes no 5d problem (depthwise
+runs brdgmm_dw on NDHWC forward and gemm backward), jit_avx2 bwd_weights none with depth padding, brgemm bwd_data
+none whose output plane is 1x1 (jit_avx512_common runs it: Qwen2-VL's patch embedding). gemm's 5d thread split is
+not followed: its per-thread buffers are an upper bound there. 3d channels-last (NDHWC brgemm) is not modelled.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ def _rnd(x: int, m: int) -> int:
 
 @dataclass(frozen=True)
 class ConvProblem:
-    """A convolution as oneDNN sees it: 1d is viewed as 2d with H = 1; for transposed convolutions
-    (deconvolution) ``i*`` is the convolution's output side, as oneDNN stores it."""
+    """A convolution as oneDNN sees it: 1d is viewed as 2d with H = 1, 3d has a depth (``id``/``od``/``kd``/``sd``,
+    1 otherwise); for transposed convolutions (deconvolution) ``i*`` is the convolution's output side, as oneDNN
+    stores it."""
 
     mb: int
     groups: int
@@ -64,6 +71,12 @@ class ConvProblem:
     bias: bool
     nxc: bool  # channels-last path
     esize: int
+    ndims: int = 4  # oneDNN's: 4 for 1d and 2d convolutions, 5 for 3d
+    id: int = 1
+    od: int = 1
+    kd: int = 1
+    sd: int = 1
+    pd: int = 0
 
     @property
     def ic(self) -> int:
@@ -75,7 +88,7 @@ class ConvProblem:
 
     @property
     def ks(self) -> int:
-        return self.kh * self.kw
+        return self.kd * self.kh * self.kw
 
     @property
     def depthwise(self) -> bool:
@@ -83,10 +96,10 @@ class ConvProblem:
 
     def src(self, block: int = 1) -> int:
         """Bytes of the input side with channels padded to ``block``."""
-        return self.mb * _rnd(self.ic, block) * self.ih * self.iw * self.esize
+        return self.mb * _rnd(self.ic, block) * self.id * self.ih * self.iw * self.esize
 
     def dst(self, block: int = 1) -> int:
-        return self.mb * _rnd(self.oc, block) * self.oh * self.ow * self.esize
+        return self.mb * _rnd(self.oc, block) * self.od * self.oh * self.ow * self.esize
 
     def weights(self) -> int:
         return self.oc * self.icg * self.ks * self.esize
@@ -130,8 +143,8 @@ def _lower_simd(p: ConvProblem) -> int | None:
 def _gemm_col(p: ConvProblem) -> int:
     """gemm_convolution_utils.cpp: im2col buffer (ic * ks * os floats per thread) unless the
     convolution is 1x1 with unit stride."""
-    unit = p.ks == 1 and p.sh == 1 and p.sw == 1 and p.ih == p.oh and p.iw == p.ow
-    return 0 if unit else p.icg * p.ks * p.oh * p.ow
+    unit = p.ks == 1 and p.sd == p.sh == p.sw == 1 and p.id == p.od and p.ih == p.oh and p.iw == p.ow
+    return 0 if unit else p.icg * p.ks * p.od * p.oh * p.ow
 
 
 def _book(*sizes: int) -> int:
@@ -173,15 +186,17 @@ def _jit_bwd_weights_threads(p: ConvProblem, nthr: int, ic_block: int) -> tuple[
     nthr_g = p.groups
     per_g = nthr // nthr_g
     nb_ic, nb_oc = _div_up(p.icg, ic_block), _div_up(p.ocg, SIMD)
-    reduce_2d = not p.dilated and p.oh > MIN_OH_REDUCE and not p.nxc  # harness_2d_reduction
+    # harness_2d_reduction (4d only; 5d runs harness_3d_reduction, which splits like the minibatch one)
+    reduce_2d = p.ndims == 4 and not p.dilated and p.oh > MIN_OH_REDUCE and not p.nxc
     ih_reduce, oh_reduce = (p.ih, p.oh) if reduce_2d else (1, 1)
     ih_keep, oh_keep = (1, 1) if reduce_2d else (p.ih, p.oh)
     nthr_oh_reduce = max(1, oh_reduce // MIN_OH_REDUCE)
 
     def mem_cost(mb: int, ocb: int, icb: int) -> int:
         src = _div_up(p.mb * ih_reduce, mb) * _div_up(p.groups, nthr_g) * _div_up(nb_ic, icb) * ic_block
-        src = src * ih_keep * p.iw // p.sh // p.sw  # id = stride_d = 1
+        src = src * ih_keep * p.iw * p.id // p.sd // p.sh // p.sw
         dst = _div_up(p.mb * oh_reduce, mb) * _div_up(p.groups, nthr_g) * _div_up(nb_oc, ocb) * SIMD * oh_keep * p.ow
+        dst *= p.od
         wei = 8 * _div_up(p.groups, nthr_g) * _div_up(nb_oc, ocb) * _div_up(nb_ic, icb) * p.ks * ic_block * SIMD
         return src + dst + wei
 
@@ -190,7 +205,7 @@ def _jit_bwd_weights_threads(p: ConvProblem, nthr: int, ic_block: int) -> tuple[
 
     best = (1, 1, 1)
     best_mem = mem_cost(*best)
-    nthr_mb_max = min(per_g, p.mb * nthr_oh_reduce)
+    nthr_mb_max = min(per_g, p.mb * p.od * nthr_oh_reduce)
     splits = []
     for mb in range(1, nthr_mb_max + 1):
         par = per_g // mb
@@ -207,7 +222,7 @@ def _jit_bwd_weights_threads(p: ConvProblem, nthr: int, ic_block: int) -> tuple[
             best_comp, best = comp, split
     nthr_mb, ocb, icb = best
     if nthr // 2 < nthr_mb < nthr:
-        nthr_mb = min(p.mb * nthr_oh_reduce, nthr)
+        nthr_mb = min(p.mb * p.od * nthr_oh_reduce, nthr)
     return nthr_mb, nthr_mb * nthr_g * ocb * icb
 
 
@@ -274,7 +289,7 @@ def jit_1x1_bwd_weights(p: ConvProblem, nthr: int) -> Primitive:
     wei = p.groups * oc * ic
     nthr_mb, used = 1, 1
     if nthr >= p.groups:
-        reduce_dim = p.ih * p.iw  # jcp.is
+        reduce_dim = p.id * p.ih * p.iw  # jcp.is
         reduce_block = _best_divider(reduce_dim, 7, 16, True)
         if reduce_dim % reduce_block:
             reduce_block = _best_divider(p.iw, 4, p.iw, False)
@@ -327,6 +342,13 @@ def forward(p: ConvProblem, nthr: int) -> Primitive:
         # brgemm_convolution_fwd: weights Acdb{16,32,48,64}a, the block from its cost model: at least
         # 16-channel padding; its batch-element scratchpad is not modelled
         return Primitive("brgconv fwd", weights=_blocked_weights(p, SIMD, 1), known=False)
+    if p.depthwise and p.ndims == 5:
+        # jit_uni_dw takes no 5d problem: brdgmm_dw on NDHWC (src reordered, weights defbcA16a, dst NDHWC copied
+        # back twice), measured (oneDNN v3.12, ONEDNN_VERBOSE, tests/test_cpu_scratch.py)
+        return Primitive(
+            "brdgmm_dw fwd (ncdhw)", src=p.src(), weights=_rnd(p.groups, SIMD) * p.ks * p.esize, out=p.dst(),
+            nhwc_out=True,
+        )
     if p.depthwise:  # jit_uni_dw: nChw16c, Goihw16g
         return Primitive(
             "jit_dw fwd",
@@ -358,7 +380,7 @@ def forward(p: ConvProblem, nthr: int) -> Primitive:
 
 def backward_data(p: ConvProblem, nthr: int) -> Primitive:
     strided = p.sh > 1 or p.sw > 1
-    if p.depthwise and p.dilated:  # jit_uni_dw bwd_data takes no dilation: gemm
+    if p.depthwise and (p.dilated or p.ndims == 5):  # jit_uni_dw bwd_data takes no dilation, no 5d: gemm
         return gemm_fwd_or_bwd_data(p, nthr, "gemm bwd_data")
     if p.depthwise:  # jit_uni_dw bwd_data (nChw16c, or NHWC in place)
         if p.nxc:
@@ -366,7 +388,10 @@ def backward_data(p: ConvProblem, nthr: int) -> Primitive:
         return Primitive(
             "jit_dw bwd_data", src=p.dst(SIMD), weights=_rnd(p.groups, SIMD) * p.ks * p.esize, out=p.src(SIMD)
         )
-    if p.groups == 1 and (strided or p.nxc):
+    # 5d with a 1x1 output plane: brgemm's blocking search finds no blocking (jit_brgemm_conv_bwd_utils.cpp
+    # init_conf: best_brgb empty -> unimplemented), jit_avx512_common runs (measured: Qwen2-VL's patch embedding)
+    brgemm_blocks = not (p.ndims == 5 and p.oh == p.ow == 1)
+    if p.groups == 1 and (strided or p.nxc) and brgemm_blocks:
         # brgemm_convolution_bwd_strided (and, for NHWC unit stride, brgemm_convolution_bwd): NHWC
         # layouts (an NCHW diff_dst is reordered to NHWC, diff_src made in NHWC), weights blocked by
         # input channels; its scratchpad (transposed-input buffers) is not modelled
@@ -387,6 +412,16 @@ def backward_data(p: ConvProblem, nthr: int) -> Primitive:
     if simd is None:
         return gemm_fwd_or_bwd_data(p, nthr, "gemm bwd_data")
     return Primitive("jit grouped bwd_data", src=p.dst(simd), weights=p.weights(), out=p.src(simd))
+
+
+def _avx2_bwd_weights_ok(p: ConvProblem) -> bool:
+    """jit_avx2_conv_bwd_weights_kernel_f32_t::init_conf (jit_avx2_conv_kernel_f32.cpp): no dilation, kw < 14,
+    kh <= ih, kd <= id, no front or back padding in depth, the other paddings under the kernel's size."""
+    r_pad = (p.ow - 1) * p.sw + p.kw - p.iw - p.pw
+    b_pad = (p.oh - 1) * p.sh + p.kh - p.ih - p.ph
+    back_pad = (p.od - 1) * p.sd + p.kd - p.id - p.pd
+    boundaries = p.ph < p.kh and b_pad < p.kh and p.pw < p.kw and r_pad < p.kw and p.pd == 0 and back_pad <= 0
+    return boundaries and not p.dilated and p.kw < 14 and p.kh <= p.ih and p.kd <= p.id
 
 
 def _dw_jit_ok(p: ConvProblem) -> bool:
@@ -412,7 +447,7 @@ def _backward_weights_nxc(p: ConvProblem, nthr: int) -> Primitive:
 
 
 def _backward_weights_depthwise(p: ConvProblem, nthr: int) -> Primitive:
-    if not _dw_jit_ok(p):
+    if not _dw_jit_ok(p) or p.ndims == 5:  # jit_uni_dw takes no 5d problem
         return gemm_bwd_weights(p, nthr)
     # jit_uni_dw balance (harness_mb_reduction): threads over 16-channel blocks, the rest over the
     # minibatch, whose (nthr_mb - 1) private weights (+ bias) the scratchpad holds
@@ -436,7 +471,7 @@ def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
     if p.groups == 1 and p.icg < SIMD:
         if p.icg <= 3 and p.kw <= 14:  # is_1stconv: src stays plain, weights Ohwi16o (ic_block = ic)
             return jit_bwd_weights(p, nthr, "jit 1st bwd_weights", p.icg, 0, p.dst(SIMD))
-        if p.icg > 3:  # jit_avx2 bwd_weights: 8-channel blocks
+        if p.icg > 3 and _avx2_bwd_weights_ok(p):  # jit_avx2 bwd_weights: 8-channel blocks
             return Primitive(
                 "jit avx2 bwd_weights", src=p.src(8), src2=p.dst(8), out=_blocked_weights(p, 8, 8), known=False
             )
@@ -457,7 +492,7 @@ def backward_weights(p: ConvProblem, nthr: int) -> Primitive:
         return jit_bwd_weights(p, nthr, "jit bwd_weights", SIMD, p.src(SIMD), p.dst(SIMD))
     if p.icg % SIMD == 0 and p.ocg % SIMD == 0:
         return jit_bwd_weights(p, nthr, "jit grouped bwd_weights", SIMD, p.src(SIMD), p.dst(SIMD))
-    if p.icg % 8 == 0 and p.ocg % 8 == 0:  # jit_avx2 bwd_weights, 8-channel blocks
+    if p.icg % 8 == 0 and p.ocg % 8 == 0 and _avx2_bwd_weights_ok(p):  # jit_avx2 bwd_weights, 8-channel blocks
         return Primitive("jit avx2 grouped bwd_weights", src=p.src(8), src2=p.dst(8), out=p.weights(), known=False)
     return gemm_bwd_weights(p, nthr)
 
@@ -558,30 +593,28 @@ def run_backward(
 
 # -- the aten ops ---------------------------------------------------------------------------------
 def _channels_last(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Conv.cpp mkldnn_conv_use_channels_last: the input or the weight suggests channels-last."""
+    """Conv.cpp mkldnn_conv_use_channels_last: the input or the weight suggests channels-last (2d or 3d)."""
     from torch._prims_common import suggest_memory_format
 
-    if input.dim() != 4:
-        return False  # 1d convolutions run as 2d views of contiguous tensors; 3d is not modelled
-    return torch.channels_last in (suggest_memory_format(input), suggest_memory_format(weight))
+    if input.dim() == 3:
+        return False  # 1d convolutions run as 2d views of contiguous tensors
+    formats = (suggest_memory_format(input), suggest_memory_format(weight))
+    return torch.channels_last in formats or torch.channels_last_3d in formats
 
 
-def _spatial(t: torch.Tensor) -> tuple[int, int]:
-    return (1, t.shape[2]) if t.dim() == 3 else (t.shape[2], t.shape[3])
-
-
-def _pair(values, dim: int, unit: int) -> tuple[int, int]:
-    """(h, w) of a 1d or 2d parameter; a 1d convolution's H is 1 with ``unit`` (view1d_as_2d)."""
+def _dhw(values, dim: int, unit: int) -> tuple[int, int, int]:
+    """(d, h, w) of a 1d, 2d or 3d shape or parameter; the dimensions a convolution lacks are ``unit`` (a 1d
+    convolution's H is 1: view1d_as_2d; oneDNN's d of a 2d one)."""
     values = list(values) if len(values) > 1 else list(values) * dim
-    return (unit, values[0]) if dim == 1 else (values[0], values[1])
+    return tuple([unit] * (3 - dim) + values[:dim])
 
 
 def problem(
     input, weight, has_bias, stride, padding, dilation, transposed, output_padding, groups
 ) -> ConvProblem | None:
     """The oneDNN problem of an aten convolution on the Mkldnn backends; None when not modelled
-    (another backend, 3d, or a data type other than fp32)."""
-    if input.dim() not in (3, 4) or input.dtype != torch.float32 or weight.dtype != torch.float32:
+    (another backend, a data type other than fp32, 3d channels-last)."""
+    if input.dim() not in (3, 4, 5) or input.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
     backend = int(
         torch._C._select_conv_backend(
@@ -599,20 +632,29 @@ def problem(
     )
     if backend not in (MKLDNN, MKLDNN_TRANSPOSE):
         return None
+    nxc = _channels_last(input, weight)
+    if nxc and input.dim() == 5:
+        return None  # 3d channels-last: oneDNN's brgemm convolutions on NDHWC, not measured
     dim = input.dim() - 2
-    (sh, sw), (ph, pw), (dh, dw) = _pair(stride, dim, 1), _pair(padding, dim, 0), _pair(dilation, dim, 1)
-    kh, kw = _spatial(weight)
-    ih, iw = _spatial(input)
+    (sd, sh, sw), (pd, ph, pw) = _dhw(stride, dim, 1), _dhw(padding, dim, 0)
+    (dd, dh, dw), (kd, kh, kw) = _dhw(dilation, dim, 1), _dhw(weight.shape[2:], dim, 1)
+    ind, ih, iw = _dhw(input.shape[2:], dim, 1)
+    icg, ocg = weight.shape[1], weight.shape[0] // groups
+
+    def transposed_side(o: int, s: int, pad: int, dil: int, k: int, op: int) -> int:
+        return (o - 1) * s - 2 * pad + dil * (k - 1) + op + 1
+
+    def side(i: int, s: int, pad: int, dil: int, k: int) -> int:
+        return (i + 2 * pad - dil * (k - 1) - 1) // s + 1
+
     if transposed:  # oneDNN deconvolution = the convolution whose input is this one's output
-        (oph, opw) = _pair(output_padding, dim, 0)
-        oh, ow = ih, iw
-        ih = (oh - 1) * sh - 2 * ph + dh * (kh - 1) + oph + 1
-        iw = (ow - 1) * sw - 2 * pw + dw * (kw - 1) + opw + 1
-        icg, ocg = weight.shape[1], weight.shape[0] // groups
+        (opd, oph, opw) = _dhw(output_padding, dim, 0)
+        od, oh, ow = ind, ih, iw
+        ind = transposed_side(od, sd, pd, dd, kd, opd)
+        ih = transposed_side(oh, sh, ph, dh, kh, oph)
+        iw = transposed_side(ow, sw, pw, dw, kw, opw)
     else:
-        oh = (ih + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-        ow = (iw + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-        icg, ocg = weight.shape[1], weight.shape[0] // groups
+        od, oh, ow = side(ind, sd, pd, dd, kd), side(ih, sh, ph, dh, kh), side(iw, sw, pw, dw, kw)
     return ConvProblem(
         mb=input.shape[0],
         groups=groups,
@@ -628,10 +670,16 @@ def problem(
         sw=sw,
         ph=ph,
         pw=pw,
-        dilated=dh > 1 or dw > 1,
+        dilated=dd > 1 or dh > 1 or dw > 1,
         bias=has_bias,
-        nxc=_channels_last(input, weight),
+        nxc=nxc,
         esize=input.element_size(),
+        ndims=5 if dim == 3 else 4,
+        id=ind,
+        od=od,
+        kd=kd,
+        sd=sd,
+        pd=pd,
     )
 
 
