@@ -373,6 +373,13 @@ def run_step(
             run_generate(model, inputs, spec, mark)
 
 
+def tensor_attributes(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(module name, tensor) for each tensor a module holds as a plain attribute (``self.table = ...``), neither
+    parameter nor buffer: model state that exists before the step, like buffers (transformers' VideoMAE keeps its
+    sinusoid position table so and copies it to the input's device in every forward)."""
+    return [(name, t) for name, m in model.named_modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+
+
 def _storage_tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -489,7 +496,7 @@ def _track_storages(step: _Step) -> None:
 
 def _register_storages(step: _Step) -> None:
     """Stage 4: what exists before the step: the features' buffers (DDP's gradient buckets), parameters
-    (owned by their module), buffers, inputs."""
+    (owned by their module), buffers and plain tensor attributes, inputs."""
     tracker, trace, owner = step.tracker, step.trace, step.owner_of_param
     for feature in step.features:
         feature.register(step)
@@ -499,6 +506,10 @@ def _register_storages(step: _Step) -> None:
             trace.owner_module[sid] = owner[id(p)]
     for name, b in step.model.named_buffers():
         tracker.register(b, Category.BUFFERS, "buffer", module=name.rpartition(".")[0])
+    # held like buffers, but model.to(device) leaves them where they were made (nn.Module._apply moves parameters
+    # and buffers): counted as device memory, the safe side (a model that keeps one on the host holds less)
+    for name, t in tensor_attributes(step.model):
+        tracker.register(t, Category.BUFFERS, "tensor attribute", module=name)
     for t in _storage_tensors(step.inputs):
         tracker.register(t, Category.INPUTS, "input", module="")
 

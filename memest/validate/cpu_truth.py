@@ -19,7 +19,7 @@ from memest.spec import RunSpec
 from memest.spec.choices import Target
 from memest.targets.cpu import onednn_half_matmul
 from memest.trace.devices import traced_device
-from memest.trace.step import LoopState
+from memest.trace.step import LoopState, tensor_attributes
 
 
 def _allocation_events(prof) -> list:
@@ -69,7 +69,8 @@ def _distinct_storage_bytes(tensors) -> int:
 
 
 def measure_cpu_peak(source: ModelSource, spec: RunSpec, seed: int = 0) -> dict:
-    """Peak bytes of the real step (parameters, buffers and inputs included) and the op that made it."""
+    """Peak bytes of the real step (parameters, buffers, plain tensor attributes and inputs included) and the op
+    that made it."""
     assert spec.target == Target.CPU, "CPU ground truth is for --target cpu estimates"
     torch.manual_seed(seed)
     with traced_device():
@@ -83,7 +84,8 @@ def _measure(source: ModelSource, spec: RunSpec) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = step_optimizer(spec, params)
     baseline = _distinct_storage_bytes(
-        list(model.parameters()) + list(model.buffers()) + tree_flatten(inputs)[0]
+        list(model.parameters()) + list(model.buffers()) + [t for _, t in tensor_attributes(model)]
+        + tree_flatten(inputs)[0]
     )
     with dynamo_session(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
@@ -129,7 +131,8 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
         params = [p for p in built.model.parameters() if p.requires_grad]
         optimizer = step_optimizer(spec, params)
         baseline = _distinct_storage_bytes(
-            list(built.model.parameters()) + list(built.model.buffers()) + tree_flatten(built.inputs)[0]
+            list(built.model.parameters()) + list(built.model.buffers())
+            + [t for _, t in tensor_attributes(built.model)] + tree_flatten(built.inputs)[0]
         )
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loop = LoopState()

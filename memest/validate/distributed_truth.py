@@ -36,7 +36,7 @@ from memest.parallel.expert_parallel import route_as
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import CompileScope, Target
-from memest.trace.step import LoopState
+from memest.trace.step import LoopState, tensor_attributes
 from memest.validate.collector import full_collection_after_compile
 from memest.validate.cpu_truth import (
     _allocation_events,
@@ -224,8 +224,9 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     parallel = wrap(model, spec, fake=False) if fsdp and not replicas else None
     if parallel is not None and parallel.shard_inputs is not None:  # --cp: this rank's part of the sequence
         inputs = parallel.shard_inputs(inputs)
-    # alive before profiling: parameters (this rank's shards under FSDP), buffers, inputs
-    held = [*_plain(model.parameters()), *model.buffers(), *tree_flatten(inputs)[0]]
+    # alive before profiling: parameters (this rank's shards under FSDP), buffers, plain tensor attributes, inputs
+    held = [*_plain(model.parameters()), *model.buffers(), *(t for _, t in tensor_attributes(model)),
+            *tree_flatten(inputs)[0]]
     baseline = _distinct_storage_bytes(held)
     del held
     gc.collect()  # the previous case's model and optimizer (FSDP and DDP keep reference cycles)

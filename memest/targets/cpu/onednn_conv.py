@@ -141,10 +141,10 @@ def _lower_simd(p: ConvProblem) -> int | None:
 
 
 def _gemm_col(p: ConvProblem) -> int:
-    """gemm_convolution_utils.cpp: im2col buffer (ic * ks * os floats per thread) unless the
-    convolution is 1x1 with unit stride."""
+    """gemm_convolution_utils.cpp: im2col buffer (ic * ks * os floats per thread, os = oh * ow: a 3d
+    convolution's im2col runs one output depth slice at a time) unless the convolution is 1x1 with unit stride."""
     unit = p.ks == 1 and p.sd == p.sh == p.sw == 1 and p.id == p.od and p.ih == p.oh and p.iw == p.ow
-    return 0 if unit else p.icg * p.ks * p.od * p.oh * p.ow
+    return 0 if unit else p.icg * p.ks * p.oh * p.ow
 
 
 def _book(*sizes: int) -> int:
