@@ -25,8 +25,8 @@ otherwise left out (a few KB to a few hundred KB per call; scripts/probe_onednn.
 3d convolutions take the same implementations on 5d problems (measured with ONEDNN_VERBOSE, oneDNN v3.12 in
 torch 2.13, tests/test_cpu_scratch.py CONVS_3D), with these differences: jit_uni_dw takes no 5d problem (depthwise
 runs brdgmm_dw on NDHWC forward and gemm backward), jit_avx2 bwd_weights none with depth padding, brgemm bwd_data
-none whose output plane is 1x1 (jit_avx512_common runs it: Qwen2-VL's patch embedding). gemm's 5d thread split is
-not followed: its per-thread buffers are an upper bound there. 3d channels-last (NDHWC brgemm) is not modelled.
+none whose output plane is 1x1 (jit_avx512_common runs it: Qwen2-VL's patch embedding), gemm's im2col one output
+depth slice at a time. 3d channels-last (NDHWC brgemm) is not modelled.
 """
 
 from __future__ import annotations
