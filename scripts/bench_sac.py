@@ -2,7 +2,7 @@
 block checkpointed): median of --runs traces each, the three interleaved round by round, after one warm-up trace of
 each. Prints a Markdown table for benchmarks/sac.md.
 
-    PYTHONPATH=$PWD python scripts/bench_sac.py --runs 5
+    PYTHONPATH=$PWD python scripts/bench_sac.py --runs 5 [--only SUBSTRING]
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ CASES = [  # (model, batch, seq, extra RunSpec fields)
     # full-size configs (12 and 16 blocks): the blocks' share of the step as users trace it
     ("hf:gpt2", 2, 256, {"target": "cpu", "optim": "adamw"}),
     ("hf:llama-3.2-1b", 1, 256, {"precision": "bf16-mixed", "optim": "adamw"}),
+    # a vision-language model: its blocks run under memest's KnownValues mode (image_grid_thw's real values)
+    ("hf:tests/configs/qwen2-vl-tiny.json", 2, 64, {"images": 2, "image_size": "140x250", "precision": "bf16-mixed",
+                                                    "optim": "adamw"}),
 ]
 POLICIES = ("none", "selective", "blocks")
 
@@ -47,12 +50,15 @@ def _trace_seconds(ref: str, batch: int, seq: int, extra: dict, checkpointing: s
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--only", default=None, help="the cases whose model reference contains this")
     args = parser.parse_args()
     print(f"{cpu_model()}, {os.cpu_count()} CPUs, load average before: {os.getloadavg()[0]:.1f}\n")
     print("| model | batch, seq | run | " + " | ".join(f"{p} median (min-max) s" for p in POLICIES)
           + " | selective vs none |")
     print("|---|---|---|" + "---:|" * (len(POLICIES) + 1))
     for ref, batch, seq, extra in CASES:
+        if args.only and args.only not in ref:
+            continue
         times: dict[str, list[float]] = {p: [] for p in POLICIES}
         for p in POLICIES:
             _trace_seconds(ref, batch, seq, extra, p)  # warm-up: imports, the first trace's one-time costs

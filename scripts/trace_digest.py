@@ -61,6 +61,12 @@ SPECS = [
          checkpointing="selective:checkpoint_policy"),
     dict(model="tests/models/sac_hf.py", batch=2, seq=64, target="cpu", optim="sgd",
          checkpointing="selective:checkpoint_policy"),
+    # vision-language: the replays pass over KnownValues (sources/hf_values.py); Qwen2.5-VL's window blocks
+    dict(model="hf:tests/configs/qwen2-vl-tiny.json", batch=2, seq=32, images=2, image_size="140x250", target="cuda",
+         precision="bf16-mixed", optim="adamw", checkpointing="selective"),
+    dict(model="hf:tests/configs/qwen2.5-vl-tiny.json", batch=1, seq=16, images=1, image_size="140x250", target="cpu",
+         checkpointing="selective"),
+    dict(model="tests/models/videomae_tiny.py", batch=2, target="cpu", optim="adamw"),
 ]
 
 

@@ -35,6 +35,13 @@ STEPS = [
     dict(model=LLAMA, batch=2, seq=32, target="cuda", checkpointing="selective", activation_offload="torchtune"),
     dict(model=LLAMA, batch=2, seq=32, target="cuda", optim="adamw", shard="zero3", world_size=2,
          checkpointing="selective", precision="bf16-mixed"),
+    # vision-language models: their blocks run under KnownValues (image_grid_thw's real values followed), a mode the
+    # replay passes over with what it follows in the key; Qwen2.5-VL's window blocks and full-attention blocks take
+    # different index tensors (cu_window_seqlens, cu_seqlens)
+    dict(model="hf:tests/configs/qwen2-vl-tiny.json", batch=2, seq=32, images=1, image_size="60x90", target="cuda",
+         precision="bf16-mixed", optim="adamw", checkpointing="selective"),
+    dict(model="hf:tests/configs/qwen2.5-vl-tiny.json", batch=1, seq=16, images=1, image_size="140x250",
+         target="cpu", checkpointing="selective"),
 ]
 
 

@@ -54,6 +54,11 @@ class KnownValues(TorchDispatchMode):
     """While entered, reads decided by the known value ranges of ``ranges`` (tensor -> (lo, hi),
     inclusive) are answered; see the module docstring."""
 
+    # trace/recompute.py may replay a checkpointed block's recomputation under this mode (its ops not run): where
+    # what the mode follows of the block's inputs is the same (replay_key), and it follows none of what the
+    # recomputation saved or returned (holds)
+    replay_transparent = True
+
     def __init__(self, ranges: WeakTensorKeyDictionary, real: WeakTensorKeyDictionary | None = None) -> None:
         super().__init__()
         self.ranges = ranges
@@ -97,6 +102,26 @@ class KnownValues(TorchDispatchMode):
             if always or not sometimes:  # the range decides it
                 self.known[out] = always
         return out
+
+    def replay_key(self, tensors: list) -> tuple:
+        """What the mode knows of each tensor: its real values (dtype, shape and a digest of the bytes), value range,
+        known value, count of True values."""
+        import hashlib
+
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        out = []
+        for t in tensors:
+            real = self.real.get(t)
+            if real is not None:
+                with _disable_current_modes():  # every mode off: SAC's (above this one) must not see these ops
+                    data = real.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                real = (real.dtype, tuple(real.shape), hashlib.sha256(data).digest())
+            out.append((real, self.ranges.get(t), self.known.get(t), self.true_count.get(t)))
+        return tuple(out)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t in self.real or t in self.ranges or t in self.known or t in self.true_count
 
     def _follow_real(self, func, args, kwargs):
         """An op on small inputs whose real values memest built (a VLM's image_grid_thw, input_ids): the fake

@@ -23,8 +23,11 @@ where its record shows nothing a replay cannot repeat; otherwise it simply runs:
   them; a ``functools.partial``'s keywords, as transformers' layers pass theirs); the block's parameters' and
   buffers' metadata; which of all these share a storage; the block's running submodules; the tracker's label, the
   grad and autocast state, the function modes, the features' counters;
-- the dispatch modes are the tracking mode and SAC's replaying mode only, the tracker records (not ignoring, not
-  inside another op), no inference mode, no compilation, and the hook on top is checkpointing's recomputation hook;
+- the dispatch modes are the tracking mode and SAC's replaying mode, with between them only modes that say a replay
+  may pass over them (``replay_transparent``: sources/hf_values.py KnownValues, which follows a VLM's index tensors
+  with their real values; what it follows of the sources is in the key, and a recording whose saved tensors or
+  output it follows is not kept), the tracker records (not ignoring, not inside another op), no inference mode, no
+  compilation, and the hook on top is checkpointing's recomputation hook;
 - the recorded run changed nothing of the trace but its own storages and events, FLOPs (each entry that changed
   accounted for by the ops it counted, under the modules they ran in), the call counts of the block's own
   submodules, the features' counters (``StepFeature.counters``: SDPA's backend choices, kernel rules' calls) and the
@@ -65,6 +68,20 @@ _LEAVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 class _Ineligible(Exception):
     """The recomputation cannot be keyed or repeated: it runs."""
+
+
+def _modes() -> tuple | None:
+    """(the tracking mode, the modes above it a replay may pass over, the mode on top) of the dispatch stack, else
+    None. A mode in between is passed over where its class says so (``replay_transparent``: sources/hf_values.py
+    KnownValues, which follows a VLM's index tensors with their real values) and gives, through ``replay_key``, what
+    it follows of a recomputation's sources, and, through ``holds``, whether it follows a tensor."""
+    depth = torch._C._len_torch_dispatch_stack()
+    if depth < 2 or (mode := tracking_mode(depth)) is None:
+        return None
+    middle = tuple(torch._C._get_dispatch_stack_at(i) for i in range(1, depth - 1))
+    if not all(getattr(type(m), "replay_transparent", False) for m in middle):
+        return None
+    return mode, middle, torch._C._get_dispatch_stack_at(depth - 1)
 
 
 @dataclass(frozen=True)
@@ -136,10 +153,10 @@ class _Region:
         return self._recompute(args, kwargs)
 
     def _forward(self, args, kwargs):
-        mode = tracking_mode(2)
-        top = torch._C._get_dispatch_stack_at(1) if mode is not None else None
-        if mode is None or not isinstance(top, _CACHING):
+        modes = _modes()
+        if modes is None or not isinstance(modes[2], _CACHING):
             return self.fn(*args, **kwargs)
+        mode, _, top = modes
         trace = mode.tracker.trace
         first_storage, first_event = len(trace.storages), len(trace.events)
         out = self.fn(*args, **kwargs)
@@ -150,11 +167,12 @@ class _Region:
     def _recompute(self, args, kwargs):
         owner = self.owner
         owner.calls += 1
-        mode = tracking_mode(2)
-        if mode is None or self.fingerprint is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        modes = _modes()
+        if modes is None or self.fingerprint is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
+        mode, middle, _ = modes
         try:
-            key, sources, running, pack = self._key(mode, args, kwargs)
+            key, sources, running, pack = self._key(modes, args, kwargs)
         except _Ineligible:
             return self.fn(*args, **kwargs)
         template = owner.templates.get(key)
@@ -164,16 +182,16 @@ class _Region:
         if template is not None or key in owner.failed:  # a template of a step that counted no module calls
             sources.clear()
             return self.fn(*args, **kwargs)
-        out, template = _Recording(mode, self, sources, running, pack).run(args, kwargs)
+        out, template = _Recording(mode, self, sources, running, pack, middle).run(args, kwargs)
         if template is None:
             owner.failed.add(key)
         else:
             owner.templates[key] = template
         return out
 
-    def _key(self, mode, args, kwargs) -> tuple:
+    def _key(self, modes, args, kwargs) -> tuple:
         """(the key, the sources: place -> tensor, the running modules, checkpointing's pack hook)."""
-        cached = torch._C._get_dispatch_stack_at(1)
+        mode, middle, cached = modes
         if not isinstance(cached, _CACHED) or cached.storage is not self.storage or torch.is_inference_mode_enabled():
             raise _Ineligible
         pack = (torch._C._autograd._top_saved_tensors_default_hooks(False) or (None,))[0]
@@ -200,7 +218,9 @@ class _Region:
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
         functions = (tuple(type(m) for m in torch.overrides._get_current_function_mode_stack())
                      if torch._C._len_torch_function_stack() else ())
-        key = (type(self.module), self.fingerprint, sac, running.split(running.parents)[1],
+        # what the modes between the tracking mode and SAC's follow of the sources (KnownValues: real index values)
+        known = tuple((type(m), m.replay_key(list(sources.values()))) for m in middle)
+        key = (type(self.module), self.fingerprint, sac, known, running.split(running.parents)[1],
                tuple(type(c) for c in self.owner.counters()), len(self.owner.caches()), partial_key, arg_key, kwarg_key, tuple(params),
                _alias_key(tracker, sources), tracker.label, autocast, torch.is_autocast_cache_enabled(), functions)
         return key, sources, running, pack
@@ -339,8 +359,10 @@ class _Running:
 class _Recording:
     """One recomputation run with its part of the trace read (:meth:`run`)."""
 
-    def __init__(self, mode, region: _Region, sources: dict, running: _Running, pack) -> None:
+    def __init__(self, mode, region: _Region, sources: dict, running: _Running, pack, middle: tuple = ()) -> None:
         self.mode, self.region, self.running, self.pack = mode, region, running, pack
+        self.middle = middle  # modes between the tracking mode and SAC's (replay_transparent)
+        self.followed: list = []  # per saved tensor: whether such a mode follows it
         self.tracker = mode.tracker
         self.trace = self.tracker.trace
         self.by_sid = _by_storage(self.tracker, sources)
@@ -378,6 +400,7 @@ class _Recording:
 
         def packing(x):  # what describes it, not the tensor (holding it would keep its storage alive)
             self.saved.append(_view_of(tracker, self.mode, x))
+            self.followed.append(any(m.holds(x) for m in self.middle))
             return self.pack(x)
 
         tracker.module_of, tracker._count_flops = named, counted
@@ -410,6 +433,11 @@ class _Recording:
         leaves, spec = tree_flatten(out)
         output = tuple(self._located(_view_of(tracker, self.mode, v), kept, held) if isinstance(v, torch.Tensor)
                        else _plain(v) for v in leaves)
+        followed = self.followed + [any(m.holds(v) for m in self.middle) if isinstance(v, torch.Tensor) else False
+                                    for v in leaves]
+        if any(f and where[0] == "new" for f, (where, _) in zip(followed, saved + output, strict=True)
+               if where != "value"):
+            raise _Ineligible  # a mode follows a tensor made here, which a replay would hand over fresh, unfollowed
         casts = self._casts(kept, held)
         if kept - held:
             raise _Ineligible  # a storage made here that outlives it, held by something a replay cannot hold
