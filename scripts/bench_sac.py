@@ -35,6 +35,8 @@ CASES = [  # (model, batch, seq, extra RunSpec fields)
     # a vision-language model: its blocks run under memest's KnownValues mode (image_grid_thw's real values)
     ("hf:tests/configs/qwen2-vl-tiny.json", 2, 64, {"images": 2, "image_size": "140x250", "precision": "bf16-mixed",
                                                     "optim": "adamw"}),
+    ("hf:benchmarks/configs/qwen2-vl-2b-shapes.json", 1, 128, {"images": 1, "image_size": "448x448",
+                                                               "precision": "bf16-mixed", "optim": "adamw"}),
 ]
 POLICIES = ("none", "selective", "blocks")
 
