@@ -65,6 +65,13 @@ def _holders(t: torch.Tensor):
         yield t
 
 
+def held_before_step(model, inputs, params=None) -> list:
+    """What exists before the profiled step, counted in its peak: ``params`` (the model's parameters by default),
+    buffers, plain tensor attributes (trace/step.py ``tensor_attributes``), inputs."""
+    params = list(model.parameters()) if params is None else list(params)
+    return params + list(model.buffers()) + [t for _, t in tensor_attributes(model)] + tree_flatten(inputs)[0]
+
+
 def _distinct_storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in (h for x in tensors if isinstance(x, torch.Tensor) for h in _holders(x)):
@@ -91,10 +98,7 @@ def _measure(source: ModelSource, spec: RunSpec) -> dict:
     runnable = built.runnable  # torch.compile'd (the model file's own, or --compile): the real compiled step
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = step_optimizer(spec, params)
-    baseline = _distinct_storage_bytes(
-        list(model.parameters()) + list(model.buffers()) + [t for _, t in tensor_attributes(model)]
-        + tree_flatten(inputs)[0]
-    )
+    baseline = _distinct_storage_bytes(held_before_step(model, inputs))
     with dynamo_session(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         loop = LoopState()  # what the user's loop keeps between steps (--outputs kept)
         for _ in range(spec.iterations):
@@ -138,10 +142,7 @@ def measure_cpu_phase_peaks(source: ModelSource, spec: RunSpec, prefix: str, see
         built = build(source, spec)
         params = [p for p in built.model.parameters() if p.requires_grad]
         optimizer = step_optimizer(spec, params)
-        baseline = _distinct_storage_bytes(
-            list(built.model.parameters()) + list(built.model.buffers())
-            + [t for _, t in tensor_attributes(built.model)] + tree_flatten(built.inputs)[0]
-        )
+        baseline = _distinct_storage_bytes(held_before_step(built.model, built.inputs))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loop = LoopState()
             for _ in range(spec.iterations):

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._pytree import tree_flatten
 
 from memest.features.registry import build, run_step
 from memest.imports import FORKSERVER_PRELOAD
@@ -36,11 +35,12 @@ from memest.parallel.expert_parallel import route_as
 from memest.sources import load_source
 from memest.spec import RunSpec
 from memest.spec.choices import CompileScope, Target
-from memest.trace.step import LoopState, tensor_attributes
+from memest.trace.step import LoopState
 from memest.validate.collector import full_collection_after_compile
 from memest.validate.cpu_truth import (
     _allocation_events,
     _distinct_storage_bytes,
+    held_before_step,
     onednn_half_matmuls,
     profiled_phase_peaks,
 )
@@ -225,8 +225,7 @@ def _measure(spec: RunSpec, rank: int, seed: int) -> dict:
     if parallel is not None and parallel.shard_inputs is not None:  # --cp: this rank's part of the sequence
         inputs = parallel.shard_inputs(inputs)
     # alive before profiling: parameters (this rank's shards under FSDP), buffers, plain tensor attributes, inputs
-    held = [*_plain(model.parameters()), *model.buffers(), *(t for _, t in tensor_attributes(model)),
-            *tree_flatten(inputs)[0]]
+    held = held_before_step(model, inputs, params=_plain(model.parameters()))
     baseline = _distinct_storage_bytes(held)
     del held
     gc.collect()  # the previous case's model and optimizer (FSDP and DDP keep reference cycles)
