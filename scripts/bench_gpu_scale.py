@@ -587,10 +587,11 @@ CAUSES: dict[str, str] = {
     "LoRA CPU offload bs10 ctx2048": "Not isolated: the run reserved 0.56 GiB more than memest's replay, whose peak "
         "is the loss's forward (transformers 4.37's fp32 logits and their shifted copy); no allocated peak is "
         "published for the row to tell the allocator's cache from the step's tensors.",
-    "QLoRA CPU offload bs12 ctx2048": "Near the card's limit (above). The run reserved 0.34 GiB more than memest's "
-        "replay reaches under the card's expected limit, inside what the card leaves when the costs outside the "
-        "allocator sit lower (their evidence range, device/overheads.py). No allocated peak is published for the "
-        "row to tell the allocator's cache from the step's tensors.",
+    "QLoRA CPU offload bs12 ctx2048": "Near the card's limit (above): memest's replay under the card runs out "
+        "before the step ends, also with the costs outside the allocator at the low end of their evidence, at 22.04 "
+        "GiB reserved; the run completed and reserved 0.34 GiB more. The replay fragments more than the run did "
+        "(the QLoRA batch 10 row's mechanism); no allocated peak is published for the row to tell the allocator's "
+        "cache from the step's tensors.",
     "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The wrap is replayed (each 70B unit moved, flattened "
         "and sharded on the GPU, then offloaded); the run reserved 1.33 GiB more (2.05 GiB before the trace took "
         "transformers 4.37's model code: its fp32 logits and their shifted copy, and 320 MiB of fp32 rotary caches "
