@@ -189,7 +189,7 @@ MISTRAL_NOTE = ("config: benchmarks/configs/mistral-7b-v0.2.json (the bundled Mi
                 "respectable 24K tokens': both runs read 22.54 GiB, as the source states")
 
 
-PEFT_QLORA_70B = dict(model="hf:llama-2-70b", batch=2, seq=2048, grad_accum=2, optim="adamw", precision="bf16",
+PEFT_QLORA_70B = dict(model=f"{ERA_FILE}:llama2_70b_bf16_cache", batch=2, seq=2048, grad_accum=2, optim="adamw", precision="bf16",
                       attention="flash", checkpointing="blocks-reentrant", outputs="freed", quant="nf4", double_quant=True,
                       lora="r=8,alpha=16,dropout=0.1,dtype=base,targets=all-linear", world_size=2, shard="zero3")
 PEFT_SETUP = ("peft examples/sft/train.py (trl SFTTrainer, transformers Trainer) on Llama-2-70b-hf, --max_seq_len 2048 "
@@ -201,6 +201,11 @@ PEFT_NOTES = [
     "Trainer drops the model output before backward (--outputs freed); packing makes every row 2048 tokens",
     "trl skips prepare_model_for_kbit_training for sharded QLoRA (float quant storage): weights stay bf16",
     f"model dtype = quant storage dtype: {PEFT_SFT}",
+    "model code: transformers 4.38's (the release of the page's dates; its Llama keeps 4.37's head and loss and, for "
+    "backward compatibility, each layer's rotary cos/sin cache in the default dtype: bf16 as peft's utils.py loads "
+    "the model, or as DeepSpeed casts it) where its memory differs from transformers 5's: "
+    "scripts/models/hf437_causal_lm.py:llama2_70b_bf16_cache (Trainer drops the output, so the fp32 logits live "
+    "through the forward's loss only)",
     "adapters in the base's bf16 (--lora ...,dtype=base): the page's figures were added 2024-02-26 and 2024-03-13 "
     "(huggingface/peft#1489, #1550), before peft 0.12.0's fp32 upcast (autocast_adapter_dtype, "
     f"{PEFT_UPCAST})",
@@ -242,7 +247,7 @@ def peft_rows() -> list[Row]:
             "dtype float32), accelerate mixed_precision bf16, DeepSpeed ZeRO-3 no offload, per-device batch 8, "
             "gradient accumulation 4, seq 2048 packed, gradient checkpointing non-reentrant, flash_attention_2, "
             "LoRA r8/alpha16/dropout0.1 all-linear; 'the memory consumed per GPU is 64 GB (80%)'",
-            dict(model="hf:llama-2-70b", batch=8, seq=2048, grad_accum=4, optim="adamw", precision="bf16",
+            dict(model=f"{ERA_FILE}:llama2_70b_bf16_cache", batch=8, seq=2048, grad_accum=4, optim="adamw", precision="bf16",
                  attention="flash", checkpointing="blocks", outputs="freed",
                  lora="r=8,alpha=16,dropout=0.1,dtype=base,targets=all-linear", world_size=8, shard="zero3"),
             H100_80, "device", round(64 * GiB),

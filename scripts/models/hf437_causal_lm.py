@@ -4,7 +4,11 @@ transformers 4.37, excluding 4.38 and 4.39). For scripts/bench_gpu_scale.py's fs
 the model and how train.py built it (``scripts/models/hf437_causal_lm.py:llama2_7b_qlora``).
 
 Transcribed from transformers 4.37.2 (the PyPI wheel), models/llama/modeling_llama.py (models/mistral/
-modeling_mistral.py is the same in both places), the rest of the model being transformers 5's own code:
+modeling_mistral.py is the same in both places), the rest of the model being transformers 5's own code. 4.38.2's
+Llama (peft's guides of Feb-Mar 2024) holds the same: the same head and loss, and the per-layer caches kept for
+backward compatibility (``_cos_cached`` / ``_sin_cached``, in the default dtype; its forward computes the rotary
+embedding from ``inv_freq``). 4.45 moved the rotary embedding to the model (no caches), 4.46 the fp32 upcast into the
+loss function (the output's logits in the model's dtype); the shifted fp32 copy is still there in 4.48 (PyPI wheels).
 
 1. The head and the loss (``LlamaForCausalLM.forward``): ``logits = logits.float()`` in the model, returned in the
    output (train.py keeps ``output`` until after ``backward``, so the fp32 logits live through the step), and
@@ -116,6 +120,12 @@ def llama2_7b_qlora() -> nn.Module:
 
 def llama2_70b_qlora() -> nn.Module:
     return _build("llama-2-70b", torch.float32)
+
+
+def llama2_70b_bf16_cache() -> nn.Module:
+    """peft's Llama-2 70B guides (transformers 4.38, Feb-Mar 2024): the model loaded with torch_dtype bf16, or cast
+    to bf16 by DeepSpeed, so the rotary caches are bf16."""
+    return _build("llama-2-70b", torch.bfloat16)
 
 
 def mistral_7b_v02_qlora() -> nn.Module:
