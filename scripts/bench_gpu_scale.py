@@ -559,7 +559,8 @@ def misses(scored: list[dict], causes: dict[str, str] | None = None) -> list[str
         if m["verdict"] == "does-not-fit":
             why.append(f"memest calls a run that ran \"does not fit\" (a goal miss): its smallest budget for the step, "
                        f"{m['needed'][1] / GiB:.2f} GiB, is above the {card / GiB:.2f} GiB card.")
-        why.append((CAUSES if causes is None else causes).get(r["label"], ""))
+        cause = (CAUSES if causes is None else causes).get(r["label"], "")
+        why.append(cause(scored) if callable(cause) else cause)  # a callable reads other rows of this table
         out.append(f"- {r['group']} / {r['label']}: {r['error_pct']:+.1f}% ({r['figure']}), measured "
                    f"{'inside' if r['inside'] else 'outside' if r['inside'] is False else 'no range for'} memest's "
                    f"range; memest's breakdown at its peak (GiB): {parts}"
@@ -568,7 +569,19 @@ def misses(scored: list[dict], causes: dict[str, str] | None = None) -> list[str
     return out or ["- none"]
 
 
-CAUSES: dict[str, str] = {
+def _offload_pair(scored: list[dict]) -> str:
+    """peft's FSDP QLoRA guide rows with and without CPU offload, side by side (both in this table)."""
+    pair = {r["label"]: r for r in scored if r["group"] == "peft docs llama-2-70b"}
+    on, off = pair.get("FSDP QLoRA 2x24GB, CPU offload"), pair.get("FSDP QLoRA 2 GPUs, no CPU offload")
+    if on is None or off is None:
+        return ""
+    gap_on, gap_off = on["measured_bytes"] - on["memest_bytes"], off["measured_bytes"] - off["memest_bytes"]
+    return (f"memest's two figures differ by {(off['memest_bytes'] - on['memest_bytes']) / GiB:.2f} GiB "
+            f"({off['memest_bytes'] / GiB:.2f} and {on['memest_bytes'] / GiB:.2f} GiB), so of this row's "
+            f"{gap_on / GiB:.2f} GiB miss, {gap_off / GiB:.2f} GiB is the no-offload row's own gap.")
+
+
+CAUSES: dict[str, object] = {  # a row's cause, or a function of the scored rows that writes it
     "QLoRA bs1 ctx512": "Not isolated. FSDP1's wrap before the step (fsdp1.load_events: each unit's parameters and "
                         "buffers, the 4-bit quantization state among them, moved, broadcast, flattened, sharded) "
                         "leaves 3.48 GiB reserved (allocator.replay(trace.load_events).final_reserved of this row's "
@@ -624,12 +637,11 @@ CAUSES: dict[str, str] = {
     "DeepSpeed ZeRO-3 QLoRA 2x A100 40GB": "Not isolated; the unit alone makes the measured 6.9% smaller (above). "
         "DeepSpeed ZeRO-3 keeps up to stage3_max_live_parameters (1e9 by default) gathered and prefetches "
         "stage3_prefetch_bucket_size elements; memest gathers one decoder layer at a time (FSDP2's rule).",
-    "FSDP QLoRA 2x24GB, CPU offload": "Not isolated. The figure is the GPU monitor's for the whole run (load, "
+    "FSDP QLoRA 2x24GB, CPU offload": lambda scored: "Not isolated. The figure is the GPU monitor's for the whole run (load, "
         "training, evaluation each epoch, the final save); memest's device figure is the training step's. With "
         "fsdp_cpu_ram_efficient_loading rank 0 loads the weights and FSDP broadcasts them (sync_module_states), which "
         "passes whole unsharded units through the GPU at load time. What offloading saves reads as the page states "
-        "it: the same run without offload measured 35.6 GB, 16.0 GiB more; memest's two figures differ by 16.5 GiB "
-        "(29.26 and 12.80 GiB, gpu-scale.md), so of the 6.8 GiB miss, 6.3 GiB is the no-offload row's own gap.",
+        "it: the same run without offload measured 35.6 GB, 16.0 GiB more; " + _offload_pair(scored),
     "DeepSpeed ZeRO-3 LoRA 8x H100 80GB": "Not isolated. DeepSpeed ZeRO-3's gathered-parameter budget "
         "(stage3_max_live_parameters 1e9, prefetch buckets) and its contiguous gradient partitions are not FSDP2's "
         "per-layer rule memest traces.",
