@@ -272,12 +272,28 @@ TT_TABLE2_SETUP = (
     "Float8 as in Table 1's Float8 row; 'Memory(GiB)' is the logged max_reserved_gib")
 
 
+TT_MODEL = "scripts/models/titan_llama3_9dec370.py"  # torchtitan 9dec370's Llama 3.1 8B (relative to the root)
+
+
 def torchtitan_rows() -> list[Row]:
     """torchtitan's Llama 3.1 8B H100 benchmark (end of 2024): the FSDP runs memest can express since issue 23 (op-level
     selective checkpointing, each block compiled, Float8 with its float8 all-gather): Tables 1 and 3 (the rows
-    scripts/bench_gpu_recipes.py also scores, one definition) and Table 2's CP 1 row (its CP 2-8 rows compile under
-    context parallelism, which memest does not trace: NOT_SCORABLE)."""
+    scripts/bench_gpu_recipes.py scores with transformers' Llama) and Table 2's CP 1 row (its CP 2-8 rows compile
+    under context parallelism, which memest does not trace: NOT_SCORABLE). Traced here with the run's own model code,
+    torchtitan 9dec370's Llama (scripts/models/titan_llama3_9dec370.py), as every row of this table is."""
     import bench_gpu_recipes as recipes  # here, not at the top: that script imports this one
+
+    model_note = (f"model code: torchtitan {recipes.TT_RUN[:7]}'s Llama 3.1 8B ({TT_MODEL}: grouped-query attention "
+                  "with repeat_kv, its fp32-upcasting RMSNorm, complex RoPE, bf16 logits upcast in train.py's loss_fn, "
+                  "which train.py deletes before backward)")
+
+    def titan(row: Row, factory: str = "build_model") -> Row:
+        spec = {**row.spec, "model": f"{TT_MODEL}:{factory}"}
+        if spec.get("fp8_skip") == "lm_head":
+            spec["fp8_skip"] = "output"  # torchtitan's module_filter_fn: fqn != "output" (its name for the head)
+        notes = [model_note if n.startswith("model code:") else
+                 n.replace("--fp8-skip lm_head, transformers' name for it", "--fp8-skip output") for n in row.notes]
+        return Row(row.group, row.label, row.source, row.setup, spec, row.card, row.figure, row.measured_bytes, notes)
 
     table2 = Row("torchtitan llama-3.1-8b full AC", "Table 2: FSDP 8, CP 1, seq 32768, full AC, torch.compile + Float8",
                  TT_BENCH, TT_TABLE2_SETUP,
@@ -285,8 +301,9 @@ def torchtitan_rows() -> list[Row]:
                   **recipes.TT_FLOAT8},
                  recipes.H100_96, "reserved", round(83.9 * GiB),
                  [n for n in recipes.TT_NOTES if not n.startswith("SAC policy")]
-                 + [recipes.TT_COMPILE_NOTE, recipes.TT_FLOAT8_NOTE])
-    return list(recipes.tt_rows()) + [table2]
+                 + [recipes.TT_COMPILE_NOTE, recipes.TT_FLOAT8_NOTE,
+                    "build_32k: train.py sets the model's max_seq_len to training.seq_len (32768 here)"])
+    return [titan(r) for r in recipes.tt_rows()] + [titan(table2, "build_32k")]
 
 
 GROUPS = {"fsdp_qlora": fsdp_qlora_rows, "peft": peft_rows, "torchtitan": torchtitan_rows}

@@ -92,6 +92,12 @@ def build_model() -> nn.Module:
     return Llama3()
 
 
+def build_32k() -> nn.Module:
+    """Table 2's 32768-token runs: train.py sets the model's max_seq_len to training.seq_len (freqs_cis sized
+    from it)."""
+    return Llama3(max_seq=32768)
+
+
 def example_inputs(batch_size: int, seq_len: int = 8192):
     return (torch.randint(0, VOCAB, (batch_size, seq_len)),)
 
