@@ -641,12 +641,12 @@ CAUSES: dict[str, object] = {  # a row's cause, or a function of the scored rows
         "each at 12 x 2048 tokens, and the era's 1 GiB of fp32 rotary caches: Mistral v0.2's 32768 positions per "
         "layer), so its figure is the reserved it reached at the limit and its verdict 'tight', not 'fits'. The "
         "run may also have offloaded activations (--use_activation_cpu_offload is not stated for these rows).",
-    "Table 2: FSDP 8, CP 1, seq 32768, full AC, torch.compile + Float8": "Not isolated. memest's peak is the loss's "
-        "backward (32768 x 128256 logits: 15.7 GiB per fp32 tensor, three at once), where torchtitan's model returns "
-        "fp32 logits that train.py deletes before backward, as transformers' bf16 logits are freed here (--outputs "
-        "freed); the Table 1 rows, the same toml at 8192 tokens, read within 0.8%, and there the model-code isolation "
-        "(gpu-recipes.md, torchtitan 9dec370's Llama) moves their reserved figure by 0.0% and +0.2%. Not traced with torchtitan's model under "
-        "Float8 and compile at this length.",
+    "Table 2: FSDP 8, CP 1, seq 32768, full AC, torch.compile + Float8": "Not isolated: the run reserved 1.22 GiB "
+        "more than memest's replay, 0.45 GiB above the range's top. memest's peak is the loss's backward (32768 x "
+        "128256 logits: 15.7 GiB per fp32 tensor, three at once; train.py deletes the bf16 logits before backward). "
+        "The model code counts here: with transformers' Llama in place of torchtitan's the row reads -5.5% (the "
+        "same allocated peak within 0.3%, 3.4 GiB less reserved: the two models leave different blocks cached), where "
+        "the Table 1 rows, the same toml at 8192 tokens, move by at most 0.3%.",
     "FSDP QLoRA 2 GPUs, no CPU offload": "Not isolated; the unit alone makes the measured 6.9% smaller (above). Traced "
         "as FSDP1 as peft's config runs it (whole wrapped units, the wrap with sync_module_states replayed before the "
         "step); the figure is the GPU monitor's over the whole run (load, training, evaluation, the final save), "
