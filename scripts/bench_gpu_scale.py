@@ -645,7 +645,7 @@ CAUSES: dict[str, object] = {  # a row's cause, or a function of the scored rows
         "more than memest's replay, 0.45 GiB above the range's top. memest's peak is the loss's backward (32768 x "
         "128256 logits: 15.7 GiB per fp32 tensor, three at once; train.py deletes the bf16 logits before backward). "
         "The model code counts here: with transformers' Llama in place of torchtitan's the row reads -5.5% (the "
-        "same allocated peak within 0.3%, 3.4 GiB less reserved: the two models leave different blocks cached), where "
+        "same allocated peak within 0.4%, 3.4 GiB less reserved: the two models leave different blocks cached), where "
         "the Table 1 rows, the same toml at 8192 tokens, move by at most 0.3%.",
     "FSDP QLoRA 2 GPUs, no CPU offload": "Not isolated; the unit alone makes the measured 6.9% smaller (above). Traced "
         "as FSDP1 as peft's config runs it (whole wrapped units, the wrap with sync_module_states replayed before the "
