@@ -366,9 +366,10 @@ def _versions() -> dict:
 
 
 def cache_key(row: Row, code: str, versions: dict) -> str:
+    from memest.sources.model_file import _split_ref
+
     # a config under benchmarks/configs, or a model file under scripts/models (path.py:factory): its content counts
-    model = row.spec["model"].removeprefix("hf:")
-    local = ROOT / (model.rpartition(":")[0] if ".py:" in model else model)
+    local = ROOT / _split_ref(row.spec["model"].removeprefix("hf:"))[0]
     config = hashlib.sha256(local.read_bytes()).hexdigest()[:16] if local.is_file() else None
     blob = json.dumps({"spec": row.spec, "cc": row.card[2], "env": row.env, "code": code, "versions": versions,
                        **({"config": config} if config else {})}, sort_keys=True)
@@ -729,8 +730,6 @@ def trace_rows(rows: list[Row], cache_path: Path, *, no_cache: bool = False, cac
                 continue
             skipped.append(f"{row.group} / {row.label}")
             continue
-        if key in cache and row.card[1] is not None and "reserved_on_card_roomy" not in cache[key]:
-            del cache[key]  # traced by an earlier version of this script, without the figures on the card
         if key not in cache:
             print(f"tracing {row.group} / {row.label} ...", file=sys.stderr, flush=True)
             try:
