@@ -63,7 +63,11 @@ def _rank(rank: int, world_size: int, port: int, specs: list[dict], out_dir: str
     from memest.features.registry import build
     from memest.parallel import fsdp1
     from memest.validate.cpu_truth import _allocation_events
-    from memest.validate.distributed_truth import _count_frees_on_every_thread, _other_threads_idle
+    from memest.validate.distributed_truth import (
+        _count_frees_on_every_thread,
+        _drop_inherited_log_handlers,
+        _other_threads_idle,
+    )
 
     def settle() -> None:
         """gloo's worker thread drops its reference to a broadcast's flat bucket after the broadcast completes (see
@@ -85,6 +89,7 @@ def _rank(rank: int, world_size: int, port: int, specs: list[dict], out_dir: str
     _init_utils._sync_params_and_buffers = synced
 
     torch.set_num_threads(1)  # a forked child of an OpenMP process: one thread (tests/test_fsdp_qlora.py)
+    _drop_inherited_log_handlers()  # pytest's log capture would keep what a library logs about (distributed_truth)
     _count_frees_on_every_thread()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -110,12 +115,12 @@ def _rank(rank: int, world_size: int, port: int, specs: list[dict], out_dir: str
             wrap_events = events[start:stop]
             measured = (max([0] + [e.total_allocated - base for e in wrap_events]),
                         (wrap_events[-1].total_allocated - base) if wrap_events else 0)
-            modelled, _ = fsdp1.load_events(root, spec, lambda t: None, rank=rank, on_device=True)
+            modelled = fsdp1.load_events(root, spec, lambda t: None, rank=rank, on_device=True).events
             resident = sum(1 for u in fsdp1._init_order(root, type(root))
                            if u._handle is not None for n in u._handle.flat_param._numels if n)
-            moved, _ = fsdp1.load_events(root, spec, lambda t: None, rank=rank)
+            moved = fsdp1.load_events(root, spec, lambda t: None, rank=rank)
             rows.append({"measured": list(measured), "modelled": list(_levels([d for _, d in modelled], resident)),
-                         "moved": [d for _, d in moved]})
+                         "moved": [d for _, d in moved.events], "marks": [list(m) for _, m in moved.marks]})
             del root, model
     finally:
         dist.destroy_process_group()
@@ -194,3 +199,74 @@ def test_sync_module_states_needs_fsdp1():
     with pytest.raises(MemestError, match="--fsdp-version 1"):
         RunSpec(model=model_ref("hf:llama-tiny"), world_size=2, shard="zero3", target="cpu",
                 fsdp_sync_module_states=True)
+
+
+_BROADCAST_TRUTH = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from memest.validate.cpu_truth import _allocation_events
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+states = [torch.zeros(n, dtype=getattr(torch, d)) for d, n in json.loads(sys.argv[1])]
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    dist._broadcast_coalesced(dist.group.WORLD, states, int(sys.argv[2]), 0)
+print(json.dumps([e.extra_fields.alloc_size for e in _allocation_events(prof)]))
+dist.destroy_process_group()
+"""
+
+
+def test_broadcast_buckets_as_c10d_allocates_them():
+    """fsdp1._buckets and the wrap's broadcast rule (a bucket of one tensor is a view of it, no allocation) against
+    c10d's own ``broadcast_coalesced`` on a real gloo group, measured with torch.profiler memory events: the
+    allocations it makes, in order, each freed once its broadcast is done. Mixed dtypes (a bucket per dtype), buckets
+    closed at the limit, lone tensors at the limit, in the middle and at the end."""
+    import subprocess
+    import sys
+
+    from memest.parallel import fsdp1
+
+    limit = 2000
+    states = [("float32", 1000), ("float64", 7), ("float32", 75), ("float64", 50), ("float32", 5), ("float32", 600),
+              ("bfloat16", 3), ("float32", 3)]
+    out = subprocess.run([sys.executable, "-c", _BROADCAST_TRUTH, json.dumps(states), str(limit)], capture_output=True,
+                         text=True, check=True, timeout=120)
+    real = json.loads(out.stdout.strip().splitlines()[-1])
+    sizes = [(getattr(torch, d), n * getattr(torch, d).itemsize) for d, n in states]
+    buckets = fsdp1._buckets(sizes, limit)
+    allocated = [nbytes for nbytes, tensors in buckets if tensors > 1]
+    assert sorted(n for n in real if n > 0) == sorted(allocated), (real, buckets)
+    assert any(tensors == 1 for _, tensors in buckets)  # the case the rule is for is in the test
+    assert [n for n in real if n > 0] == allocated  # in the order c10d flattens them
+
+
+def test_broadcast_buckets_pending_in_the_high_end_only(measured):
+    """The wrap's record_stream marks (fsdp1.Wrap.marks): every flattened bucket is record_stream'ed before its free
+    and its unit's broadcast is a CUDA event; on rank 0 the next unit's first host-to-device copy waits for it (a
+    GPU_PASSED right after that unit's first allocation); on rank 1 nothing waits in the wrap. The point estimate's
+    replay is the wrap without them; the high end's (allocator_events(..., deferred=True)) holds each pending bucket,
+    so the wrap leaves at least as much reserved, and the high end of reserved is at least the plain replay's."""
+    from memest.device.allocator import FREE_EVENT_ID, GPU_PASSED_ID, RECORD_STREAM_ID
+    from memest.device.usage import device_usage
+
+    spec = _spec(CASES[0])
+    trace = trace_step(load_source(spec.model), spec)
+    marks = trace.load_marks
+    frees = {i for i, (sid, d) in enumerate(trace.load_events) if d < 0}
+    recorded = [(i, sid) for i, (kind, sid) in marks if kind == RECORD_STREAM_ID]
+    assert recorded and all(i in frees and trace.load_events[i][0] == sid for i, sid in recorded)
+    events = [k for _, (kind, k) in marks if kind == FREE_EVENT_ID]
+    passed = [(i, k) for i, (kind, k) in marks if kind == GPU_PASSED_ID]
+    assert events and all(k < 0 for k in events)  # the step's events are numbered from 0
+    assert [k for _, k in passed] == events[:-1]  # each unit's broadcast waited for by the next unit's move; not the root's
+    assert all(trace.load_events[i - 1][1] > 0 for i, _ in passed)  # right after an allocation (the copy's)
+    def shape(ms):  # the storage ids differ (the real ranks' are fresh ids): the kinds and the CUDA events
+        return [(kind, None if kind == RECORD_STREAM_ID else k) for kind, k in ms]
+
+    assert shape(m for _, m in marks) == shape(measured[0][0]["marks"])  # the traced wrap is rank 0's
+    assert not [m for m in measured[1][0]["marks"] if m[0] == GPU_PASSED_ID]  # rank 1's wrap never waits
+    high = allocator_events(trace, [], deferred=True)
+    cut = high.index(RESET_PEAK)
+    assert [e for e in high[:cut] if e[0] not in (RECORD_STREAM_ID, FREE_EVENT_ID, GPU_PASSED_ID)] == trace.load_events
+    assert replay(high[:cut]).final_reserved >= replay(trace.load_events).final_reserved
+    usage = device_usage(trace, (8, 0), world_size=2)
+    assert usage.reserved_bytes_high >= usage.reserved_peak_bytes

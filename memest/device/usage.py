@@ -34,9 +34,11 @@ record_stream'ed blocks, whose free waits for the other stream's work: FSDP1's (
 ``_no_dispatch_record_stream`` and its rate limiter's free events and syncs) are in the HIGH end of reserved and of
 the needed range: the replay keeps each such block pending until the CPU waits on a free event recorded after it
 (torch/distributed/fsdp/_runtime_utils.py ``_unshard``/``_reshard``, _limiter_utils.py: 2 all-gathers in flight),
-an OOM retry or the step's end (allocator.py's docstring), the worst case of a GPU far behind the CPU. The expected
-value and the low end free at once (a GPU keeping up), so the verdict is no harsher. NCCL's on DDP buckets are not
-modelled.
+an OOM retry or the step's end (allocator.py's docstring), the worst case of a GPU far behind the CPU. FSDP1's wrap
+with sync_module_states (``trace.load_marks``): each flattened broadcast bucket, which ProcessGroupNCCL record_stream'd
+on its stream in torch until spring 2025 (parallel/fsdp1.py's docstring, 2.), stays pending until rank 0's next blocking
+copy or the step's first wait. The expected value and the low end free at once (a GPU keeping up), so the verdict
+is no harsher. NCCL's on DDP buckets are not modelled.
 
 Kernel workspaces whose size the library picks at run time (cuDNN convolution and RNN workspaces,
 targets/cuda/) are in the trace at their expected size; ``workspaces`` replays the trace with each at its
@@ -154,7 +156,7 @@ def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[Em
     workspace = next((c for c in costs if c.name == "cublas_workspaces"), None)
     marks = trace.stream_marks if deferred else []
     if (workspace is None or workspace.bytes <= 0 or not trace.events) and not calls and not marks:
-        return with_load(trace, list(trace.events))
+        return with_load(trace, list(trace.events), deferred)
     inserts: dict[int, list[tuple[int, int]]] = {}
     for at, mark in marks:
         inserts.setdefault(at, []).append(mark)
@@ -172,15 +174,23 @@ def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[Em
             events.extend(inserts[i])
         events.append(event)
     events.extend(inserts.get(len(trace.events), ()))
-    return with_load(trace, events)
+    return with_load(trace, events, deferred)
 
 
-def with_load(trace: Trace, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def with_load(trace: Trace, events: list[tuple[int, int]], deferred: bool = False) -> list[tuple[int, int]]:
     """``events`` after the device allocations made before the step (``trace.load_events``: FSDP1's wrap) and a
     reset of the peaks (allocator.RESET_PEAK): what the wrap left cached stays reserved into the step. A step
-    storage the wrap allocated (a unit's shard) loses its setup allocation, which the wrap's stands for."""
+    storage the wrap allocated (a unit's shard) loses its setup allocation, which the wrap's stands for.
+    ``deferred``: with the wrap's record_stream marks (``trace.load_marks``), the high end's worst case."""
     if not trace.load_events:
         return events
+    load = list(trace.load_events)
+    if deferred and trace.load_marks:
+        at: dict[int, list[tuple[int, int]]] = {}
+        for i, mark in trace.load_marks:
+            at.setdefault(i, []).append(mark)
+        load = [e for i, event in enumerate(trace.load_events) for e in (*at.get(i, ()), event)]
+        load += at.get(len(trace.load_events), [])
     loaded = {sid for sid, delta in trace.load_events if delta > 0 and sid >= 0}
     rest, seen = [], set()
     for sid, delta in events:
@@ -188,7 +198,7 @@ def with_load(trace: Trace, events: list[tuple[int, int]]) -> list[tuple[int, in
             seen.add(sid)
             continue
         rest.append((sid, delta))
-    return list(trace.load_events) + [RESET_PEAK] + rest
+    return load + [RESET_PEAK] + rest
 
 
 def first_steps(trace: Trace) -> list[EmptyCache]:
@@ -289,7 +299,7 @@ def device_usage(
              for events in [allocator_events(trace, costs, calls)]]
     _, _, events, result = max(pairs, key=lambda run: run[3].peak_reserved)
     limit = max(min_device_limit(e, conf, unconstrained=r, streams=streams) for _, _, e, r in pairs)
-    deferred = [replay(e, conf, streams=streams) for _, calls, _, _ in pairs if trace.stream_marks
+    deferred = [replay(e, conf, streams=streams) for _, calls, _, _ in pairs if trace.stream_marks or trace.load_marks
                 for e in [allocator_events(trace, costs, calls, deferred=True)]]
     if deferred:  # record_stream's worst case (module docstring): the high end of reserved and of the need
         worst = max(deferred, key=lambda r: r.peak_reserved)
@@ -448,8 +458,9 @@ def record_stream_basis(result, worst, worst_limit: int, limit: int) -> list[str
     """What the high end's record_stream worst case adds (module docstring)."""
     return [f"record_stream (FSDP1): the high end frees each record_stream'd block only when the CPU waits for the "
             f"GPU (the rate limiter's event.synchronize, torch/distributed/fsdp/_runtime_utils.py _unshard; an OOM "
-            f"retry or empty_cache: synchronize_and_free_events, c10/cuda/CUDACachingAllocator.cpp), a GPU far "
-            f"behind the CPU: reserved {result.peak_reserved / MIB:.1f} -> {worst.peak_reserved / MIB:.1f} MiB, "
+            f"retry or empty_cache: synchronize_and_free_events, c10/cuda/CUDACachingAllocator.cpp; the wrap's "
+            f"broadcast buckets, record_stream'd by NCCL in torch until spring 2025, at rank 0's next blocking copy), a GPU "
+            f"far behind the CPU: reserved {result.peak_reserved / MIB:.1f} -> {worst.peak_reserved / MIB:.1f} MiB, "
             f"need {limit / MIB:.1f} -> {worst_limit / MIB:.1f} MiB; the expected value frees at once (a GPU keeping "
             "up)"]
 

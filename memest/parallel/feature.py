@@ -69,8 +69,9 @@ class ParallelFeature(StepFeature):
             return []
         if step.spec.fsdp_version == FsdpVersion.V1:
             # the wrap's device allocations, rebuilt now that the shards have their storage ids
-            step.trace.load_events, what = fsdp1.load_events(self.parallel.module, step.spec, step.tracker.storage_id)
-            step.trace.notes.append(what)
+            wrap = fsdp1.load_events(self.parallel.module, step.spec, step.tracker.storage_id)
+            step.trace.load_events, step.trace.load_marks = wrap.events, wrap.marks
+            step.trace.notes.append(wrap.what)
         contexts = [distributed.instrument(step.tracker, step.spec, step.owner_of_param)]
         if self.parallel.step_context is not None:  # --cp: the ring attention
             contexts.append(self.parallel.step_context())

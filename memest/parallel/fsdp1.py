@@ -33,7 +33,15 @@ rebuilt here from each unit's FlatParameter, in torch's order (torch 2.13, torch
 2. ``sync_module_states=True``: ``_sync_module_params_and_buffers`` -> ``_sync_params_and_buffers`` ->
    c10d ``broadcast_coalesced`` (torch/csrc/distributed/c10d/comm.cpp): the states bucketed by
    ``compute_bucket_assignment_by_size`` up to ``PARAM_BROADCAST_BUCKET_SIZE`` (250 MiB; a bucket closes once it
-   reaches the limit), each bucket flattened into one new tensor (``flatten_dense_tensors``), at most 2 in flight.
+   reaches the limit), each bucket of two or more tensors flattened into one new tensor (``flatten_dense_tensors``;
+   a bucket of one contiguous tensor is broadcast as a view of it: torch/csrc/utils/tensor_flatten.h, no allocation),
+   at most 2 in flight. ``BroadcastWork::finish`` waits for the broadcast on the current stream only (no CPU wait),
+   then the bucket is freed. ProcessGroupNCCL in the torch of 2024's runs (2.2) ``recordStream``'d a collective's
+   tensors on its NCCL stream unless ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (pytorch/pytorch#89880, #97053), so the
+   freed bucket stays out of the cache until the broadcast ends; later torch stashes them in the Work instead and
+   warns "TORCH_NCCL_AVOID_RECORD_STREAMS is the default now" (in pytorch main by 2025-04-10: pytorch/torchtitan#1088),
+   so the bucket is free at once. memest's point estimate frees at once; the high end of reserved keeps each bucket
+   pending (``Wrap.marks``) until the CPU waits for the GPU, the worst case of either torch.
 3. ``FlatParamHandle.__init__``: ``flatten_tensors`` = ``torch.cat`` of the parameters (with alignment padding)
    into the unsharded flat parameter.
 4. ``shard()``: ``_get_shard`` clones this rank's chunk (and ``F.pad``s it to the first chunk's size where it is
@@ -54,6 +62,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -294,17 +303,30 @@ def _stream_marks(tracker) -> Iterator[None]:
         limiter._FreeEventQueue.enqueue, limiter._FreeEventQueue.dequeue_if_needed = enqueue, dequeue
 
 
+class Wrap(NamedTuple):
+    """FSDP1's wrap as ``load_events`` rebuilds it: its allocator events, the record_stream marks of its broadcasts
+    (positions in ``events``, as Trace.stream_marks; the high end's worst case only) and a line for the report."""
+
+    events: list[tuple[int, int]]
+    marks: list[tuple[int, tuple[int, int]]]
+    what: str
+
+
 def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None = None,
-                on_device: bool = False) -> tuple[list[tuple[int, int]], str]:
+                on_device: bool = False) -> Wrap:
     """The device allocations of the FSDP1 wrap, as allocator events before the step (module docstring): each
     unit's shard (NO_SHARD: its whole flat parameter) and buffers under their own storage ids (``storage_id(t)``, the
     step's registered storages) unless offloaded, every other allocation under a fresh negative id; and a line for
     the report. ``rank``: whose shard (default: the traced rank). ``on_device``: the model was on the device before
     the wrap (every unit's parameters allocated first, nothing moved; how the wrap runs on a CPU,
-    tests/test_fsdp1_load.py)."""
+    tests/test_fsdp1_load.py). The marks: each flattened broadcast bucket record_stream'ed on NCCL's stream (module
+    docstring, 2.), pending from its free until the CPU waits for the GPU: on rank 0, which broadcasts the weights it
+    holds on the host, when it moves the next unit (its first blocking host-to-device copy waits for the current
+    stream, which waited for the broadcasts); elsewhere, and after the last unit, at the step's first wait."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    wrap = _WrapEvents(spec, storage_id, spec.rank if rank is None else rank)
+    rank = spec.rank if rank is None else rank
+    wrap = _WrapEvents(spec, storage_id, rank, copies_sync=not on_device and rank == 0)
     order = [unit for unit in _init_order(root, FSDP) if unit._handle is not None]
     resident = {id(unit): wrap.allocate_params(unit._handle.flat_param) for unit in order} if on_device else {}
     for unit in order:
@@ -322,15 +344,19 @@ def load_events(root: nn.Module, spec: RunSpec, storage_id, *, rank: int | None 
             + (" on the device" if on_device else "")
             + (" (sync_module_states: broadcast in 250 MiB buckets)" if spec.fsdp_sync_module_states else "")
             + "; the blocks it freed stay cached into the step (torch/distributed/fsdp/_init_utils.py)")
-    return wrap.events, what
+    return Wrap(wrap.events, wrap.marks, what)
 
 
 class _WrapEvents:
     """The wrap's allocator events as ``load_events`` builds them, step by step (module docstring's numbers)."""
 
-    def __init__(self, spec: RunSpec, storage_id, rank: int):
+    def __init__(self, spec: RunSpec, storage_id, rank: int, copies_sync: bool = False):
         self.spec, self.storage_id, self.rank = spec, storage_id, rank
         self.events: list[tuple[int, int]] = []
+        self.marks: list[tuple[int, tuple[int, int]]] = []  # (events before it, replay event): Wrap.marks
+        self.copies_sync = copies_sync  # a unit's move waits for the GPU (load_events' docstring)
+        self.broadcasts = 0  # the wrap's CUDA events, numbered -1, -2, ... (the step's from 0, fsdp1._stream_marks)
+        self.waiting: int | None = None  # the last unit's broadcast event, until a copy waits for it
         self.next_id = LOAD_ID_BASE
         self.placed: set[int] = set()  # buffer storages on the device
         self.synced: set[int] = set()  # buffers broadcast (FSDP_SYNCED)
@@ -348,8 +374,18 @@ class _WrapEvents:
         sid = self.storage_id(tensor)
         return self.fresh(nbytes) if sid is None else _append(self.events, sid, nbytes)
 
+    def mark(self, event: tuple[int, int]) -> None:
+        self.marks.append((len(self.events), event))
+
     def allocate_params(self, flat) -> list[tuple[int, int]]:
-        return [(self.fresh(nbytes), nbytes) for n in flat._numels if (nbytes := n * flat.element_size())]
+        moved = []
+        for n in flat._numels:
+            if nbytes := n * flat.element_size():
+                moved.append((self.fresh(nbytes), nbytes))
+                if self.copies_sync and self.waiting is not None:  # its copy waits: the broadcasts are done
+                    self.mark((GPU_PASSED_ID, self.waiting))
+                    self.waiting = None
+        return moved
 
     def move_buffers(self, unit: nn.Module) -> None:
         """1. The unit's buffers no inner unit moved, kept on the device: the step's own storages (their setup
@@ -367,13 +403,26 @@ class _WrapEvents:
         self.synced.update(id(b) for b in buffers)
         states = [(b.dtype, b.numel() * b.element_size()) for b in buffers]
         states += [(flat.dtype, n * flat.element_size()) for n in flat._numels if n]
-        in_flight: list[tuple[int, int]] = []
-        for nbytes in _buckets(states):
-            if len(in_flight) >= BROADCASTS_IN_FLIGHT:
-                self.free(*in_flight.pop(0))
-            in_flight.append((self.fresh(nbytes), nbytes))
-        for sid, nbytes in in_flight:
-            self.free(sid, nbytes)
+        in_flight: list[tuple[int, int] | None] = []  # a lone tensor's bucket is a view of it: nothing to free
+        flattened = False
+        for nbytes, tensors in _buckets(states):
+            if len(in_flight) >= BROADCASTS_IN_FLIGHT and (done := in_flight.pop(0)) is not None:
+                self.free_broadcast(*done)
+            in_flight.append((self.fresh(nbytes), nbytes) if tensors > 1 else None)
+            flattened |= tensors > 1
+        for done in in_flight:
+            if done is not None:
+                self.free_broadcast(*done)
+        if flattened:  # the CUDA event a later wait passes (load_events' docstring)
+            self.broadcasts += 1
+            self.waiting = -self.broadcasts
+            self.mark((FREE_EVENT_ID, self.waiting))
+
+    def free_broadcast(self, sid: int, nbytes: int) -> None:
+        """A flattened bucket freed after ProcessGroupNCCL's ``recordStream`` on its stream (torch before the
+        spring-2025 change that made ``TORCH_NCCL_AVOID_RECORD_STREAMS`` the default: module docstring, 2.)."""
+        self.mark((RECORD_STREAM_ID, sid))
+        self.free(sid, nbytes)
 
     def flatten_and_shard(self, handle) -> None:
         """3. torch.cat into the flat parameter; 4. this rank's chunk cloned (and padded), the rest freed (NO_SHARD:
@@ -411,20 +460,21 @@ def _init_order(root: nn.Module, fsdp_type) -> list[nn.Module]:
     return out
 
 
-def _buckets(states: list[tuple[torch.dtype, int]]) -> list[int]:
+def _buckets(states: list[tuple[torch.dtype, int]], limit: int = PARAM_BROADCAST_BUCKET_SIZE) -> list[tuple[int, int]]:
     """c10d ``compute_bucket_assignment_by_size`` with one limit (torch/csrc/distributed/c10d/reducer.cpp), the bytes
-    of each bucket: tensors in order into their dtype's open bucket, a bucket closed once its bytes reach the limit,
-    the open ones closed at the end; the buckets ordered by their first tensor."""
-    done: list[tuple[int, int]] = []  # (first tensor's index, bytes)
+    and tensor count of each bucket: tensors in order into their dtype's open bucket, a bucket closed once its bytes
+    reach the limit, the open ones closed at the end; the buckets ordered by their first tensor."""
+    done: list[tuple[int, int, int]] = []  # (first tensor's index, bytes, tensors)
     open_: dict[torch.dtype, list[int]] = {}
     for k, (dtype, nbytes) in enumerate(states):
-        bucket = open_.setdefault(dtype, [k, 0])
+        bucket = open_.setdefault(dtype, [k, 0, 0])
         bucket[1] += nbytes
-        if bucket[1] >= PARAM_BROADCAST_BUCKET_SIZE:
-            done.append((bucket[0], bucket[1]))
+        bucket[2] += 1
+        if bucket[1] >= limit:
+            done.append((bucket[0], bucket[1], bucket[2]))
             del open_[dtype]
-    done += [(first, nbytes) for first, nbytes in open_.values()]
-    return [nbytes for _, nbytes in sorted(done)]
+    done += [(first, nbytes, tensors) for first, nbytes, tensors in open_.values()]
+    return [(nbytes, tensors) for _, nbytes, tensors in sorted(done)]
 
 
 def _chunk_numel(numel: int, world_size: int, rank: int) -> int:

@@ -87,7 +87,7 @@ def _structure(trace: Trace) -> tuple:
     marks and the events before the step (FSDP1's wrap) are copied whole, so they must match too."""
     return (len(trace.storages), tuple((sid, delta > 0) for sid, delta in trace.events),
             tuple(m[:2] for m in trace.phase_marks), tuple((c.event, c.every) for c in trace.empty_caches),
-            tuple(trace.stream_marks), tuple(trace.load_events))
+            tuple(trace.stream_marks), tuple(trace.load_events), tuple(trace.load_marks))
 
 
 class SizeModel:

@@ -131,6 +131,9 @@ class Trace:
     # load_events), ``(storage_id, delta_bytes)``; a step storage allocated here (a unit's shard) is not allocated
     # again at the step's setup. The allocator replay runs them first, then resets its peaks (device/usage.py).
     load_events: list[tuple[int, int]] = field(default_factory=list)
+    # the record_stream marks of those (the wrap's broadcast buckets), as ``stream_marks`` are of the step's events:
+    # (load events before it, replay event); the high end's replay only
+    load_marks: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
 
     # record_stream and FSDP1's rate-limiter syncs, in event order (parallel/fsdp1.py instrument): (events before it,
     # the allocator replay's event: RECORD_STREAM_ID / FREE_EVENT_ID / GPU_PASSED_ID, device/allocator.py). The
