@@ -8,11 +8,12 @@ import torch
 from memest.features.registry import trace_step
 from memest.sources import load_source
 from memest.spec import RunSpec
+from memest.trace.dtype import cast_floating
 from memest.trace.events import Category
 from memest.validate.cpu_truth import measure_cpu_peak
 
 from .conftest import model_ref
-from .models.llama_tiny_hf437 import HEADS, HIDDEN, LAYERS, MAX_POS, VOCAB
+from .models.llama_tiny_hf437 import HEADS, HIDDEN, LAYERS, MAX_POS, VOCAB, build_fp32_cache
 
 CACHES = LAYERS * 2 * MAX_POS * (HIDDEN // HEADS)  # cos_cached + sin_cached per layer, elements
 
@@ -40,9 +41,15 @@ def test_rotary_caches_held_in_the_runs_dtypes():
     lora, _, _ = _trace("build_model", precision="bf16")
     qlora, _, _ = _trace("build_fp32_cache", precision="bf16")
     inv_freq = LAYERS * (HIDDEN // HEADS // 2)
-    # bf16 buffers (cast or not, 2 bytes); fp32 attributes the bf16 cast leaves alone (4 bytes); inv_freq cast to bf16
+    # LoRA: bf16 buffers (2 bytes), inv_freq cast to bf16 with them; QLoRA: fp32 buffers the bf16 cast leaves alone,
+    # inv_freq among them (4 bytes), still buffers, which FSDP1's wrap moves with their layer
     assert _buffer_bytes(lora) - _buffer_bytes(today) == CACHES * 2 + inv_freq * 2
-    assert _buffer_bytes(qlora) - _buffer_bytes(today) == CACHES * 4 + inv_freq * 2
+    assert _buffer_bytes(qlora) - _buffer_bytes(today) == CACHES * 4 + inv_freq * 4
+    cast = cast_floating(build_fp32_cache(), torch.bfloat16)
+    caches = {n: b.dtype for n, b in cast.named_buffers() if ".self_attn.rotary_emb." in n}
+    assert caches == {f"model.layers.{i}.self_attn.rotary_emb.{b}": torch.float32
+                      for i in range(LAYERS) for b in ("inv_freq", "cos_cached", "sin_cached")}
+    assert cast.lm_head.weight.dtype == torch.bfloat16  # the rest is cast
 
 
 def test_era_model_keeps_fp32_logits_through_backward():

@@ -21,11 +21,13 @@ loss function (the output's logits in the model's dtype); the shifted fp32 copy 
    (``from_pretrained`` on rank 0, ``from_config(cfg, torch_dtype=...)`` elsewhere): bf16 caches, registered here as
    the layer's buffers (FSDP1's wrap moves and broadcasts them as buffers). It builds the QLoRA model with
    ``AutoModelForCausalLM.from_config(cfg)`` under accelerate's ``init_empty_weights`` (parameters on the meta
-   device, buffers real): fp32 caches, which nothing casts (``--precision bf16`` has no FSDP MixedPrecision); memest's
-   ``--precision bf16`` casts every floating buffer, so the fp32 caches are kept as plain tensor attributes of the
-   layer, which memest holds as device memory from before the step (trace/step.py ``tensor_attributes``) and does not
-   cast. The traced forward computes the rotary embedding as transformers 5 does (4.37 indexes the cache in every
-   layer: a batch x seq x head_dim copy, recomputed under the run's checkpointing).
+   device, buffers real): fp32 caches, which nothing casts (``--precision bf16`` has no FSDP MixedPrecision) and
+   which FSDP1's wrap moves and broadcasts with their layer like any buffer. memest's ``--precision bf16`` casts every
+   floating buffer (trace/dtype.py ``cast_floating``), so these two are held in ``_Fp32Buffers``, a layer's buffer
+   dict that keeps a buffer's tensor when a cast would change only its dtype: still buffers, so memest's replay of the
+   wrap moves them with their unit (parallel/fsdp1.py ``load_events``) as the run did. The traced forward computes
+   the rotary embedding as transformers 5 does (4.37 indexes the cache in every layer: a batch x seq x head_dim copy,
+   recomputed under the run's checkpointing).
 """
 
 from __future__ import annotations
@@ -76,6 +78,18 @@ class Mistral437(MistralForCausalLM):
     forward = _forward_437
 
 
+class _Fp32Buffers(dict):
+    """A module's ``_buffers`` where an assignment that would change only a buffer's dtype keeps the tensor (a
+    dtype cast leaves the QLoRA runs' fp32 caches alone; a device move or a new tensor of the same dtype goes
+    through): module docstring, 2."""
+
+    def __setitem__(self, key, value):
+        old = self.get(key)
+        if old is not None and value is not None and value.dtype != old.dtype and value.device == old.device:
+            return
+        super().__setitem__(key, value)
+
+
 class RotaryCache437(nn.Module):
     """``LlamaRotaryEmbedding``'s buffers as 4.37 built them (its forward is not used: see the module docstring)."""
 
@@ -85,12 +99,10 @@ class RotaryCache437(nn.Module):
         t = torch.arange(max_position_embeddings, dtype=inv_freq.dtype)
         emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        if dtype == torch.bfloat16:
-            self.register_buffer("cos_cached", emb.cos().to(dtype), persistent=False)
-            self.register_buffer("sin_cached", emb.sin().to(dtype), persistent=False)
-        else:  # kept out of memest's --precision bf16 cast (module docstring)
-            self.cos_cached = emb.cos().to(dtype)
-            self.sin_cached = emb.sin().to(dtype)
+        if dtype != torch.bfloat16:  # the QLoRA runs' fp32 caches: kept out of a dtype cast (module docstring)
+            self._buffers = _Fp32Buffers(self._buffers)
+        self.register_buffer("cos_cached", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cached", emb.sin().to(dtype), persistent=False)
 
 
 def build(config, cache_dtype: torch.dtype, rope_theta: float) -> nn.Module:

@@ -1,7 +1,7 @@
 """A tiny Llama in transformers 4.37's form (scripts/models/hf437_causal_lm.py, the benchmark's model for
 fsdp_qlora's 2024 runs): fp32 logits kept in the output, the loss over a contiguous copy of the shifted logits,
-each layer's rotary cache (build_model: bf16 buffers, as the LoRA runs built it; build_fp32_cache: fp32 tensor
-attributes, as the QLoRA runs did); build_today: the same shapes in transformers 5's form."""
+each layer's rotary cache (build_model: bf16 buffers, as the LoRA runs built it; build_fp32_cache: fp32 buffers a
+dtype cast leaves alone, as the QLoRA runs held them); build_today: the same shapes in transformers 5's form."""
 
 import importlib.util
 from pathlib import Path
