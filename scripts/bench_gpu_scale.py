@@ -600,16 +600,12 @@ def _offload_pair(scored: list[dict]) -> str:
 
 
 CAUSES: dict[str, object] = {  # a row's cause, or a function of the scored rows that writes it
-    "QLoRA bs1 ctx512": "Not isolated. FSDP1's wrap before the step (fsdp1.load_events: each unit's parameters and "
-                        "buffers, the 4-bit quantization state among them, moved, broadcast, flattened, sharded) "
-                        "leaves 3.48 GiB reserved (allocator.replay(trace.load_events).final_reserved of this row's "
-                        "trace), where the source states 3.72 GiB reserved right after the wrap on rank 0. 128 MiB of "
-                        "the 0.24 GiB are the run's fp32 rotary caches (transformers 4.37's Llama built with "
-                        "from_config(cfg): scripts/models/hf437_causal_lm.py), which the trace holds from before the "
-                        "step as tensor attributes (so that --precision bf16 leaves them fp32) instead of moving them "
-                        "in the wrap with their layer: there they fit in what the wrap left cached. The rest is not "
-                        "isolated (ProcessGroupNCCL's recordStream of the broadcast buckets on its stream, which keeps "
-                        "them from reuse until the broadcast ends, is not modelled).",
+    "QLoRA bs1 ctx512": "FSDP1's wrap before the step (fsdp1.load_events: each unit's parameters and buffers, the "
+                        "4-bit quantization state and the era's fp32 rotary caches among them, moved, broadcast, "
+                        "flattened, sharded) leaves 3.63 GiB reserved at memest's expected value and 3.98 GiB at its "
+                        "high end (each broadcast bucket kept from reuse until rank 0's next blocking copy: "
+                        "ProcessGroupNCCL's recordStream in the run's torch); the source states 3.72 GiB reserved "
+                        "right after the wrap (reserved_after_model_wrap), between the two.",
     "QLoRA bs10 ctx2048": "Near the card's limit (above): memest's replay fragments more than the run did. In its "
         "first forward the reserved grows one 430 MiB segment per decoder layer: each layer's output (160 MiB, kept "
         "for the next layer's reentrant checkpoint) is carved from a freed 430 MiB MLP block, the smallest free block "
@@ -619,19 +615,22 @@ CAUSES: dict[str, object] = {  # a row's cause, or a function of the scored rows
         "GiB, 22.84 GiB under the card, where the run read 20.97 GiB. Which allocations the real step ordered "
         "differently is not isolated without a GPU run near capacity (scripts/validate_gpu.py).",
     "LoRA bs6 ctx2048": "Not isolated: the run reserved 0.20 GiB (1.0% of its peak) more than memest's replay; the "
-        "replay's band (measured on this project's single-GPU runs, device/slack.py) ends 0.01 GiB below the run.",
+        "range's high end (the replay's band, measured on this project's single-GPU runs, device/slack.py, over the "
+        "worst case of the record_stream'd blocks, the wrap's broadcast buckets among them) ends 0.01 GiB below the "
+        "run.",
     "LoRA CPU offload bs10 ctx2048": "Not isolated: the run reserved 0.56 GiB more than memest's replay, whose peak "
         "is the loss's forward (transformers 4.37's fp32 logits and their shifted copy); no allocated peak is "
         "published for the row to tell the allocator's cache from the step's tensors.",
     "QLoRA CPU offload bs12 ctx2048": "Near the card's limit (above): memest's replay under the card runs out "
-        "before the step ends, also with the costs outside the allocator at the low end of their evidence, at 22.04 "
-        "GiB reserved; the run completed and reserved 0.34 GiB more. The replay fragments more than the run did "
+        "before the step ends, also with the costs outside the allocator at the low end of their evidence, at 22.16 "
+        "GiB reserved; the run completed and reserved 0.22 GiB more. The replay fragments more than the run did "
         "(the QLoRA batch 10 row's mechanism); no allocated peak is published for the row to tell the allocator's "
         "cache from the step's tensors.",
-    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The wrap is replayed (each 70B unit moved, flattened "
-        "and sharded on the GPU, then offloaded); the run reserved 1.33 GiB more (2.05 GiB before the trace took "
-        "transformers 4.37's model code: its fp32 logits and their shifted copy, and 320 MiB of fp32 rotary caches "
-        "over 80 layers). Not the load: train.py's "
+    "Llama-2 70B QLoRA CPU offload bs2 ctx2048": "Not isolated. The wrap is replayed (each 70B unit moved, "
+        "broadcast, flattened and sharded on the GPU, then offloaded; its buckets pending at the high end); the run "
+        "reserved 1.34 GiB more, 0.98 GiB above the range's top (2.05 GiB before the trace took transformers 4.37's "
+        "model code: its fp32 logits and their shifted copy, and 320 MiB of fp32 rotary caches over 80 layers, moved "
+        "in the wrap with their layers). Not the load: train.py's "
         "--low_memory load (its default) quantizes each layer on the GPU on rank 0 and places it on the CPU (meta on "
         "the other ranks), then calls torch.cuda.empty_cache() (train.py at 50efa1e, the commit that added the "
         "reserved_after_model_wrap logging the benchmark quotes), so nothing loaded stays reserved. The adapters are "
