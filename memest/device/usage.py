@@ -154,27 +154,31 @@ def allocator_events(trace: Trace, costs: list[FixedCost], empty_caches: list[Em
     the trace's record_stream marks (``trace.stream_marks``), the worst case of the high end (module docstring)."""
     calls = first_steps(trace) if empty_caches is None else empty_caches
     workspace = next((c for c in costs if c.name == "cublas_workspaces"), None)
-    marks = trace.stream_marks if deferred else []
-    if (workspace is None or workspace.bytes <= 0 or not trace.events) and not calls and not marks:
-        return with_load(trace, list(trace.events), deferred)
-    inserts: dict[int, list[tuple[int, int]]] = {}
-    for at, mark in marks:
-        inserts.setdefault(at, []).append(mark)
-    for call in calls:  # before a workspace at the same point: that one comes with the phase's first kernel
-        inserts.setdefault(call.event, []).append(EMPTY_CACHE)
+    inserts: list[tuple[int, tuple[int, int]]] = list(trace.stream_marks) if deferred else []
+    # an empty_cache call before a workspace at the same point: that one comes with the phase's first kernel
+    inserts += [(call.event, EMPTY_CACHE) for call in calls]
     if workspace is not None and workspace.bytes > 0 and trace.events:
         starts = {phase: index for index, _, phase in reversed(trace.phase_marks)}  # first mark of each phase
         per_handle = workspace.bytes // 2
-        inserts.setdefault(starts.get(Phase.FORWARD, 0), []).append((_WORKSPACE_IDS[0], per_handle))
+        inserts.append((starts.get(Phase.FORWARD, 0), (_WORKSPACE_IDS[0], per_handle)))
         if Phase.BACKWARD in starts:
-            inserts.setdefault(starts[Phase.BACKWARD], []).append((_WORKSPACE_IDS[1], workspace.bytes - per_handle))
-    events: list[tuple[int, int]] = []
-    for i, event in enumerate(trace.events):
-        if i in inserts:
-            events.extend(inserts[i])
-        events.append(event)
-    events.extend(inserts.get(len(trace.events), ()))
+            inserts.append((starts[Phase.BACKWARD], (_WORKSPACE_IDS[1], workspace.bytes - per_handle)))
+    events = _interleave(trace.events, inserts)
     return with_load(trace, events, deferred)
+
+
+def _interleave(events: list[tuple[int, int]], inserts: list[tuple[int, tuple[int, int]]]) -> list[tuple[int, int]]:
+    """``events`` with each ``(i, event)`` of ``inserts`` placed before ``events[i]`` (after the last for
+    ``i == len(events)``), those at the same point in their order in ``inserts``."""
+    at: dict[int, list[tuple[int, int]]] = {}
+    for i, event in inserts:
+        at.setdefault(i, []).append(event)
+    out: list[tuple[int, int]] = []
+    for i, event in enumerate(events):
+        out.extend(at.get(i, ()))
+        out.append(event)
+    out.extend(at.get(len(events), ()))
+    return out
 
 
 def with_load(trace: Trace, events: list[tuple[int, int]], deferred: bool = False) -> list[tuple[int, int]]:
@@ -184,13 +188,7 @@ def with_load(trace: Trace, events: list[tuple[int, int]], deferred: bool = Fals
     ``deferred``: with the wrap's record_stream marks (``trace.load_marks``), the high end's worst case."""
     if not trace.load_events:
         return events
-    load = list(trace.load_events)
-    if deferred and trace.load_marks:
-        at: dict[int, list[tuple[int, int]]] = {}
-        for i, mark in trace.load_marks:
-            at.setdefault(i, []).append(mark)
-        load = [e for i, event in enumerate(trace.load_events) for e in (*at.get(i, ()), event)]
-        load += at.get(len(trace.load_events), [])
+    load = _interleave(trace.load_events, trace.load_marks if deferred else [])
     loaded = {sid for sid, delta in trace.load_events if delta > 0 and sid >= 0}
     rest, seen = [], set()
     for sid, delta in events:
